@@ -1,0 +1,1 @@
+"""Bootstrap registry: prefill ranks, and which prefill DP rank holds each room."""

@@ -1,0 +1,1 @@
+"""Decode role: block reservation, prefill-rank resolution, KV receiver."""

@@ -1,0 +1,1 @@
+"""Model implementations (the Llama family) and the built-in tiny test model."""

@@ -1,0 +1,1 @@
+"""KV cache block transfer: one request-agnostic interface, several backends."""

@@ -1,0 +1,1 @@
+"""Prefill role: engine + KV sender + bootstrap registration."""

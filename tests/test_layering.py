@@ -1,0 +1,121 @@
+"""The import rule of DESIGN.md section 2, enforced by walking every module's AST."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("disagg", "prefill", "decode", "bootstrap", "kvtransfer")
+
+# Most specific prefix wins.
+LAYERS = {
+    "disagg.cli": 4,
+    "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.api": 3, "disagg.router": 3,
+    "bootstrap.server": 3, "disagg.bench": 3,
+    "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
+    "disagg.ops": 1,
+    "disagg.config": 0, "disagg.types": 0, "disagg.wire": 0, "disagg": 0, "bootstrap": 2,
+}
+# Same-layer edges that are allowed: the roles build on the front door and the DP controller.
+SAME_LAYER_OK = {
+    ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
+    ("disagg.api", "disagg.dp"), ("disagg.bench", "disagg.router"),
+}
+NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests"}
+NO_TORCH = ("disagg.api", "disagg.router", "bootstrap", "disagg.config", "disagg.types", "disagg.wire")
+
+
+def unit_of(module: str) -> str:
+    best = ""
+    for prefix in LAYERS:
+        if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+            best = prefix
+    return best
+
+
+def modules() -> list[tuple[str, pathlib.Path]]:
+    found = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found.append((".".join(parts), path))
+    return found
+
+
+def imports_of(module: str, path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base if is_pkg else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append(target)
+            out += [f"{target}.{alias.name}" for alias in node.names]
+    return out
+
+
+def violations() -> list[str]:
+    bad = []
+    for module, path in modules():
+        src = unit_of(module)
+        for target in imports_of(module, path):
+            top = target.split(".")[0]
+            if src.startswith("disagg.engine") and top in NETWORK_LIBS | {"kvtransfer", "bootstrap", "prefill", "decode"}:
+                bad.append(f"{module} imports {target}: the engine stays free of network and roles")
+            if src == "kvtransfer" and target.startswith("disagg.engine"):
+                bad.append(f"{module} imports {target}: kvtransfer never imports the engine")
+            if {src, top} == {"prefill", "decode"}:
+                bad.append(f"{module} imports {target}: prefill and decode never import each other")
+            if any(src == p or src.startswith(p + ".") for p in NO_TORCH) and top == "torch":
+                bad.append(f"{module} imports torch: the front door stays torch-free")
+            if top not in PACKAGES:
+                continue
+            dst = unit_of(target)
+            if not dst or dst == src or dst == "disagg" and target == "disagg":
+                continue
+            if LAYERS[dst] > LAYERS[src] or (LAYERS[dst] == LAYERS[src] and (src, dst) not in SAME_LAYER_OK):
+                bad.append(f"{module} (L{LAYERS[src]}) imports {target} (L{LAYERS[dst]})")
+    return bad
+
+
+def test_imports_point_down():
+    assert violations() == []
+
+
+def test_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself must fail on a known-bad module, or the test above proves nothing."""
+    bad = ROOT / "disagg" / "ops" / "_layering_probe.py"
+    bad.write_text("import disagg.engine\nimport torch\n")
+    try:
+        found = violations()
+    finally:
+        bad.unlink()
+    assert found == ["disagg.ops._layering_probe (L1) imports disagg.engine (L2)"]
+
+
+def test_front_door_imports_without_torch():
+    code = (
+        "import sys, importlib, pkgutil\n"
+        "for name in ['disagg', 'disagg.config', 'disagg.types', 'bootstrap', 'disagg.router', 'disagg.api']:\n"
+        "    try: importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if e.name != name: raise\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,204 @@
+"""The engine core: one step at a time, schedule → run → update → emit.
+
+Servers drive it step by step; the offline `LLM` loops it to completion. The P/D roles use its
+generic hooks: reserve blocks for KV written elsewhere and admit the request when it lands, or hold
+a finished request's blocks until a reader releases them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from disagg.config import EngineConfig
+from disagg.engine.kv_cache_manager import KVCacheManager
+from disagg.engine.loader import LoadedModel, load_model
+from disagg.engine.model_runner import ModelRunner, kv_bytes_per_block
+from disagg.engine.models.llama import LlamaModel
+from disagg.engine.output_processor import OutputProcessor
+from disagg.engine.request import Request
+from disagg.engine.scheduler import SampledToken, Scheduler
+from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and on CPUs with native bf16 support, else float32."""
+    if name == "auto":
+        bf16 = device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.arch = self.loaded.arch
+        self.dtype = resolve_dtype(config.model.dtype, config.model.device)
+        self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        model = LlamaModel(self.arch, self.loaded.weights, self.dtype, config.model.device)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.sleep_level = 0
+        self._ids = itertools.count()
+        self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
+
+    def _blocks_that_fit(self) -> int:
+        per_block = kv_bytes_per_block(self.arch, self.block_size, self.dtype)
+        return max(self.config.cache.kv_cache_memory_mib * 2**20 // per_block, 2)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_blocks: bool = False) -> None:
+        """Queue a request. Raises InvalidRequest (bad input) or EngineSleeping."""
+        request = self._new_request(request_id, prompt_token_ids, params, hold_blocks)
+        self.scheduler.add(request)
+        self.outputs.add(request)
+
+    def _new_request(self, request_id, prompt_token_ids, params, hold_blocks) -> Request:
+        if self.sleep_level:
+            raise EngineSleeping("the engine is sleeping; call wake_up() first")
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold_blocks)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequest("the prompt is empty: it must contain at least one token", "prompt")
+        vocab = self.arch.vocab_size
+        for token_id in prompt_token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < vocab:
+                raise InvalidRequest(f"token id {token_id!r} is out of vocabulary (vocab_size={vocab})", "prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context length is {self.max_model_len}, "
+                "so a prompt may have at most {} tokens".format(self.max_model_len - 1),
+                "prompt",
+            )
+        needed = self.kv.blocks_needed(len(prompt_token_ids) + 1)
+        if needed > self.num_blocks:
+            raise InvalidRequest(f"the prompt needs {needed} KV blocks; the cache holds {self.num_blocks}", "prompt")
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request at any stage; its blocks are freed and a final output is queued."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return False
+        self._finish_output(request)
+        return True
+
+    # ---- P/D hooks ----------------------------------------------------------------------------
+
+    def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV another engine writes; None when the cache is full."""
+        request = self._new_request(request_id, prompt_token_ids, params, False)
+        if not self.scheduler.reserve_for_remote_kv(request):
+            return None
+        self.outputs.add(request)
+        return list(request.block_ids)
+
+    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None) -> None:
+        """The prompt's KV landed in the reserved blocks; continue from the first token."""
+        request = self.scheduler.admit_remote_kv(request_id, SampledToken(first_token_id, first_logprobs))
+        self._collect(request)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        return list(self.scheduler.holding[request_id].block_ids)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_blocks` request kept."""
+        return self.scheduler.release(request_id)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, run the model, update requests, emit their outputs."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.seqs:
+            result = self.runner.execute(scheduled)
+            for request_id, logprobs in result.prompt_logprobs.items():
+                request = self.scheduler.requests.get(request_id)
+                if request is not None and not request.prompt_logprobs:
+                    request.prompt_logprobs.append(None)  # the first prompt token has none
+                if request is not None:
+                    request.prompt_logprobs.extend(logprobs)
+            for request in self.scheduler.update(scheduled, result.sampled):
+                self._collect(request)
+        self._collect_length_finished()
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _collect(self, request: Request) -> None:
+        if request.output_token_ids and self.outputs.check_stop_strings(request) is not None and not request.is_finished:
+            self.scheduler.finish(request, FinishReason.STOP, self.outputs.streams[request.request_id].stopped_by)
+        if request.is_finished:
+            self._finish_output(request)
+        elif request.output_token_ids:
+            self._pending.append(self.outputs.emit(request))
+
+    def _finish_output(self, request: Request) -> None:
+        if request.request_id not in self.outputs.streams:
+            return
+        self.outputs.check_stop_strings(request)
+        self._pending.append(self.outputs.emit(request))
+        self.outputs.remove(request.request_id)
+        self.runner.sampler.forget(request.request_id)
+
+    def _collect_length_finished(self) -> None:
+        """Requests the scheduler ended on its own (out of cache) still owe a final output."""
+        for request in self.scheduler.drain_finished():
+            self._finish_output(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- utilities ----------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache; level 2 also drops the weights. Unfinished requests are aborted."""
+        if level not in (1, 2):
+            raise InvalidRequest(f"sleep level must be 1 or 2, got {level}", "level")
+        for request_id in list(self.scheduler.requests):
+            self.abort(request_id)
+        self.runner.free_kv_cache()
+        if level == 2:
+            self.runner.model = None
+            self.loaded = None
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        if self.sleep_level == 0:
+            return
+        if self.runner.model is None:
+            self.loaded = load_model(self.config.model)
+            self.runner.model = LlamaModel(self.arch, self.loaded.weights, self.dtype, self.config.model.device)
+        self.runner.allocate_kv_cache()
+        self.kv.reset()
+        self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_total_blocks": self.num_blocks,
+        }

@@ -1,0 +1,93 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching full blocks, freeing.
+
+Pure Python, on top of the block pool. A block's hash chains its parent's hash with its tokens, so
+equal hashes mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+from disagg.engine.block_pool import BlockPool
+from disagg.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks of the request's longest cached prefix, and how many tokens they cover.
+
+        At least one token is always left to compute (its logits are needed). Requests that want
+        prompt logprobs get no hits: their logits must be computed for every prompt token.
+        """
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits).
+
+        Returns False, changing nothing, when the free blocks do not suffice.
+        """
+        num_tokens = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_block_ids)
+        # Hits that sit in the free queue stop being free once touched.
+        num_free_hits = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return False
+        self.pool.touch(list(computed_block_ids))
+        request.block_ids.extend(computed_block_ids)
+        if num_new_blocks > 0:
+            request.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index every block whose tokens are all computed, so later requests can reuse it."""
+        if not self.enable_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        self._extend_hashes(request, num_full)
+        for i in range(num_full):
+            self.pool.cache(request.block_ids[i], request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; tail blocks first in the eviction order (least reusable)."""
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+
+    def reset(self) -> None:
+        """A fresh pool (the cache memory was reallocated: nothing in it is valid)."""
+        assert self.pool.num_free_blocks == self.pool.num_blocks, "reset with blocks in use"
+        self.pool = BlockPool(self.pool.num_blocks, self.enable_caching)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while len(request.block_hashes) < num_blocks:
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else None
+            request.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))

@@ -1,0 +1,110 @@
+"""Owns the model weights and the paged KV cache; turns a scheduled step into logits and tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.engine.models.arch import LlamaArch
+from disagg.engine.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillSegment
+from disagg.engine.sampler import Sampler, top_logprobs
+from disagg.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from disagg.types import TopLogprobs
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
+
+
+def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...], seed: int):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(seed)
+        self.kv_cache: torch.Tensor | None = None
+        self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        arch = self.model.arch
+        shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
+
+    def free_kv_cache(self) -> None:
+        self.kv_cache = None
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        assert self.kv_cache is not None, "execute while the KV cache is freed"
+        decodes = [s for s in sched.seqs if len(s.token_ids) == 1]
+        prefills = [s for s in sched.seqs if len(s.token_ids) > 1]
+        seqs = decodes + prefills
+        batch, sample_rows, prompt_rows = self._build(decodes, prefills)
+        logits = self.model.forward(batch, self.kv_cache)
+        out = RunnerOutput()
+        sampling = [s for s in seqs if s.sample]
+        if sampling:
+            tokens = self.sampler.sample(logits[sample_rows], sampling, self.eos_token_ids)
+            out.sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
+        for seq, first, last in prompt_rows:
+            out.prompt_logprobs[seq.request_id] = self._prompt_logprobs(seq, logits[first:last])
+        return out
+
+    def _build(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]):
+        dev = self.model.device
+        token_ids, positions, blocks, offsets = [], [], [], []
+        logit_rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[ScheduledSeq, int, int]] = []
+        segments = []
+        bs = self.block_size
+        for seq in decodes + prefills:
+            row = len(token_ids)
+            pos = list(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
+            token_ids += seq.token_ids
+            positions += pos
+            blocks += [seq.block_ids[p // bs] for p in pos]
+            offsets += [p % bs for p in pos]
+            if len(seq.token_ids) > 1:
+                segments.append(PrefillSegment(row, len(token_ids), seq.start_pos, torch.tensor(seq.block_ids, device=dev)))
+            if seq.prompt_logprobs:
+                # Row p predicts token p + 1; only predictions of prompt tokens are prompt logprobs.
+                last_row = row + min(len(seq.token_ids), seq.num_prompt_tokens - 1 - seq.start_pos)
+                prompt_rows.append((seq, len(logit_rows), len(logit_rows) + max(last_row - row, 0)))
+                logit_rows += range(row, last_row)
+            if seq.sample:
+                sample_rows.append(len(logit_rows))
+                logit_rows.append(len(token_ids) - 1)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            slot_blocks=torch.tensor(blocks, device=dev),
+            slot_offsets=torch.tensor(offsets, device=dev),
+            decode=self._decode_group(decodes) if decodes else None,
+            prefills=segments,
+            logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
+        )
+        return batch, sample_rows, prompt_rows
+
+    def _decode_group(self, decodes: list[ScheduledSeq]) -> DecodeGroup:
+        max_blocks = max(len(s.block_ids) for s in decodes)
+        table = [s.block_ids + [s.block_ids[0]] * (max_blocks - len(s.block_ids)) for s in decodes]
+        lengths = torch.tensor([s.start_pos + 1 for s in decodes])
+        span = torch.arange(max_blocks * self.block_size)
+        mask = (span[None, :] < lengths[:, None])[:, None, None, :]
+        dev = self.model.device
+        return DecodeGroup(len(decodes), torch.tensor(table, device=dev), mask.to(dev))
+
+    def _prompt_logprobs(self, seq: ScheduledSeq, logits: torch.Tensor) -> list[TopLogprobs]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        num = seq.sampling_params.prompt_logprobs or 0
+        actual = (seq.token_ids[1:] + [seq.next_token_id])[: logits.shape[0]]
+        return [top_logprobs(logprobs[i], num, tok) for i, tok in enumerate(actual)]

@@ -1,0 +1,91 @@
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Logprobs are those of the model's raw distribution (before temperature and truncation), as vLLM
+returns by default. `temperature == 0` is greedy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disagg.engine.scheduler import SampledToken, ScheduledSeq
+from disagg.types import SamplingParams, TopLogprobs
+
+
+def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int) -> TopLogprobs:
+    """The `num` most likely tokens' logprobs, plus `token_id`'s (the chosen or actual token)."""
+    out: TopLogprobs = {}
+    if num > 0:
+        values, ids = logprobs.topk(num)
+        out = dict(zip(ids.tolist(), values.tolist()))
+    out[token_id] = float(logprobs[token_id])
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.seeded.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], eos_token_ids: tuple[int, ...]) -> list[SampledToken]:
+        """One token per row of `logits` ([len(seqs), vocab], float32)."""
+        raw = logits
+        logits = self._mask_early_stops(logits, seqs, eos_token_ids)
+        token_ids = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            if not seq.sampling_params.greedy:
+                token_ids[i] = self._sample_row(logits[i], seq)
+        want = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+        logprobs = torch.log_softmax(raw[want], dim=-1) if want else None
+        out = []
+        for i, seq in enumerate(seqs):
+            top = None
+            if logprobs is not None and seq.sampling_params.logprobs is not None:
+                top = top_logprobs(logprobs[want.index(i)], seq.sampling_params.logprobs, token_ids[i])
+            out.append(SampledToken(token_ids[i], top))
+        return out
+
+    def _mask_early_stops(self, logits, seqs: list[ScheduledSeq], eos_token_ids) -> torch.Tensor:
+        """Before min_tokens are out, EOS and stop token ids cannot be sampled."""
+        rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling_params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            params = seqs[i].sampling_params
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+            logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample_row(self, logits: torch.Tensor, seq: ScheduledSeq) -> int:
+        probs = truncated_probs(logits, seq.sampling_params)
+        return int(torch.multinomial(probs, 1, generator=self._generator(seq)).item())
+
+    def _generator(self, seq: ScheduledSeq) -> torch.Generator:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return self.generator
+        gen = self.seeded.get(seq.request_id)
+        if gen is None:
+            gen = self.seeded[seq.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+
+def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (one row)."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

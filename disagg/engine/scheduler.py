@@ -1,0 +1,258 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Pure Python. Each step: running requests first (in arrival order), then waiting ones, within a
+token budget. A request whose computed tokens reach its total after this step samples one token.
+The P/D hooks are plain states: WAITING_FOR_KV (blocks reserved, KV written by someone else) and
+HOLDING (finished, blocks kept until released).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from disagg.config import SchedulerConfig
+from disagg.engine.kv_cache_manager import KVCacheManager
+from disagg.engine.request import Request, RequestStatus
+from disagg.types import FinishReason, SamplingParams, TopLogprobs
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """What the model runner needs for one request in one step: plain values only."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0]
+    block_ids: list[int]
+    sample: bool  # this step reaches the end of the known tokens: sample the next one
+    prompt_logprobs: bool  # return logprobs for the prompt tokens computed this step
+    sampling_params: SamplingParams
+    num_output_tokens: int  # outputs so far (for min_tokens)
+    num_prompt_tokens: int
+    next_token_id: int | None  # the known token after this chunk (prompt logprobs of a chunk's last row)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TopLogprobs | None = None  # sampled token included
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.holding: dict[str, Request] = {}  # HOLDING
+        self.requests: dict[str, Request] = {}
+        self._finished: list[Request] = []
+
+    # ---- intake -------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_for_remote_kv(self, request: Request) -> bool:
+        """Reserve blocks for a prompt whose KV another engine will write; False if no room."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens):
+            return False
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return True
+
+    def admit_remote_kv(self, request_id: str, first: SampledToken) -> Request:
+        """The prompt's KV is in the reserved blocks: run the request from its first token on."""
+        request = self.remote.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.append_token(request, first)
+        return request
+
+    # ---- schedule -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue
+            scheduled.append((request, num_new))
+            budget -= num_new
+        if not out.preempted_ids:
+            budget = self._schedule_waiting(budget, scheduled)
+        out.seqs = [self._seq(r, n) for r, n in scheduled]
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone and still out of blocks: the cache cannot hold this request any longer.
+                self.finish(request, FinishReason.LENGTH)
+                return False
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = ([], 0)
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0 and request.num_computed_tokens == 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=list(request.block_ids),
+            sample=end == request.num_tokens,
+            # Not again after a preemption: those prompt logprobs are already recorded.
+            prompt_logprobs=request.wants_prompt_logprobs
+            and start < request.num_prompt_tokens
+            and max(len(request.prompt_logprobs) - 1, 0) <= start,
+            sampling_params=request.sampling_params,
+            num_output_tokens=len(request.output_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            next_token_id=request.all_token_ids[end] if end < request.num_tokens else None,
+        )
+
+    # ---- update -------------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish what stops. Returns touched requests."""
+        touched = []
+        for seq in out.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if seq.request_id in sampled:
+                self.append_token(request, sampled[seq.request_id])
+            touched.append(request)
+        return touched
+
+    def append_token(self, request: Request, token: SampledToken) -> None:
+        request.output_token_ids.append(token.token_id)
+        if token.logprobs is not None:
+            request.logprobs.append(token.logprobs)
+        reason, stop = self._check_stop(request, token.token_id)
+        if reason is not None:
+            self.finish(request, reason, stop)
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # ---- finish, abort, release ---------------------------------------------------------------
+
+    def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """End a request wherever it is; free its blocks unless it holds them for a remote reader."""
+        if request.is_finished:
+            return
+        self._unlink(request)
+        self._finished.append(request)
+        hold = request.hold_blocks and reason is not FinishReason.ABORT
+        request.finish(reason, stop_reason)
+        if not hold:
+            request.status = RequestStatus.FINISHED
+            self.kv.free(request)
+            self.requests.pop(request.request_id, None)
+        else:
+            self.holding[request.request_id] = request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort at any stage (waiting, running, waiting for KV, holding); every block is freed."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.HOLDING:
+            self.release(request_id)
+            return request
+        self.finish(request, FinishReason.ABORT)
+        return request
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a HOLDING request kept. False when there is no such request."""
+        request = self.holding.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request_id, None)
+        return True
+
+    def _unlink(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.remote.pop(request.request_id, None)
+
+    def drain_finished(self) -> list[Request]:
+        """Requests finished since the last call (by stops, aborts or lack of cache)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

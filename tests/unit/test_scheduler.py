@@ -1,0 +1,172 @@
+"""Scheduler and KV cache manager with exact block ids, token budgets and preemptions."""
+
+from disagg.config import SchedulerConfig
+from disagg.engine.kv_cache_manager import KVCacheManager
+from disagg.engine.request import Request, RequestStatus
+from disagg.engine.scheduler import SampledToken, Scheduler
+from disagg.types import FinishReason, SamplingParams
+
+EOS = 99
+
+
+def make(num_blocks=8, block_size=4, budget=64, max_seqs=8, caching=True, max_len=1000):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_len), kv
+
+
+def req(rid, prompt, max_tokens=4, **kw):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, **kw), (EOS,))
+
+
+def step(sched, tokens: dict[str, int]):
+    out = sched.schedule()
+    sampled = {s.request_id: SampledToken(tokens[s.request_id]) for s in out.seqs if s.sample}
+    sched.update(out, sampled)
+    return out
+
+
+def test_prefill_then_decode_blocks_and_positions():
+    sched, kv = make()
+    sched.add(req("a", range(6), max_tokens=10))
+    out = step(sched, {"a": 10})
+    [seq] = out.seqs
+    assert (seq.token_ids, seq.start_pos, seq.block_ids, seq.sample) == ([0, 1, 2, 3, 4, 5], 0, [0, 1], True)
+    out = step(sched, {"a": 11})
+    [seq] = out.seqs
+    assert (seq.token_ids, seq.start_pos, seq.block_ids) == ([10], 6, [0, 1])
+    out = step(sched, {"a": 12})
+    assert (out.seqs[0].start_pos, out.seqs[0].block_ids) == (7, [0, 1])
+    out = step(sched, {"a": 13})
+    assert (out.seqs[0].start_pos, out.seqs[0].block_ids) == (8, [0, 1, 2])  # position 8 opens block 2
+    assert kv.num_free_blocks == 5
+    kv.pool.check_integrity()
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched, _ = make(budget=5)
+    sched.add(req("a", range(12)))
+    sched.add(req("b", range(100, 103)))
+    out = step(sched, {})
+    assert [(s.request_id, len(s.token_ids), s.start_pos, s.sample) for s in out.seqs] == [("a", 5, 0, False)]
+    out = step(sched, {})
+    assert [(s.request_id, len(s.token_ids), s.start_pos, s.sample) for s in out.seqs] == [("a", 5, 5, False)]
+    out = step(sched, {"a": 50, "b": 51})
+    assert [(s.request_id, len(s.token_ids), s.start_pos, s.sample) for s in out.seqs] == [
+        ("a", 2, 10, True), ("b", 3, 0, True)]
+    assert sched.requests["a"].output_token_ids == [50]
+    assert sched.requests["b"].output_token_ids == [51]
+
+
+def test_prefix_hit_reuses_full_blocks_and_leaves_one_token_to_compute():
+    sched, kv = make()
+    sched.add(req("a", range(9), max_tokens=1))
+    step(sched, {"a": 7})
+    assert sched.requests.get("a") is None  # finished: blocks freed but still cached
+    assert kv.pool.free_block_ids() == [3, 4, 5, 6, 7, 2, 1, 0]
+    sched.add(req("b", list(range(8)) + [42, 43]))
+    out = step(sched, {"b": 1})
+    [seq] = out.seqs
+    assert seq.block_ids == [0, 1, 3]
+    assert (seq.token_ids, seq.start_pos) == ([42, 43], 8)
+    assert sched.requests["b"].num_cached_tokens == 8
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [1, 1, 0]
+    # A prompt that is entirely cached still computes its last token.
+    sched2, _ = make()
+    sched2.add(req("c", range(8), max_tokens=1))
+    step(sched2, {"c": 3})
+    sched2.add(req("d", range(8), max_tokens=1))
+    [seq] = step(sched2, {"d": 3}).seqs
+    assert (seq.token_ids, seq.start_pos, seq.block_ids) == ([4, 5, 6, 7], 4, [0, 2])
+
+
+def test_prompt_logprobs_requests_get_no_prefix_hits():
+    sched, _ = make()
+    sched.add(req("a", range(9), max_tokens=1))
+    step(sched, {"a": 7})
+    sched.add(req("b", range(9), max_tokens=1, prompt_logprobs=0))
+    [seq] = step(sched, {"b": 1}).seqs
+    assert (seq.start_pos, len(seq.token_ids)) == (0, 9)
+
+
+def test_preemption_when_blocks_run_out_recomputes_the_last_request():
+    sched, kv = make(num_blocks=4, block_size=2)
+    sched.add(req("a", range(4), max_tokens=8))
+    sched.add(req("b", range(10, 14), max_tokens=8))
+    step(sched, {"a": 1, "b": 2})  # a: blocks 0,1; b: blocks 2,3
+    assert kv.num_free_blocks == 0
+    out = step(sched, {"a": 3, "b": 4})  # a needs a 3rd block: b is preempted
+    assert out.preempted_ids == ["b"]
+    assert [s.request_id for s in out.seqs] == ["a"]
+    b = sched.requests["b"]
+    assert (b.status, b.num_computed_tokens, b.block_ids, b.output_token_ids) == (RequestStatus.PREEMPTED, 0, [], [2])
+    assert sched.requests["a"].block_ids == [0, 1, 3]
+    assert list(sched.waiting) == [b]
+    kv.pool.check_integrity()
+
+
+def test_a_request_alone_that_outgrows_the_cache_finishes_with_length():
+    sched, kv = make(num_blocks=2, block_size=2)
+    sched.add(req("a", range(3), max_tokens=10))
+    step(sched, {"a": 5})
+    step(sched, {"a": 6})
+    assert sched.drain_finished() == []
+    step(sched, {"a": 7})  # position 4 needs a 3rd block; only 2 exist
+    assert sched.drain_finished()[0].finish_reason is FinishReason.LENGTH
+    assert kv.num_free_blocks == 2
+
+
+def test_stops_eos_stop_ids_max_tokens_and_min_tokens():
+    sched, _ = make()
+    sched.add(req("eos", [1], max_tokens=5))
+    sched.add(req("stopid", [2], max_tokens=5, stop_token_ids=(77,)))
+    sched.add(req("len", [3], max_tokens=2))
+    sched.add(req("min", [4], max_tokens=5, min_tokens=2))
+    step(sched, {"eos": EOS, "stopid": 77, "len": 5, "min": EOS})
+    finished = {r.request_id: (r.finish_reason, r.stop_reason) for r in sched.drain_finished()}
+    assert finished == {"eos": (FinishReason.STOP, None), "stopid": (FinishReason.STOP, 77)}
+    step(sched, {"len": 5, "min": EOS})
+    finished = {r.request_id: r.finish_reason for r in sched.drain_finished()}
+    assert finished == {"len": FinishReason.LENGTH, "min": FinishReason.STOP}
+
+
+def test_abort_frees_blocks_at_every_stage():
+    sched, kv = make()
+    sched.add(req("waiting", range(3)))
+    sched.add(req("running", range(5)))
+    step(sched, {"waiting": 1, "running": 1})
+    sched.add(req("queued", range(3)))
+    remote = req("remote", range(6))
+    assert sched.reserve_for_remote_kv(remote)
+    assert remote.block_ids == [3, 4]
+    for rid in ("waiting", "running", "queued", "remote"):
+        assert sched.abort(rid).finish_reason is FinishReason.ABORT
+    assert kv.num_free_blocks == 8
+    assert sched.requests == {} and not sched.has_work()
+    kv.pool.check_integrity()
+
+
+def test_remote_kv_admission_and_holding_release():
+    sched, kv = make()
+    held = Request("p", list(range(5)), SamplingParams(max_tokens=1, temperature=0), (EOS,), hold_blocks=True)
+    sched.add(held)
+    step(sched, {"p": 8})
+    assert (held.status, held.block_ids, held.output_token_ids) == (RequestStatus.HOLDING, [0, 1], [8])
+    assert kv.num_free_blocks == 6
+    assert sched.release("p") is True and kv.num_free_blocks == 8
+    assert sched.release("p") is False
+    d = req("d", range(5), max_tokens=3)
+    assert sched.reserve_for_remote_kv(d) and d.block_ids == [2, 3]
+    assert sched.schedule().seqs == []  # waiting for KV: not scheduled
+    sched.admit_remote_kv("d", SampledToken(8))
+    [seq] = step(sched, {"d": 9}).seqs
+    assert (seq.token_ids, seq.start_pos, seq.block_ids) == ([8], 5, [2, 3])
+    assert d.output_token_ids == [8, 9]
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched, _ = make(max_seqs=2)
+    for rid in "abc":
+        sched.add(req(rid, [1, 2]))
+    out = step(sched, {"a": 1, "b": 1})
+    assert [s.request_id for s in out.seqs] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c"]

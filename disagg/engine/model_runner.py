@@ -99,7 +99,7 @@ class ModelRunner:
         table = [s.block_ids + [s.block_ids[0]] * (max_blocks - len(s.block_ids)) for s in decodes]
         lengths = torch.tensor([s.start_pos + 1 for s in decodes])
         span = torch.arange(max_blocks * self.block_size)
-        mask = (span[None, :] < lengths[:, None])[:, None, None, :]
+        mask = (span[None, :] >= lengths[:, None])[:, None, None, :]
         dev = self.model.device
         return DecodeGroup(len(decodes), torch.tensor(table, device=dev), mask.to(dev))
 

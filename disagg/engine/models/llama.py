@@ -22,7 +22,7 @@ class DecodeGroup:
 
     num_tokens: int  # rows [0, num_tokens) of the flat batch
     block_tables: torch.Tensor  # [n, max_blocks] long (padded with a valid block id)
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: True where attended
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: True where NOT attended (padding)
 
 
 @dataclass
@@ -149,14 +149,16 @@ class LlamaModel:
         return F.linear(out.view(-1, num_q), layer["o"])
 
     def _decode_attention(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        n, max_blocks = group.block_tables.shape
-        shape = (n, -1, self.arch.num_kv_heads, self.arch.head_dim)
-        keys = k_cache[group.block_tables].view(shape).transpose(1, 2)
-        values = v_cache[group.block_tables].view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+        # Plain batched matmuls: for one query token, CPU SDPA kernels cost far more than the math.
+        n = q.shape[0]
+        kv_heads, dim = self.arch.num_kv_heads, self.arch.head_dim
+        keys = gather_blocks(k_cache, group.block_tables).view(n, -1, kv_heads, dim).transpose(1, 2).contiguous()
+        values = gather_blocks(v_cache, group.block_tables).view(n, -1, kv_heads, dim).transpose(1, 2).contiguous()
+        q = q.view(n, kv_heads, -1, dim)  # query heads grouped by their KV head
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [n, kv, group, L]
+        scores.masked_fill_(group.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(n, -1, dim)
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, seg: PrefillSegment) -> torch.Tensor:
         num_new = q.shape[0]
@@ -164,8 +166,8 @@ class LlamaModel:
             keys, values, mask, causal = k, v, None, True
         else:
             ctx = seg.start_pos + num_new
-            keys = k_cache[seg.block_ids].flatten(0, 1)[:ctx]
-            values = v_cache[seg.block_ids].flatten(0, 1)[:ctx]
+            keys = gather_blocks(k_cache, seg.block_ids).flatten(0, 1)[:ctx]
+            values = gather_blocks(v_cache, seg.block_ids).flatten(0, 1)[:ctx]
             rows = torch.arange(num_new, device=q.device)[:, None] + seg.start_pos
             mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
         out = F.scaled_dot_product_attention(
@@ -173,6 +175,11 @@ class LlamaModel:
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(0, 1)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy the given blocks out of one layer's strided cache view (index_select is the fast path)."""
+    return cache.index_select(0, block_ids.reshape(-1))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""`disagg bench engine`: prefill and decode tok/s of our engine beside HF transformers `generate()`.
+
+Both run in the same process on the same weights and threads, one after the other, so the ratios
+hold even on a noisy shared machine. HF transformers is a dev dependency: `pip install transformers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine.core import EngineCore
+from disagg.engine.loader import LoadedModel, load_model
+from disagg.types import SamplingParams
+
+
+@dataclass
+class Result:
+    dtype: str
+    batch: int
+    ours_prefill_tps: float
+    ours_decode_tps: float
+    hf_prefill_tps: float
+    hf_decode_tps: float
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(100, vocab, (batch, length), generator=gen).tolist()
+
+
+def bench_ours(engine: EngineCore, batch: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s): time to first token of the whole batch, then the rest."""
+    assert engine.reset_prefix_cache(), "bench needs an idle engine"  # no prefix hits between runs
+    params = SamplingParams(max_tokens=output_len + 1, temperature=0, ignore_eos=True)
+    for prompt in batch:
+        engine.add_request(engine.new_request_id(), prompt, params)
+    start = time.perf_counter()
+    num_sampled = 0
+    while num_sampled < len(batch):
+        num_sampled += sum(1 for out in engine.step() if len(out.outputs.token_ids) == 1)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    decode_s = time.perf_counter() - start
+    return sum(map(len, batch)) / prefill_s, len(batch) * output_len / decode_s
+
+
+def hf_model(loaded: LoadedModel, dtype: torch.dtype):
+    """An HF transformers Llama with the same weights (the reference implementation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    arch = loaded.arch
+    config = LlamaConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim, rope_theta=arch.rope_theta,
+        rms_norm_eps=arch.rms_norm_eps, max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.weights, strict=False)
+    if arch.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+@torch.inference_mode()
+def bench_hf(model, batch: list[list[int]], output_len: int) -> tuple[float, float]:
+    ids = torch.tensor(batch)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=output_len + 1, min_new_tokens=output_len + 1, **kwargs)
+    decode_s = max(time.perf_counter() - start - prefill_s, 1e-9)
+    return ids.numel() / prefill_s, len(batch) * output_len / decode_s
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = load_model(ModelConfig(model=args.model))
+    results = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        config = EngineConfig(
+            model=ModelConfig(model=args.model, dtype=dtype_name),
+            cache=CacheConfig(kv_cache_memory_mib=256),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+        )
+        engine = EngineCore(config, loaded)
+        hf = None if args.no_hf else hf_model(loaded, dtype)
+        for b in map(int, args.batches.split(",")):
+            batch = prompts(b, args.input_len, loaded.arch.vocab_size)
+            ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
+            ref = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
+            results.append(Result(dtype_name, b, *ours, *ref))
+            print(_row(results[-1]), flush=True)
+    print(table(results, args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+def _best(fn, repeat: int) -> tuple[float, float]:
+    runs = [fn() for _ in range(max(repeat, 1))]
+    return max(r[0] for r in runs), max(r[1] for r in runs)
+
+
+def _row(r: Result) -> str:
+    return (
+        f"| {r.dtype} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
+        f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x | {r.ours_decode_tps:.1f} | {r.hf_decode_tps:.1f} | "
+        f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x |"
+    )
+
+
+def table(results: list[Result], args: argparse.Namespace) -> str:
+    head = (
+        f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads\n\n"
+        "| dtype | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio | decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    return "\n".join([head] + [_row(r) for r in results])

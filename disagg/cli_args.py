@@ -1,0 +1,40 @@
+"""Build argparse options from config dataclass fields (and their help text), and back.
+
+Shared by the CLI and the benchmarks; no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+
+def _scalar_type(hint):
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """One `--field-name` option per dataclass field, typed and documented from the field."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
+            continue
+        kind = _scalar_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+
+
+def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
+    """Instantiate `cls` from parsed args (fields absent from the namespace keep their defaults)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)

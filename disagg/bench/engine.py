@@ -15,7 +15,8 @@ import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
-from disagg.engine.loader import LoadedModel, load_model
+from disagg.bench.hf_baseline import hf_model_from_loaded
+from disagg.engine.loader import load_model
 from disagg.types import SamplingParams
 
 
@@ -52,25 +53,6 @@ def bench_ours(engine: EngineCore, batch: list[list[int]], output_len: int) -> t
     return sum(map(len, batch)) / prefill_s, len(batch) * output_len / decode_s
 
 
-def hf_model(loaded: LoadedModel, dtype: torch.dtype):
-    """An HF transformers Llama with the same weights (the reference implementation)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    arch = loaded.arch
-    config = LlamaConfig(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
-        num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim, rope_theta=arch.rope_theta,
-        rms_norm_eps=arch.rms_norm_eps, max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tie_word_embeddings,
-    )
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(loaded.weights, strict=False)
-    if arch.tie_word_embeddings:
-        model.tie_weights()
-    return model.to(dtype).eval()
-
-
 @torch.inference_mode()
 def bench_hf(model, batch: list[list[int]], output_len: int) -> tuple[float, float]:
     ids = torch.tensor(batch)
@@ -95,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
         )
         engine = EngineCore(config, loaded)
-        hf = None if args.no_hf else hf_model(loaded, dtype)
+        hf = None if args.no_hf else hf_model_from_loaded(loaded, dtype)
         for b in map(int, args.batches.split(",")):
             batch = prompts(b, args.input_len, loaded.arch.vocab_size)
             ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)

@@ -138,8 +138,20 @@ class EngineCore:
             for request in self.scheduler.update(scheduled, result.sampled):
                 self._collect(request)
         self._collect_length_finished()
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs queued outside a step (aborts, remote admissions), without stepping."""
         pending, self._pending = self._pending, []
         return pending
+
+    def warm_up(self) -> None:
+        """One short generation so the first real request does not pay for kernel set-up."""
+        request_id = "warm-up"
+        self.add_request(request_id, [self.tokenizer.bos_token_id or 1] * 8, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        self.reset_prefix_cache()
 
     def _collect(self, request: Request) -> None:
         if request.output_token_ids and self.outputs.check_stop_strings(request) is not None and not request.is_finished:

@@ -1,0 +1,1 @@
+"""Benchmarks: engine, KV transfer and serving."""

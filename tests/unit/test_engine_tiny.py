@@ -1,0 +1,200 @@
+"""The engine on the tiny random model, checked against HF transformers and against itself."""
+
+import pytest
+import torch
+
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine.core import EngineCore
+from disagg.engine.llm import LLM
+from disagg.types import EngineSleeping, FinishReason, InvalidRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "0123456789", "Paged attention!"]
+
+
+def engine(loaded, num_blocks=256, block_size=4, budget=512, max_seqs=32, caching=True, dtype="float32"):
+    config = EngineConfig(
+        model=ModelConfig(model="tiny", dtype=dtype),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+    )
+    return EngineCore(config, loaded)
+
+
+def run(core, prompts, params=GREEDY):
+    ids = []
+    for p in prompts:
+        rid = core.new_request_id()
+        core.add_request(rid, core.tokenizer.encode(p) if isinstance(p, str) else p, params)
+        ids.append(rid)
+    final = {}
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_loaded):
+    from hf_reference import hf_model_from_loaded
+
+    return hf_model_from_loaded(tiny_loaded, torch.float32)
+
+
+def hf_greedy(hf, token_ids, n=16):
+    out = hf.generate(torch.tensor([token_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()
+
+
+def test_greedy_matches_hf_batched_and_one_at_a_time(tiny_loaded, hf_tiny):
+    core = engine(tiny_loaded)
+    encoded = [core.tokenizer.encode(p) for p in PROMPTS]
+    expected = [hf_greedy(hf_tiny, ids) for ids in encoded]
+    assert len({tuple(e) for e in expected}) == len(PROMPTS)  # the tiny model is not degenerate
+    batched = [o.outputs.token_ids for o in run(core, PROMPTS)]
+    single = [run(engine(tiny_loaded), [p])[0].outputs.token_ids for p in PROMPTS]
+    assert batched == expected
+    assert single == expected
+
+
+def test_chunked_prefill_and_tiny_cache_give_the_same_tokens(tiny_loaded, hf_tiny):
+    expected = [o.outputs.token_ids for o in run(engine(tiny_loaded), PROMPTS)]
+    chunked = run(engine(tiny_loaded, budget=7), PROMPTS)
+    assert [o.outputs.token_ids for o in chunked] == expected
+    # 40 blocks of 4 tokens cannot hold all five requests at once: some are preempted and recomputed.
+    small = engine(tiny_loaded, num_blocks=40)
+    outs = run(small, PROMPTS)
+    assert [o.outputs.token_ids for o in outs] == expected
+    assert small.kv.num_free_blocks == 40
+    small.kv.pool.check_integrity()
+
+
+def test_prompt_logprobs_match_hf_logits(tiny_loaded, hf_tiny):
+    core = engine(tiny_loaded, budget=5)  # chunked: logprobs span chunk boundaries
+    ids = core.tokenizer.encode("Logits, please.")
+    [out] = run(core, [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_tiny(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(ids)
+    ours = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+    theirs = torch.tensor([ref[i - 1, ids[i]].item() for i in range(1, len(ids))])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_hits_and_same_output(tiny_loaded):
+    core = engine(tiny_loaded)
+    prefix = list(range(40, 60))  # 20 tokens = 5 full blocks
+    [first] = run(core, [prefix + [1, 2, 3]])
+    [second] = run(core, [prefix + [7, 8]])
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 20
+    [fresh] = run(engine(tiny_loaded, caching=False), [prefix + [7, 8]])
+    assert second.outputs.token_ids == fresh.outputs.token_ids
+    assert core.reset_prefix_cache() is True
+    [third] = run(core, [prefix + [7, 8]])
+    assert third.num_cached_tokens == 0
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_loaded):
+    core = engine(tiny_loaded)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    a, b = run(core, ["sample me", "sample me"], seeded)
+    assert a.outputs.token_ids == b.outputs.token_ids
+    other = run(core, ["sample me"], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True))[0]
+    assert other.outputs.token_ids != a.outputs.token_ids
+    top1 = run(core, ["sample me"], SamplingParams(max_tokens=12, temperature=0.8, top_k=1, ignore_eos=True))[0]
+    greedy = run(core, ["sample me"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert top1.outputs.token_ids == greedy.outputs.token_ids
+
+
+def test_stop_strings_stop_ids_min_tokens_and_logprobs(tiny_loaded):
+    core = engine(tiny_loaded)
+    [base] = run(core, ["Hello, world"])
+    tokens, text = base.outputs.token_ids, base.outputs.text
+    stop_id = tokens[3]
+    [by_id] = run(core, ["Hello, world"], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id]))
+    first = tokens.index(stop_id)
+    assert by_id.outputs.token_ids == tokens[: first + 1]
+    assert (by_id.outputs.finish_reason, by_id.outputs.stop_reason) == (FinishReason.STOP, stop_id)
+    stop_str = text[5:7]
+    [by_str] = run(core, ["Hello, world"], SamplingParams(max_tokens=16, temperature=0, stop=[stop_str]))
+    assert by_str.outputs.text == text[: text.index(stop_str)]
+    assert (by_str.outputs.finish_reason, by_str.outputs.stop_reason) == (FinishReason.STOP, stop_str)
+    [with_lp] = run(core, ["Hello, world"], SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    assert [len(d) for d in with_lp.outputs.logprobs] == [3, 3, 3, 3]  # greedy token is in the top 3
+    assert all(max(d, key=d.get) == t for d, t in zip(with_lp.outputs.logprobs, with_lp.outputs.token_ids))
+
+
+def test_eos_and_min_tokens(tiny_loaded):
+    core = engine(tiny_loaded)
+    eos = core.eos_token_ids[0]
+    forced = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[], min_tokens=6)
+    [out] = run(core, ["x"], forced)
+    assert len(out.outputs.token_ids) == 6 and eos not in out.outputs.token_ids
+    assert out.outputs.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message, param",
+    [
+        ([], GREEDY, "the prompt is empty: it must contain at least one token", "prompt"),
+        ([1, 5000], GREEDY, "token id 5000 is out of vocabulary (vocab_size=320)", "prompt"),
+        ([-1], GREEDY, "token id -1 is out of vocabulary (vocab_size=320)", "prompt"),
+        ([1] * 512, GREEDY, "the prompt has 512 tokens; the context length is 512, so a prompt may have at most 511 tokens", "prompt"),
+    ],
+)
+def test_bad_prompts_raise_typed_errors(tiny_loaded, prompt, params, message, param):
+    core = engine(tiny_loaded, max_seqs=2)
+    with pytest.raises(InvalidRequest) as err:
+        core.add_request("r", prompt, params)
+    assert (str(err.value), err.value.param) == (message, param)
+    assert not core.has_unfinished()
+
+
+def test_bad_sampling_params_raise_typed_errors():
+    with pytest.raises(InvalidRequest, match=r"^max_tokens must be at least 1, got 0$"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequest, match=r"^top_p must be in \(0, 1\], got 0.0$"):
+        SamplingParams(top_p=0.0)
+
+
+def test_prompt_larger_than_the_whole_cache_is_rejected(tiny_loaded):
+    core = engine(tiny_loaded, num_blocks=4)
+    with pytest.raises(InvalidRequest, match=r"^the prompt needs 5 KV blocks; the cache holds 4$"):
+        core.add_request("r", list(range(1, 18)), GREEDY)
+
+
+def test_abort_frees_every_block(tiny_loaded):
+    core = engine(tiny_loaded, num_blocks=64)
+    core.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    core.add_request("b", list(range(1, 10)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    core.step()
+    core.step()
+    assert core.kv.num_free_blocks < 64
+    assert core.abort("a") and core.abort("b")
+    outs = core.step()
+    assert {(o.request_id, o.outputs.finish_reason) for o in outs} == {("a", FinishReason.ABORT), ("b", FinishReason.ABORT)}
+    assert core.kv.num_free_blocks == 64
+    assert core.abort("a") is False
+
+
+def test_sleep_and_wake_up(tiny_loaded):
+    core = engine(tiny_loaded)
+    [before] = run(core, ["sleepy"])
+    core.sleep(1)
+    assert core.is_sleeping() and core.runner.kv_cache is None
+    with pytest.raises(EngineSleeping, match="^the engine is sleeping; call wake_up\\(\\) first$"):
+        core.add_request("r", [1, 2], GREEDY)
+    core.wake_up()
+    assert [o.outputs.token_ids for o in run(core, ["sleepy"])] == [before.outputs.token_ids]
+
+
+def test_llm_offline_api(tiny_loaded):
+    llm = LLM(model="tiny", dtype="float32", num_blocks=128, block_size=4)
+    outs = llm.generate(["Hello, world", [5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert [len(o.outputs.token_ids) for o in outs] == [5, 5]
+    assert outs[0].outputs.text == llm.tokenizer.decode(outs[0].outputs.token_ids)
+    with pytest.raises(TypeError, match="unknown engine option 'block_sise'"):
+        LLM(model="tiny", block_sise=4)

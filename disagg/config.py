@@ -101,3 +101,129 @@ def env_flag(name: str, environ: dict[str, str] | None = None) -> bool:
 def force_query_prefill_dp_rank(environ: dict[str, str] | None = None) -> bool:
     """DISAGG_FORCE_QUERY_PREFILL_DP_RANK: decode always asks the registry for the prefill DP rank."""
     return env_flag("DISAGG_FORCE_QUERY_PREFILL_DP_RANK", environ)
+
+
+# --- HTTP front door and data-parallel workers ----------------------------------------------------
+
+LOAD_BALANCE_METHODS = ("round_robin", "least_load", "follow_bootstrap_room")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One HTTP server (unified, prefill or decode) with `dp_size` engine workers behind it."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "HTTP port (0: any free port)"})
+    dp_size: int = field(default=1, metadata={"help": "data-parallel engine worker processes"})
+    load_balance_method: str = field(
+        default="least_load", metadata={"help": "round_robin, least_load or follow_bootstrap_room"}
+    )
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY'"})
+    max_body_bytes: int = field(default=8 << 20, metadata={"help": "largest accepted request body"})
+    log_format: str = field(default="console", metadata={"help": "console or json"})
+    worker_start_timeout_s: float = field(default=600.0, metadata={"help": "limit for workers to load"})
+    disaggregation_mode: str = field(default="null", metadata={"help": "null (unified), prefill or decode"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.dp_size < 1:
+            raise ConfigError(f"dp_size must be at least 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ConfigError(
+                f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got {self.load_balance_method!r}"
+            )
+        if self.log_format not in ("console", "json"):
+            raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ConfigError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}")
+
+
+# --- Bootstrap registry and KV control plane ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Exponential backoff between the attempts of one call; the call's own deadline bounds the total."""
+
+    initial_backoff_s: float = field(default=0.05, metadata={"help": "first wait between retries"})
+    max_backoff_s: float = field(default=1.0, metadata={"help": "longest wait between retries"})
+    multiplier: float = field(default=2.0, metadata={"help": "growth of the wait per attempt"})
+
+    def __post_init__(self) -> None:
+        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
+            raise ConfigError(
+                f"need 0 < initial_backoff_s <= max_backoff_s, got {self.initial_backoff_s}, {self.max_backoff_s}"
+            )
+        if self.multiplier < 1.0:
+            raise ConfigError(f"multiplier must be at least 1.0, got {self.multiplier}")
+
+    def backoff_s(self, attempt: int) -> float:
+        """Wait before retry number `attempt` (0-based): initial * multiplier**attempt, capped."""
+        return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** min(attempt, 64))
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """The bootstrap registry's HTTP server (hosted by a prefill server, or standalone)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address the bootstrap server binds"})
+    port: int = field(default=8998, metadata={"help": "bootstrap server port (0: any free port)"})
+    room_ttl_s: float = field(
+        default=120.0, metadata={"help": "seconds a registered room -> prefill DP rank entry lives"}
+    )
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.room_ttl_s <= 0:
+            raise ConfigError(f"room_ttl_s must be positive, got {self.room_ttl_s}")
+        if self.max_body_bytes <= 0:
+            raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+
+@dataclass(frozen=True)
+class BootstrapClientConfig:
+    """How prefill and decode workers talk to a bootstrap server."""
+
+    request_timeout_s: float = field(default=5.0, metadata={"help": "limit of one HTTP attempt"})
+    deadline_s: float = field(
+        default=30.0, metadata={"help": "default limit of one call, retries included"}
+    )
+    query_batch_window_s: float = field(
+        default=0.002, metadata={"help": "room queries arriving within this window share one POST"}
+    )
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.query_batch_window_s < 0:
+            raise ConfigError(f"query_batch_window_s must be >= 0, got {self.query_batch_window_s}")
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """The gRPC KV control plane between a decode worker and a prefill worker."""
+
+    connect_timeout_s: float = field(
+        default=10.0, metadata={"help": "limit for reaching the prefill worker and registering"}
+    )
+    heartbeat_interval_s: float = field(default=1.0, metadata={"help": "seconds between heartbeats"})
+    heartbeat_max_misses: int = field(
+        default=3, metadata={"help": "unanswered heartbeats in a row before the prefill counts as lost"}
+    )
+    close_grace_s: float = field(default=1.0, metadata={"help": "grace period for open streams on close"})
+    max_message_bytes: int = field(default=16 << 20, metadata={"help": "largest control message"})
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "heartbeat_interval_s", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_max_misses < 1:
+            raise ConfigError(f"heartbeat_max_misses must be at least 1, got {self.heartbeat_max_misses}")
+        if self.close_grace_s < 0:
+            raise ConfigError(f"close_grace_s must be >= 0, got {self.close_grace_s}")

@@ -12,7 +12,7 @@ PACKAGES = ("disagg", "prefill", "decode", "bootstrap", "kvtransfer")
 
 # Most specific prefix wins.
 LAYERS = {
-    "disagg.cli": 4,
+    "disagg.cli": 4, "disagg.serving": 4,
     "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.api": 3, "disagg.router": 3,
     "bootstrap.server": 3, "disagg.bench": 3,
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,

@@ -1,0 +1,225 @@
+"""Bootstrap registry over HTTP (aiohttp), wire-compatible with SGLang's bootstrap server.
+
+Routes (docs/protocol.md has examples):
+- `PUT /route`               a prefill rank registers (any SGLang dialect, plus our fields)
+- `GET /route?...`           all ranks -1: the topology; else one rank's address
+- `POST /register_dp_rank`   `{bootstrap_room, dp_rank}`
+- `POST /query_dp_ranks`     `{bootstrap_rooms: [...]}` -> `{"<room>": dp_rank}` for known rooms
+- `GET /health`              `OK`
+
+Errors are JSON `{"error": message}`: 400 malformed input, 404 unknown rank (or path), 405 wrong
+method, 409 conflicting registration, 413 body too large, 503 topology incomplete. Malformed input
+never yields a 500.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from bootstrap.registry import (
+    BootstrapRegistry,
+    ConflictingRegistration,
+    IncompleteTopology,
+    InvalidRegistration,
+    RegistryError,
+    UnknownRank,
+)
+from disagg.config import BootstrapConfig
+from disagg.wire.bootstrap_msgs import (
+    ErrorMsg,
+    QueryDpRanksMsg,
+    RegisterDpRankMsg,
+    RouteBodyMsg,
+    RouteDialect,
+    dp_ranks_body,
+    full_topology,
+    parse_route_query,
+    rank_address,
+    sglang_topology,
+)
+
+Clock = Callable[[], float]
+REGISTRY_KEY = web.AppKey("registry", BootstrapRegistry)
+CLOCK_KEY = web.AppKey("clock", Callable[[], float])
+_STATUS_OF = {InvalidRegistration: 400, UnknownRank: 404, ConflictingRegistration: 409, IncompleteTopology: 503}
+log = structlog.get_logger("bootstrap")
+
+
+class BadRequest(Exception):
+    """Malformed request: wrong JSON, wrong types, missing query parameters (HTTP 400)."""
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json(ErrorMsg(message), status)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return _error(400, str(exc))
+    except RegistryError as exc:
+        return _error(_STATUS_OF.get(type(exc), 400), str(exc))
+    except web.HTTPException as exc:  # unknown path, wrong method, body too large
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return web.Response(body=msgspec.json.encode(ErrorMsg(exc.text or exc.reason)), status=exc.status,
+                            headers=headers, content_type="application/json")
+
+
+async def _decode(request: web.Request, kind: type):
+    raw = await request.read()
+    try:
+        return msgspec.json.decode(raw, type=kind, strict=False)
+    except msgspec.ValidationError as exc:  # a DecodeError subclass: catch it first
+        raise BadRequest(f"invalid {request.method} {request.path} body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+
+
+async def put_route(request: web.Request) -> web.Response:
+    """A prefill rank registers itself."""
+    body = await _decode(request, RouteBodyMsg)
+    try:
+        reg = body.to_registration()
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    registry = request.app[REGISTRY_KEY]
+    outcome = registry.register_rank(reg)
+    log.info(
+        "prefill rank registered", outcome=outcome.value, dp_rank=reg.dp_rank, tp_rank=reg.tp_rank,
+        pp_rank=reg.pp_rank, address=f"{reg.rank_ip}:{reg.rank_port}",
+        registered=registry.num_registered, expected=registry.num_expected,
+    )
+    return _json({
+        "status": "ok", "registration": outcome.value,
+        "num_registered": registry.num_registered, "num_expected": registry.num_expected,
+    })
+
+
+async def get_route(request: web.Request) -> web.Response:
+    """The topology (every rank -1) or one rank's address."""
+    try:
+        query = parse_route_query(request.query)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    registry = request.app[REGISTRY_KEY]
+    if query.is_topology:
+        topology = registry.topology()
+        if query.dialect is RouteDialect.SGLANG:
+            return _json(sglang_topology(topology))
+        return _json(full_topology(topology))
+    reg = registry.rank(query.dp_rank, query.tp_rank, query.pp_rank, query.cp_rank)
+    return _json(rank_address(reg))
+
+
+async def register_dp_rank(request: web.Request) -> web.Response:
+    """A prefill worker records which DP rank serves a room."""
+    body = await _decode(request, RegisterDpRankMsg)
+    request.app[REGISTRY_KEY].register_room(body.bootstrap_room, body.dp_rank, request.app[CLOCK_KEY]())
+    return _json({"status": "ok"})
+
+
+async def query_dp_ranks(request: web.Request) -> web.Response:
+    """Known rooms only; an empty object when none is known."""
+    body = await _decode(request, QueryDpRanksMsg)
+    found = request.app[REGISTRY_KEY].query_rooms(body.bootstrap_rooms, request.app[CLOCK_KEY]())
+    return _json(dp_ranks_body(found))
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 OK while the server runs (complete or not)."""
+    return web.Response(text="OK")
+
+
+def create_app(
+    config: BootstrapConfig = BootstrapConfig(), clock: Clock = time.monotonic,
+    registry: BootstrapRegistry | None = None,
+) -> web.Application:
+    """The aiohttp application; `clock` timestamps room entries (tests pass a fake one)."""
+    app = web.Application(middlewares=[_errors_as_json], client_max_size=config.max_body_bytes)
+    app[REGISTRY_KEY] = registry if registry is not None else BootstrapRegistry(config.room_ttl_s)
+    app[CLOCK_KEY] = clock
+    app.router.add_put("/route", put_route)
+    app.router.add_get("/route", get_route)
+    app.router.add_post("/register_dp_rank", register_dp_rank)
+    app.router.add_post("/query_dp_ranks", query_dp_ranks)
+    app.router.add_get("/health", health)
+    return app
+
+
+class BootstrapServer:
+    """The bootstrap app on a port of the current event loop, for hosting inside another process.
+
+        async with BootstrapServer(config) as server:   # binds config.host:config.port
+            ... server.port ...
+    """
+
+    def __init__(self, config: BootstrapConfig = BootstrapConfig(), clock: Clock = time.monotonic):
+        self.config = config
+        self.app = create_app(config, clock)
+        self._runner: web.AppRunner | None = None
+        self.host: str | None = None
+        self.port: int | None = None
+
+    @property
+    def registry(self) -> BootstrapRegistry:
+        """The live registry (read it; registration goes through HTTP)."""
+        return self.app[REGISTRY_KEY]
+
+    @property
+    def url(self) -> str:
+        """http://host:port once started."""
+        if self.port is None:
+            raise RuntimeError("bootstrap server is not started")
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        """Bind and serve; port 0 picks a free port. Returns the actual port."""
+        if self._runner is not None:
+            raise RuntimeError("bootstrap server already started")
+        self.host = host if host is not None else self.config.host
+        runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.config.port if port is None else port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s)
+        return self.port
+
+    async def close(self) -> None:
+        """Stop serving; idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> BootstrapServer:
+        if self._runner is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+def run_bootstrap(config: BootstrapConfig) -> int:
+    """Standalone `disagg bootstrap`: serve until interrupted, then return the exit code."""
+    log.info("bootstrap server starting", host=config.host, port=config.port)
+    web.run_app(create_app(config), host=config.host, port=config.port, access_log=None, print=None)
+    return 0

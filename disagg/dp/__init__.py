@@ -1,0 +1,1 @@
+"""Data parallelism: engine worker processes behind one server, dispatch and utility fan-out."""

@@ -1,0 +1,249 @@
+"""The DP controller: spawns `dp_size` engine worker processes and serves them to the HTTP layer.
+
+Workers connect back over a Unix socket in a private temp dir and speak msgspec frames. A worker
+that dies is noticed (EOF or its process sentinel) within half a second: its requests end with a
+503 error and health turns red; nothing waits on it forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import structlog
+
+from disagg.config import EngineConfig, ServerConfig
+from disagg.dp.aggregate import check_results
+from disagg.dp.dispatch import Dispatcher
+from disagg.dp.framing import frame, read_frame
+from disagg.dp.protocol import ModelCard, WorkerState, WorkerUnavailable
+from disagg.dp.worker import HandlerFactory, WorkerSpec, run_worker
+from disagg.types import InvalidRequest
+from disagg.wire.engine_msgs import (
+    AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, UtilityMsg, UtilityResultMsg,
+    decode_from_worker, encode,
+)
+
+log = structlog.get_logger(__name__)
+MONITOR_INTERVAL_S = 0.5
+
+
+class _Worker:
+    def __init__(self, rank: int, process):
+        self.rank = rank
+        self.process = process
+        self.writer: asyncio.StreamWriter | None = None
+        self.ready: ReadyMsg | None = None
+        self.alive = True
+        self.stats = StatsMsg(0, 0, 0, 0)
+        self.outstanding: dict[str, int] = {}  # request id -> estimated tokens
+
+    def send(self, msg) -> None:
+        if not self.alive or self.writer is None:
+            raise WorkerUnavailable(f"DP worker {self.rank} is not available")
+        self.writer.write(frame(encode(msg)))
+
+
+class DPController:
+    """Implements disagg.dp.protocol.EngineClient over worker processes."""
+
+    def __init__(self, server: ServerConfig, engine: EngineConfig, handler_factory: HandlerFactory | None = None):
+        self.server = server
+        self.dp_size = server.dp_size
+        self.load_balance_method = server.load_balance_method
+        threads = engine.num_threads or max(1, (os.cpu_count() or 1) // server.dp_size)
+        self.engine_config = replace(engine, num_threads=threads)
+        self.handler_factory = handler_factory
+        self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
+        self.workers: list[_Worker] = []
+        self.model: ModelCard | None = None
+        self._streams: dict[str, asyncio.Queue[OutputMsg]] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._all_ready = asyncio.Event()
+        self._tmpdir = tempfile.mkdtemp(prefix="disagg-dp-")
+        self._server: asyncio.AbstractServer | None = None
+        self._closing = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, progress: Callable[[str], None] = lambda line: None) -> None:
+        """Spawn the workers and wait until every one has loaded its engine (bounded)."""
+        path = os.path.join(self._tmpdir, "workers.sock")
+        self._server = await asyncio.start_unix_server(self._on_connect, path)
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(self.dp_size):
+            spec = WorkerSpec(rank, self.engine_config, path, self.server.log_format, self.handler_factory)
+            process = ctx.Process(target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
+            process.start()
+            self.workers.append(_Worker(rank, process))
+        progress(f"loading {self.engine_config.model.model} on {self.dp_size} DP worker(s)")
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        await self._wait_ready(progress)
+
+    async def _wait_ready(self, progress) -> None:
+        deadline = time.monotonic() + self.server.worker_start_timeout_s
+        while not self._all_ready.is_set():
+            dead = [w for w in self.workers if not w.alive]
+            if dead:
+                raise WorkerUnavailable(f"DP worker {dead[0].rank} exited while loading (exit code {dead[0].process.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerUnavailable(f"DP workers not ready after {self.server.worker_start_timeout_s:.0f} s")
+            try:
+                await asyncio.wait_for(self._all_ready.wait(), timeout=MONITOR_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+        progress(f"{self.dp_size} DP worker(s) ready")
+
+    async def close(self) -> None:
+        self._closing = True
+        for worker in self.workers:
+            if worker.alive and worker.writer is not None:
+                worker.writer.write(frame(encode(ShutdownMsg())))
+        for task in self._tasks:
+            task.cancel()
+        deadline = time.monotonic() + 10
+        for worker in self.workers:
+            await asyncio.to_thread(worker.process.join, max(deadline - time.monotonic(), 0.1))
+            if worker.process.is_alive():
+                worker.process.kill()
+                await asyncio.to_thread(worker.process.join, 5)
+        if self._server is not None:
+            self._server.close()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    async def __aenter__(self) -> "DPController":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- worker connections -------------------------------------------------------------------
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ready = decode_from_worker(await read_frame(reader))
+        assert isinstance(ready, ReadyMsg), f"first message from a worker must be ReadyMsg, got {ready!r}"
+        worker = self.workers[ready.dp_rank]
+        worker.writer, worker.ready = writer, ready
+        if self.model is None:
+            self.model = ModelCard(ready.model_name, ready.max_model_len, ready.vocab_size)
+        if all(w.ready is not None for w in self.workers):
+            self._all_ready.set()
+        try:
+            while True:
+                self._on_message(worker, decode_from_worker(await read_frame(reader)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._mark_dead(worker, "closed its connection")
+
+    def _on_message(self, worker: _Worker, msg) -> None:
+        if isinstance(msg, OutputMsg):
+            queue = self._streams.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+            if msg.finish_reason is not None or msg.error is not None:
+                worker.outstanding.pop(msg.request_id, None)
+        elif isinstance(msg, UtilityResultMsg):
+            future = self._calls.pop(msg.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif isinstance(msg, StatsMsg):
+            worker.stats = msg
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            for worker in self.workers:
+                if worker.alive and not worker.process.is_alive():
+                    self._mark_dead(worker, f"exited with code {worker.process.exitcode}")
+
+    def _mark_dead(self, worker: _Worker, how: str) -> None:
+        if not worker.alive:
+            return
+        worker.alive = False
+        if self._closing:
+            return
+        log.error("DP worker died", dp_rank=worker.rank, how=how)
+        error = f"DP worker {worker.rank} died ({how})"
+        for request_id in list(worker.outstanding):
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(OutputMsg(request_id, finish_reason="abort", error=error, error_status=503))
+        worker.outstanding.clear()
+
+    # ---- EngineClient -------------------------------------------------------------------------
+
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
+        loads = [sum(w.outstanding.values()) for w in self.workers]
+        return self.dispatcher.pick(routed_dp_rank, bootstrap_room, loads, [w.alive for w in self.workers])
+
+    async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
+        """Outputs of one request; leaving the loop early (disconnect, error) aborts it."""
+        worker = self.workers[self.dispatcher.check_rank(dp_rank)]
+        if msg.request_id in self._streams:
+            raise InvalidRequest(f"request id {msg.request_id!r} is already in use", "request_id")
+        queue: asyncio.Queue[OutputMsg] = asyncio.Queue()
+        self._streams[msg.request_id] = queue
+        finished = False
+        try:
+            worker.send(msg)
+            worker.outstanding[msg.request_id] = _estimate_tokens(msg)
+            while not finished:
+                out = await queue.get()
+                finished = out.finish_reason is not None or out.error is not None
+                yield out
+        finally:
+            self._streams.pop(msg.request_id, None)
+            if not finished and worker.alive:
+                worker.outstanding.pop(msg.request_id, None)
+                worker.send(AbortMsg(msg.request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        for worker in self.workers:
+            if request_id in worker.outstanding and worker.alive:
+                worker.send(AbortMsg(request_id))
+                return True
+        return False
+
+    async def call_utility(self, method: str, *args, timeout_s: float = 60.0) -> list[object]:
+        """Run `method` on every worker; one result per dp_rank (errors raise UtilityFailed)."""
+        futures = []
+        for worker in self.workers:
+            call_id = next(self._call_ids)
+            future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+            futures.append(future)
+            try:
+                worker.send(UtilityMsg(call_id, method, list(args)))
+            except WorkerUnavailable as exc:
+                future.set_result(UtilityResultMsg(call_id, error=str(exc)))
+        done = await asyncio.wait_for(asyncio.gather(*futures), timeout=timeout_s)
+        return check_results(method, done)
+
+    def worker_states(self) -> list[WorkerState]:
+        return [
+            WorkerState(
+                w.rank, w.alive, w.ready is not None, w.stats.num_running, w.stats.num_waiting,
+                w.stats.num_free_blocks, w.stats.num_total_blocks, len(w.outstanding),
+            )
+            for w in self.workers
+        ]
+
+    def healthy(self) -> bool:
+        return bool(self.workers) and all(w.alive and w.ready is not None for w in self.workers)
+
+
+def _estimate_tokens(msg: GenerateMsg) -> int:
+    """Outstanding-token estimate for least_load, before the worker has tokenized anything."""
+    if msg.prompt_token_ids is not None:
+        prompt = len(msg.prompt_token_ids)
+    else:
+        prompt = len(msg.prompt or "") // 4 + sum(len(str(m.get("content", ""))) for m in msg.messages or []) // 4
+    return prompt + msg.sampling.max_tokens

@@ -1,0 +1,131 @@
+"""Runs one EngineCore for a worker process: wire messages in, wire messages out.
+
+Tokenization, chat templates and detokenization happen here, so the HTTP front stays torch- and
+tokenizer-free. One bad request becomes one error OutputMsg; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from disagg.engine.core import EngineCore
+from disagg.types import EngineSleeping, InvalidRequest, RequestOutput, SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
+
+log = structlog.get_logger(__name__)
+
+UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats")
+
+
+def sampling_params(msg: SamplingMsg) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature, top_p=msg.top_p,
+        top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=msg.logprobs,
+        prompt_logprobs=msg.prompt_logprobs, skip_special_tokens=msg.skip_special_tokens,
+    )
+
+
+def error_output(request_id: str, exc: Exception) -> OutputMsg:
+    status = 400 if isinstance(exc, InvalidRequest) else 503 if isinstance(exc, EngineSleeping) else 500
+    param = getattr(exc, "param", None)
+    return OutputMsg(request_id, finish_reason="abort", error=str(exc), error_status=status, error_param=param)
+
+
+def _pairs(top: dict[int, float], sampled: int) -> list[tuple[int, float]]:
+    """Sampled token first, then the rest by descending logprob."""
+    rest = sorted(((t, lp) for t, lp in top.items() if t != sampled), key=lambda p: -p[1])
+    return [(sampled, top[sampled])] + rest
+
+
+def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
+    new = out.new_token_ids
+    logprobs = None
+    if out.outputs.logprobs is not None and new:
+        tops = out.outputs.logprobs[len(out.outputs.logprobs) - len(new) :]
+        logprobs = [_pairs(top, tok) for top, tok in zip(tops, new)]
+    prompt_logprobs = None
+    if first and out.prompt_logprobs is not None:
+        prompt_logprobs = [
+            None if top is None else _pairs(top, tok) for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
+        ]
+    finish = out.outputs.finish_reason
+    return OutputMsg(
+        request_id=out.request_id, new_token_ids=list(new), new_text=out.new_text,
+        finish_reason=None if finish is None else finish.value, stop_reason=out.outputs.stop_reason,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens, num_output_tokens=len(out.outputs.token_ids),
+    )
+
+
+class EngineHandler:
+    """The unified (non-disaggregated) worker: every request runs start to end on this engine."""
+
+    def __init__(self, core: EngineCore, dp_rank: int, model_name: str):
+        self.core = core
+        self.dp_rank = dp_rank
+        self.model_name = model_name
+        self._started: set[str] = set()  # requests whose first OutputMsg went out
+
+    def ready_msg(self) -> ReadyMsg:
+        core = self.core
+        return ReadyMsg(self.dp_rank, self.model_name, core.max_model_len, core.arch.vocab_size, core.num_blocks, core.block_size)
+
+    def prompt_ids(self, msg: GenerateMsg) -> list[int]:
+        tokenizer = self.core.tokenizer
+        if msg.prompt_token_ids is not None:
+            return list(msg.prompt_token_ids)
+        if msg.messages is not None:
+            text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True)
+            return tokenizer.encode(text, add_special_tokens=False)
+        if msg.prompt is not None:
+            return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
+        raise InvalidRequest("the request has no prompt", "prompt")
+
+    def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
+        """Queue a request; a rejected one answers at once with its error."""
+        try:
+            self.core.add_request(msg.request_id, self.prompt_ids(msg), sampling_params(msg.sampling))
+        except (InvalidRequest, EngineSleeping) as exc:
+            return [error_output(msg.request_id, exc)]
+        return []
+
+    def abort(self, request_id: str) -> list[OutputMsg]:
+        self.core.abort(request_id)
+        return self._convert(self.core.take_outputs())
+
+    def has_work(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[OutputMsg]:
+        return self._convert(self.core.step())
+
+    def _convert(self, outputs: list[RequestOutput]) -> list[OutputMsg]:
+        msgs = []
+        for out in outputs:
+            first = out.request_id not in self._started
+            self._started.add(out.request_id)
+            msgs.append(to_output_msg(out, first))
+            if out.finished:
+                self._started.discard(out.request_id)
+        return msgs
+
+    def fail_all(self, exc: Exception) -> list[OutputMsg]:
+        """An engine step crashed: end every request with the error, keep the worker alive."""
+        ids = list(self.core.scheduler.requests)
+        for request_id in ids:
+            self.core.abort(request_id)
+        self.core.take_outputs()
+        self._started.clear()
+        return [error_output(rid, RuntimeError(f"engine step failed: {exc}")) for rid in ids]
+
+    def utility(self, method: str, args: list) -> object:
+        if method not in UTILITIES:
+            raise InvalidRequest(f"unknown utility {method!r}; known: {', '.join(UTILITIES)}", "method")
+        if method == "stats":
+            return self.core.stats()
+        return getattr(self.core, method)(*args)
+
+    def stats(self) -> StatsMsg:
+        s = self.core.stats()
+        return StatsMsg(s["num_running"], s["num_waiting"], s["num_free_blocks"], s["num_total_blocks"])

@@ -1,0 +1,77 @@
+"""What the HTTP layer needs from the DP controller (and what tests may fake in-process)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+
+
+class WorkerUnavailable(RuntimeError):
+    """A DP worker died or is not ready; requests routed to it fail with 503."""
+
+
+class InconsistentUtilityResults(RuntimeError):
+    """DP workers disagree on a utility call's answer; `results` lists every worker's value."""
+
+    def __init__(self, method: str, results: list[object]):
+        listed = ", ".join(f"dp_rank {i}: {r!r}" for i, r in enumerate(results))
+        super().__init__(f"{method}: DP workers disagree ({listed})")
+        self.method = method
+        self.results = results
+
+
+class UtilityFailed(RuntimeError):
+    """A utility call failed on some workers; `failures` maps dp_rank to the error text."""
+
+    def __init__(self, method: str, failures: dict[int, str]):
+        listed = ", ".join(f"dp_rank {r}: {e}" for r, e in sorted(failures.items()))
+        text = f"{method} failed on {len(failures)} DP worker(s) ({listed})" if failures else f"{method}: there are no DP workers"
+        super().__init__(text)
+        self.method = method
+        self.failures = failures
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    dp_rank: int
+    alive: bool
+    ready: bool
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_outstanding_requests: int
+
+
+class EngineClient(Protocol):
+    dp_size: int
+    load_balance_method: str
+    model: ModelCard
+
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
+        """Choose the DP worker; raises InvalidRequest for a bad rank or a missing room."""
+
+    def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
+        """Stream a request's outputs; closing the iterator early aborts the request."""
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort wherever it runs; True if it was found."""
+
+    async def call_utility(self, method: str, *args) -> list[object]:
+        """Run on every worker; one result per dp_rank. Raises UtilityFailed, WorkerUnavailable."""
+
+    def worker_states(self) -> list[WorkerState]:
+        """One entry per DP worker (for /server_info, /metrics, /health)."""
+
+    def healthy(self) -> bool:
+        """Every worker alive and ready."""

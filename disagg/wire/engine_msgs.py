@@ -1,0 +1,126 @@
+"""Messages between an HTTP front process and its DP engine worker processes (msgspec, msgpack).
+
+One tagged union each way, so a reader decodes any message with one call. Plain values only:
+workers tokenize, detokenize and apply chat templates; the front never needs torch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Mirror of disagg.types.SamplingParams (validated again by the worker)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):
+    """Start a request. Exactly one of `prompt`, `prompt_token_ids` and `messages` is set."""
+
+    request_id: str
+    sampling: SamplingMsg
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None  # chat: the worker applies the model's template
+    add_special_tokens: bool = True
+    # P/D fields (the roles read them; a unified worker ignores them).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+
+
+class AbortMsg(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+
+
+class UtilityMsg(msgspec.Struct, frozen=True, tag="utility"):
+    """Call an engine utility (`is_sleeping`, `sleep`, `wake_up`, `reset_prefix_cache`, `stats`)."""
+
+    call_id: int
+    method: str
+    args: list = []
+
+
+class ShutdownMsg(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+ToWorker = GenerateMsg | AbortMsg | UtilityMsg | ShutdownMsg
+
+
+class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
+    """Progress of one request: only what is new since the previous OutputMsg for it."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob), sampled first
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # on the first message only
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # the request failed; `error_status` says how (400 bad input, 500, 503)
+    error_status: int = 0
+    error_param: str | None = None
+
+
+class UtilityResultMsg(msgspec.Struct, frozen=True, tag="utility_result", omit_defaults=True):
+    call_id: int
+    result: object = None
+    error: str | None = None
+
+
+class ReadyMsg(msgspec.Struct, frozen=True, tag="ready"):
+    """Sent once by a worker when its engine is loaded and warmed up."""
+
+    dp_rank: int
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+
+class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
+    """Periodic load report (drives least_load dispatch and the per-worker gauges)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
+
+
+def encode(msg: ToWorker | FromWorker) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_worker(data: bytes) -> ToWorker:
+    return _to_worker.decode(data)
+
+
+def decode_from_worker(data: bytes) -> FromWorker:
+    return _from_worker.decode(data)

@@ -1,17 +1,44 @@
-"""`disagg` command line. The only place that exits the process."""
+"""`disagg` command line. The only place that exits the process.
+
+Options are built from the config dataclasses' fields and help text (disagg.cli_args).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from disagg.cli_args import add_dataclass_args, dataclass_from_args
+from disagg.config import (
+    BootstrapConfig, CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig,
+)
+
+ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for cls in ENGINE_PARTS:
+        add_dataclass_args(parser.add_argument_group(cls.__name__), cls)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / dp_size)")
+
+
+def engine_from_args(args: argparse.Namespace) -> EngineConfig:
+    model, cache, sched = (dataclass_from_args(cls, args) for cls in ENGINE_PARTS)
+    return EngineConfig(model=model, cache=cache, scheduler=sched, num_threads=args.num_threads)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description="Prefill/decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    unified = sub.add_parser("unified", help="serve one model without disaggregation, dp_size workers behind one port")
+    add_engine_args(unified)
+    add_dataclass_args(unified.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
+    boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
+    add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     add_bench_engine_args(bench_sub.add_parser("engine", help="engine prefill/decode tok/s beside HF transformers"))
+    bench_sub.add_parser("transfer", help="KV transfer GB/s per backend beside memcpy", add_help=False)
     return parser
 
 
@@ -26,13 +53,34 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write results as JSON here")
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> int:
+    if argv[:2] == ["bench", "transfer"]:
+        from disagg.bench import transfer
+
+        return transfer.main(argv[2:])
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.bench == "engine":
+    if args.command == "unified":
+        from disagg import serving
+
+        return serving.run(dataclass_from_args(ServerConfig, args), engine_from_args(args))
+    if args.command == "bootstrap":
+        from bootstrap.server import run_bootstrap
+
+        return run_bootstrap(dataclass_from_args(BootstrapConfig, args))
+    if args.command == "bench":
         from disagg.bench import engine as bench_engine
 
-        sys.exit(bench_engine.run(args))
-    sys.exit(2)
+        return bench_engine.run(args)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"disagg: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -213,10 +213,10 @@ class DPController:
                 return True
         return False
 
-    async def call_utility(self, method: str, *args, timeout_s: float = 60.0) -> list[object]:
-        """Run `method` on every worker; one result per dp_rank (errors raise UtilityFailed)."""
+    async def call_utility(self, method: str, *args, ranks: list[int] | None = None, timeout_s: float = 60.0) -> list[object]:
+        """Run `method` on every worker (or on `ranks`); one result per worker (errors raise UtilityFailed)."""
         futures = []
-        for worker in self.workers:
+        for worker in self.workers if ranks is None else [self.workers[r] for r in ranks]:
             call_id = next(self._call_ids)
             future = self._calls[call_id] = asyncio.get_running_loop().create_future()
             futures.append(future)

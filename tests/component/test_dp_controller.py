@@ -1,0 +1,98 @@
+"""The DP controller with real engine worker processes (tiny model)."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from disagg.dp.controller import DPController
+from disagg.dp.protocol import UtilityFailed, WorkerUnavailable
+from disagg.engine.core import EngineCore
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+
+pytestmark = pytest.mark.timeout(120)
+ENGINE = EngineConfig(model=ModelConfig(model="tiny", dtype="float32"), cache=CacheConfig(num_blocks=64, block_size=4))
+GREEDY = SamplingMsg(max_tokens=6, temperature=0, ignore_eos=True)
+GREEDY_PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+async def controller():
+    c = DPController(ServerConfig(dp_size=2, port=0, load_balance_method="round_robin"), ENGINE)
+    await c.start()
+    yield c
+    await c.close()
+
+
+async def collect(c, msg, rank):
+    return [o async for o in c.generate(msg, rank)]
+
+
+def expected_tokens(prompt: str) -> list[int]:
+    core = EngineCore(ENGINE)
+    core.add_request("x", core.tokenizer.encode(prompt), GREEDY_PARAMS)
+    final = None
+    while core.has_unfinished():
+        final = next((o for o in core.step() if o.finished), final)
+    return final.outputs.token_ids
+
+
+async def test_each_rank_serves_the_same_greedy_tokens(controller):
+    want = expected_tokens("hello")
+    for rank in (0, 1):
+        outs = await collect(controller, GenerateMsg(f"r{rank}", GREEDY, prompt="hello"), rank)
+        assert [t for o in outs for t in o.new_token_ids] == want
+        assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
+        assert outs[-1].num_output_tokens == 6 and outs[0].num_prompt_tokens == 6  # BOS + 5 bytes
+    assert [controller.pick_rank(None, None) for _ in range(3)] == [0, 1, 0]
+    assert controller.model.name == "tiny" and controller.model.vocab_size == 320
+
+
+async def test_bad_request_gets_its_error_and_the_worker_lives_on(controller):
+    [out] = await collect(controller, GenerateMsg("bad", GREEDY, prompt_token_ids=[1, 999]), 1)
+    assert (out.error, out.error_status, out.error_param) == ("token id 999 is out of vocabulary (vocab_size=320)", 400, "prompt")
+    ok = await collect(controller, GenerateMsg("good", GREEDY, prompt_token_ids=[1, 2]), 1)
+    assert ok[-1].finish_reason == "length"
+
+
+async def test_utilities_fan_out_and_one_sleeping_worker_disagrees(controller):
+    assert await controller.call_utility("is_sleeping") == [False, False]
+    await controller.call_utility("sleep", 1, ranks=[1])
+    assert await controller.call_utility("is_sleeping") == [False, True]
+    [out] = await collect(controller, GenerateMsg("z", GREEDY, prompt="hi"), 1)
+    assert (out.error, out.error_status) == ("the engine is sleeping; call wake_up() first", 503)
+    await controller.call_utility("wake_up")
+    assert await controller.call_utility("is_sleeping") == [False, False]
+    with pytest.raises(UtilityFailed, match=r"^sleep failed on 2 DP worker\(s\) \(dp_rank 0: InvalidRequest: sleep level must be 1 or 2, got 3, dp_rank 1: InvalidRequest: sleep level must be 1 or 2, got 3\)$"):
+        await controller.call_utility("sleep", 3)
+
+
+async def test_closing_the_stream_early_aborts_and_frees_blocks(controller):
+    long = SamplingMsg(max_tokens=200, temperature=0, ignore_eos=True)
+    stream = controller.generate(GenerateMsg("long", long, prompt="x" * 30), 0)
+    first = await stream.__anext__()
+    assert first.new_token_ids
+    await stream.aclose()
+    for _ in range(50):
+        [stats] = await controller.call_utility("stats", ranks=[0])
+        if stats["num_free_blocks"] == 64 and stats["num_running"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (stats["num_free_blocks"], stats["num_running"]) == (64, 0)
+
+
+async def test_a_dead_worker_fails_its_requests_with_503_not_a_hang(controller):
+    long = SamplingMsg(max_tokens=400, temperature=0, ignore_eos=True)
+    stream = controller.generate(GenerateMsg("doomed", long, prompt="y" * 30), 1)
+    await stream.__anext__()
+    os.kill(controller.workers[1].process.pid, signal.SIGKILL)
+    outs = [o async for o in stream]
+    assert outs[-1].error.startswith("DP worker 1 died") and outs[-1].error_status == 503
+    assert controller.healthy() is False
+    assert [s.alive for s in controller.worker_states()] == [True, False]
+    with pytest.raises(WorkerUnavailable, match="^DP worker 1 is not available$"):
+        await collect(controller, GenerateMsg("after", GREEDY, prompt="a"), 1)
+    assert controller.pick_rank(None, None) == 0  # dispatch skips the dead worker

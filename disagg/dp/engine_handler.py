@@ -82,7 +82,21 @@ class EngineHandler:
             return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
         raise InvalidRequest("the request has no prompt", "prompt")
 
-    def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
+    async def start(self) -> None:
+        """Set up what the handler needs beyond the engine (the roles: transfer agents, servers)."""
+
+    async def close(self) -> None:
+        """Release what start() set up."""
+
+    def idle_wait_s(self, default_s: float) -> float:
+        """How long the worker may wait for messages when the engine is idle."""
+        return default_s
+
+    async def poll(self) -> list[OutputMsg]:
+        """Advance background work between engine steps (the roles: KV transfers)."""
+        return []
+
+    async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         """Queue a request; a rejected one answers at once with its error."""
         try:
             self.core.add_request(msg.request_id, self.prompt_ids(msg), sampling_params(msg.sampling))
@@ -90,7 +104,7 @@ class EngineHandler:
             return [error_output(msg.request_id, exc)]
         return []
 
-    def abort(self, request_id: str) -> list[OutputMsg]:
+    async def abort(self, request_id: str) -> list[OutputMsg]:
         self.core.abort(request_id)
         return self._convert(self.core.take_outputs())
 

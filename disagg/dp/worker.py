@@ -1,13 +1,15 @@
 """A DP engine worker process: connects back to its front, loads the engine, then loops.
 
-Loop: read what arrived (without waiting when there is work), apply it, run one engine step, send
-the outputs, and report load twice a second.
+The worker is one asyncio program. Each turn: take what arrived (without waiting when there is
+work), apply it, let the handler advance its background work (KV transfers in the P/D roles), run
+one engine step, send the outputs; report load twice a second. An engine step blocks the loop for
+its few milliseconds; sockets and gRPC streams are served between steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ import structlog
 
 from disagg.config import EngineConfig
 from disagg.dp.engine_handler import EngineHandler
-from disagg.dp.framing import FrameSocket
+from disagg.dp.framing import frame, read_frame
 from disagg.engine.core import EngineCore
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
@@ -41,47 +43,86 @@ def run_worker(spec: WorkerSpec) -> None:
     """Process entry point (spawned)."""
     configure_logging(spec.log_format)
     structlog.contextvars.bind_contextvars(dp_rank=spec.dp_rank, pid=os.getpid())
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(spec.socket_path)
-    channel = FrameSocket(sock)
+    try:
+        asyncio.run(_main(spec))
+    except (EOFError, asyncio.IncompleteReadError, ConnectionError):
+        log.info("front closed the connection; exiting")
+
+
+async def _main(spec: WorkerSpec) -> None:
+    reader, writer = await asyncio.open_unix_connection(spec.socket_path)
     log.info("loading engine", model=spec.engine.model.model, dtype=spec.engine.model.dtype)
     core = EngineCore(spec.engine)
     core.warm_up()
     name = spec.engine.model.served_model_name or core.loaded.name
     handler = (spec.handler_factory or EngineHandler)(core, spec.dp_rank, name)
-    channel.send(encode(handler.ready_msg()))
-    log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
+    await handler.start()
     try:
-        serve(handler, channel)
-    except EOFError:
-        log.info("front closed the connection; exiting")
+        writer.write(frame(encode(handler.ready_msg())))
+        log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
+        await serve(handler, reader, writer)
     finally:
-        channel.close()
+        await handler.close()
+        writer.close()
 
 
-def serve(handler: EngineHandler, channel: FrameSocket) -> None:
+async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None:
+    try:
+        while True:
+            inbox.put_nowait(decode_to_worker(await read_frame(reader)))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        inbox.put_nowait(ShutdownMsg())
+
+
+async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    inbox: asyncio.Queue = asyncio.Queue()
+    reading = asyncio.create_task(_read_into(inbox, reader))
     last_stats = 0.0
-    while True:
-        for data in channel.receive(0.0 if handler.has_work() else STATS_INTERVAL_S):
-            msg = decode_to_worker(data)
-            if isinstance(msg, ShutdownMsg):
-                return
-            replies = apply(handler, msg)
-            if replies:
-                channel.send(*map(encode, replies))
-        if handler.has_work():
-            channel.send(*map(encode, step(handler)))
-        now = time.monotonic()
-        if now - last_stats >= STATS_INTERVAL_S:
-            channel.send(encode(handler.stats()))
-            last_stats = now
+    try:
+        while True:
+            for msg in await _take(inbox, 0.0 if handler.has_work() else handler.idle_wait_s(STATS_INTERVAL_S)):
+                if isinstance(msg, ShutdownMsg):
+                    return
+                _send(writer, await apply(handler, msg))
+            _send(writer, await handler.poll())
+            if handler.has_work():
+                _send(writer, step(handler))
+            now = time.monotonic()
+            if now - last_stats >= STATS_INTERVAL_S:
+                _send(writer, [handler.stats()])
+                last_stats = now
+            await writer.drain()
+    finally:
+        reading.cancel()
 
 
-def apply(handler: EngineHandler, msg) -> list:
+async def _take(inbox: asyncio.Queue, timeout_s: float) -> list:
+    if inbox.empty() and timeout_s > 0:
+        try:
+            return [await asyncio.wait_for(inbox.get(), timeout_s)] + _drain(inbox)
+        except asyncio.TimeoutError:
+            return []
+    await asyncio.sleep(0)  # let sockets and streams run between engine steps
+    return _drain(inbox)
+
+
+def _drain(inbox: asyncio.Queue) -> list:
+    out = []
+    while not inbox.empty():
+        out.append(inbox.get_nowait())
+    return out
+
+
+def _send(writer: asyncio.StreamWriter, msgs: list) -> None:
+    if msgs:
+        writer.write(b"".join(frame(encode(m)) for m in msgs))
+
+
+async def apply(handler: EngineHandler, msg) -> list:
     if isinstance(msg, GenerateMsg):
-        return handler.submit(msg)
+        return await handler.submit(msg)
     if isinstance(msg, AbortMsg):
-        return handler.abort(msg.request_id)
+        return await handler.abort(msg.request_id)
     if isinstance(msg, UtilityMsg):
         try:
             return [UtilityResultMsg(msg.call_id, result=handler.utility(msg.method, msg.args))]

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     add_bench_engine_args(bench_sub.add_parser("engine", help="engine prefill/decode tok/s beside HF transformers"))
-    bench_sub.add_parser("transfer", help="KV transfer GB/s per backend beside memcpy", add_help=False)
+    from disagg.bench import transfer
+
+    transfer.add_arguments(bench_sub.add_parser("transfer", help="KV transfer GB/s per backend beside memcpy"))
     return parser
 
 
@@ -54,10 +56,6 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(argv: list[str]) -> int:
-    if argv[:2] == ["bench", "transfer"]:
-        from disagg.bench import transfer
-
-        return transfer.main(argv[2:])
     args = build_parser().parse_args(argv)
     if args.command == "unified":
         from disagg import serving
@@ -67,6 +65,10 @@ def run(argv: list[str]) -> int:
         from bootstrap.server import run_bootstrap
 
         return run_bootstrap(dataclass_from_args(BootstrapConfig, args))
+    if args.command == "bench" and args.bench == "transfer":
+        from disagg.bench import transfer
+
+        return transfer.dispatch(args)
     if args.command == "bench":
         from disagg.bench import engine as bench_engine
 

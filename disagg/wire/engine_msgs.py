@@ -42,6 +42,14 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: int | None = None
+    register_room: bool = False  # prefill: tell the registry which DP rank took this room
+
+
+class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
+    """Prefill front -> every worker: this room will never be served here; answer its decode so."""
+
+    bootstrap_room: int
+    reason: str
 
 
 class AbortMsg(msgspec.Struct, frozen=True, tag="abort"):
@@ -60,7 +68,7 @@ class ShutdownMsg(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-ToWorker = GenerateMsg | AbortMsg | UtilityMsg | ShutdownMsg
+ToWorker = GenerateMsg | AbortMsg | UtilityMsg | ShutdownMsg | RoomFailedMsg
 
 
 class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):

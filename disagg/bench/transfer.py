@@ -1,0 +1,285 @@
+"""`disagg bench transfer`: KV block transfer bandwidth and latency between two processes.
+
+For SmolLM2-135M-sized KV (30 layers, 3 KV heads, head_dim 64, 16-token blocks) and prompts of 128,
+1k, 4k and 16k tokens, this process WRITEs the prompt's blocks into a peer process through each
+backend and reports GB/s next to a plain numpy copy of the same bytes measured in the same run,
+plus the median latency of one 128-token transfer.
+
+    python -m disagg.bench.transfer [--backends nixl,tcp] [--dtypes bfloat16,float32] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import msgspec
+import numpy as np
+
+from kvtransfer.base import KVLayout, KVTransferBackend, TransferState, wait
+from kvtransfer.factory import available_backends, create_backend
+
+SMOLLM2_KV = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size_tokens": 16}
+DEFAULT_TOKENS = (128, 1024, 4096, 16384)
+PEER_START_TIMEOUT_S = 60.0
+TRANSFER_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Row:
+    """One prompt size: medians over alternating transfer/memcpy rounds, and the best transfer round."""
+
+    backend: str
+    dtype: str
+    tokens: int
+    size_bytes: int
+    transfer_gbps: float
+    memcpy_gbps: float
+    ratio: float
+    best_transfer_gbps: float
+    best_memcpy_gbps: float
+    rounds: int
+
+
+@dataclass
+class Latency:
+    backend: str
+    dtype: str
+    tokens: int
+    median_us: float
+    p90_us: float
+    samples: int
+
+
+def cache_layout(address: int, num_blocks: int, dtype: str) -> KVLayout:
+    return KVLayout.for_cache(address, num_blocks, dtype=dtype, **SMOLLM2_KV)
+
+
+def num_blocks_for(tokens: int) -> int:
+    return -(-tokens // SMOLLM2_KV["block_size_tokens"])
+
+
+def quiet_nixl() -> None:
+    """NIXL logs INFO lines to stdout on import and agent creation; keep the table readable."""
+    if "nixl" in available_backends():
+        from kvtransfer.nixl import load_nixl
+
+        load_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def timed(fns: list[Callable[[], None]], min_time_s: float, min_rounds: int = 3,
+          max_rounds: int = 200) -> list[list[float]]:
+    """Seconds per call of each fn, run in alternating rounds until min_time_s has passed (at least
+    min_rounds). Alternating keeps the ratios fair on a machine whose load changes under us."""
+    samples: list[list[float]] = [[] for _ in fns]
+    started = time.perf_counter()
+    for _ in range(max_rounds):
+        if len(samples[0]) >= min_rounds and time.perf_counter() - started >= min_time_s:
+            break
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return samples
+
+
+# -- the peer process -------------------------------------------------------------------------------
+
+
+def serve_peer(backend_name: str, dtype: str, num_blocks: int) -> int:
+    """Own a cache and a backend, print the metadata, drain notifications until stdin says exit."""
+    control = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # library noise must not corrupt the control channel
+    quiet_nixl()
+    probe = cache_layout(4096, num_blocks, dtype)
+    memory = np.ones(probe.size_bytes, dtype=np.uint8)  # touched: no page faults inside the timings
+    received = 0
+    with create_backend(backend_name) as backend:
+        backend.register(cache_layout(memory.ctypes.data, num_blocks, dtype))
+        control.write(msgspec.json.encode({"metadata": backend.peer_metadata().hex()}) + b"\n")
+        while True:
+            received += len(backend.notifications())
+            if select.select([sys.stdin], [], [], 0.01)[0]:
+                line = sys.stdin.buffer.readline().split()
+                if not line or line[0] == b"exit":
+                    break
+                received += drain_until(backend, int(line[1]) - received, deadline_s=10.0)
+                control.write(msgspec.json.encode({"notifications": received}) + b"\n")
+    return 0
+
+
+def drain_until(backend: KVTransferBackend, count: int, deadline_s: float) -> int:
+    """Drain notifications until `count` more arrived or the deadline passed; how many arrived."""
+    received, deadline = 0, time.monotonic() + deadline_s
+    while received < count and time.monotonic() < deadline:
+        received += len(backend.notifications())
+        time.sleep(0.001)
+    return received
+
+
+class PeerProcess:
+    """The peer, spawned with this interpreter; replies read with a deadline."""
+
+    def __init__(self, backend_name: str, dtype: str, num_blocks: int) -> None:
+        command = [sys.executable, "-m", "disagg.bench.transfer", "--serve-peer", "--backends", backend_name,
+                   "--dtypes", dtype, "--num-blocks", str(num_blocks)]
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.metadata = bytes.fromhex(self._reply(PEER_START_TIMEOUT_S)["metadata"])
+
+    def notifications(self, expected: int) -> int:
+        """How many notifications the peer got, once `expected` arrived or 10 s passed."""
+        self._proc.stdin.write(b"count %d\n" % expected)
+        self._proc.stdin.flush()
+        return self._reply(20.0)["notifications"]
+
+    def _reply(self, timeout_s: float) -> dict:
+        if not select.select([self._proc.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError(f"bench peer gave no answer within {timeout_s} s")
+        line = self._proc.stdout.readline()
+        if not line:
+            raise ConnectionError(f"bench peer exited with status {self._proc.wait(5)}")
+        return msgspec.json.decode(line)
+
+    def close(self) -> None:
+        try:
+            self._proc.stdin.write(b"exit\n")
+            self._proc.stdin.close()
+            self._proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait(10)
+        self._proc.stdout.close()
+
+
+# -- measurements -----------------------------------------------------------------------------------
+
+
+def transfer_once(backend: KVTransferBackend, peer: str, block_ids: list[int]) -> None:
+    handle = backend.write(peer, block_ids, block_ids, b"bench")
+    status = wait(backend, handle, TRANSFER_TIMEOUT_S)
+    backend.release(handle)
+    if status.state is not TransferState.SUCCESS:
+        raise RuntimeError(f"bench transfer failed: {status.reason}")
+
+
+def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: list[int],
+               src: np.ndarray, dst: np.ndarray) -> tuple[list[Row], Latency]:
+    num_blocks = num_blocks_for(max(tokens))
+    layout = cache_layout(src.ctypes.data, num_blocks, dtype)
+    peer_process = PeerProcess(backend_name, dtype, num_blocks)
+    rows = []
+    try:
+        with create_backend(backend_name) as backend:
+            backend.register(layout)
+            peer = backend.add_peer(peer_process.metadata)
+            for count in tokens:
+                block_ids = list(range(num_blocks_for(count)))
+                size = len(block_ids) * layout.block_size_bytes
+                transfer_once(backend, peer, block_ids)  # warm-up: connection, registration caches
+                seconds, copy_s = timed([lambda: transfer_once(backend, peer, block_ids),
+                                         lambda: np.copyto(dst[:size], src[:size])], args.min_time_s)
+                rows.append(make_row(backend_name, dtype, count, size, seconds, copy_s))
+                print(format_row(rows[-1]), file=sys.stderr, flush=True)
+            small = list(range(num_blocks_for(128)))
+            samples = timed([lambda: transfer_once(backend, peer, small)], 0.0, args.latency_iters, args.latency_iters)[0]
+        expected = sum(r.rounds + 1 for r in rows) + args.latency_iters
+        arrived = peer_process.notifications(expected)
+        if arrived != expected:
+            raise RuntimeError(f"peer saw {arrived} notifications for {expected} transfers")
+    finally:
+        peer_process.close()
+    latency_us = sorted(s * 1e6 for s in samples)
+    latency = Latency(backend_name, dtype, 128, statistics.median(latency_us),
+                      latency_us[int(0.9 * (len(latency_us) - 1))], len(latency_us))
+    return rows, latency
+
+
+def make_row(backend: str, dtype: str, tokens: int, size: int, seconds: list[float], copy_s: list[float]) -> Row:
+    median, median_copy = size / statistics.median(seconds) / 1e9, size / statistics.median(copy_s) / 1e9
+    best, best_copy = size / min(seconds) / 1e9, size / min(copy_s) / 1e9
+    return Row(backend, dtype, tokens, size, median, median_copy, median / median_copy, best, best_copy, len(seconds))
+
+
+def format_row(row: Row) -> str:
+    return (f"| {row.backend} | {row.dtype} | {row.tokens} | {row.size_bytes / 2**20:.1f} | "
+            f"{row.transfer_gbps:.2f} | {row.memcpy_gbps:.2f} | {row.ratio:.0%} | {row.best_transfer_gbps:.2f} |")
+
+
+def format_report(rows: list[Row], latencies: list[Latency]) -> str:
+    lines = [
+        "| backend | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+        *map(format_row, rows),
+        "",
+        "| backend | dtype | latency of one 128-token transfer, median | p90 | samples |",
+        "|---|---|---|---|---|",
+        *(f"| {l.backend} | {l.dtype} | {l.median_us:.0f} us | {l.p90_us:.0f} us | {l.samples} |" for l in latencies),
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_nixl()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows: list[Row] = []
+    latencies: list[Latency] = []
+    for dtype in args.dtypes.split(","):
+        size = cache_layout(4096, num_blocks_for(max(tokens)), dtype).size_bytes
+        src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        dst = np.ones(size, dtype=np.uint8)
+        for backend_name in args.backends.split(","):
+            pair_rows, latency = bench_pair(args, backend_name, dtype, tokens, src, dst)
+            rows += pair_rows
+            latencies.append(latency)
+    print(f"{os.cpu_count()} CPUs; SmolLM2-135M KV: {SMOLLM2_KV}\n")
+    print(format_report(rows, latencies))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "latency": [asdict(l) for l in latencies]}, f, indent=2)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default_backends = ",".join(b for b in available_backends() if b != "loopback")
+    parser.add_argument("--backends", default=default_backends, help="comma-separated: nixl, tcp, loopback")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="KV cache dtypes")
+    parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="prompt lengths")
+    parser.add_argument("--min-time-s", type=float, default=0.5, help="time spent per measurement")
+    parser.add_argument("--latency-iters", type=int, default=50, help="128-token transfers for the latency median")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--serve-peer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `transfer` under `disagg bench`; the handler is in `parser.get_default('handler')`."""
+    parser = subparsers.add_parser("transfer", help="KV transfer GB/s and latency between two processes")
+    add_arguments(parser)
+    parser.set_defaults(handler=dispatch)
+    return parser
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.serve_peer:
+        return serve_peer(args.backends, args.dtypes, args.num_blocks)
+    return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg bench transfer", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return dispatch(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""KV control-plane values (msgspec structs) and their translation to and from proto/kv_control.proto.
+
+The gRPC layer (kvtransfer/control.py) sends protobuf; everything on either side of it (prefill and
+decode roles) sees only these frozen structs and the TransferState enum.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from disagg.wire import kv_control_pb2 as pb
+from disagg.wire.states import TransferState
+
+_STATE_TO_PB = {
+    TransferState.BOOTSTRAPPING: pb.TRANSFER_STATE_BOOTSTRAPPING,
+    TransferState.WAITING_FOR_INPUT: pb.TRANSFER_STATE_WAITING_FOR_INPUT,
+    TransferState.TRANSFERRING: pb.TRANSFER_STATE_TRANSFERRING,
+    TransferState.SUCCESS: pb.TRANSFER_STATE_SUCCESS,
+    TransferState.FAILED: pb.TRANSFER_STATE_FAILED,
+}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+class KVLayoutMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Shape of a worker's paged KV cache (the numbers of kvtransfer.base.KVLayout, no address).
+
+    `block_size_bytes` is one block across all layers, K and V. Peers must agree on all but
+    num_blocks.
+    """
+
+    num_blocks: int
+    block_size_tokens: int
+    block_size_bytes: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+
+class PeerMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker as a control-plane peer: name, transfer backend metadata and KV layout."""
+
+    peer_name: str
+    transfer_backend: str
+    layout: KVLayoutMsg
+    agent_metadata: bytes = b""
+    dp_rank: int = 0
+    tp_rank: int = 0
+
+
+class TransferInfoMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode -> prefill: the destination blocks reserved for one room."""
+
+    room: int
+    peer_name: str
+    dst_block_ids: tuple[int, ...]
+    dst_dp_rank: int = 0
+    first_token_slot: int = -1  # -1: the first token travels in TransferStatusMsg only
+    num_prompt_tokens: int = 0  # 0: unknown; else the blocks must hold this many tokens
+    request_id: str = ""
+
+
+class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill -> decode: progress of one room; with SUCCESS comes the first sampled token."""
+
+    room: int
+    state: TransferState
+    reason: str = ""
+    first_token_id: int | None = None
+    first_token_logprob: float | None = None
+    num_bytes: int = 0
+
+
+class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode -> prefill (via the control server's event queue): drop a room and free its blocks."""
+
+    room: int
+    reason: str
+    peer_name: str
+
+
+class PeerLostMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Control-server event: a decode peer's stream ended; its active rooms are dropped."""
+
+    peer_name: str
+    reason: str
+    rooms: tuple[int, ...] = ()
+
+
+def layout_to_pb(layout: KVLayoutMsg) -> pb.KVLayout:
+    """KVLayoutMsg -> protobuf."""
+    return pb.KVLayout(**msgspec.structs.asdict(layout))
+
+
+def layout_from_pb(msg: pb.KVLayout) -> KVLayoutMsg:
+    """protobuf -> KVLayoutMsg."""
+    return KVLayoutMsg(
+        num_blocks=msg.num_blocks, block_size_tokens=msg.block_size_tokens,
+        block_size_bytes=msg.block_size_bytes, dtype=msg.dtype, num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+    )
+
+
+def peer_to_pb(peer: PeerMsg) -> pb.PeerInfo:
+    """PeerMsg -> protobuf."""
+    return pb.PeerInfo(
+        peer_name=peer.peer_name, agent_metadata=peer.agent_metadata,
+        transfer_backend=peer.transfer_backend, layout=layout_to_pb(peer.layout),
+        dp_rank=peer.dp_rank, tp_rank=peer.tp_rank,
+    )
+
+
+def peer_from_pb(msg: pb.PeerInfo) -> PeerMsg:
+    """protobuf -> PeerMsg."""
+    return PeerMsg(
+        peer_name=msg.peer_name, agent_metadata=bytes(msg.agent_metadata),
+        transfer_backend=msg.transfer_backend, layout=layout_from_pb(msg.layout),
+        dp_rank=msg.dp_rank, tp_rank=msg.tp_rank,
+    )
+
+
+def transfer_info_to_pb(info: TransferInfoMsg) -> pb.TransferInfo:
+    """TransferInfoMsg -> protobuf."""
+    return pb.TransferInfo(
+        room=info.room, peer_name=info.peer_name, dst_block_ids=info.dst_block_ids,
+        dst_dp_rank=info.dst_dp_rank, first_token_slot=info.first_token_slot,
+        num_prompt_tokens=info.num_prompt_tokens, request_id=info.request_id,
+    )
+
+
+def transfer_info_from_pb(msg: pb.TransferInfo) -> TransferInfoMsg:
+    """protobuf -> TransferInfoMsg."""
+    return TransferInfoMsg(
+        room=msg.room, peer_name=msg.peer_name, dst_block_ids=tuple(msg.dst_block_ids),
+        dst_dp_rank=msg.dst_dp_rank, first_token_slot=msg.first_token_slot,
+        num_prompt_tokens=msg.num_prompt_tokens, request_id=msg.request_id,
+    )
+
+
+def status_to_pb(status: TransferStatusMsg) -> pb.TransferStatus:
+    """TransferStatusMsg -> protobuf (unset optional fields stay unset)."""
+    msg = pb.TransferStatus(
+        room=status.room, state=_STATE_TO_PB[status.state], reason=status.reason, num_bytes=status.num_bytes,
+    )
+    if status.first_token_id is not None:
+        msg.first_token_id = status.first_token_id
+    if status.first_token_logprob is not None:
+        msg.first_token_logprob = status.first_token_logprob
+    return msg
+
+
+def status_from_pb(msg: pb.TransferStatus) -> TransferStatusMsg:
+    """protobuf -> TransferStatusMsg; an unknown state reads as FAILED with a reason."""
+    state = _STATE_FROM_PB.get(msg.state)
+    reason = msg.reason if state is not None else f"unknown transfer state {msg.state}"
+    return TransferStatusMsg(
+        room=msg.room, state=state or TransferState.FAILED, reason=reason,
+        first_token_id=msg.first_token_id if msg.HasField("first_token_id") else None,
+        first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
+        num_bytes=msg.num_bytes,
+    )
+
+
+def register_msg(peer: PeerMsg) -> pb.DecodeMsg:
+    """The first message of a decode stream."""
+    return pb.DecodeMsg(register_peer=pb.RegisterPeer(peer=peer_to_pb(peer)))
+
+
+def register_ack_msg(accepted: bool, reason: str = "", peer: PeerMsg | None = None) -> pb.PrefillMsg:
+    """The prefill's answer to RegisterPeer."""
+    ack = pb.RegisterAck(accepted=accepted, reason=reason)
+    if peer is not None:
+        ack.peer.CopyFrom(peer_to_pb(peer))
+    return pb.PrefillMsg(register_ack=ack)
+
+
+def transfer_msg(info: TransferInfoMsg) -> pb.DecodeMsg:
+    """Decode stream message carrying TransferInfo."""
+    return pb.DecodeMsg(transfer_info=transfer_info_to_pb(info))
+
+
+def status_msg(status: TransferStatusMsg) -> pb.PrefillMsg:
+    """Prefill stream message carrying TransferStatus."""
+    return pb.PrefillMsg(status=status_to_pb(status))
+
+
+def abort_msg(room: int, reason: str) -> pb.DecodeMsg:
+    """Decode stream message carrying Abort."""
+    return pb.DecodeMsg(abort=pb.Abort(room=room, reason=reason))
+
+
+def heartbeat_msg(seq: int) -> pb.DecodeMsg:
+    """Decode stream heartbeat."""
+    return pb.DecodeMsg(heartbeat=pb.Heartbeat(seq=seq))
+
+
+def heartbeat_ack_msg(seq: int) -> pb.PrefillMsg:
+    """Prefill stream answer to a heartbeat."""
+    return pb.PrefillMsg(heartbeat_ack=pb.HeartbeatAck(seq=seq))

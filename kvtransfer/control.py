@@ -1,0 +1,340 @@
+"""KV control plane over gRPC, prefill side: ControlServer, the checks it applies, shared errors.
+
+The decode side is kvtransfer.control_client.ControlClient.
+
+One long-lived bidirectional stream per (decode worker, prefill worker) pair, defined in
+proto/kv_control.proto. The decode side registers (name, backend metadata, KV layout), then sends
+TransferInfo per room and Abort when it gives a room up, plus heartbeats. The prefill side checks
+every message and answers on the stream; an invalid message is answered with a reason and never
+applied. Valid TransferInfo, aborts, registrations and lost peers reach the prefill role as plain
+values on `ControlServer.events`; the role reports progress back with `ControlServer.send_status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from disagg.config import ControlConfig
+from disagg.wire import kv_control_pb2 as pb
+from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.control_msgs import (
+    AbortMsg,
+    PeerLostMsg,
+    PeerMsg,
+    TransferInfoMsg,
+    TransferState,
+    TransferStatusMsg,
+    heartbeat_ack_msg,
+    peer_from_pb,
+    register_ack_msg,
+    status_msg,
+    transfer_info_from_pb,
+)
+from kvtransfer.base import IncompatiblePeer, KVTransferError, PeerUnavailable
+
+__all__ = ["ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer", "check_transfer"]
+Clock = Callable[[], float]
+ControlEvent = PeerMsg | TransferInfoMsg | AbortMsg | PeerLostMsg
+log = structlog.get_logger("kvtransfer.control")
+
+
+class ControlError(KVTransferError):
+    """Misuse of the control plane (a second start, a room sent twice)."""
+
+
+class PeerRejected(IncompatiblePeer):
+    """The prefill worker refused our registration; `reason` says why."""
+
+    def __init__(self, address: str, reason: str):
+        super().__init__(f"prefill {address} refused registration: {reason}")
+        self.reason = reason
+
+
+def grpc_options(config: ControlConfig) -> list[tuple[str, int]]:
+    """Channel and server options shared by both ends of the control plane."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # two servers must never share a port
+    ]
+
+
+def format_address(host: str, port: int) -> str:
+    """host:port, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+# --- checks (pure) -------------------------------------------------------------------------------
+
+_LAYOUT_CHECKS = (
+    ("block_size_tokens", "page size"),
+    ("dtype", "kv cache dtype"),
+    ("num_layers", "num_layers"),
+    ("block_size_bytes", "block_size_bytes"),
+)
+
+
+def check_peer(local: PeerMsg, peer: PeerMsg) -> str | None:
+    """Why `peer` cannot register with the `local` prefill worker, or None if it can."""
+    if not peer.peer_name:
+        return "peer_name must not be empty"
+    if peer.layout.num_blocks <= 0:
+        return f"num_blocks must be positive, got {peer.layout.num_blocks}"
+    if peer.transfer_backend != local.transfer_backend:
+        return f"transfer backend mismatch: prefill uses {local.transfer_backend!r}, decode uses {peer.transfer_backend!r}"
+    for name, label in _LAYOUT_CHECKS:
+        ours, theirs = getattr(local.layout, name), getattr(peer.layout, name)
+        if ours != theirs:
+            return f"{label} mismatch: prefill {name}={ours}, decode {name}={theirs}"
+    return None
+
+
+def check_transfer(info: TransferInfoMsg, peer: PeerMsg) -> str | None:
+    """Why `info` cannot be applied to the registered `peer`'s KV cache, or None if it can."""
+    ids, num_blocks = info.dst_block_ids, peer.layout.num_blocks
+    if not ids:
+        return f"room {info.room}: no destination block ids"
+    seen: set[int] = set()
+    for block_id in ids:
+        if not 0 <= block_id < num_blocks:
+            return (f"room {info.room}: destination block id {block_id} is out of range "
+                    f"[0, {num_blocks}) of peer {peer.peer_name!r}")
+        if block_id in seen:
+            return f"room {info.room}: destination block id {block_id} appears twice"
+        seen.add(block_id)
+    capacity = len(ids) * peer.layout.block_size_tokens
+    if info.num_prompt_tokens > capacity:
+        return (f"room {info.room}: {len(ids)} destination blocks hold {capacity} tokens, "
+                f"the prompt has {info.num_prompt_tokens}")
+    return None
+
+
+# --- server (prefill side) -----------------------------------------------------------------------
+
+
+class _Session:
+    """One decode stream: its registered peer, its active rooms and its outgoing messages."""
+
+    def __init__(self, now: float) -> None:
+        self.peer: PeerMsg | None = None
+        self.rooms: set[int] = set()
+        self.outbox: asyncio.Queue[pb.PrefillMsg | None] = asyncio.Queue()
+        self.end_reason = "decode closed the stream"
+        self.last_seen = now
+
+    def end(self, reason: str) -> None:
+        """Close the stream from our side; the handler drops the session on its way out."""
+        self.end_reason = reason
+        self.outbox.put_nowait(None)
+
+    def send(self, msg: pb.PrefillMsg) -> None:
+        self.outbox.put_nowait(msg)
+
+    @property
+    def name(self) -> str:
+        return self.peer.peer_name if self.peer is not None else "<unregistered>"
+
+
+class _Servicer(pb_grpc.KVControlServicer):
+    def __init__(self, server: ControlServer):
+        self._server = server
+
+    async def Connect(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        session = _Session(self._server._clock())
+        self._server._streams.add(session)
+        reader = asyncio.create_task(self._server._read_stream(session, request_iterator))
+        try:
+            while (msg := await session.outbox.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            self._server._streams.discard(session)
+            self._server._drop_session(session, session.end_reason)
+
+
+class ControlServer:
+    """gRPC control-plane server of one prefill worker. Use as an async context manager.
+
+    `local` describes this worker (its layout is what decode layouts are checked against). Events
+    for the prefill role arrive on `events`: PeerMsg (a decode registered: add it to the transfer
+    backend), TransferInfoMsg (valid destination blocks for a room), AbortMsg, PeerLostMsg.
+    """
+
+    def __init__(self, local: PeerMsg, config: ControlConfig = ControlConfig(), clock: Clock = time.monotonic):
+        self.local = local
+        self.config = config
+        self._clock = clock
+        self._watchdog: asyncio.Task | None = None
+        self.events: asyncio.Queue[ControlEvent] = asyncio.Queue()
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._streams: set[_Session] = set()
+        self._sessions: dict[str, _Session] = {}
+        self._rooms: dict[int, tuple[_Session, TransferInfoMsg]] = {}
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve on host:port (0: a free port); returns the actual port."""
+        if self._server is not None:
+            raise ControlError("control server already started")
+        server = grpc.aio.server(options=grpc_options(self.config))
+        pb_grpc.add_KVControlServicer_to_server(_Servicer(self), server)
+        try:
+            bound = server.add_insecure_port(format_address(host, port))
+        except RuntimeError as exc:
+            raise ControlError(f"cannot bind the control server to {format_address(host, port)}: {exc}") from None
+        await server.start()
+        self._server, self.port = server, bound
+        self._watchdog = asyncio.create_task(self._watch_streams())
+        log.info("control server started", address=format_address(host, bound), peer=self.local.peer_name)
+        return bound
+
+    async def close(self) -> None:
+        """Stop serving: end every open stream cleanly, then stop within `close_grace_s`; idempotent."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        for session in self._streams:
+            session.end("control server closed")
+        await server.stop(self.config.close_grace_s)
+
+    async def _watch_streams(self) -> None:
+        # A decode host that vanishes without closing its socket leaves the stream open; its
+        # missing heartbeats end the session so the prefill role frees that peer's rooms.
+        limit_s = 2 * self.config.heartbeat_interval_s * self.config.heartbeat_max_misses
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            now = self._clock()
+            for session in list(self._streams):
+                if now - session.last_seen > limit_s:
+                    session.last_seen = float("inf")  # end once
+                    session.end(f"no message from decode for {limit_s:g} s")
+
+    async def __aenter__(self) -> ControlServer:
+        if self._server is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    @property
+    def peers(self) -> dict[str, PeerMsg]:
+        """Registered decode peers by name."""
+        return {name: s.peer for name, s in self._sessions.items() if s.peer is not None}
+
+    @property
+    def active_rooms(self) -> dict[int, TransferInfoMsg]:
+        """Rooms with accepted TransferInfo and no final status yet."""
+        return {room: info for room, (_, info) in self._rooms.items()}
+
+    def send_status(self, status: TransferStatusMsg) -> bool:
+        """Report a room's progress to its decode peer. A final state ends the room.
+
+        Returns False (and sends nothing) for a room that is not active: aborted, lost with its
+        peer or already final. A late FAILED never recreates a cleared room.
+        """
+        entry = self._rooms.get(status.room)
+        if entry is None:
+            return False
+        session = entry[0]
+        if status.state.is_terminal:
+            del self._rooms[status.room]
+            session.rooms.discard(status.room)
+        session.send(status_msg(status))
+        return True
+
+    async def _read_stream(self, session: _Session, requests) -> None:
+        try:
+            async for msg in requests:
+                self._on_message(session, msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken stream ends this session only
+            session.end(f"stream failed: {exc}")
+            return
+        session.end(session.end_reason)
+
+    def _on_message(self, session: _Session, msg: pb.DecodeMsg) -> None:
+        session.last_seen = self._clock()
+        kind = msg.WhichOneof("payload")
+        if kind == "register_peer":
+            self._on_register(session, peer_from_pb(msg.register_peer.peer))
+        elif kind == "transfer_info":
+            self._on_transfer(session, transfer_info_from_pb(msg.transfer_info))
+        elif kind == "abort":
+            self._on_abort(session, msg.abort.room, msg.abort.reason)
+        elif kind == "heartbeat":
+            session.send(heartbeat_ack_msg(msg.heartbeat.seq))
+        else:
+            log.warning("control message without payload ignored", peer=session.name)
+
+    def _on_register(self, session: _Session, peer: PeerMsg) -> None:
+        if session.peer is not None:
+            reason = f"stream already registered as peer {session.peer.peer_name!r}"
+        else:
+            reason = check_peer(self.local, peer)
+        if reason is not None:
+            log.warning("peer registration refused", peer=peer.peer_name, reason=reason)
+            session.send(register_ack_msg(False, reason))
+            return
+        old = self._sessions.get(peer.peer_name)
+        if old is not None:
+            # The same worker reconnected (restart, network blip): the new stream wins.
+            self._drop_session(old, "peer registered again on a new stream")
+            old.end("peer registered again on a new stream")
+        session.peer = peer
+        self._sessions[peer.peer_name] = session
+        session.send(register_ack_msg(True, peer=self.local))
+        self.events.put_nowait(peer)
+        log.info("peer registered", peer=peer.peer_name, backend=peer.transfer_backend)
+
+    def _transfer_rejection(self, session: _Session, info: TransferInfoMsg) -> str | None:
+        if session.peer is None:
+            return "peer not registered: send RegisterPeer before TransferInfo"
+        if info.peer_name != session.peer.peer_name:
+            if info.peer_name in self._sessions:
+                return f"TransferInfo for peer {info.peer_name!r} arrived on the stream of peer {session.name!r}"
+            return f"unknown peer {info.peer_name!r}"
+        active = self._rooms.get(info.room)
+        if active is not None and active[1] != info:
+            return f"room {info.room} is already active with different transfer info"
+        return check_transfer(info, session.peer)
+
+    def _on_transfer(self, session: _Session, info: TransferInfoMsg) -> None:
+        reason = self._transfer_rejection(session, info)
+        if reason is not None:
+            log.warning("transfer info refused", peer=session.name, room=info.room, reason=reason)
+            session.send(status_msg(TransferStatusMsg(room=info.room, state=TransferState.FAILED, reason=reason)))
+            return
+        if info.room in self._rooms:
+            return  # the same TransferInfo again (a retry): already handed over
+        self._rooms[info.room] = (session, info)
+        session.rooms.add(info.room)
+        self.events.put_nowait(info)
+
+    def _on_abort(self, session: _Session, room: int, reason: str) -> None:
+        entry = self._rooms.get(room)
+        if entry is None or entry[0] is not session:
+            return  # already final, or not this peer's room: nothing to undo
+        del self._rooms[room]
+        session.rooms.discard(room)
+        self.events.put_nowait(AbortMsg(room=room, reason=reason, peer_name=session.name))
+
+    def _drop_session(self, session: _Session, reason: str) -> None:
+        if session.peer is None or self._sessions.get(session.peer.peer_name) is not session:
+            return
+        del self._sessions[session.peer.peer_name]
+        rooms = tuple(sorted(session.rooms))
+        for room in rooms:
+            del self._rooms[room]
+        session.rooms.clear()
+        self.events.put_nowait(PeerLostMsg(peer_name=session.peer.peer_name, reason=reason, rooms=rooms))
+        log.info("peer lost", peer=session.peer.peer_name, reason=reason, rooms=len(rooms))

@@ -1,0 +1,228 @@
+"""Decode side of the KV control plane: one ControlClient per prefill worker it pulls KV from.
+
+Lifecycle: `connect()` (reach the prefill and register, within `connect_timeout_s`), then
+`send_transfer(info)` per room, which returns a future resolved with the room's final
+TransferStatusMsg (SUCCESS or FAILED, never an exception), `abort(room)`, and `close()`.
+A heartbeat goes out every `heartbeat_interval_s`; after `heartbeat_max_misses` unanswered ones in a
+row, or when the stream breaks, every pending room fails with "lost connection to prefill <addr>:
+..." and the client is dead: make a new one to reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from disagg.config import ControlConfig
+from disagg.wire import kv_control_pb2 as pb
+from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.control_msgs import (
+    PeerMsg,
+    TransferInfoMsg,
+    TransferState,
+    TransferStatusMsg,
+    abort_msg,
+    heartbeat_msg,
+    peer_from_pb,
+    register_msg,
+    status_from_pb,
+    transfer_msg,
+)
+from kvtransfer.control import Clock, ControlError, PeerRejected, PeerUnavailable, grpc_options
+
+log = structlog.get_logger("kvtransfer.control")
+
+
+class _Room:
+    """A room in flight: its latest status and the future of its final one."""
+
+    def __init__(self, future: asyncio.Future):
+        self.future = future
+        self.latest: TransferStatusMsg | None = None
+
+
+class ControlClient:
+    """Control-plane stream from this decode worker (`local`) to the prefill worker at `address`."""
+
+    def __init__(self, address: str, local: PeerMsg, config: ControlConfig = ControlConfig(),
+                 clock: Clock = time.monotonic):
+        self.address = address
+        self.local = local
+        self.config = config
+        self.remote: PeerMsg | None = None
+        self._clock = clock
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self._outbox: asyncio.Queue[pb.DecodeMsg | None] = asyncio.Queue()
+        self._rooms: dict[int, _Room] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._dead: str | None = "not connected"
+        self._closing = False
+        self._heartbeat_seq = 0
+        self._heartbeat_acked = 0
+        self.num_heartbeat_misses = 0
+
+    async def __aenter__(self) -> ControlClient:
+        if self.remote is None:
+            await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def _requests(self):
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    async def connect(self) -> PeerMsg:
+        """Reach the prefill worker and register; returns the prefill's PeerMsg.
+
+        PeerUnavailable if it cannot be reached within connect_timeout_s, PeerRejected if it
+        refuses our registration (the reason says why, e.g. a page size mismatch).
+        """
+        if self._channel is not None:
+            raise ControlError("control client already connected")
+        limit_s = self.config.connect_timeout_s
+        deadline = self._clock() + limit_s
+        self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options(self.config))
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), limit_s)
+            self._call = pb_grpc.KVControlStub(self._channel).Connect(self._requests())
+            self._outbox.put_nowait(register_msg(self.local))
+            first = await asyncio.wait_for(self._call.read(), max(deadline - self._clock(), 1e-3))
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
+            await self.close()
+            detail = "timed out" if isinstance(exc, asyncio.TimeoutError) else exc.code().name
+            raise PeerUnavailable(f"cannot reach prefill {self.address} within {limit_s:g} s ({detail})") from None
+        if first is grpc.aio.EOF or first.WhichOneof("payload") != "register_ack":
+            await self.close()
+            raise PeerUnavailable(f"prefill {self.address} did not answer the registration")
+        if not first.register_ack.accepted:
+            await self.close()
+            raise PeerRejected(self.address, first.register_ack.reason)
+        self.remote = peer_from_pb(first.register_ack.peer)
+        self._dead = None
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+        log.info("control stream open", prefill=self.address, peer=self.remote.peer_name)
+        return self.remote
+
+    async def close(self) -> None:
+        """End the stream; pending rooms fail with "control client closed". Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._fail_all("control client closed")
+        self._outbox.put_nowait(None)
+        reader = self._tasks[0] if self._tasks else None
+        if reader is not None:
+            # Let the prefill see a clean end of stream before the call is torn down.
+            await asyncio.wait([reader], timeout=self.config.close_grace_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the stream is registered and not lost or closed."""
+        return self._dead is None
+
+    @property
+    def pending_rooms(self) -> list[int]:
+        """Rooms sent and not final yet."""
+        return list(self._rooms)
+
+    def status(self, room: int) -> TransferStatusMsg | None:
+        """Latest status received for a pending room (None before the first one)."""
+        entry = self._rooms.get(room)
+        return entry.latest if entry is not None else None
+
+    def send_transfer(self, info: TransferInfoMsg) -> asyncio.Future[TransferStatusMsg]:
+        """Send a room's destination blocks; the future resolves with its final status."""
+        if self._dead is not None:
+            raise PeerUnavailable(f"control stream to prefill {self.address} is down: {self._dead}")
+        if info.room in self._rooms:
+            raise ControlError(f"room {info.room} already has a transfer in flight to prefill {self.address}")
+        future = asyncio.get_running_loop().create_future()
+        self._rooms[info.room] = _Room(future)
+        self._outbox.put_nowait(transfer_msg(info))
+        return future
+
+    def abort(self, room: int, reason: str) -> None:
+        """Give a room up: its future resolves FAILED ("aborted: <reason>"), the prefill frees it."""
+        entry = self._rooms.pop(room, None)
+        if entry is not None:
+            self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=f"aborted: {reason}"))
+        if self._dead is None:
+            self._outbox.put_nowait(abort_msg(room, reason))
+
+    @staticmethod
+    def _resolve(entry: _Room, status: TransferStatusMsg) -> None:
+        entry.latest = status
+        if not entry.future.done():
+            entry.future.set_result(status)
+
+    def _fail_all(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        rooms, self._rooms = self._rooms, {}
+        for room, entry in rooms.items():
+            self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=reason))
+
+    def _lose(self, detail: str) -> None:
+        reason = f"lost connection to prefill {self.address}: {detail}"
+        log.warning("control stream lost", prefill=self.address, detail=detail, rooms=len(self._rooms))
+        self._fail_all(reason)
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    async def _read_loop(self) -> None:
+        detail = "stream closed by the prefill"
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                self._on_message(msg)
+        except grpc.aio.AioRpcError as exc:
+            detail = f"stream failed ({exc.code().name})"
+        except asyncio.CancelledError:
+            if self._closing or self._dead is not None:
+                raise
+            detail = "stream cancelled"
+        if not self._closing and self._dead is None:
+            self._lose(detail)
+
+    def _on_message(self, msg: pb.PrefillMsg) -> None:
+        kind = msg.WhichOneof("payload")
+        if kind == "status":
+            status = status_from_pb(msg.status)
+            entry = self._rooms.get(status.room)
+            if entry is None:
+                return  # aborted or unknown here: a late status changes nothing
+            entry.latest = status
+            if status.state.is_terminal:
+                del self._rooms[status.room]
+                self._resolve(entry, status)
+        elif kind == "heartbeat_ack":
+            if msg.heartbeat_ack.seq > self._heartbeat_acked:
+                self._heartbeat_acked = msg.heartbeat_ack.seq
+                self.num_heartbeat_misses = 0
+        else:
+            log.warning("unexpected control message ignored", prefill=self.address, kind=kind)
+
+    async def _heartbeat_loop(self) -> None:
+        max_misses = self.config.heartbeat_max_misses
+        while self._dead is None:
+            if self._heartbeat_acked < self._heartbeat_seq:
+                self.num_heartbeat_misses += 1
+                if self.num_heartbeat_misses >= max_misses:
+                    self._lose(f"{self.num_heartbeat_misses} heartbeats missed")
+                    return
+            self._heartbeat_seq += 1
+            self._outbox.put_nowait(heartbeat_msg(self._heartbeat_seq))
+            await asyncio.sleep(self.config.heartbeat_interval_s)

@@ -1,0 +1,126 @@
+"""Block ids -> byte ranges: validation, coalescing of adjacent blocks, descriptors, host views.
+
+Pure address arithmetic over a KVLayout; no transport here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvtransfer.base import InvalidBlockIds, KVLayout
+
+
+class BlockRange(NamedTuple):
+    """`num_blocks` consecutive block ids starting at `start`."""
+
+    start: int
+    num_blocks: int
+
+
+class BlockRun(NamedTuple):
+    """Blocks contiguous on both sides: local[start:start+n] <-> remote[start:start+n]."""
+
+    local_start: int
+    remote_start: int
+    num_blocks: int
+
+
+class Descriptor(NamedTuple):
+    """One byte range of a registered region, NIXL's (address, length, device id)."""
+
+    address: int
+    size_bytes: int
+    device_id: int
+
+
+class Segment(NamedTuple):
+    """A byte range relative to the start of a registered region."""
+
+    offset_bytes: int
+    size_bytes: int
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> list[int]:
+    """Validated copy of `block_ids`: non-empty, every id in [0, num_blocks), no repeats."""
+    ids = [int(block_id) for block_id in block_ids]
+    if not ids:
+        raise InvalidBlockIds(f"{side} block ids are empty; a transfer needs at least one block")
+    seen: set[int] = set()
+    for block_id in ids:
+        if not 0 <= block_id < num_blocks:
+            raise InvalidBlockIds(f"{side} block id {block_id} is out of range [0, {num_blocks})")
+        if block_id in seen:
+            raise InvalidBlockIds(f"{side} block id {block_id} appears twice")
+        seen.add(block_id)
+    return ids
+
+
+def check_block_pairs(
+    local_block_ids: Sequence[int], remote_block_ids: Sequence[int], local_num_blocks: int, remote_num_blocks: int,
+) -> tuple[list[int], list[int]]:
+    """Validated (local, remote) id lists of equal length."""
+    local = check_block_ids(local_block_ids, local_num_blocks, "local")
+    remote = check_block_ids(remote_block_ids, remote_num_blocks, "remote")
+    if len(local) != len(remote):
+        raise InvalidBlockIds(f"{len(local)} local block ids but {len(remote)} remote block ids")
+    return local, remote
+
+
+def coalesce(block_ids: Sequence[int]) -> list[BlockRange]:
+    """Merge ascending neighbours: [3, 4, 5, 9, 2] -> [(3, 3), (9, 1), (2, 1)]. Order is kept."""
+    ranges: list[BlockRange] = []
+    for block_id in block_ids:
+        if ranges and ranges[-1].start + ranges[-1].num_blocks == block_id:
+            ranges[-1] = BlockRange(ranges[-1].start, ranges[-1].num_blocks + 1)
+        else:
+            ranges.append(BlockRange(block_id, 1))
+    return ranges
+
+
+def pair_runs(local_block_ids: Sequence[int], remote_block_ids: Sequence[int]) -> list[BlockRun]:
+    """Merge pairs whose ids are consecutive on BOTH sides into one run (one descriptor each side)."""
+    runs: list[BlockRun] = []
+    for local_id, remote_id in zip(local_block_ids, remote_block_ids):
+        if runs:
+            last = runs[-1]
+            if last.local_start + last.num_blocks == local_id and last.remote_start + last.num_blocks == remote_id:
+                runs[-1] = BlockRun(last.local_start, last.remote_start, last.num_blocks + 1)
+                continue
+        runs.append(BlockRun(local_id, remote_id, 1))
+    return runs
+
+
+def describe(layout: KVLayout, block_ids: Sequence[int]) -> list[Descriptor]:
+    """Descriptors of `block_ids` in `layout`, adjacent ids coalesced into one descriptor."""
+    ids = check_block_ids(block_ids, layout.num_blocks, "local")
+    return [
+        Descriptor(layout.block_address(r.start), r.num_blocks * layout.block_size_bytes, layout.device_id)
+        for r in coalesce(ids)
+    ]
+
+
+def run_segments(layout_block_bytes: int, runs: Sequence[BlockRun]) -> tuple[list[Segment], list[Segment]]:
+    """(local segments, remote segments) of the runs, for backends that address by offset."""
+    local = [Segment(r.local_start * layout_block_bytes, r.num_blocks * layout_block_bytes) for r in runs]
+    remote = [Segment(r.remote_start * layout_block_bytes, r.num_blocks * layout_block_bytes) for r in runs]
+    return local, remote
+
+
+def block_table(layout: KVLayout) -> list[tuple[int, int, int]]:
+    """One (address, size_bytes, device_id) per block, in block id order: what NIXL preps once."""
+    return [(layout.block_address(i), layout.block_size_bytes, layout.device_id) for i in range(layout.num_blocks)]
+
+
+def host_view(layout: KVLayout) -> memoryview:
+    """A writable byte view over a host (cpu) region. The caller keeps the memory alive."""
+    if layout.is_cuda:
+        raise ValueError(f"host_view needs host memory, the layout is on {layout.device}")
+    buffer = (ctypes.c_ubyte * layout.size_bytes).from_address(layout.base_address)
+    return memoryview(buffer).cast("B")
+
+
+def segment_in_bounds(segment: Segment, size_bytes: int) -> bool:
+    """True when the segment lies inside a region of `size_bytes`."""
+    return segment.size_bytes > 0 and 0 <= segment.offset_bytes and segment.offset_bytes + segment.size_bytes <= size_bytes

@@ -1,0 +1,211 @@
+"""TCP backend: length-prefixed frames over plain sockets, background threads, no extra dependency.
+
+Per peer we hold one outgoing connection (a sender thread posting WRITE/READ/NOTIF frames in order, a
+receiver thread taking ACK/DATA/ERROR); peers connect to our listener (tcp_server) to move bytes into
+or out of our region. Host memory only. A lost connection fails every transfer on it with a reason.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from kvtransfer.base import (
+    BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
+)
+from kvtransfer.core import BackendCore
+from kvtransfer.descriptors import BlockRun, Segment, host_view, run_segments
+from kvtransfer.handshake import PeerInfo
+from kvtransfer.tcp_server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
+from kvtransfer.tcp_wire import FrameHead, FrameKind, discard, read_head, recv_into_exact, send_frame
+from kvtransfer.transfers import TransferTable
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One frame for the sender thread. `local` are the segments of our region it reads or fills."""
+
+    kind: FrameKind
+    transfer_id: int
+    local: tuple[Segment, ...] = ()
+    remote: tuple[Segment, ...] = ()
+    tag: bytes = b""
+
+
+class _Link:
+    """Our connection to one peer's listener."""
+
+    def __init__(self, info: PeerInfo, sock: socket.socket, region: memoryview, transfers: TransferTable) -> None:
+        self.peer = info.name
+        self._sock = sock
+        self._region = region
+        self._transfers = transfers
+        self._lock = threading.Lock()
+        self._inflight: dict[int, _Job] = {}
+        self._dead_reason = ""
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
+        self._threads = [
+            threading.Thread(target=self._send_loop, name=f"kv-tcp-send-{self.peer}", daemon=True),
+            threading.Thread(target=self._receive_loop, name=f"kv-tcp-recv-{self.peer}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: _Job) -> bool:
+        """Queue a frame; False (and the transfer FAILED) when the connection is already gone."""
+        with self._lock:
+            if self._dead_reason:
+                if job.transfer_id:
+                    self._transfers.fail(job.transfer_id, self._dead_reason)
+                return False
+            if job.transfer_id:
+                self._inflight[job.transfer_id] = job
+        self._jobs.put(job)
+        return True
+
+    def forget(self, transfer_id: int) -> None:
+        with self._lock:
+            self._inflight.pop(transfer_id, None)
+
+    def close(self) -> None:
+        self._die(f"connection to peer {self.peer!r} closed")
+        self._jobs.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(JOIN_TIMEOUT_S)
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self._dead_reason:
+                return
+            self._dead_reason = reason
+            orphans = list(self._inflight)
+            self._inflight.clear()
+        shutdown_quietly(self._sock)
+        for transfer_id in orphans:
+            self._transfers.fail(transfer_id, reason)
+
+    def _is_live(self, transfer_id: int) -> bool:
+        with self._lock:
+            return transfer_id in self._inflight
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.transfer_id and not self._is_live(job.transfer_id):
+                continue  # aborted while queued
+            payload = [self._slice(s) for s in job.local] if job.kind is FrameKind.WRITE else []
+            head = FrameHead(job.kind, job.transfer_id, job.remote, job.tag, sum(map(len, payload)))
+            try:
+                send_frame(self._sock, head, payload)
+            except OSError as exc:
+                self._die(f"connection to peer {self.peer!r} lost while sending: {exc}")
+                return
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                self._on_reply(read_head(self._sock))
+        except OSError as exc:
+            self._die(f"connection to peer {self.peer!r} lost: {exc or type(exc).__name__}")
+
+    def _on_reply(self, head: FrameHead) -> None:
+        with self._lock:
+            job = self._inflight.pop(head.transfer_id, None)
+        if head.kind is FrameKind.DATA:
+            if job is None:
+                discard(self._sock, head.payload_bytes)  # aborted or released: never touch its blocks
+                return
+            for segment in job.local:
+                recv_into_exact(self._sock, self._slice(segment))
+        if job is None:
+            return
+        if head.kind is FrameKind.ERROR:
+            self._transfers.fail(head.transfer_id, f"peer {self.peer!r} refused the transfer: {head.tag.decode()}")
+        else:
+            self._transfers.advance(head.transfer_id, TransferState.SUCCESS)
+
+    def _slice(self, segment: Segment) -> memoryview:
+        return self._region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes]
+
+
+class TcpBackend(BackendCore):
+    """Thread-safe notifications; transfers are posted and polled from one caller thread."""
+
+    backend_name = "tcp"
+
+    def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> None:
+        super().__init__(agent_name)
+        self._connect_timeout_s = connect_timeout_s
+        self._inbox: deque[Notification] = deque()
+        self._server = InboundServer(host, self._inbox.append)
+        self._region: memoryview | None = None
+        self._links: dict[str, _Link] = {}
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) of our listener."""
+        return self._server.host, self._server.port
+
+    def _on_register(self, layout: KVLayout) -> None:
+        if layout.is_cuda:
+            raise BackendUnavailable(
+                f"the tcp backend moves host memory only, the layout is on {layout.device}; use nixl"
+            )
+        self._region = host_view(layout)
+        self._server.attach_region(self._region)
+
+    def _on_deregister(self) -> None:
+        self._server.detach_region()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        self._region = None
+
+    def _transport_info(self, info: PeerInfo) -> PeerInfo:
+        return PeerInfo(info.backend, info.name, info.layout, host=self._server.host, port=self._server.port)
+
+    def _on_add_peer(self, info: PeerInfo) -> None:
+        assert self._region is not None
+        try:
+            sock = socket.create_connection((info.host, info.port), timeout=self._connect_timeout_s)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(sock, FrameHead(FrameKind.HELLO, tag=self._agent_name.encode()))
+        except OSError as exc:
+            raise PeerUnavailable(f"cannot connect to peer {info.name!r} at {info.host}:{info.port}: {exc}") from None
+        self._links[info.name] = _Link(info, sock, self._region, self._transfers)
+
+    def _on_remove_peer(self, peer: str) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def _post(self, handle: TransferHandle, runs: list[BlockRun], notif_tag: bytes) -> None:
+        assert self._layout is not None
+        local, remote = run_segments(self._layout.block_size_bytes, runs)
+        kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
+        self._links[handle.peer].submit(_Job(kind, handle.transfer_id, tuple(local), tuple(remote), notif_tag))
+
+    def _progress(self, handle: TransferHandle) -> None:
+        """Nothing to do: the link threads advance the state."""
+
+    def _cancel(self, handle: TransferHandle) -> None:
+        link = self._links.get(handle.peer)
+        if link is not None:
+            link.forget(handle.transfer_id)
+
+    def _drain_notifications(self) -> list[Notification]:
+        drained = []
+        while self._inbox:
+            drained.append(self._inbox.popleft())
+        return drained
+
+    def _send_notification(self, peer: str, tag: bytes) -> None:
+        if not self._links[peer].submit(_Job(FrameKind.NOTIF, 0, tag=tag)):
+            raise PeerUnavailable(f"connection to peer {peer!r} is gone")
+
+    def _on_close(self) -> None:
+        self._server.close()

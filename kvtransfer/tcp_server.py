@@ -1,0 +1,136 @@
+"""The tcp backend's inbound side: accept peers and serve their frames against our registered region.
+
+One thread accepts; one thread per connection reads frames, lands WRITE payloads straight into the
+region (recv_into over a view of the caller's memory), answers READs from it and queues notifications.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+
+from kvtransfer.base import Notification
+from kvtransfer.descriptors import segment_in_bounds
+from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
+
+JOIN_TIMEOUT_S = 2.0
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Wake any thread blocked on `sock` and close it; errors of an already-dead socket are moot."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+class InboundServer:
+    def __init__(self, host: str, on_notification: Callable[[Notification], None]) -> None:
+        self._listener = socket.create_server((host, 0))
+        self.host: str = self._listener.getsockname()[0]
+        self.port: int = self._listener.getsockname()[1]
+        self._on_notification = on_notification
+        self._lock = threading.Lock()
+        self._region: memoryview | None = None
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._closing = False
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True)
+        self._accept_thread.start()
+
+    def attach_region(self, region: memoryview) -> None:
+        """Serve frames against `region` (the registered cache, as bytes)."""
+        with self._lock:
+            self._region = region
+
+    def detach_region(self) -> None:
+        """Close every inbound connection and wait for its thread, so no frame touches the region after."""
+        with self._lock:
+            self._region = None
+            connections = list(self._connections.items())
+        self._stop_connections(connections)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._region = None
+            connections = list(self._connections.items())
+        shutdown_quietly(self._listener)
+        self._accept_thread.join(JOIN_TIMEOUT_S)
+        self._stop_connections(connections)
+
+    def _stop_connections(self, connections: list[tuple[socket.socket, threading.Thread]]) -> None:
+        for conn, _ in connections:
+            shutdown_quietly(conn)
+        for _, thread in connections:
+            if thread is not threading.current_thread():
+                thread.join(JOIN_TIMEOUT_S)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"kv-tcp-serve-{self.port}", daemon=True)
+            with self._lock:
+                if self._closing:
+                    shutdown_quietly(conn)
+                    return
+                self._connections[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            hello = read_head(conn)
+            if hello.kind is not FrameKind.HELLO:
+                raise ProtocolError(f"expected HELLO, got {hello.kind.name}")
+            peer = hello.tag.decode()
+            while True:
+                self._serve_frame(conn, peer, read_head(conn))
+        except (OSError, UnicodeDecodeError):
+            pass  # the peer went away or spoke garbage: drop the connection, the peer sees it closed
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)
+            shutdown_quietly(conn)
+
+    def _serve_frame(self, conn: socket.socket, peer: str, head: FrameHead) -> None:
+        if head.kind is FrameKind.NOTIF:
+            self._on_notification(Notification(peer, head.tag))
+            return
+        if head.kind not in (FrameKind.WRITE, FrameKind.READ):
+            raise ProtocolError(f"unexpected {head.kind.name} frame from a peer")
+        region = self._region
+        refusal = _refusal(head, region)
+        if refusal:
+            discard(conn, head.payload_bytes)
+            send_frame(conn, FrameHead(FrameKind.ERROR, head.transfer_id, tag=refusal.encode()))
+            return
+        assert region is not None
+        if head.kind is FrameKind.WRITE:
+            for segment in head.segments:
+                recv_into_exact(conn, region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes])
+            if head.tag:
+                self._on_notification(Notification(peer, head.tag))
+            send_frame(conn, FrameHead(FrameKind.ACK, head.transfer_id))
+        else:
+            views = [region[s.offset_bytes: s.offset_bytes + s.size_bytes] for s in head.segments]
+            send_frame(conn, FrameHead(FrameKind.DATA, head.transfer_id, payload_bytes=sum(map(len, views))), views)
+            if head.tag:
+                self._on_notification(Notification(peer, head.tag))
+
+
+def _refusal(head: FrameHead, region: memoryview | None) -> str:
+    """Why a WRITE/READ cannot be served ('' when it can)."""
+    if region is None:
+        return "no layout is registered"
+    for segment in head.segments:
+        if not segment_in_bounds(segment, len(region)):
+            return f"segment {tuple(segment)} is outside the registered region of {len(region)} bytes"
+    expected = sum(segment.size_bytes for segment in head.segments) if head.kind is FrameKind.WRITE else 0
+    if head.payload_bytes != expected:
+        return f"payload of {head.payload_bytes} bytes does not match the segments ({expected} bytes)"
+    return ""

@@ -1,0 +1,105 @@
+"""The tcp backend's frames: a fixed little-endian header, segments, a tag, then raw payload bytes.
+
+    header   kind u8 | pad 3 | num_segments u32 | tag_bytes u32 | transfer_id u64 | payload_bytes u64
+    segments num_segments x (offset_bytes u64, size_bytes u64), offsets into the receiver's region
+    tag      tag_bytes bytes (notification tag, peer name for HELLO, reason for ERROR)
+    payload  payload_bytes bytes (WRITE: the blocks, in segment order; DATA: the blocks read)
+
+Conversation: the connecting side sends HELLO(name) once, then WRITE / READ / NOTIF requests; the
+listening side answers WRITE with ACK (after the bytes landed), READ with DATA, bad requests with ERROR.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+
+from kvtransfer.descriptors import Segment
+
+_HEADER = struct.Struct("<B3xIIQQ")
+_SEGMENT = struct.Struct("<QQ")
+MAX_SEGMENTS = 1 << 20
+MAX_TAG_BYTES = 1 << 16
+_DISCARD_CHUNK_BYTES = 1 << 20
+
+
+class FrameKind(enum.IntEnum):
+    HELLO = 1
+    WRITE = 2
+    READ = 3
+    DATA = 4
+    ACK = 5
+    ERROR = 6
+    NOTIF = 7
+
+
+class ProtocolError(ConnectionError):
+    """The byte stream is not a valid frame sequence; the connection must close."""
+
+
+@dataclass(frozen=True)
+class FrameHead:
+    """Everything of a frame but its payload, which the reader then takes from the socket."""
+
+    kind: FrameKind
+    transfer_id: int = 0
+    segments: tuple[Segment, ...] = ()
+    tag: bytes = b""
+    payload_bytes: int = 0
+
+
+def encode_head(head: FrameHead) -> bytes:
+    parts = [_HEADER.pack(head.kind, len(head.segments), len(head.tag), head.transfer_id, head.payload_bytes)]
+    parts += [_SEGMENT.pack(*segment) for segment in head.segments]
+    parts.append(head.tag)
+    return b"".join(parts)
+
+
+def read_head(sock: socket.socket) -> FrameHead:
+    """Read one frame head; ConnectionError on EOF, ProtocolError on garbage."""
+    kind, num_segments, tag_bytes, transfer_id, payload_bytes = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    if kind not in FrameKind.__members__.values():
+        raise ProtocolError(f"unknown frame kind {kind}")
+    if num_segments > MAX_SEGMENTS or tag_bytes > MAX_TAG_BYTES:
+        raise ProtocolError(f"frame too large: {num_segments} segments, {tag_bytes} tag bytes")
+    raw = recv_exact(sock, num_segments * _SEGMENT.size + tag_bytes)
+    segments = tuple(Segment(*_SEGMENT.unpack_from(raw, i * _SEGMENT.size)) for i in range(num_segments))
+    return FrameHead(FrameKind(kind), transfer_id, segments, bytes(raw[num_segments * _SEGMENT.size:]), payload_bytes)
+
+
+def recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
+    buffer = bytearray(num_bytes)
+    recv_into_exact(sock, memoryview(buffer))
+    return buffer
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket (straight into the caller's memory, no staging copy)."""
+    received = 0
+    while received < len(view):
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("connection closed by the other side")
+        received += count
+
+
+def discard(sock: socket.socket, num_bytes: int) -> None:
+    """Read and drop `num_bytes` (the payload of a frame we refuse)."""
+    scratch = memoryview(bytearray(min(num_bytes, _DISCARD_CHUNK_BYTES)))
+    while num_bytes > 0:
+        chunk = scratch[: min(num_bytes, len(scratch))]
+        recv_into_exact(sock, chunk)
+        num_bytes -= len(chunk)
+
+
+def send_frame(sock: socket.socket, head: FrameHead, payload: list[memoryview] | tuple = ()) -> None:
+    """Send a head and its payload views. Small payloads ride in the head's syscall."""
+    data = encode_head(head)
+    if payload and sum(len(view) for view in payload) <= 64 * 1024:
+        sock.sendall(data + b"".join(payload))
+        return
+    sock.sendall(data)
+    for view in payload:
+        sock.sendall(view)

@@ -1,0 +1,298 @@
+"""KV control plane: a real grpc.aio server and client on 127.0.0.1 (port 0)."""
+
+import asyncio
+import importlib.util
+import pathlib
+import subprocess
+import sys
+import time
+
+import grpc
+import msgspec
+import pytest
+
+from disagg.config import ControlConfig
+from disagg.wire import kv_control_pb2 as pb
+from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.control_msgs import (
+    AbortMsg,
+    KVLayoutMsg,
+    PeerLostMsg,
+    PeerMsg,
+    TransferInfoMsg,
+    TransferState,
+    TransferStatusMsg,
+    register_ack_msg,
+    register_msg,
+    status_from_pb,
+    status_to_pb,
+    transfer_msg,
+)
+from kvtransfer.control import ControlError, ControlServer, PeerRejected, PeerUnavailable
+from kvtransfer.control_client import ControlClient
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LAYOUT = KVLayoutMsg(num_blocks=32, block_size_tokens=16, block_size_bytes=4096, dtype="bfloat16", num_layers=2)
+PREFILL = PeerMsg(peer_name="prefill-0", transfer_backend="tcp", agent_metadata=b"P0",
+                  layout=msgspec.structs.replace(LAYOUT, num_blocks=64))
+DECODE = PeerMsg(peer_name="decode-0", transfer_backend="tcp", agent_metadata=b"D0", layout=LAYOUT, dp_rank=1)
+FAST = ControlConfig(connect_timeout_s=2.0, heartbeat_interval_s=0.1, heartbeat_max_misses=3, close_grace_s=0.1)
+FAILED = TransferState.FAILED
+
+
+def info(room=7, blocks=(3, 4, 5), **kw):
+    return TransferInfoMsg(room=room, peer_name=kw.pop("peer_name", "decode-0"), dst_block_ids=tuple(blocks), **kw)
+
+
+def failed(room, reason):
+    return TransferStatusMsg(room=room, state=FAILED, reason=reason)
+
+
+@pytest.fixture
+async def server():
+    async with ControlServer(PREFILL, FAST) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def client(server):
+    async with ControlClient(f"127.0.0.1:{server.port}", DECODE, FAST) as cli:
+        assert await asyncio.wait_for(server.events.get(), 2) == DECODE
+        yield cli
+
+
+async def test_happy_path_transfer_info_in_statuses_out(server, client):
+    assert client.remote == PREFILL
+    assert server.peers == {"decode-0": DECODE}
+    future = client.send_transfer(info(num_prompt_tokens=40, first_token_slot=2, request_id="r1"))
+    assert await asyncio.wait_for(server.events.get(), 2) == TransferInfoMsg(
+        room=7, peer_name="decode-0", dst_block_ids=(3, 4, 5), first_token_slot=2, num_prompt_tokens=40,
+        request_id="r1")
+    progress = TransferStatusMsg(room=7, state=TransferState.TRANSFERRING, num_bytes=4096)
+    assert server.send_status(progress) is True
+    done = TransferStatusMsg(room=7, state=TransferState.SUCCESS, first_token_id=42,
+                             first_token_logprob=-0.5, num_bytes=12288)
+    assert server.send_status(done) is True
+    assert await asyncio.wait_for(future, 2) == done
+    assert client.pending_rooms == [] and server.active_rooms == {}
+    assert server.send_status(failed(7, "late")) is False  # a cleared room is never recreated
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(layout=msgspec.structs.replace(LAYOUT, block_size_tokens=32)),
+         "page size mismatch: prefill block_size_tokens=16, decode block_size_tokens=32"),
+        (dict(layout=msgspec.structs.replace(LAYOUT, dtype="float32")),
+         "kv cache dtype mismatch: prefill dtype=bfloat16, decode dtype=float32"),
+        (dict(layout=msgspec.structs.replace(LAYOUT, num_layers=3)),
+         "num_layers mismatch: prefill num_layers=2, decode num_layers=3"),
+        (dict(layout=msgspec.structs.replace(LAYOUT, num_blocks=0)), "num_blocks must be positive, got 0"),
+        (dict(transfer_backend="nixl"), "transfer backend mismatch: prefill uses 'tcp', decode uses 'nixl'"),
+        (dict(peer_name=""), "peer_name must not be empty"),
+    ],
+)
+async def test_registration_is_refused_with_a_reason(server, change, reason):
+    decode = msgspec.structs.replace(DECODE, **change)
+    with pytest.raises(PeerRejected) as exc:
+        await ControlClient(f"127.0.0.1:{server.port}", decode, FAST).connect()
+    assert exc.value.reason == reason
+    assert str(exc.value) == f"prefill 127.0.0.1:{server.port} refused registration: {reason}"
+    assert server.peers == {} and server.events.empty()
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (info(8, (3, 32)), "room 8: destination block id 32 is out of range [0, 32) of peer 'decode-0'"),
+        (info(8, (-1,)), "room 8: destination block id -1 is out of range [0, 32) of peer 'decode-0'"),
+        (info(8, (2, 2)), "room 8: destination block id 2 appears twice"),
+        (info(8, ()), "room 8: no destination block ids"),
+        (info(8, (1, 2), num_prompt_tokens=33), "room 8: 2 destination blocks hold 32 tokens, the prompt has 33"),
+        (info(8, peer_name="decode-9"), "unknown peer 'decode-9'"),
+        (info(7, (9, 10)), "room 7 is already active with different transfer info"),
+    ],
+)
+async def test_invalid_transfer_info_is_refused_and_never_applied(server, client, bad, reason):
+    client.send_transfer(info(7))
+    assert (await asyncio.wait_for(server.events.get(), 2)).room == 7
+    if bad.room == 7:  # same room from another decode worker, which the server must refuse
+        async with ControlClient(f"127.0.0.1:{server.port}", msgspec.structs.replace(DECODE, peer_name="decode-1"),
+                                 FAST) as other:
+            await server.events.get()
+            result = await asyncio.wait_for(other.send_transfer(msgspec.structs.replace(bad, peer_name="decode-1")), 2)
+        assert result == failed(7, reason)
+        assert await asyncio.wait_for(server.events.get(), 2) == PeerLostMsg(
+            peer_name="decode-1", reason="decode closed the stream", rooms=())
+    else:
+        assert await asyncio.wait_for(client.send_transfer(bad), 2) == failed(bad.room, reason)
+    assert server.events.empty()
+    assert list(server.active_rooms) == [7]
+
+
+async def test_transfer_info_on_another_peers_stream_is_refused(server, client):
+    async with ControlClient(f"127.0.0.1:{server.port}", msgspec.structs.replace(DECODE, peer_name="decode-1"),
+                             FAST) as other:
+        await server.events.get()
+        result = await asyncio.wait_for(other.send_transfer(info(5)), 2)
+    assert result == failed(5, "TransferInfo for peer 'decode-0' arrived on the stream of peer 'decode-1'")
+    assert server.active_rooms == {}
+
+
+async def test_transfer_info_before_registration_is_refused(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = pb_grpc.KVControlStub(channel).Connect()
+        await call.write(transfer_msg(info(3)))
+        answer = await asyncio.wait_for(call.read(), 2)
+        assert status_from_pb(answer.status) == failed(3, "peer not registered: send RegisterPeer before TransferInfo")
+        await call.write(register_msg(DECODE))
+        assert (await asyncio.wait_for(call.read(), 2)).register_ack.accepted
+        await call.write(register_msg(DECODE))
+        second = await asyncio.wait_for(call.read(), 2)
+        assert (second.register_ack.accepted, second.register_ack.reason) == (
+            False, "stream already registered as peer 'decode-0'")
+        await call.done_writing()
+    assert server.active_rooms == {}
+
+
+async def test_abort_fails_the_room_locally_and_frees_it_on_the_prefill(server, client):
+    future = client.send_transfer(info(11))
+    await asyncio.wait_for(server.events.get(), 2)
+    client.abort(11, "client went away")
+    assert future.result() == failed(11, "aborted: client went away")
+    assert await asyncio.wait_for(server.events.get(), 2) == AbortMsg(room=11, reason="client went away",
+                                                                      peer_name="decode-0")
+    assert server.active_rooms == {}
+    assert server.send_status(TransferStatusMsg(room=11, state=TransferState.SUCCESS)) is False
+
+
+async def test_closing_the_client_reports_the_peer_lost_with_its_rooms(server):
+    cli = ControlClient(f"127.0.0.1:{server.port}", DECODE, FAST)
+    await cli.connect()
+    await server.events.get()
+    future = cli.send_transfer(info(21))
+    await asyncio.wait_for(server.events.get(), 2)
+    await cli.close()
+    assert future.result() == failed(21, "control client closed")
+    assert await asyncio.wait_for(server.events.get(), 2) == PeerLostMsg(
+        peer_name="decode-0", reason="decode closed the stream", rooms=(21,))
+    assert server.peers == {} and server.active_rooms == {}
+    with pytest.raises(PeerUnavailable, match=r"is down: control client closed$"):
+        cli.send_transfer(info(22))
+
+
+async def test_stopping_the_server_fails_pending_rooms_without_hanging():
+    server = ControlServer(PREFILL, FAST)
+    port = await server.start()
+    async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
+        future = cli.send_transfer(info(31))
+        assert await asyncio.wait_for(server.events.get(), 2) == DECODE
+        assert await asyncio.wait_for(server.events.get(), 2) == info(31)
+        start = time.monotonic()
+        await server.close()
+        result = await asyncio.wait_for(future, 2)
+        assert time.monotonic() - start < 2.0
+        assert result == failed(31, f"lost connection to prefill 127.0.0.1:{port}: stream closed by the prefill")
+        assert await asyncio.wait_for(server.events.get(), 2) == PeerLostMsg(
+            peer_name="decode-0", reason="control server closed", rooms=(31,))
+        assert not cli.is_alive
+        with pytest.raises(PeerUnavailable):
+            cli.send_transfer(info(32))
+
+
+class SilentPrefill(pb_grpc.KVControlServicer):
+    """Accepts the registration, then never answers again and never closes the stream."""
+
+    async def Connect(self, request_iterator, context):  # noqa: N802
+        async for msg in request_iterator:
+            if msg.WhichOneof("payload") == "register_peer":
+                yield register_ack_msg(True, peer=PREFILL)
+
+
+async def test_missed_heartbeats_fail_every_pending_room():
+    grpc_server = grpc.aio.server()
+    pb_grpc.add_KVControlServicer_to_server(SilentPrefill(), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    try:
+        async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
+            start = time.monotonic()
+            futures = [cli.send_transfer(info(room)) for room in (1, 2)]
+            results = await asyncio.wait_for(asyncio.gather(*futures), 2)
+            elapsed = time.monotonic() - start
+            reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
+            assert results == [failed(1, reason), failed(2, reason)]
+            assert 0.2 <= elapsed < 1.5  # three intervals of 0.1 s, plus scheduling
+    finally:
+        await grpc_server.stop(0)
+
+
+async def test_a_silent_decode_is_dropped_with_its_rooms(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = pb_grpc.KVControlStub(channel).Connect()
+        await call.write(register_msg(DECODE))
+        await call.write(transfer_msg(info(51)))
+        assert await asyncio.wait_for(server.events.get(), 2) == DECODE
+        assert await asyncio.wait_for(server.events.get(), 2) == info(51)
+        start = time.monotonic()
+        lost = await asyncio.wait_for(server.events.get(), 3)
+        assert 0.5 <= time.monotonic() - start < 2.0
+        assert lost == PeerLostMsg(peer_name="decode-0", reason="no message from decode for 0.6 s", rooms=(51,))
+        assert (await call.read()).register_ack.accepted
+        assert await asyncio.wait_for(call.read(), 2) is grpc.aio.EOF
+    assert server.peers == {} and server.active_rooms == {}
+
+
+async def test_reregistering_the_same_peer_replaces_the_old_stream(server, client):
+    future = client.send_transfer(info(41))
+    await asyncio.wait_for(server.events.get(), 2)
+    async with ControlClient(f"127.0.0.1:{server.port}", DECODE, FAST):
+        assert await asyncio.wait_for(server.events.get(), 2) == PeerLostMsg(
+            peer_name="decode-0", reason="peer registered again on a new stream", rooms=(41,))
+        assert await asyncio.wait_for(server.events.get(), 2) == DECODE
+        result = await asyncio.wait_for(future, 2)
+    assert result == failed(41, f"lost connection to prefill 127.0.0.1:{server.port}: stream closed by the prefill")
+
+
+async def test_unreachable_prefill_and_client_misuse():
+    probe = ControlServer(PREFILL, FAST)
+    port = await probe.start()
+    await probe.close()
+    config = ControlConfig(connect_timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailable) as exc:
+        await ControlClient(f"127.0.0.1:{port}", DECODE, config).connect()
+    assert time.monotonic() - start < 2.0
+    assert str(exc.value) == f"cannot reach prefill 127.0.0.1:{port} within 0.3 s (timed out)"
+    async with ControlServer(PREFILL, FAST) as srv, ControlClient(f"127.0.0.1:{srv.port}", DECODE, FAST) as cli:
+        cli.send_transfer(info(1))
+        with pytest.raises(ControlError, match=r"^room 1 already has a transfer in flight to prefill "):
+            cli.send_transfer(info(1))
+        with pytest.raises(ControlError, match=r"^control server already started$"):
+            await srv.start()
+
+
+def test_status_translation_keeps_unset_first_token_unset():
+    bare = TransferStatusMsg(room=2**63 - 1, state=TransferState.WAITING_FOR_INPUT)
+    assert status_from_pb(status_to_pb(bare)) == bare
+    full = TransferStatusMsg(room=1, state=TransferState.SUCCESS, first_token_id=0, first_token_logprob=0.0,
+                             num_bytes=5)
+    assert status_from_pb(status_to_pb(full)) == full
+    assert status_from_pb(pb.TransferStatus(room=3, state=99)) == failed(3, "unknown transfer state 99")
+
+
+def test_regenerating_the_proto_reproduces_the_committed_files(tmp_path):
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    committed = (ROOT / "disagg" / "wire" / "kv_control_pb2.py").read_text().splitlines()[1]
+    if gen.header().strip() != committed.strip():
+        pytest.skip(f"installed grpcio-tools {gen.tools_version()} differs from the one that generated: {committed}")
+    # In a child process: protoc's extension module must not load beside NIXL's bundled libraries.
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv_control_pb2.py", "kv_control_pb2.pyi", "kv_control_pb2_grpc.py"]
+    assert gen.differences(tmp_path) == []

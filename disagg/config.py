@@ -140,6 +140,31 @@ class ServerConfig:
             raise ConfigError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}")
 
 
+@dataclass(frozen=True)
+class DisaggConfig:
+    """What a prefill or decode worker needs for P/D: backend, registry address, deadlines."""
+
+    transfer_backend: str = field(default="nixl", metadata={"help": "KV transfer backend: nixl or tcp"})
+    bootstrap_host: str = field(default="127.0.0.1", metadata={"help": "prefill: the bootstrap registry's address"})
+    bootstrap_port: int = field(default=8998, metadata={"help": "prefill: the bootstrap registry's port"})
+    rank_host: str = field(default="127.0.0.1", metadata={"help": "address this worker's KV control and transfer endpoints bind"})
+    bootstrap_timeout_s: float = field(
+        default=300.0, metadata={"help": "prefill: how long a request waits for its decode's destination blocks"}
+    )
+    waiting_timeout_s: float = field(default=300.0, metadata={"help": "decode: how long a request waits for its KV"})
+    force_query_prefill_dp_rank: bool = field(
+        default_factory=lambda: force_query_prefill_dp_rank(),
+        metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.transfer_backend not in ("nixl", "tcp", "loopback"):
+            raise ConfigError(f"transfer_backend must be nixl or tcp, got {self.transfer_backend!r}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+
 # --- Bootstrap registry and KV control plane ----------------------------------------------------
 
 

@@ -6,6 +6,8 @@ tokenizer-free. One bad request becomes one error OutputMsg; it never stops the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from disagg.engine.core import EngineCore
@@ -66,6 +68,7 @@ class EngineHandler:
         self.dp_rank = dp_rank
         self.model_name = model_name
         self._started: set[str] = set()  # requests whose first OutputMsg went out
+        self.wake: Callable[[], None] = lambda: None  # set by the worker loop
 
     def ready_msg(self) -> ReadyMsg:
         core = self.core
@@ -94,6 +97,10 @@ class EngineHandler:
 
     async def poll(self) -> list[OutputMsg]:
         """Advance background work between engine steps (the roles: KV transfers)."""
+        return []
+
+    async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
+        """The front says a bootstrap room will not be served (the prefill role answers its decode)."""
         return []
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:

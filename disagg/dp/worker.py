@@ -22,12 +22,13 @@ from disagg.dp.framing import frame, read_frame
 from disagg.engine.core import EngineCore
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
-    AbortMsg, GenerateMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker, encode,
+    AbortMsg, GenerateMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker, encode,
 )
 
 log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.5
 HandlerFactory = Callable[[EngineCore, int, str], EngineHandler]
+WAKE = object()
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
 
 async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     inbox: asyncio.Queue = asyncio.Queue()
+    handler.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
     reading = asyncio.create_task(_read_into(inbox, reader))
     last_stats = 0.0
     try:
@@ -83,6 +85,8 @@ async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: as
             for msg in await _take(inbox, 0.0 if handler.has_work() else handler.idle_wait_s(STATS_INTERVAL_S)):
                 if isinstance(msg, ShutdownMsg):
                     return
+                if msg is WAKE:
+                    continue
                 _send(writer, await apply(handler, msg))
             _send(writer, await handler.poll())
             if handler.has_work():
@@ -123,6 +127,8 @@ async def apply(handler: EngineHandler, msg) -> list:
         return await handler.submit(msg)
     if isinstance(msg, AbortMsg):
         return await handler.abort(msg.request_id)
+    if isinstance(msg, RoomFailedMsg):
+        return await handler.room_failed(msg.bootstrap_room, msg.reason)
     if isinstance(msg, UtilityMsg):
         try:
             return [UtilityResultMsg(msg.call_id, result=handler.utility(msg.method, msg.args))]

@@ -8,6 +8,7 @@ a finished request's blocks until a reader releases them.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,30 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         bf16 = device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
     return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """How far a request is: its blocks, computed tokens, whether it finished (the P/D roles read it)."""
+
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    finished: bool
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Where the KV cache lives and how it is shaped: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+
+    base_address: int
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
 
 
 class EngineCore:
@@ -115,8 +140,18 @@ class EngineCore:
         request = self.scheduler.admit_remote_kv(request_id, SampledToken(first_token_id, first_logprobs))
         self._collect(request)
 
-    def held_block_ids(self, request_id: str) -> list[int]:
-        return list(self.scheduler.holding[request_id].block_ids)
+    def request_progress(self, request_id: str) -> RequestProgress | None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        return RequestProgress(list(request.block_ids), request.num_computed_tokens, request.num_prompt_tokens, request.is_finished)
+
+    def cache_spec(self) -> CacheSpec:
+        cache = self.runner.kv_cache
+        assert cache is not None, "the KV cache is freed (sleeping)"
+        a = self.arch
+        dtype = str(self.dtype).removeprefix("torch.")
+        return CacheSpec(cache.data_ptr(), self.num_blocks, a.num_layers, self.block_size, a.num_kv_heads, a.head_dim, dtype, str(cache.device))
 
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished `hold_blocks` request kept."""

@@ -10,7 +10,7 @@ import sys
 
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.config import (
-    BootstrapConfig, CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig,
+    BootstrapConfig, CacheConfig, ConfigError, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig,
 )
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -27,12 +27,21 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=model, cache=cache, scheduler=sched, num_threads=args.num_threads)
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description="Prefill/decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     unified = sub.add_parser("unified", help="serve one model without disaggregation, dp_size workers behind one port")
-    add_engine_args(unified)
-    add_dataclass_args(unified.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
+    add_server_args(unified)
+    for role, method in (("prefill", "follow_bootstrap_room"), ("decode", "least_load")):
+        parser_ = sub.add_parser(role, help=f"serve the {role} role of a P/D cluster")
+        add_server_args(parser_)
+        add_dataclass_args(parser_.add_argument_group("DisaggConfig"), DisaggConfig)
+        parser_.set_defaults(load_balance_method=method, force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
     add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
@@ -57,10 +66,12 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "unified":
+    if args.command in ("unified", "prefill", "decode"):
         from disagg import serving
 
-        return serving.run(dataclass_from_args(ServerConfig, args), engine_from_args(args))
+        mode = "null" if args.command == "unified" else args.command
+        disagg = dataclass_from_args(DisaggConfig, args) if mode != "null" else DisaggConfig()
+        return serving.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
     if args.command == "bootstrap":
         from bootstrap.server import run_bootstrap
 

@@ -10,7 +10,7 @@ import structlog
 
 def configure_logging(log_format: str = "console", level: int = logging.INFO) -> None:
     """Idempotent; call once per process (front, workers, router)."""
-    renderer = structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    renderer = structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -1,6 +1,7 @@
-"""Run an HTTP server with its DP engine workers until Ctrl-C (`disagg unified`).
+"""Run one server (unified, prefill or decode) with its DP engine workers until Ctrl-C.
 
-Layer 4 beside the CLI: it composes the front door (disagg.api) with the DP controller.
+Layer 4 beside the CLI: it composes the front door (disagg.api), the DP controller, and for the
+P/D roles their worker handlers and (prefill) the in-process bootstrap registry.
 """
 
 from __future__ import annotations
@@ -9,14 +10,19 @@ import asyncio
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import structlog
 from aiohttp import web
 
+from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
-from disagg.config import EngineConfig, ServerConfig
+from disagg.api.app import start_server as start_http
+from disagg.config import BootstrapConfig, DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
-from disagg.dp.worker import HandlerFactory
+from disagg.dp.worker import HandlerSpec
+from disagg.logs import configure_logging
+from prefill.controller import PrefillController
 
 log = structlog.get_logger(__name__)
 
@@ -26,43 +32,73 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-async def start_server(server: ServerConfig, engine: EngineConfig, handler_factory: HandlerFactory | None = None,
-                       progress: Callable[[str], None] = say) -> tuple[DPController, web.AppRunner, int]:
-    """Start workers, then the HTTP site; returns the controller, the runner and the bound port."""
-    controller = DPController(server, engine, handler_factory)
+@dataclass
+class RunningServer:
+    controller: DPController
+    runner: web.AppRunner
+    port: int
+    bootstrap: BootstrapServer | None = None
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return None if self.bootstrap is None else self.bootstrap.port
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        await self.controller.close()
+        if self.bootstrap is not None:
+            await self.bootstrap.close()
+
+
+async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> tuple[DPController, BootstrapServer | None]:
+    if server.disaggregation_mode == "prefill":
+        bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port))
+        disagg = replace(disagg, bootstrap_port=await bootstrap.start())
+        handler = HandlerSpec("prefill.handler:PrefillHandler", dict(
+            config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
+        return PrefillController(server, engine, handler, disagg), bootstrap
+    if server.disaggregation_mode == "decode":
+        return DPController(server, engine, HandlerSpec("decode.handler:DecodeHandler", dict(config=disagg))), None
+    return DPController(server, engine), None
+
+
+async def start_server(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig(),
+                       progress: Callable[[str], None] = say) -> RunningServer:
+    """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure."""
+    controller, bootstrap = await _controller(server, engine, disagg)
     try:
         await controller.start(progress)
+        runner, port = await start_http(create_app(server, controller), server.host, server.port)
     except BaseException:
         await controller.close()
+        if bootstrap is not None:
+            await bootstrap.close()
         raise
-    runner = web.AppRunner(create_app(server, controller), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, server.host, server.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    return controller, runner, port
+    return RunningServer(controller, runner, port, bootstrap)
 
 
-async def serve_forever(server: ServerConfig, engine: EngineConfig, handler_factory: HandlerFactory | None = None) -> int:
-    controller, runner, port = await start_server(server, engine, handler_factory)
+async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> int:
+    running = await start_server(server, engine, disagg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    url = f"http://{server.host}:{port}"
-    say(f"ready: {url} serving {controller.model.name} with dp_size={server.dp_size}")
-    say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{controller.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+    url = f"http://{server.host}:{running.port}"
+    extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
+    say(f"ready: {url} mode={server.disaggregation_mode} model={running.controller.model.name} dp_size={server.dp_size}{extra}")
+    if server.disaggregation_mode == "null":
+        say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{{\"model\": \"{running.controller.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
     await stop.wait()
     say("shutting down")
-    await runner.cleanup()
-    await controller.close()
+    await running.close()
     return 0
 
 
-def run(server: ServerConfig, engine: EngineConfig, handler_factory: HandlerFactory | None = None) -> int:
+def run(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig()) -> int:
+    configure_logging(server.log_format)
     try:
-        return asyncio.run(serve_forever(server, engine, handler_factory))
+        return asyncio.run(serve_forever(server, engine, disagg))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -24,7 +24,7 @@ from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import ModelCard, WorkerState, WorkerUnavailable
-from disagg.dp.worker import HandlerFactory, WorkerSpec, run_worker
+from disagg.dp.worker import HandlerSpec, WorkerSpec, run_worker
 from disagg.types import InvalidRequest
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, UtilityMsg, UtilityResultMsg,
@@ -54,13 +54,13 @@ class _Worker:
 class DPController:
     """Implements disagg.dp.protocol.EngineClient over worker processes."""
 
-    def __init__(self, server: ServerConfig, engine: EngineConfig, handler_factory: HandlerFactory | None = None):
+    def __init__(self, server: ServerConfig, engine: EngineConfig, handler: HandlerSpec = HandlerSpec()):
         self.server = server
         self.dp_size = server.dp_size
         self.load_balance_method = server.load_balance_method
         threads = engine.num_threads or max(1, (os.cpu_count() or 1) // server.dp_size)
         self.engine_config = replace(engine, num_threads=threads)
-        self.handler_factory = handler_factory
+        self.handler = handler
         self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
         self.workers: list[_Worker] = []
         self.model: ModelCard | None = None
@@ -81,7 +81,7 @@ class DPController:
         self._server = await asyncio.start_unix_server(self._on_connect, path)
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.dp_size):
-            spec = WorkerSpec(rank, self.engine_config, path, self.server.log_format, self.handler_factory)
+            spec = WorkerSpec(rank, self.engine_config, path, self.server.log_format, self.handler)
             process = ctx.Process(target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
             process.start()
             self.workers.append(_Worker(rank, process))

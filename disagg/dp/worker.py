@@ -9,26 +9,39 @@ its few milliseconds; sockets and gRPC streams are served between steps.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from disagg.config import EngineConfig
-from disagg.dp.engine_handler import EngineHandler
 from disagg.dp.framing import frame, read_frame
-from disagg.engine.core import EngineCore
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker, encode,
 )
 
+if TYPE_CHECKING:
+    from disagg.dp.engine_handler import EngineHandler
+
 log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.5
-HandlerFactory = Callable[[EngineCore, int, str], EngineHandler]
 WAKE = object()
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """Which EngineHandler a worker runs, named by import path so the front never imports torch."""
+
+    path: str = "disagg.dp.engine_handler:EngineHandler"
+    kwargs: dict = field(default_factory=dict)
+
+    def build(self, core, dp_rank: int, model_name: str) -> EngineHandler:
+        module, _, name = self.path.partition(":")
+        return getattr(importlib.import_module(module), name)(core, dp_rank, model_name, **self.kwargs)
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,7 @@ class WorkerSpec:
     engine: EngineConfig
     socket_path: str
     log_format: str = "console"
-    handler_factory: HandlerFactory | None = None  # the P/D roles plug their handlers in here
+    handler: HandlerSpec = HandlerSpec()  # the P/D roles plug their handlers in here
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -51,12 +64,14 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 async def _main(spec: WorkerSpec) -> None:
+    from disagg.engine.core import EngineCore  # torch loads here, in the worker only
+
     reader, writer = await asyncio.open_unix_connection(spec.socket_path)
     log.info("loading engine", model=spec.engine.model.model, dtype=spec.engine.model.dtype)
     core = EngineCore(spec.engine)
     core.warm_up()
     name = spec.engine.model.served_model_name or core.loaded.name
-    handler = (spec.handler_factory or EngineHandler)(core, spec.dp_rank, name)
+    handler = spec.handler.build(core, spec.dp_rank, name)
     await handler.start()
     try:
         writer.write(frame(encode(handler.ready_msg())))

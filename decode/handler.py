@@ -1,0 +1,148 @@
+"""The decode worker: reserves blocks, asks the right prefill worker to fill them, then decodes.
+
+Per request: resolve the prefill DP rank (DESIGN.md section 3), reserve blocks for the prompt,
+send TransferInfo over the control stream, wait (bounded) for the prefill's status. SUCCESS turns
+the request into an ordinary running one from its first token; FAILED, a lost prefill or the
+deadline ends it with the reason. Abort at any point frees the reserved blocks and tells the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+
+from decode.peers import PrefillPeers
+from decode.resolver import QUERY, decide_prefill_dp_rank
+from disagg.config import ControlConfig, DisaggConfig
+from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
+from disagg.engine.core import EngineCore
+from disagg.types import InvalidRequest
+from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from kvtransfer import create_backend
+from kvtransfer.layouts import cache_layouts
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Pending:
+    msg: GenerateMsg
+    task: asyncio.Task
+    started: float
+    room: int
+    client: object = None  # the ControlClient once the TransferInfo went out
+
+
+class DecodeHandler(EngineHandler):
+    def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig,
+                 control: ControlConfig = ControlConfig()):
+        super().__init__(core, dp_rank, model_name)
+        self.config = config
+        self.control_config = control
+        self.pending: dict[str, _Pending] = {}
+        self.finished: list[tuple[str, TransferStatusMsg | Exception]] = []
+
+    async def start(self) -> None:
+        name = f"decode-{uuid.uuid4().hex[:8]}-dp{self.dp_rank}"
+        self.backend = create_backend(self.config.transfer_backend, agent_name=name, host=self.config.rank_host)
+        layout, layout_msg = cache_layouts(**dataclasses.asdict(self.core.cache_spec()))
+        self.backend.register(layout)
+        local = PeerMsg(peer_name=self.backend.agent_name, transfer_backend=self.config.transfer_backend,
+                        layout=layout_msg, agent_metadata=self.backend.peer_metadata(), dp_rank=self.dp_rank)
+        self.peers = PrefillPeers(local, self.control_config)
+
+    async def close(self) -> None:
+        for pending in self.pending.values():
+            pending.task.cancel()
+        await self.peers.close()
+        self.backend.close()
+
+    def has_work(self) -> bool:
+        return self.core.has_unfinished()
+
+    async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
+        try:
+            missing = [f for f in ("bootstrap_room", "bootstrap_host", "bootstrap_port") if getattr(msg, f) is None]
+            if missing:
+                raise InvalidRequest(
+                    f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
+                    "locally (send it through a P/D router)", missing[0])
+            prompt_ids = self.prompt_ids(msg)
+            blocks = self.core.reserve_for_remote_kv(msg.request_id, prompt_ids, sampling_params(msg.sampling))
+            if blocks is None:
+                raise RuntimeError("decode KV cache is full; retry later")
+        except Exception as exc:
+            out = error_output(msg.request_id, exc)
+            if isinstance(exc, RuntimeError):
+                out = OutputMsg(msg.request_id, finish_reason="abort", error=str(exc), error_status=503)
+            return [out]
+        task = asyncio.create_task(self._fetch_kv(msg, blocks, len(prompt_ids)))
+        self.pending[msg.request_id] = _Pending(msg, task, time.monotonic(), msg.bootstrap_room)
+        return []
+
+    async def _fetch_kv(self, msg: GenerateMsg, blocks: list[int], num_prompt_tokens: int) -> None:
+        """Resolve, connect, send TransferInfo, wait for the prefill's verdict (all bounded)."""
+        deadline = time.monotonic() + self.config.waiting_timeout_s
+        try:
+            transfer = self._transfer(msg, blocks, num_prompt_tokens, deadline)
+            status = await asyncio.wait_for(transfer, self.config.waiting_timeout_s)
+        except asyncio.TimeoutError:
+            status = TransferStatusMsg(room=msg.bootstrap_room, state=TransferState.FAILED,
+                                       reason=f"no KV from prefill within {self.config.waiting_timeout_s:g} s")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # bootstrap or control failures end this request only
+            status = exc
+        self.finished.append((msg.request_id, status))
+        self.wake()
+
+    async def _transfer(self, msg: GenerateMsg, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
+        host, port, room = msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room
+        remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
+        topology = await self.peers.topology(host, port, remaining())
+        rank = decide_prefill_dp_rank(room, msg.disagg_prefill_dp_rank, topology, self.config.force_query_prefill_dp_rank)
+        if rank == QUERY:
+            rank = await self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining())
+        client = await self.peers.client(host, port, rank, remaining())
+        self.pending[msg.request_id].client = client
+        info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(blocks),
+                               dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
+        return await client.send_transfer(info)
+
+    async def poll(self) -> list[OutputMsg]:
+        out = []
+        finished, self.finished = self.finished, []
+        for request_id, status in finished:
+            pending = self.pending.pop(request_id, None)
+            if pending is None:
+                continue  # aborted meanwhile
+            if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
+                lp = None if status.first_token_logprob is None else {status.first_token_id: status.first_token_logprob}
+                self.core.admit_remote_kv(request_id, status.first_token_id, lp)
+                log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,
+                         wait_s=round(time.monotonic() - pending.started, 6))
+            else:
+                out += self._fail(request_id, status)
+        return out
+
+    def _fail(self, request_id: str, status) -> list[OutputMsg]:
+        reason = status.reason if isinstance(status, TransferStatusMsg) else f"{type(status).__name__}: {status}"
+        code = 400 if isinstance(status, InvalidRequest) else 503 if "lost connection" in reason else 500
+        log.warning("decode request failed", request_id=request_id, reason=reason)
+        self.core.abort(request_id)
+        return [OutputMsg(request_id, finish_reason="abort", error=reason, error_status=code,
+                          error_param=getattr(status, "param", None))]
+
+    async def abort(self, request_id: str) -> list[OutputMsg]:
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:
+            pending.task.cancel()
+            if pending.client is not None:
+                pending.client.abort(pending.room, "aborted on the decode side")
+        return await super().abort(request_id)

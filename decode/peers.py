@@ -1,0 +1,59 @@
+"""The decode worker's connections to prefill servers: one bootstrap client per registry, one
+control stream per prefill rank, topology and addresses cached."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bootstrap.client import BootstrapClient
+from disagg.config import ControlConfig
+from disagg.wire.bootstrap_msgs import TopologyMsg
+from disagg.wire.control_msgs import PeerMsg
+from kvtransfer.control import format_address
+from kvtransfer.control_client import ControlClient
+
+
+class PrefillPeers:
+    def __init__(self, local: PeerMsg, control: ControlConfig = ControlConfig()):
+        self.local = local
+        self.control_config = control
+        self.bootstraps: dict[tuple[str, int], BootstrapClient] = {}
+        self.topologies: dict[tuple[str, int], TopologyMsg] = {}
+        self.clients: dict[tuple[str, int, int], ControlClient] = {}
+        self._locks: dict[tuple, asyncio.Lock] = {}
+
+    def bootstrap(self, host: str, port: int) -> BootstrapClient:
+        key = (host, port)
+        if key not in self.bootstraps:
+            self.bootstraps[key] = BootstrapClient(host, port)
+        return self.bootstraps[key]
+
+    async def topology(self, host: str, port: int, deadline_s: float) -> TopologyMsg:
+        key = (host, port)
+        if key not in self.topologies:
+            self.topologies[key] = await self.bootstrap(host, port).get_topology(deadline_s=deadline_s)
+        return self.topologies[key]
+
+    async def client(self, host: str, port: int, dp_rank: int, deadline_s: float) -> ControlClient:
+        """A live control stream to that prefill rank (reconnecting after a loss).
+
+        Push flow: the prefill writes into our blocks, so it loads our metadata (sent at
+        registration); we need none of its own."""
+        key = (host, port, dp_rank)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            client = self.clients.get(key)
+            if client is None or not client.is_alive:
+                if client is not None:
+                    await client.close()
+                address = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
+                client = ControlClient(format_address(address.rank_ip, address.rank_port), self.local, self.control_config)
+                await client.connect()
+                self.clients[key] = client
+        return client
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+        for boot in self.bootstraps.values():
+            await boot.close()

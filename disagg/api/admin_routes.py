@@ -1,0 +1,138 @@
+"""Admin routes: health probes, server and model info (SGLang's names too), metrics, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from disagg.api.bodies import decode_body
+from disagg.api.errors import ApiError, BadRequest, error_response
+from disagg.api.serving import json_response
+from disagg.api.state import ApiState, state_of
+from disagg.dp.protocol import EngineClient
+from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class AbortBody(msgspec.Struct, kw_only=True):
+    """SGLang's abort body: one rid (or a list of them), or `abort_all`."""
+
+    rid: str | list[str] | None = None
+    abort_all: bool | None = None
+
+
+def _unhealthy_workers(engine: EngineClient) -> str:
+    bad = [s for s in engine.worker_states() if not (s.alive and s.ready)]
+    listed = ", ".join(f"dp_rank {s.dp_rank} {'not ready' if s.alive else 'dead'}" for s in bad)
+    return f"engine is not healthy ({listed or 'reason unknown'})"
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: 200 when every DP worker is alive and ready, else 503."""
+    engine = state_of(request).engine
+    if engine.healthy():
+        return web.Response(status=200)
+    return error_response(ApiError(503, _unhealthy_workers(engine)))
+
+
+async def _probe(engine: EngineClient, dp_rank: int) -> str | None:
+    """One 1-token greedy generation on `dp_rank`; None when it finished, else what went wrong."""
+    msg = GenerateMsg(request_id=f"health-generate-{uuid.uuid4().hex}", prompt_token_ids=[0],
+                      sampling=SamplingMsg(max_tokens=1, temperature=0.0, ignore_eos=True))
+    stream = engine.generate(msg, dp_rank)
+    try:
+        async for out in stream:
+            if out.error is not None:
+                return out.error
+            if out.finish_reason is not None:
+                return None
+        return "the generation ended without a finish reason"
+    finally:
+        if hasattr(stream, "aclose"):
+            await stream.aclose()
+
+
+async def _probe_in_time(engine: EngineClient, dp_rank: int) -> str | None:
+    try:
+        return await asyncio.wait_for(_probe(engine, dp_rank), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+    except Exception as exc:  # noqa: BLE001 - a probe reports failures, it does not raise them
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """GET /health_generate: a 1-token generation on every DP worker (unified servers).
+
+    Prefill and decode servers cannot generate without their peer, so there it equals /health.
+    """
+    state = state_of(request)
+    engine = state.engine
+    if state.config.disaggregation_mode != "null" or not engine.healthy():
+        return await health(request)
+    failures = await asyncio.gather(*(_probe_in_time(engine, r) for r in range(engine.dp_size)))
+    listed = ", ".join(f"dp_rank {r}: {f}" for r, f in enumerate(failures) if f is not None)
+    if listed:
+        return error_response(ApiError(503, f"health generation failed ({listed})"))
+    return web.Response(status=200)
+
+
+def _server_info(state: ApiState) -> dict:
+    card, engine, config = state.engine.model, state.engine, state.config
+    return {
+        "model_path": card.name, "served_model_name": card.name, "max_model_len": card.max_model_len,
+        "vocab_size": card.vocab_size, "dp_size": engine.dp_size,
+        "load_balance_method": engine.load_balance_method, "disaggregation_mode": config.disaggregation_mode,
+        "internal_states": [dataclasses.asdict(s) for s in engine.worker_states()],
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """GET /server_info (and SGLang's /get_server_info)."""
+    return json_response(_server_info(state_of(request)))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """GET /model_info (and SGLang's /get_model_info)."""
+    card = state_of(request).engine.model
+    return json_response({"model_path": card.name, "tokenizer_path": card.name, "served_model_name": card.name,
+                          "is_generation": True, "max_model_len": card.max_model_len, "vocab_size": card.vocab_size})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text."""
+    registry = state_of(request).metrics
+    return web.Response(body=registry.render(), headers={"Content-Type": registry.content_type})
+
+
+async def abort_requests(request: web.Request) -> web.Response:
+    """POST /abort_request(s): `{"rid": ...}` or `{"abort_all": true}`; answers the ids it found."""
+    state = state_of(request)
+    raw = await request.read()
+    body = decode_body(raw, AbortBody) if raw.strip() else AbortBody()
+    if body.abort_all:
+        rids = list(state.inflight)
+    elif body.rid:
+        rids = [body.rid] if isinstance(body.rid, str) else body.rid
+    else:
+        raise BadRequest("send a rid or abort_all: true", "rid")
+    found = [rid for rid in rids if await state.engine.abort(rid)]
+    return json_response({"aborted": found})
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the admin routes on `app`."""
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
+    app.router.add_get("/metrics", metrics)
+    for path in ("/abort_request", "/abort_requests"):
+        app.router.add_post(path, abort_requests)

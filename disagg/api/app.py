@@ -1,0 +1,46 @@
+"""create_app: the aiohttp application of one server (unified, prefill or decode).
+
+Middlewares, outermost first: a clean log context per request, request counting (Prometheus),
+errors as OpenAI-shaped JSON, then the optional API key check.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from disagg.api import admin_routes, openai_routes, sglang_routes, tokens_routes, utility_routes
+from disagg.api.auth import api_key_middleware
+from disagg.api.errors import errors_middleware
+from disagg.api.logging import configure_logging, log_context_middleware
+from disagg.api.metrics import ApiMetrics
+from disagg.api.state import STATE, ApiState
+from disagg.config import ServerConfig
+from disagg.dp.protocol import EngineClient
+
+
+def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bool = True) -> web.Application:
+    """The HTTP app serving `engine`. With `configure_logs`, structlog is set up for `config.log_format`."""
+    if configure_logs:
+        configure_logging(config.log_format)
+    metrics = ApiMetrics(engine.worker_states)
+    middlewares = [log_context_middleware, metrics.middleware(), errors_middleware]
+    if config.api_key:
+        middlewares.append(api_key_middleware(config.api_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[STATE] = ApiState(config, engine, metrics)
+    for module in (openai_routes, sglang_routes, tokens_routes, admin_routes, utility_routes):
+        module.add_routes(app)
+    return app
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: any free port); returns the runner (`await runner.cleanup()`) and port.
+
+    Handlers are cancelled when their client disconnects, so a non-streaming request whose client
+    left is aborted on its worker too (streams notice on their next write either way).
+    """
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]

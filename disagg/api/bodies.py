@@ -1,0 +1,158 @@
+"""Request bodies of the generate endpoints, as msgspec structs.
+
+Decoding checks every known field's type; unknown fields (routers add `log_metrics`, `rid`,
+`return_hidden_states`, `bootstrap_*`, ...) are ignored. Every field is nullable, as in OpenAI's
+API: `null` means "the default", and the defaults live in requests.py, one place per endpoint.
+Fields whose JSON type varies (`prompt`, `text`, `input_ids`, `rid`) are `object` here and are
+checked in requests.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+import msgspec
+
+from disagg.api.errors import BadRequest
+
+T = TypeVar("T")
+_PATH_RE = re.compile(r"at `\$\.([A-Za-z_][\w.]*)")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """OpenAI's `stream_options`; vLLM adds `continuous_usage_stats` (usage on every chunk)."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class RoutedBody(msgspec.Struct, kw_only=True):
+    """DP routing and P/D fields, accepted on every generate endpoint (DESIGN.md section 3).
+
+    Decoded from the same body as the endpoint's own struct, so every endpoint reads them alike.
+    """
+
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None  # deprecated alias of routed_dp_rank
+    disagg_prefill_dp_rank: int | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Sampling fields whose name and meaning are the same in OpenAI's and vLLM's APIs."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class OpenAIBody(SamplingFields, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    request_id: str | None = None
+    add_special_tokens: bool | None = None
+
+
+class CompletionBody(OpenAIBody, kw_only=True):
+    """/v1/completions: `logprobs` is a count; `echo`, `best_of` > 1 and `suffix` are refused."""
+
+    prompt: object = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatBody(OpenAIBody, kw_only=True):
+    """/v1/chat/completions: `logprobs` is a flag, `top_logprobs` the count."""
+
+    messages: object = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class SGLangSampling(msgspec.Struct, kw_only=True):
+    """SGLang's `sampling_params` fields that the engine implements."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    sampling_seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class SGLangBody(msgspec.Struct, kw_only=True):
+    """SGLang's `/generate` (one request, not a batch)."""
+
+    text: object = None
+    input_ids: object = None
+    sampling_params: SGLangSampling | None = None
+    stream: bool | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    rid: object = None
+
+
+class TokensSampling(SamplingFields, kw_only=True):
+    """vLLM SamplingParams fields that the engine implements."""
+
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+class TokensBody(msgspec.Struct, kw_only=True):
+    """vLLM's tokens-in/tokens-out `/inference/v1/generate`."""
+
+    token_ids: list[int] | None = None
+    sampling_params: TokensSampling | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    request_id: str | None = None
+    priority: int | None = None
+    model: str | None = None
+
+
+def decode_body(raw: bytes, kind: type[T]) -> T:
+    """Decode a JSON object into `kind`; malformed JSON and wrong types are 400s naming the field."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:  # a DecodeError subclass: catch it first
+        match = _PATH_RE.search(str(exc))
+        raise BadRequest(f"invalid request body: {exc}", match.group(1) if match else None) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadRequest("malformed JSON body: it is not valid UTF-8") from None

@@ -1,0 +1,138 @@
+"""One request running on one DP worker: its outputs as they arrive, its totals, a clean abort.
+
+Leaving early (client gone, handler cancelled, a write failed) closes the engine's iterator, which
+aborts the request on its worker (EngineClient.generate's contract), and calls `engine.abort` too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import structlog
+
+from disagg.api.errors import ApiError, BadRequest, engine_error
+from disagg.api.state import ApiState
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+
+log = structlog.get_logger("disagg.api")
+TokenLogprobs = list[tuple[int, float]]  # (sampled id, logprob), then the top-n
+
+
+@dataclass
+class Totals:
+    """Everything known about one request so far (cumulative); renderers read it."""
+
+    request_id: str
+    dp_rank: int
+    created: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    @property
+    def e2e_latency_s(self) -> float:
+        """Seconds since the request arrived."""
+        return time.perf_counter() - self.arrival_s
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids)
+
+    def add(self, out: OutputMsg) -> None:
+        """Fold in one OutputMsg (which carries only what is new)."""
+        if self.first_token_s is None and out.new_token_ids:
+            self.first_token_s = time.perf_counter()
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or [])
+            self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+    def usage(self) -> dict:
+        """OpenAI-style usage (vLLM adds `prompt_tokens_details.cached_tokens`)."""
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+
+class Generation:
+    """Runs `msg` on DP worker `dp_rank`; iterate `outputs()` (inside `aclosing`) or await `collect()`."""
+
+    def __init__(self, state: ApiState, msg: GenerateMsg, dp_rank: int):
+        if msg.request_id in state.inflight:
+            raise BadRequest(f"request id {msg.request_id!r} is already in use", "request_id")
+        self._state = state
+        self._msg = msg
+        self.totals = Totals(msg.request_id, dp_rank, int(time.time()))
+
+    async def outputs(self) -> AsyncIterator[OutputMsg]:
+        """The engine's outputs, folded into `totals` before each is yielded; a failed request raises."""
+        rid, dp_rank = self._msg.request_id, self.totals.dp_rank
+        self._state.inflight[rid] = dp_rank
+        stream = self._state.engine.generate(self._msg, dp_rank)
+        done = False
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    done = True  # the worker already dropped the request
+                    raise engine_error(out.error, out.error_status, out.error_param)
+                self.totals.add(out)
+                yield out
+                if out.finish_reason is not None:
+                    done = True
+                    break
+            if not done:
+                raise ApiError(500, f"the engine ended request {rid} without a finish reason")
+        finally:
+            self._state.inflight.pop(rid, None)
+            await self._close(stream, done)
+            self._report(done)
+
+    async def collect(self) -> Totals:
+        """Run to the end; the totals."""
+        async with aclosing(self.outputs()) as outputs:
+            async for _ in outputs:
+                pass
+        return self.totals
+
+    async def _close(self, stream: AsyncIterator[OutputMsg], done: bool) -> None:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()  # aborts the request if it is still running
+        if not done:
+            # Also abort explicitly: a generator that a cancellation already ended never sees its
+            # close, and an iterator may have no aclose. Aborting a finished request is a no-op.
+            await self._state.engine.abort(self._msg.request_id)
+
+    def _report(self, done: bool) -> None:
+        t = self.totals
+        e2e_s = t.e2e_latency_s
+        if not done or t.finish_reason is None:
+            log.info("request stopped early", dp_rank=t.dp_rank, completion_tokens=t.num_output_tokens)
+            return
+        ttft_s = None if t.first_token_s is None else t.first_token_s - t.arrival_s
+        self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s)
+        log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,
+                 prompt_tokens=t.num_prompt_tokens, completion_tokens=t.num_output_tokens,
+                 e2e_latency_s=round(e2e_s, 6))

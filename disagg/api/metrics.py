@@ -1,0 +1,98 @@
+"""Prometheus metrics of one server: request counts, token counts, latencies and per-DP-worker load.
+
+Each app owns its registry (no process-wide default registry), so two servers in one process, as in
+tests, never share counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from disagg.dp.protocol import WorkerState
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_WORKER_GAUGES = (
+    ("disagg_num_requests_running", "requests running on the DP worker", "num_running"),
+    ("disagg_num_requests_waiting", "requests waiting on the DP worker", "num_waiting"),
+    ("disagg_num_free_blocks", "free KV cache blocks of the DP worker", "num_free_blocks"),
+    ("disagg_num_total_blocks", "KV cache blocks of the DP worker", "num_total_blocks"),
+    ("disagg_worker_ready", "1 when the DP worker is alive and ready", None),
+)
+
+
+class _WorkerCollector:
+    """Reads the workers' states at scrape time: gauges labelled by `dp_rank`."""
+
+    def __init__(self, worker_states: Callable[[], list[WorkerState]]):
+        self._worker_states = worker_states
+
+    def describe(self) -> list[Metric]:
+        return []  # keeps registration from calling collect() before the engine is up
+
+    def collect(self) -> Iterator[Metric]:
+        states = self._worker_states()
+        for name, doc, attr in _WORKER_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["dp_rank"])
+            for s in states:
+                value = getattr(s, attr) if attr else int(s.alive and s.ready)
+                family.add_metric([str(s.dp_rank)], value)
+            yield family
+
+
+class ApiMetrics:
+    """The counters and histograms the front door records, plus the per-worker gauges."""
+
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, worker_states: Callable[[], list[WorkerState]]):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=reg)
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "prompt tokens of finished requests", registry=reg)
+        self.generation_tokens = Counter("disagg_generation_tokens", "generated tokens", registry=reg)
+        self.ttft = Histogram("disagg_time_to_first_token_seconds", "time to the first token",
+                              buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.tpot = Histogram("disagg_time_per_output_token_seconds", "time per output token after the first",
+                              buckets=_TPOT_BUCKETS_S, registry=reg)
+        self.e2e = Histogram("disagg_e2e_request_latency_seconds", "request latency, arrival to finish",
+                             buckets=_LATENCY_BUCKETS_S, registry=reg)
+        reg.register(_WorkerCollector(worker_states))
+
+    def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
+                        e2e_s: float) -> None:
+        """Record one finished generation."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if num_output_tokens > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+    def middleware(self):
+        """An aiohttp middleware counting every request by endpoint (route pattern) and status."""
+
+        @web.middleware
+        async def count_requests(request: web.Request, handler) -> web.StreamResponse:
+            resource = request.match_info.route.resource
+            endpoint = resource.canonical if resource is not None else "unmatched"
+            try:
+                response = await handler(request)
+            except asyncio.CancelledError:
+                self.requests.labels(endpoint, "499").inc()  # the client went away
+                raise
+            self.requests.labels(endpoint, str(response.status)).inc()
+            return response
+
+        return count_requests

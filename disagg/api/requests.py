@@ -1,0 +1,109 @@
+"""From an HTTP body to a GenerateMsg: field checks, sampling, prompts, request ids.
+
+Every check raises BadRequest (400) with `param` naming the field; sampling values are validated by
+disagg.types.SamplingParams, so the front door rejects exactly what the engine would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from aiohttp import web
+
+from disagg.api.bodies import SamplingFields, StreamOptions
+from disagg.api.errors import BadRequest, ModelNotFound
+from disagg.api.logging import bind_request
+from disagg.api.routing import Routing
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw body (aiohttp answers 413 past `max_body_bytes`); an empty body is a 400."""
+    raw = await request.read()
+    if not raw.strip():
+        raise BadRequest("the request body is empty: send a JSON object")
+    return raw
+
+
+def check_model(model: str | None, served: str) -> None:
+    """A request may name the served model or none; any other name is a 404 `model_not_found`."""
+    if model is not None and model != served:
+        raise ModelNotFound(model)
+
+
+def check_stream_options(stream: bool | None, options: StreamOptions | None) -> None:
+    """`stream_options` only makes sense with `stream: true`."""
+    if options is not None and not stream:
+        raise BadRequest("stream_options can only be set when stream is true", "stream_options")
+
+
+def choose_request_id(request: web.Request, body_id: object, param: str, prefix: str) -> str:
+    """The body's id (`request_id` / `rid`), else the `X-Request-Id` header, else `<prefix>-<uuid hex>`.
+
+    The id is bound to the request's log lines from here on.
+    """
+    if body_id is not None:
+        if not isinstance(body_id, str) or not body_id:
+            raise BadRequest(f"{param} must be a non-empty string (batched requests are not supported)", param)
+        request_id = body_id
+    else:
+        request_id = request.headers.get(REQUEST_ID_HEADER, "").strip() or f"{prefix}-{uuid.uuid4().hex}"
+    bind_request(request_id)
+    return request_id
+
+
+def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
+    """A non-empty list of in-vocabulary token ids."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"{param} must be a non-empty list of token ids", param)
+    for token_id in value:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise BadRequest(f"{param} must be a list of integers (batched requests are not supported)", param)
+        if token_id < 0:
+            raise BadRequest(f"token id {token_id} in {param} is negative", param)
+        if token_id >= vocab_size:
+            raise BadRequest(f"token id {token_id} in {param} is out of vocabulary (vocab_size={vocab_size})", param)
+    return value
+
+
+def check_unsupported(n: int | None, presence: float | None, frequency: float | None,
+                      repetition: float | None) -> None:
+    """One choice per request, and no penalties: refuse rather than silently ignore."""
+    if n not in (None, 1):
+        raise BadRequest(f"n must be 1, got {n}: this server returns one choice per request", "n")
+    for name, value, neutral in (("presence_penalty", presence, 0.0), ("frequency_penalty", frequency, 0.0),
+                                 ("repetition_penalty", repetition, 1.0)):
+        if value is not None and value != neutral:
+            raise BadRequest(f"{name} is not supported: got {value}, leave it at {neutral}", name)
+
+
+def make_sampling(**fields: object) -> SamplingMsg:
+    """Validate through SamplingParams (None means its default) and convert to the wire message."""
+    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    values = dataclasses.asdict(params)
+    return SamplingMsg(**{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
+
+
+def sampling_from_fields(f: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingMsg:
+    """SamplingMsg from the fields OpenAI's and vLLM's APIs share."""
+    check_unsupported(f.n, f.presence_penalty, f.frequency_penalty, f.repetition_penalty)
+    return make_sampling(
+        max_tokens=max_tokens, min_tokens=f.min_tokens, temperature=f.temperature, top_p=f.top_p,
+        top_k=f.top_k, min_p=f.min_p, seed=f.seed, stop=f.stop, stop_token_ids=f.stop_token_ids,
+        ignore_eos=f.ignore_eos, include_stop_str_in_output=f.include_stop_str_in_output,
+        skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+    )
+
+
+def build_generate_msg(request_id: str, sampling: SamplingMsg, routing: Routing, **prompt: object) -> GenerateMsg:
+    """The GenerateMsg: exactly one of prompt / prompt_token_ids / messages, plus the P/D fields."""
+    return GenerateMsg(
+        request_id=request_id, sampling=sampling, **prompt,
+        bootstrap_host=routing.bootstrap_host, bootstrap_port=routing.bootstrap_port,
+        bootstrap_room=routing.bootstrap_room, disagg_prefill_dp_rank=routing.disagg_prefill_dp_rank,
+    )

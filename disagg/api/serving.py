@@ -1,0 +1,92 @@
+"""Answer a generate request: pick the DP worker, run it, reply with JSON or an SSE stream.
+
+Endpoints differ only in their Renderer (how totals and outputs become response bodies), so DP
+routing, response headers, errors before and during a stream and aborts on disconnect behave the
+same on every generate endpoint.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Protocol
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from disagg.api.errors import to_api_error
+from disagg.api.generation import Generation, Totals
+from disagg.api.logging import bind_request
+from disagg.api.requests import REQUEST_ID_HEADER
+from disagg.api.routing import DP_RANK_HEADER
+from disagg.api.sse import ClientGone, SSEWriter
+from disagg.api.state import state_of
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+
+log = structlog.get_logger("disagg.api")
+
+
+class Renderer(Protocol):
+    """How one endpoint shapes its answers."""
+
+    def chunks(self, out: OutputMsg, totals: Totals) -> list[object]:
+        """SSE payloads for one engine output (`totals` already include it); may be empty."""
+
+    def tail(self, totals: Totals) -> list[object]:
+        """SSE payloads after the finishing output (e.g. the usage chunk)."""
+
+    def full(self, totals: Totals) -> object:
+        """The non-streaming JSON body."""
+
+
+def json_response(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with msgspec."""
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json",
+                        headers=headers)
+
+
+async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_rank: int | None,
+                           renderer: Renderer, *, stream: bool) -> web.StreamResponse:
+    """Run `msg` on the DP worker the engine picks and answer with `renderer`'s bodies."""
+    state = state_of(request)
+    bind_request(msg.request_id, bootstrap_room=msg.bootstrap_room)
+    dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room)
+    structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
+    generation = Generation(state, msg, dp_rank)
+    headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
+    if not stream:
+        totals = await generation.collect()
+        return json_response(renderer.full(totals), headers=headers)
+    return await _stream(request, generation, renderer, headers)
+
+
+async def _stream(request: web.Request, generation: Generation, renderer: Renderer,
+                  headers: dict[str, str]) -> web.StreamResponse:
+    async with aclosing(generation.outputs()) as outputs:
+        # Wait for the first output before sending headers: a request the worker rejects at once
+        # (bad prompt, sleeping engine) gets its real HTTP status instead of a 200 stream.
+        first = await anext(outputs, None)
+        sse = SSEWriter(headers)
+        try:
+            await sse.start(request)
+            await _pump(sse, renderer, generation.totals, first, outputs)
+            await sse.done()
+        except ClientGone:
+            log.info("client disconnected mid-stream; aborting the request")
+    return sse.response
+
+
+async def _pump(sse: SSEWriter, renderer: Renderer, totals: Totals, first: OutputMsg | None, outputs) -> None:
+    """Send every output's chunks, then the tail; a failure becomes one error event."""
+    try:
+        if first is not None:
+            await sse.send_all(renderer.chunks(first, totals))
+        async for out in outputs:
+            await sse.send_all(renderer.chunks(out, totals))
+        await sse.send_all(renderer.tail(totals))
+    except ClientGone:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the request failed mid-stream: tell the client, end cleanly
+        err = to_api_error(exc)
+        log.warning("request failed mid-stream", status=err.status, error=err.message)
+        await sse.send_error(err)

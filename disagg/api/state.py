@@ -1,0 +1,41 @@
+"""What every handler of one app shares: config, engine, metrics, in-flight requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from disagg.api.metrics import ApiMetrics
+from disagg.config import ServerConfig
+from disagg.dp.protocol import EngineClient
+
+log = structlog.get_logger("disagg.api")
+
+
+@dataclass
+class ApiState:
+    """Per-app state. `inflight` maps a running request id to its DP rank (for `abort_all`)."""
+
+    config: ServerConfig
+    engine: EngineClient
+    metrics: ApiMetrics
+    inflight: dict[str, int] = field(default_factory=dict)
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    _noted: set[str] = field(default_factory=set)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log a warning (e.g. a deprecated field) the first time `key` is seen by this server."""
+        if key not in self._noted:
+            self._noted.add(key)
+            log.warning(message)
+
+
+STATE = web.AppKey("disagg_api_state", ApiState)
+
+
+def state_of(request: web.Request) -> ApiState:
+    """The ApiState of the app serving `request`."""
+    return request.app[STATE]

@@ -1,0 +1,109 @@
+"""Tokens-in/tokens-out POST /inference/v1/generate (vLLM's disaggregated-serving API).
+
+Non-streaming: `{request_id, choices: [{index, token_ids, finish_reason, stop_reason, logprobs}],
+prompt_logprobs, usage, dp_rank}`. Streaming (SSE): each event carries only the new token ids; the
+finishing event always carries `finish_reason` (even with no new tokens); `usage` rides on every
+event only with `include_usage` and `continuous_usage_stats`; `include_usage` adds a final
+`choices: []` usage event; every stream ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from disagg.api.bodies import StreamOptions, TokensBody, TokensSampling, decode_body
+from disagg.api.errors import BadRequest
+from disagg.api.generation import TokenLogprobs, Totals
+from disagg.api.openai_render import chat_logprobs
+from disagg.api.requests import (
+    build_generate_msg,
+    check_model,
+    check_stream_options,
+    check_token_ids,
+    choose_request_id,
+    read_body,
+    sampling_from_fields,
+)
+from disagg.api.routing import read_routing
+from disagg.api.serving import serve_generation
+from disagg.api.state import state_of
+from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
+
+DEFAULT_MAX_TOKENS = 16  # vLLM SamplingParams' default
+MAX_LOGPROBS = 20  # the engine's cap; -1 ("all", as in vLLM) asks for this many
+
+
+def _logprobs_count(value: int | None, param: str) -> int | None:
+    if value is not None and value < -1:
+        raise BadRequest(f"{param} must be -1 (as many as the server allows) or non-negative, got {value}", param)
+    return MAX_LOGPROBS if value == -1 else value
+
+
+def tokens_sampling(sp: TokensSampling) -> SamplingMsg:
+    """vLLM-style `sampling_params` as a SamplingMsg."""
+    return sampling_from_fields(
+        sp, max_tokens=DEFAULT_MAX_TOKENS if sp.max_tokens is None else sp.max_tokens,
+        logprobs=_logprobs_count(sp.logprobs, "logprobs"),
+        prompt_logprobs=_logprobs_count(sp.prompt_logprobs, "prompt_logprobs"),
+    )
+
+
+def prompt_logprobs_body(prompt: list[TokenLogprobs | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None or `{"<token id>": {"logprob": ...}}`."""
+    if prompt is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp} for t, lp in e} for e in prompt]
+
+
+class TokensRenderer:
+    """Bodies of /inference/v1/generate."""
+
+    def __init__(self, include_usage: bool, continuous_usage: bool):
+        self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
+
+    def chunks(self, out: OutputMsg, totals: Totals) -> list[object]:
+        if not out.new_token_ids and out.finish_reason is None:
+            return []
+        choice = {"index": 0, "token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
+                  "stop_reason": out.stop_reason,
+                  "logprobs": chat_logprobs(out.logprobs) if out.logprobs is not None else None}
+        chunk = {"request_id": totals.request_id, "choices": [choice], "dp_rank": totals.dp_rank}
+        if self.continuous_usage:
+            chunk["usage"] = totals.usage()
+        return [chunk]
+
+    def tail(self, totals: Totals) -> list[object]:
+        if not self.include_usage:
+            return []
+        return [{"request_id": totals.request_id, "choices": [], "usage": totals.usage(), "dp_rank": totals.dp_rank}]
+
+    def full(self, totals: Totals) -> object:
+        choice = {"index": 0, "token_ids": list(totals.token_ids), "finish_reason": totals.finish_reason,
+                  "stop_reason": totals.stop_reason,
+                  "logprobs": chat_logprobs(totals.logprobs) if totals.logprobs is not None else None}
+        return {"request_id": totals.request_id, "choices": [choice],
+                "prompt_logprobs": prompt_logprobs_body(totals.prompt_logprobs),
+                "usage": totals.usage(), "dp_rank": totals.dp_rank}
+
+
+async def generate_tokens(request: web.Request) -> web.StreamResponse:
+    """POST /inference/v1/generate."""
+    state = state_of(request)
+    raw = await read_body(request)
+    body = decode_body(raw, TokensBody)
+    check_model(body.model, state.engine.model.name)
+    check_stream_options(body.stream, body.stream_options)
+    token_ids = check_token_ids(body.token_ids, state.engine.model.vocab_size, "token_ids")
+    sampling = tokens_sampling(body.sampling_params or TokensSampling())
+    request_id = choose_request_id(request, body.request_id, "request_id", "cmpl")
+    routing = read_routing(request, raw, state.warn_once)
+    msg = build_generate_msg(request_id, sampling, routing, prompt_token_ids=token_ids)
+    options = body.stream_options or StreamOptions()
+    renderer = TokensRenderer(bool(options.include_usage), bool(options.continuous_usage_stats))
+    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+
+
+def add_routes(app: web.Application) -> None:
+    """Register POST /inference/v1/generate on `app`."""
+    app.router.add_post("/inference/v1/generate", generate_tokens)

@@ -1,0 +1,35 @@
+"""The prefill server's DP controller: room planning before dispatch, failures told to every worker."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from disagg.config import DisaggConfig, EngineConfig, ServerConfig
+from disagg.dp.controller import DPController
+from disagg.dp.worker import HandlerSpec
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg
+from prefill.dispatch import plan_room
+
+
+class PrefillController(DPController):
+    def __init__(self, server: ServerConfig, engine: EngineConfig, handler: HandlerSpec, disagg: DisaggConfig):
+        super().__init__(server, engine, handler)
+        self.disagg = disagg
+
+    async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
+        plan = plan_room(dp_size=self.dp_size, method=self.load_balance_method, dp_rank=dp_rank, room=msg.bootstrap_room,
+                         decode_told=msg.disagg_prefill_dp_rank is not None, force_query=self.disagg.force_query_prefill_dp_rank)
+        if plan.conflict is not None:
+            self.broadcast_room_failure(msg.bootstrap_room, plan.conflict)
+            yield OutputMsg(msg.request_id, finish_reason="abort", error=plan.conflict, error_status=400, error_param="routed_dp_rank")
+            return
+        async for out in super().generate(msgspec.structs.replace(msg, register_room=plan.register), dp_rank):
+            yield out
+
+    def broadcast_room_failure(self, room: int, reason: str) -> None:
+        """Whichever worker the decode asks about this room answers with the failure at once."""
+        for worker in self.workers:
+            if worker.alive and worker.writer is not None:
+                worker.send(RoomFailedMsg(room, reason))

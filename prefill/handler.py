@@ -1,0 +1,247 @@
+"""The prefill worker: computes prompts and writes their KV into the decode's reserved blocks.
+
+Per request (keyed by bootstrap_room): the engine computes the prompt with `hold_blocks`; blocks go
+out as soon as they are computed and the decode's destination is known (so chunked prompts stream);
+once every block landed, the decode gets SUCCESS with the first token, the blocks are released and
+the 1-token HTTP answer goes back. Every wait has a deadline; a failure answers both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+import structlog
+
+from bootstrap.client import BootstrapClient
+from disagg.config import ControlConfig, DisaggConfig
+from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
+from disagg.engine.core import EngineCore
+from disagg.types import InvalidRequest
+from disagg.wire.bootstrap_msgs import RankRegistrationMsg
+from disagg.wire.control_msgs import (
+    AbortMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
+)
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from kvtransfer import TransferState as BackendState
+from kvtransfer import create_backend
+from kvtransfer.control import ControlServer
+from kvtransfer.layouts import cache_layouts
+from prefill.rooms import PrefillRoom
+
+log = structlog.get_logger(__name__)
+BUSY_WAIT_S = 0.002
+
+
+class PrefillHandler(EngineHandler):
+    def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig, dp_size: int,
+                 load_balance_method: str, control: ControlConfig = ControlConfig()):
+        super().__init__(core, dp_rank, model_name)
+        self.config = config
+        self.dp_size = dp_size
+        self.load_balance_method = load_balance_method
+        self.control_config = control
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.by_request: dict[str, int] = {}
+        self.early_infos: dict[int, tuple[TransferInfoMsg, float]] = {}  # TransferInfo before the request
+        self.failed_rooms: dict[int, tuple[str, float]] = {}
+        self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        name = f"prefill-{uuid.uuid4().hex[:8]}-dp{self.dp_rank}"
+        self.backend = create_backend(self.config.transfer_backend, agent_name=name, host=self.config.rank_host)
+        layout, layout_msg = cache_layouts(**dataclasses.asdict(self.core.cache_spec()))
+        self.backend.register(layout)
+        local = PeerMsg(peer_name=self.backend.agent_name, transfer_backend=self.config.transfer_backend,
+                        layout=layout_msg, agent_metadata=self.backend.peer_metadata(), dp_rank=self.dp_rank)
+        self.control = ControlServer(local, self.control_config)
+        port = await self.control.start(self.config.rank_host, 0)
+        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port)
+        await self.bootstrap.register_rank(RankRegistrationMsg(
+            dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,
+            page_size=layout.block_size_tokens, kv_cache_dtype=layout.dtype, load_balance_method=self.load_balance_method,
+            transfer_backend=self.config.transfer_backend, agent_name=self.backend.agent_name,
+        ))
+        log.info("prefill rank registered", control_port=port, backend=self.config.transfer_backend)
+
+    async def close(self) -> None:
+        await self.control.close()
+        await self.bootstrap.close()
+        self.backend.close()
+
+    def idle_wait_s(self, default_s: float) -> float:
+        return BUSY_WAIT_S if self.rooms or self.early_infos else default_s
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
+        room = msg.bootstrap_room
+        try:
+            if room is None:
+                raise InvalidRequest("a prefill request needs bootstrap_room (and bootstrap_host, bootstrap_port)", "bootstrap_room")
+            if room in self.rooms:
+                raise InvalidRequest(f"bootstrap_room {room} is already in use on this prefill worker", "bootstrap_room")
+            one_token = dataclasses.replace(sampling_params(msg.sampling), max_tokens=1, min_tokens=0)
+            self.core.add_request(msg.request_id, self.prompt_ids(msg), one_token, hold_blocks=True)
+        except Exception as exc:
+            if room is not None:
+                await self.room_failed(room, f"the prefill rejected the request: {exc}")
+            return [error_output(msg.request_id, exc)]
+        self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s)
+        self.by_request[msg.request_id] = room
+        if room in self.early_infos:
+            self._attach(self.early_infos.pop(room)[0])
+        if msg.register_room:
+            await self.bootstrap.register_dp_rank(room, self.dp_rank)
+        return []
+
+    async def abort(self, request_id: str) -> list[OutputMsg]:
+        room = self.by_request.get(request_id)
+        if room is not None:
+            return self._fail(self.rooms[room], "aborted on the prefill side", status=499)
+        return await super().abort(request_id)
+
+    async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
+        self.failed_rooms[room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
+        if room in self.early_infos:
+            self.early_infos.pop(room)
+            self._status(room, TransferState.FAILED, reason)
+        return []
+
+    def step(self) -> list[OutputMsg]:
+        """Engine step; answers of P/D requests are held until their KV is delivered."""
+        out = []
+        for msg in super().step():
+            room = self.by_request.get(msg.request_id)
+            if room is None:
+                out.append(msg)
+                continue
+            state = self.rooms[room]
+            if msg.new_token_ids:
+                lp = msg.logprobs[0][0][1] if msg.logprobs else None
+                state.first_token = (msg.new_token_ids[0], lp)
+            if msg.finish_reason is not None:
+                state.final = msg
+                state.computed_at = time.monotonic()
+        return out
+
+    # ---- background: control events and transfers --------------------------------------------
+
+    async def poll(self) -> list[OutputMsg]:
+        out: list[OutputMsg] = []
+        while not self.control.events.empty():
+            out += self._on_event(self.control.events.get_nowait())
+        now = time.monotonic()
+        for state in list(self.rooms.values()):
+            out += self._advance(state, now)
+        self._expire(now)
+        return out
+
+    def _on_event(self, event) -> list[OutputMsg]:
+        if isinstance(event, PeerMsg):
+            self.peers[event.peer_name] = self.backend.add_peer(event.agent_metadata)
+        elif isinstance(event, TransferInfoMsg):
+            self._on_transfer_info(event)
+        elif isinstance(event, AbortMsg):
+            state = self.rooms.get(event.room)
+            self.early_infos.pop(event.room, None)
+            if state is not None:
+                return self._fail(state, f"aborted by decode: {event.reason}", status=499, tell_decode=False)
+        elif isinstance(event, PeerLostMsg):
+            out = []
+            for room in event.rooms:
+                if room in self.rooms:
+                    out += self._fail(self.rooms[room], f"lost decode {event.peer_name}: {event.reason}", tell_decode=False)
+            return out
+        return []
+
+    def _on_transfer_info(self, info: TransferInfoMsg) -> None:
+        if info.room in self.failed_rooms:
+            self._status(info.room, TransferState.FAILED, self.failed_rooms[info.room][0])
+        elif info.room in self.rooms:
+            self._attach(info)
+        else:
+            self.early_infos[info.room] = (info, time.monotonic() + self.config.bootstrap_timeout_s)
+
+    def _attach(self, info: TransferInfoMsg) -> None:
+        state = self.rooms[info.room]
+        state.info, state.peer, state.info_at = info, self.peers.get(info.peer_name), time.monotonic()
+
+    def _advance(self, state: PrefillRoom, now: float) -> list[OutputMsg]:
+        if state.info is None:
+            if now > state.deadline:
+                return self._fail(state, f"no destination from decode for bootstrap_room {state.room} "
+                                         f"within {self.config.bootstrap_timeout_s:g} s", status=504)
+            return []
+        if state.peer is None:
+            return self._fail(state, f"decode peer {state.info.peer_name} never registered")
+        progress = self.core.request_progress(state.request_id)
+        if progress is not None:
+            self._send_ready_blocks(state, progress)
+        for handle in state.handles:
+            status = self.backend.poll(handle)
+            if status.state is BackendState.FAILED:
+                return self._fail(state, f"KV transfer failed: {status.reason}")
+        done = all(self.backend.poll(h).state is BackendState.SUCCESS for h in state.handles)
+        if state.final is not None and state.all_sent and done:
+            return self._succeed(state)
+        return []
+
+    def _send_ready_blocks(self, state: PrefillRoom, progress) -> None:
+        ready = state.blocks_ready(progress.block_ids, progress.num_computed_tokens, self.core.block_size, progress.finished)
+        ready = min(ready, len(state.info.dst_block_ids))
+        if ready > state.num_sent_blocks:
+            first = state.num_sent_blocks
+            handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(state.info.dst_block_ids[first:ready]),
+                                        f"room:{state.room}:{ready}".encode())
+            state.handles.append(handle)
+            state.num_bytes += handle.num_bytes
+            state.num_sent_blocks = ready
+
+    def _succeed(self, state: PrefillRoom) -> list[OutputMsg]:
+        token_id, logprob = state.first_token
+        self._status(state.room, TransferState.SUCCESS, "", token_id, logprob, state.num_bytes)
+        self._log_transfer(state)
+        self._forget(state)
+        return [state.final]
+
+    def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
+        log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
+        for handle in state.handles:
+            self.backend.abort(handle, reason)
+        if tell_decode:
+            self._status(state.room, TransferState.FAILED, reason)
+        self._forget(state)
+        self.core.abort(state.request_id)
+        return [OutputMsg(state.request_id, finish_reason="abort", error=reason, error_status=status)]
+
+    def _forget(self, state: PrefillRoom) -> None:
+        for handle in state.handles:
+            self.backend.release(handle)
+        self.rooms.pop(state.room, None)
+        self.by_request.pop(state.request_id, None)
+        self.core.release(state.request_id)
+
+    def _status(self, room: int, state: TransferState, reason: str, token_id=None, logprob=None, num_bytes=0) -> None:
+        self.control.send_status(TransferStatusMsg(room=room, state=state, reason=reason, first_token_id=token_id,
+                                                   first_token_logprob=logprob, num_bytes=num_bytes))
+
+    def _expire(self, now: float) -> None:
+        for room, (_, deadline) in list(self.early_infos.items()):
+            if now > deadline:
+                del self.early_infos[room]
+                self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")
+        for room, (_, deadline) in list(self.failed_rooms.items()):
+            if now > deadline:
+                del self.failed_rooms[room]
+
+    def _log_transfer(self, state: PrefillRoom) -> None:
+        now = time.monotonic()
+        transfer_s = now - max(state.info_at or now, state.created)
+        log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=state.num_bytes,
+                 bootstrap_wait_s=round((state.info_at or now) - state.created, 6),
+                 prefill_compute_s=round((state.computed_at or now) - state.created, 6),
+                 transfer_s=round(transfer_s, 6), gb_per_s=round(state.num_bytes / max(transfer_s, 1e-9) / 1e9, 3))

@@ -1,0 +1,38 @@
+"""One prefill request's transfer state: which blocks went out, what is in flight, what to answer.
+
+Plain values only; the handler owns the engine, the backend and the control server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from disagg.wire.control_msgs import TransferInfoMsg
+from disagg.wire.engine_msgs import OutputMsg
+from kvtransfer import TransferHandle
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    request_id: str
+    deadline: float  # when waiting for the decode's destination blocks gives up
+    created: float = field(default_factory=time.monotonic)
+    info: TransferInfoMsg | None = None
+    peer: str | None = None  # the decode's name in the transfer backend
+    num_sent_blocks: int = 0
+    handles: list[TransferHandle] = field(default_factory=list)
+    num_bytes: int = 0
+    final: OutputMsg | None = None  # the engine's answer, held until the KV landed
+    first_token: tuple[int, float | None] | None = None
+    info_at: float | None = None
+    computed_at: float | None = None
+
+    def blocks_ready(self, block_ids: list[int], num_computed_tokens: int, block_size: int, finished: bool) -> int:
+        """How many leading blocks may be sent: full computed ones, or all once the prompt is done."""
+        return len(block_ids) if finished else min(num_computed_tokens // block_size, len(block_ids))
+
+    @property
+    def all_sent(self) -> bool:
+        return self.info is not None and self.num_sent_blocks == len(self.info.dst_block_ids)

@@ -1,0 +1,225 @@
+"""An in-process EngineClient twin for the HTTP tests, plus helpers to serve it on 127.0.0.1:0.
+
+Deterministic "model": the i-th generated token (0-based) is `FIRST_OUTPUT_ID + i`, its text is
+`" w<id>"`. It honours max_tokens ("length"), stop_token_ids and stop strings ("stop", with
+`stop_reason`), logprobs (sampled token first at -0.5, then top-n: id + k at -0.5 - k) and prompt
+logprobs. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
+and of every message's content. Scripted behaviours: per-worker sleeping flags and
+reset_prefix_cache answers, dead workers, an error output or an exception after k tokens, a delay
+between tokens. It records every request, every aborted request and every utility call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from disagg.api.app import create_app
+from disagg.config import ServerConfig
+from disagg.dp.protocol import ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
+from disagg.types import InvalidRequest
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+
+FAKE_MODEL = ModelCard(name="fake-model", max_model_len=64, vocab_size=1000)
+FIRST_OUTPUT_ID = 100
+
+
+def token_text(token_id: int) -> str:
+    return f" w{token_id}"
+
+
+@dataclass
+class Scripted:
+    """Failures to inject. `*_after` counts output tokens sent before the failure."""
+
+    error_after: int | None = None  # then OutputMsg(error=..., error_status=error_status)
+    error_status: int = 500
+    error_text: str = "worker failed"
+    raise_after: int | None = None  # then the iterator raises WorkerUnavailable
+
+
+class FakeEngine:
+    """Implements disagg.dp.protocol.EngineClient in-process, deterministically."""
+
+    def __init__(self, dp_size: int = 2, *, load_balance_method: str = "round_robin",
+                 model: ModelCard = FAKE_MODEL, token_delay_s: float = 0.0, num_cached_tokens: int = 0):
+        self.dp_size = dp_size
+        self.load_balance_method = load_balance_method
+        self.model = model
+        self.token_delay_s = token_delay_s
+        self.num_cached_tokens = num_cached_tokens
+        self.script = Scripted()
+        self.sleeping = [False] * dp_size
+        self.reset_ok = [True] * dp_size
+        self.alive = [True] * dp_size
+        self.utility_results: dict[str, list[object]] = {}  # method -> forced results
+        self.requests: list[tuple[GenerateMsg, int]] = []
+        self.aborted: list[str] = []  # requests whose iterator was closed before they finished
+        self.abort_calls: list[tuple[str, bool]] = []  # engine.abort(request_id) -> found
+        self.utility_calls: list[tuple[str, tuple]] = []
+        self._abort_flags: dict[str, asyncio.Event] = {}
+        self._running: dict[str, int] = {}
+        self._next_rank = 0
+
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
+        """Like the DP controller: a pinned rank must exist; else the load-balance method decides."""
+        if routed_dp_rank is not None:
+            if not 0 <= routed_dp_rank < self.dp_size:
+                raise InvalidRequest(f"DP rank {routed_dp_rank} is not active (dp_size={self.dp_size})",
+                                     "routed_dp_rank")
+            return routed_dp_rank
+        if self.load_balance_method == "follow_bootstrap_room":
+            if bootstrap_room is None:
+                raise InvalidRequest("bootstrap_room is required with load_balance_method=follow_bootstrap_room",
+                                     "bootstrap_room")
+            return bootstrap_room % self.dp_size
+        rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.dp_size
+        return rank
+
+    async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
+        """Outputs one token per message; closing early counts as an abort."""
+        self.requests.append((msg, dp_rank))
+        if not self.alive[dp_rank]:
+            raise WorkerUnavailable(f"DP worker {dp_rank} is not running")
+        rid = msg.request_id
+        self._abort_flags[rid] = asyncio.Event()
+        self._running[rid] = dp_rank
+        finished = False
+        try:
+            async for out in self._outputs(msg, dp_rank):
+                finished = out.finish_reason is not None or out.error is not None
+                yield out
+        finally:
+            if not finished:
+                self.aborted.append(rid)
+            self._abort_flags.pop(rid, None)
+            self._running.pop(rid, None)
+
+    async def _outputs(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
+        rid, sp = msg.request_id, msg.sampling
+        num_prompt = prompt_length(msg)
+        rejection = self._rejection(msg, dp_rank, num_prompt)
+        if rejection is not None:
+            yield rejection
+            return
+        text = ""
+        for i in range(sp.max_tokens):
+            await asyncio.sleep(self.token_delay_s)
+            if self._abort_flags[rid].is_set():
+                yield OutputMsg(rid, finish_reason="abort", num_prompt_tokens=num_prompt, num_output_tokens=i)
+                return
+            if self.script.error_after == i:
+                yield OutputMsg(rid, error=self.script.error_text, error_status=self.script.error_status)
+                return
+            if self.script.raise_after == i:
+                raise WorkerUnavailable("DP worker died mid-request")
+            token_id = FIRST_OUTPUT_ID + i
+            new_text, finish, stop_reason = self._step_text(sp, text, token_id, i)
+            text += new_text
+            yield OutputMsg(
+                rid, new_token_ids=[token_id], new_text=new_text, finish_reason=finish, stop_reason=stop_reason,
+                logprobs=[fake_logprobs(token_id, sp.logprobs)] if sp.logprobs is not None else None,
+                prompt_logprobs=self._prompt_logprobs(msg) if i == 0 else None,
+                num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens, num_output_tokens=i + 1,
+            )
+            if finish is not None:
+                return
+
+    def _rejection(self, msg: GenerateMsg, dp_rank: int, num_prompt: int) -> OutputMsg | None:
+        if self.sleeping[dp_rank]:
+            return OutputMsg(msg.request_id, error="the engine is sleeping; call wake_up() first", error_status=503)
+        if num_prompt >= self.model.max_model_len:
+            return OutputMsg(msg.request_id, error=f"the prompt has {num_prompt} tokens; the context length is "
+                             f"{self.model.max_model_len}", error_status=400, error_param="prompt")
+        return None
+
+    @staticmethod
+    def _step_text(sp, text: str, token_id: int, i: int) -> tuple[str, str | None, str | int | None]:
+        new_text = token_text(token_id)
+        if token_id in sp.stop_token_ids and i + 1 > sp.min_tokens:
+            return ("", "stop", token_id) if not sp.include_stop_str_in_output else (new_text, "stop", token_id)
+        whole = text + new_text
+        for stop in sp.stop:
+            at = whole.find(stop)
+            if at >= 0:
+                end = at + len(stop) if sp.include_stop_str_in_output else at
+                return whole[len(text):end], "stop", stop
+        return new_text, ("length" if i + 1 == sp.max_tokens else None), None
+
+    def _prompt_logprobs(self, msg: GenerateMsg):
+        n = msg.sampling.prompt_logprobs
+        if n is None:
+            return None
+        ids = msg.prompt_token_ids or [7] * prompt_length(msg)
+        return [None] + [fake_logprobs(t, n, base=-1.0) for t in ids[1:]]
+
+    async def abort(self, request_id: str) -> bool:
+        flag = self._abort_flags.get(request_id)
+        self.abort_calls.append((request_id, flag is not None))
+        if flag is not None:
+            flag.set()
+        return flag is not None
+
+    async def call_utility(self, method: str, *args) -> list[object]:
+        self.utility_calls.append((method, args))
+        if not all(self.alive):
+            raise WorkerUnavailable(f"{method}: DP worker {self.alive.index(False)} is not running")
+        if method in self.utility_results:
+            return list(self.utility_results[method])
+        if method == "is_sleeping":
+            return list(self.sleeping)
+        if method in ("sleep", "wake_up"):
+            self.sleeping = [method == "sleep"] * self.dp_size
+            return [None] * self.dp_size
+        if method == "reset_prefix_cache":
+            return list(self.reset_ok)
+        raise UtilityFailed(method, {r: f"unknown utility {method!r}" for r in range(self.dp_size)})
+
+    def worker_states(self) -> list[WorkerState]:
+        return [
+            WorkerState(dp_rank=r, alive=self.alive[r], ready=self.alive[r],
+                        num_running=sum(1 for v in self._running.values() if v == r), num_waiting=r,
+                        num_free_blocks=100 - r, num_total_blocks=128, num_outstanding_requests=0)
+            for r in range(self.dp_size)
+        ]
+
+    def healthy(self) -> bool:
+        return all(self.alive)
+
+
+def prompt_length(msg: GenerateMsg) -> int:
+    if msg.prompt_token_ids is not None:
+        return len(msg.prompt_token_ids)
+    if msg.prompt is not None:
+        return len(msg.prompt.split())
+    return sum(len(str(m.get("content") or "").split()) for m in msg.messages or [])
+
+
+def fake_logprobs(token_id: int, top_n: int, base: float = -0.5) -> list[tuple[int, float]]:
+    """(sampled, lp) first, then the top-n: id + k at lp - k."""
+    return [(token_id, base)] + [(token_id + k, base - k) for k in range(top_n)]
+
+
+@contextlib.asynccontextmanager
+async def api_client(engine: FakeEngine, **config) -> AsyncIterator[TestClient]:
+    """A TestClient talking real HTTP to create_app(ServerConfig(**config), engine) on 127.0.0.1:0."""
+    app = create_app(ServerConfig(port=0, **config), engine, configure_logs=False)
+    async with TestClient(TestServer(app, host="127.0.0.1", port=0)) as client:
+        yield client
+
+
+def sse_events(raw: str) -> list[object]:
+    """The `data:` payloads of an SSE body, JSON-decoded; `[DONE]` stays a string."""
+    events = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

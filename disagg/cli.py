@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
+from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
     BootstrapConfig, CacheConfig, ConfigError, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig,
 )
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_args(parser_)
         add_dataclass_args(parser_.add_argument_group("DisaggConfig"), DisaggConfig)
         parser_.set_defaults(load_balance_method=method, force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
+    add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
     add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
@@ -72,6 +74,10 @@ def run(argv: list[str]) -> int:
         mode = "null" if args.command == "unified" else args.command
         disagg = dataclass_from_args(DisaggConfig, args) if mode != "null" else DisaggConfig()
         return serving.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
+    if args.command == "router":
+        from disagg.router.launch import main as router_main
+
+        return router_main(args)
     if args.command == "bootstrap":
         from bootstrap.server import run_bootstrap
 

@@ -1,0 +1,194 @@
+"""The router's aiohttp application: P/D-dispatched generate endpoints, health, listings, models.
+
+Routes:
+- `POST /generate`, `/v1/completions`, `/v1/chat/completions`, `/inference/v1/generate`: P/D dispatch
+- `GET /v1/models`: from the first healthy decode server
+- `GET /health`: 200 while at least one prefill and one decode server are healthy, else 503
+- `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
+- `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
+Every error is OpenAI-shaped JSON; unknown routes are 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from collections.abc import Callable
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+
+from disagg.router.config import RouterConfig
+from disagg.router.errors import NoHealthyServer, RouterError
+from disagg.router.health import HealthChecker
+from disagg.router.legs import Leg, LegClient, leg_errors
+from disagg.router.policy import PairPicker
+from disagg.router.proxy import Proxy
+from disagg.router.workers import Health, Role, WorkerPool
+
+log = structlog.get_logger("disagg.router")
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+
+
+class Router:
+    """The running router's parts; `start()` opens the one ClientSession, `close()` releases it."""
+
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None,
+                 randbits: Callable[[int], int] = secrets.randbits):
+        self.config = config
+        initial = Health.UNKNOWN if config.health_checks_enabled else Health.HEALTHY
+        self.pool = WorkerPool(config.prefill, config.decode, initial)
+        self._rng = rng if rng is not None else random.Random()
+        self._randbits = randbits
+        self.picker = PairPicker(config.policy, self._rng)
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.proxy: Proxy | None = None
+        self.legs: LegClient | None = None
+
+    async def start(self) -> None:
+        """Open the session, run the first health checks, start the checker loop."""
+        cfg = self.config
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self.health = HealthChecker(self.config, self.pool, self.session)
+        self.legs = LegClient(self.session, self.config.request_timeout_s, self.config.connect_timeout_s)
+        self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits)
+        await self.health.start()
+
+    async def close(self) -> None:
+        """Stop health checks and close every connection; idempotent."""
+        if self.health is not None:
+            await self.health.close()
+        session, self.session = self.session, None
+        if session is not None:
+            await session.close()
+
+
+ROUTER_KEY = web.AppKey("router", Router)
+
+
+def _router(request: web.Request) -> Router:
+    return request.app[ROUTER_KEY]
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(payload), status=status, content_type="application/json")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """P/D dispatch; the same path is called on both servers."""
+    return await _router(request).proxy.serve(request, request.path)
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while a pair can be formed from servers whose last check succeeded."""
+    pool = _router(request).pool
+    counts = {role: pool.num_healthy(role) for role in Role}
+    for role, count in counts.items():
+        if count == 0:
+            raise NoHealthyServer(str(role))
+    return _json({"status": "ok", "healthy_prefill": counts[Role.PREFILL], "healthy_decode": counts[Role.DECODE]})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Every eligible server's `/health_generate`, concurrently; 503 naming those that failed."""
+    router = _router(request)
+    targets = [info for role in Role for info in router.pool.infos(role) if info.health is not Health.UNHEALTHY]
+    outcomes = await asyncio.gather(*(_get(router, info.role, info.url, "/health_generate", {}) for info in targets),
+                                    return_exceptions=True)
+    failed = []
+    for info, outcome in zip(targets, outcomes):
+        if isinstance(outcome, BaseException):
+            failed.append(f"{info.role} {info.url}: {outcome}")
+        elif not 200 <= outcome[0] < 300:
+            failed.append(f"{info.role} {info.url}: answered {outcome[0]}")
+    if failed or not targets:
+        raise RouterError(503, "health_generate failed: " + ("; ".join(failed) or "no eligible server"))
+    return _json({"status": "ok", "checked": [info.url for info in targets]})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """The router's settings and every server with its health, requests in flight and dp_size."""
+    router = _router(request)
+    cfg = router.config
+    return _json({
+        "router": {"policy": cfg.policy, "test_external_dp_routing": cfg.test_external_dp_routing,
+                   "request_timeout_s": cfg.request_timeout_s, "health_check_interval_s": cfg.health_check_interval_s},
+        "prefill": [info.as_json() for info in router.pool.infos(Role.PREFILL)],
+        "decode": [info.as_json() for info in router.pool.infos(Role.DECODE)],
+    })
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """`/v1/models` of the first healthy decode server, passed through."""
+    router = _router(request)
+    index = router.pool.first_eligible(Role.DECODE)
+    if index is None:
+        raise NoHealthyServer("decode")
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    status, content_type, body = await _get(router, Role.DECODE, router.config.decode[index], "/v1/models", headers)
+    return web.Response(body=body, status=status, headers={"Content-Type": content_type})
+
+
+async def _get(router: Router, role: Role, server: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+    """GET `server + path` within the request timeout: (status, content type, body)."""
+    leg = Leg(role, -1, server, server + path, b"")
+    timeout = aiohttp.ClientTimeout(total=router.config.request_timeout_s, connect=router.config.connect_timeout_s)
+    with leg_errors(leg, router.config.request_timeout_s):
+        async with router.session.get(leg.url, headers=headers, timeout=timeout) as resp:
+            return resp.status, resp.headers.get("Content-Type", "application/json"), await resp.read()
+
+
+def _from_http_exception(exc: web.HTTPException, request: web.Request) -> RouterError:
+    if exc.status == 404:
+        return RouterError(404, f"Not Found: {request.method} {request.path}", code="route_not_found")
+    if exc.status == 405:
+        return RouterError(405, f"Method Not Allowed: {request.method} {request.path}")
+    return RouterError(exc.status, exc.text or exc.reason)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure leaves as JSON with the right status; one request never kills the router."""
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        return web.Response(body=exc.body(), status=exc.status, content_type=exc.content_type)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = _from_http_exception(exc, request)
+        keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return web.Response(body=err.body(), status=err.status, content_type=err.content_type, headers=keep)
+    except ConnectionResetError:  # the client left; nobody to answer
+        raise
+    except Exception as exc:  # noqa: BLE001 - the boundary: one request's failure never kills the router
+        log.error("internal error", exc_info=exc)
+        err = RouterError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return web.Response(body=err.body(), status=500, content_type=err.content_type)
+
+
+def create_app(router: Router) -> web.Application:
+    """The application; `router` is started on app startup and closed on cleanup."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=router.config.max_body_bytes)
+    app[ROUTER_KEY] = router
+
+    async def lifecycle(_app: web.Application):
+        await router.start()
+        yield
+        await router.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    for path in GENERATE_PATHS:
+        app.router.add_post(path, generate)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    for path in ("/server_info", "/get_server_info", "/workers"):
+        app.router.add_get(path, server_info)
+    return app

@@ -1,0 +1,146 @@
+"""Pure edits of request and response bodies: the P/D fields the router adds, the DP ranks of the
+external-DP-routing test mode, prompt-logprob merging and the decode's reported DP rank.
+
+Bodies are plain JSON values (dicts and lists); inputs are never modified in place, except by
+`merge_prompt_logprobs`, which documents it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from disagg.router.errors import BadRequest, DpRankMismatch
+
+GENERATE_PATH = "/generate"
+# Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
+PROMPT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+def parse_request_body(raw: bytes) -> dict:
+    """The client's body as a dict; BadRequest unless it is a JSON object."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def is_stream(body: dict) -> bool:
+    """`"stream": true` asks for server-sent events."""
+    return body.get("stream") is True
+
+
+def generate_batch_size(path: str, body: dict) -> int | None:
+    """The number of prompts of a batched SGLang /generate request; None for a single prompt."""
+    if path != GENERATE_PATH:
+        return None
+    text = body.get("text")
+    if isinstance(text, list):
+        return len(text)
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The P/D fields of one request: where the prefill's registry is, and the room (or rooms)."""
+
+    host: str
+    port: int | None
+    room: int | list[int]
+
+    def fields(self) -> dict:
+        """`bootstrap_host/port/room`, as lists of equal length for a batch (SGLang's form)."""
+        if isinstance(self.room, list):
+            count = len(self.room)
+            return {"bootstrap_host": [self.host] * count, "bootstrap_port": [self.port] * count,
+                    "bootstrap_room": list(self.room)}
+        return {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room}
+
+
+def with_bootstrap(body: dict, bootstrap: Bootstrap) -> dict:
+    """A copy of `body` carrying the P/D fields (the router's values replace any the client sent)."""
+    return {**body, **bootstrap.fields()}
+
+
+def with_dp_ranks(body: dict, prefill_rank: int, decode_rank: int) -> tuple[dict, dict]:
+    """(prefill body, decode body) for the external-DP-routing test mode.
+
+    Each leg gets its own `routed_dp_rank`; the decode leg also learns which prefill DP worker holds
+    the KV (`disagg_prefill_dp_rank`), so it never asks the registry. The prefill leg carries it too:
+    it tells the prefill that its decode knows the rank, so a rank other than room % dp_size is no
+    conflict under follow_bootstrap_room.
+    """
+    prefill = {**body, "routed_dp_rank": prefill_rank, "disagg_prefill_dp_rank": prefill_rank}
+    decode = {**body, "routed_dp_rank": decode_rank, "disagg_prefill_dp_rank": prefill_rank}
+    return prefill, decode
+
+
+def wants_prompt_logprobs(path: str, body: dict) -> bool:
+    """A /generate request with `return_logprob`: the prompt logprobs come from the prefill."""
+    flag = body.get("return_logprob")
+    return path == GENERATE_PATH and (any(flag) if isinstance(flag, list) else bool(flag))
+
+
+def merge_prompt_logprobs(decode_json: object, prefill_json: object) -> bool:
+    """Copy the prefill's prompt logprobs into the decode's `meta_info` where the decode lacks them.
+
+    Works item by item on batched answers. Modifies `decode_json` in place; True if anything changed.
+    """
+    if isinstance(decode_json, list) and isinstance(prefill_json, list):
+        changed = [merge_prompt_logprobs(d, p) for d, p in zip(decode_json, prefill_json)]
+        return any(changed)
+    if not isinstance(decode_json, dict) or not isinstance(prefill_json, dict):
+        return False
+    decode_meta, prefill_meta = decode_json.get("meta_info"), prefill_json.get("meta_info")
+    if not isinstance(decode_meta, dict) or not isinstance(prefill_meta, dict):
+        return False
+    changed = False
+    for key in PROMPT_LOGPROB_KEYS:
+        if not decode_meta.get(key) and prefill_meta.get(key) is not None:
+            decode_meta[key] = prefill_meta[key]
+            changed = True
+    return changed
+
+
+def reported_dp_ranks(decode_json: object, header: str | None) -> list[object]:
+    """The DP rank(s) the decode says served the request, one per answer item.
+
+    Order of precedence per item: top-level `dp_rank` (OpenAI and tokens answers), then
+    `meta_info.dp_rank` (/generate), then the `X-data-parallel-rank` response header; None if absent.
+    """
+    items = decode_json if isinstance(decode_json, list) else [decode_json]
+    from_header = _header_rank(header)
+    return [_item_rank(item, from_header) for item in items] or [from_header]
+
+
+def _item_rank(item: object, from_header: object) -> object:
+    if isinstance(item, dict):
+        if item.get("dp_rank") is not None:
+            return item["dp_rank"]
+        meta = item.get("meta_info")
+        if isinstance(meta, dict) and meta.get("dp_rank") is not None:
+            return meta["dp_rank"]
+    return from_header
+
+
+def _header_rank(header: str | None) -> object:
+    if header is None:
+        return None
+    try:
+        return int(header.strip())
+    except ValueError:
+        return header
+
+
+def check_decode_dp_rank(sent: int, decode_json: object, header: str | None) -> None:
+    """DpRankMismatch unless every answer item reports the rank the decode leg was sent."""
+    for reported in reported_dp_ranks(decode_json, header):
+        if reported != sent or isinstance(reported, bool):
+            raise DpRankMismatch(sent, reported)

@@ -1,0 +1,117 @@
+"""The router's frozen configuration and the parsing of SGLang-router style server lists.
+
+`--prefill URL [BOOTSTRAP_PORT]` (repeatable; port defaults to 8998, `none` sends `null`) and
+`--decode URL` (repeatable) become `PrefillEndpoint`s and decode URLs here, so that the CLI and
+tests build the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from disagg.config import ConfigError
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+POLICIES = ("round_robin", "random", "least_load")
+LOG_FORMATS = ("console", "json")
+
+
+def _check_url(url: str, flag: str) -> str:
+    """The URL without a trailing slash; ConfigError unless it is http(s)://host[:port]."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag} needs an http:// or https:// URL with a host, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise ConfigError(f"{flag} URL has an invalid port: {url!r}") from None
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class PrefillEndpoint:
+    """One prefill server: its HTTP URL and the port of its bootstrap registry (None: send null)."""
+
+    url: str
+    bootstrap_port: int | None = DEFAULT_BOOTSTRAP_PORT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", _check_url(self.url, "--prefill"))
+        port = self.bootstrap_port
+        if port is not None and not 1 <= port <= 65535:
+            raise ConfigError(f"bootstrap port of {self.url} must be in [1, 65535] or none, got {port}")
+
+    @property
+    def bootstrap_host(self) -> str:
+        """The host decode workers use to reach this prefill's bootstrap registry."""
+        return urlsplit(self.url).hostname or ""
+
+
+def parse_prefill(values: list[str]) -> PrefillEndpoint:
+    """`["URL"]` or `["URL", "PORT"|"none"]`, as given to one `--prefill`."""
+    if not 1 <= len(values) <= 2:
+        raise ConfigError(f"--prefill takes a URL and an optional bootstrap port, got {' '.join(values)!r}")
+    if len(values) == 1:
+        return PrefillEndpoint(values[0])
+    raw_port = values[1].strip()
+    if raw_port.lower() == "none":
+        return PrefillEndpoint(values[0], None)
+    try:
+        port = int(raw_port)
+    except ValueError:
+        raise ConfigError(f"bootstrap port must be an integer or 'none', got {raw_port!r}") from None
+    return PrefillEndpoint(values[0], port)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`disagg router`: one HTTP front that pairs a prefill and a decode server per request."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=30000, metadata={"help": "HTTP port (0: any free port)"})
+    prefill: tuple[PrefillEndpoint, ...] = field(default=(), metadata={"help": "prefill servers"})
+    decode: tuple[str, ...] = field(default=(), metadata={"help": "decode server URLs"})
+    policy: str = field(
+        default="round_robin", metadata={"help": "pair selection: round_robin, random or least_load"}
+    )
+    test_external_dp_routing: bool = field(
+        default=False,
+        metadata={"help": "test mode: pin random DP ranks on both legs and verify the decode's reported rank"},
+    )
+    request_timeout_s: float = field(default=300.0, metadata={"help": "limit of one request, both legs"})
+    connect_timeout_s: float = field(default=10.0, metadata={"help": "limit for opening a connection to a server"})
+    health_check_interval_s: float = field(
+        default=5.0, metadata={"help": "seconds between health checks of every server (0: no checks)"}
+    )
+    health_check_timeout_s: float = field(
+        default=2.0, metadata={"help": "limit of one health check or /server_info read"}
+    )
+    max_body_bytes: int = field(default=64 << 20, metadata={"help": "largest accepted request body"})
+    max_connections: int = field(default=1024, metadata={"help": "open connections to all servers together"})
+    log_format: str = field(default="console", metadata={"help": "console or json"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(_check_url(u, "--decode") for u in self.decode))
+        if not self.prefill or not self.decode:
+            raise ConfigError("the router needs at least one --prefill and one --decode server")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
+        for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.health_check_interval_s < 0:
+            raise ConfigError(f"health_check_interval_s must be >= 0, got {self.health_check_interval_s}")
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def health_checks_enabled(self) -> bool:
+        """False when `health_check_interval_s` is 0: every server counts as healthy."""
+        return self.health_check_interval_s > 0

@@ -1,0 +1,119 @@
+"""Typed router errors; each knows the HTTP status and the body the client gets.
+
+Bodies are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), except a server's
+own error answer, which is passed through unchanged when it is JSON.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_TYPE_OF_STATUS = {
+    400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+    500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError",
+}
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               error_type: str | None = None) -> dict:
+    """The OpenAI-shaped error object for `status`."""
+    kind = error_type or _TYPE_OF_STATUS.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class RouterError(Exception):
+    """A request the router answers with an error; `status` and `body()` are what the client sees."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 error_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+
+    def body(self) -> bytes:
+        """The JSON body of the error answer."""
+        return msgspec.json.encode(
+            error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)
+        )
+
+    @property
+    def content_type(self) -> str:
+        """The media type of `body()`."""
+        return "application/json"
+
+
+class BadRequest(RouterError):
+    """400: the client's body is not a JSON object, or cannot be routed as sent."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(400, message, param=param)
+
+
+class NoHealthyServer(RouterError):
+    """503: every server of a role is unhealthy, so no pair can be formed."""
+
+    def __init__(self, role: str):
+        super().__init__(503, f"no healthy {role} server", code="no_healthy_server")
+        self.role = role
+
+
+class ServerUnreachable(RouterError):
+    """502: a server could not be reached, or dropped the connection."""
+
+    def __init__(self, role: str, url: str, reason: str):
+        super().__init__(502, f"{role} server {url} unreachable: {reason}", code="upstream_unreachable")
+        self.role = role
+        self.url = url
+
+
+class ServerTimeout(RouterError):
+    """504: a server did not answer within the request timeout."""
+
+    def __init__(self, role: str, url: str, timeout_s: float):
+        super().__init__(504, f"{role} server {url} did not answer within {timeout_s:g} s", code="upstream_timeout")
+        self.role = role
+        self.url = url
+
+
+class DpRankMismatch(RouterError):
+    """500 (external-DP-routing test mode): the decode served the request on another DP rank."""
+
+    def __init__(self, sent: int, reported: object):
+        super().__init__(
+            500, f"DP rank mismatch: sent routed_dp_rank={sent} to decode, it reported {reported}",
+            code="dp_rank_mismatch",
+        )
+
+
+class ServerError(RouterError):
+    """A server answered with a non-2xx status: its status and body go to the client as they are.
+
+    A JSON body is passed through unchanged; any other body is wrapped into an OpenAI-shaped error
+    whose message names the server.
+    """
+
+    def __init__(self, role: str, url: str, status: int, raw: bytes, content_type: str):
+        self.role = role
+        self.url = url
+        self.raw = raw
+        self.raw_content_type = content_type
+        text = raw.decode("utf-8", "replace").strip() or f"HTTP {status}"
+        super().__init__(status, f"{role} server {url} answered {status}: {text}")
+
+    def body(self) -> bytes:
+        """The server's own JSON error body, or an OpenAI-shaped one wrapping its text."""
+        if self._raw_is_json():
+            return self.raw
+        return super().body()
+
+    def _raw_is_json(self) -> bool:
+        if "json" not in self.raw_content_type:
+            return False
+        try:
+            msgspec.json.decode(self.raw)
+        except msgspec.DecodeError:
+            return False
+        return True

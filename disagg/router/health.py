@@ -1,0 +1,121 @@
+"""Background health checks (`GET /health` of every server) and DP-size discovery (`/server_info`).
+
+Results go into the WorkerPool; the policy then skips unhealthy servers. Every probe has its own
+deadline (`health_check_timeout_s`), so one hung server never delays the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import msgspec
+import structlog
+
+from disagg.router.config import RouterConfig
+from disagg.router.errors import RouterError, ServerTimeout, ServerUnreachable
+from disagg.router.workers import Health, Role, WorkerPool
+
+log = structlog.get_logger("disagg.router")
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+
+
+async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """None if `GET url/health` answers 2xx within the deadline, else why not."""
+    try:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            return None if 200 <= resp.status < 300 else f"/health answered {resp.status}"
+    except asyncio.TimeoutError:
+        return f"/health did not answer within {timeout_s:g} s"
+    except aiohttp.ClientError as exc:
+        return f"/health failed: {type(exc).__name__}: {exc}"
+
+
+def dp_size_of(info: object) -> int:
+    """`dp_size` from a /server_info answer; else the number of `internal_states`; else 1."""
+    if isinstance(info, dict):
+        size = info.get("dp_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return size
+        states = info.get("internal_states")
+        if isinstance(states, list) and states:
+            return len(states)
+    return 1
+
+
+async def fetch_dp_size(session: aiohttp.ClientSession, role: Role, url: str, timeout_s: float) -> int:
+    """The server's dp_size from `/server_info` (or SGLang's older `/get_server_info`)."""
+    last = "no answer"
+    for path in SERVER_INFO_PATHS:
+        try:
+            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await resp.read()
+                if resp.status == 200:
+                    return dp_size_of(msgspec.json.decode(raw))
+                last = f"{path} answered {resp.status}"
+        except asyncio.TimeoutError:
+            raise ServerTimeout(str(role), url, timeout_s) from None
+        except aiohttp.ClientError as exc:
+            raise ServerUnreachable(str(role), url, f"{type(exc).__name__}: {exc}") from None
+        except msgspec.DecodeError:
+            last = f"{path} answered invalid JSON"
+    raise RouterError(502, f"cannot read dp_size of {role} server {url}: {last}", code="dp_size_unknown")
+
+
+class HealthChecker:
+    """Checks every server once at start, then every `health_check_interval_s` until closed."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, session: aiohttp.ClientSession):
+        self._config = config
+        self._pool = pool
+        self._session = session
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """One round of checks (so the first requests see real health), then the background loop."""
+        if not self._config.health_checks_enabled:
+            return
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="router-health-checks")
+
+    async def close(self) -> None:
+        """Stop the background loop; idempotent."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def check_all(self) -> None:
+        """Check every server of both roles concurrently."""
+        checks = [self._check(role, i) for role in Role for i in range(self._pool.size(role))]
+        await asyncio.gather(*checks)
+
+    async def ensure_dp_size(self, role: Role, index: int) -> int:
+        """The server's dp_size, read from it the first time it is needed."""
+        info = self._pool.info(role, index)
+        if info.dp_size is not None:
+            return info.dp_size
+        dp_size = await fetch_dp_size(self._session, role, info.url, self._config.health_check_timeout_s)
+        self._pool.set_dp_size(role, index, dp_size)
+        log.info("server dp_size read", role=str(role), url=info.url, dp_size=dp_size)
+        return dp_size
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.health_check_interval_s)
+            await self.check_all()
+
+    async def _check(self, role: Role, index: int) -> None:
+        url = self._pool.info(role, index).url
+        error = await probe_health(self._session, url, self._config.health_check_timeout_s)
+        health = Health.HEALTHY if error is None else Health.UNHEALTHY
+        previous = self._pool.set_health(role, index, health, error)
+        if health is not previous:
+            report = log.info if health is Health.HEALTHY else log.warning
+            report("server health changed", role=str(role), url=url, health=str(health), reason=error)
+        if health is Health.HEALTHY and self._config.test_external_dp_routing:
+            with contextlib.suppress(RouterError):  # read lazily per request instead
+                await self.ensure_dp_size(role, index)

@@ -1,0 +1,61 @@
+"""Command-line options of `disagg router`, in sglang-router's shape:
+
+    disagg router --port 30000 --prefill http://p1:30001 8998 --prefill http://p2:30001 \
+        --decode http://d1:30002 --decode http://d2:30002 --policy round_robin
+
+Scalar options come from RouterConfig's fields and help text; `--prefill URL [BOOTSTRAP_PORT]` and
+`--decode URL` repeat. `--pd-disaggregation` and `--request-timeout-secs` are accepted so that
+sglang-router command lines work unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, POLICIES, RouterConfig, parse_prefill
+
+_SERVER_LISTS = ("prefill", "decode")
+_ALIASES = {"request_timeout_s": ("--request-timeout-secs",)}  # sglang-router's spelling
+_CHOICES = {"policy": POLICIES, "log_format": ("console", "json")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the router's options to `parser` (a sub-command parser of `disagg`)."""
+    parser.add_argument(
+        "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+        help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}; 'none' sends null); repeat",
+    )
+    parser.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL",
+                        help="a decode server; repeat")
+    parser.add_argument("--pd-disaggregation", action="store_true",
+                        help="accepted for sglang-router compatibility (this router always disaggregates)")
+    hints = typing.get_type_hints(RouterConfig)
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in _SERVER_LISTS:
+            continue
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
+        help_text = f.metadata.get("help", "")
+        if hints[f.name] is bool:
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+        else:
+            parser.add_argument(*flags, dest=f.name, type=hints[f.name], default=f.default,
+                                choices=_CHOICES.get(f.name), help=f"{help_text} (default: {f.default})")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from parsed options; ConfigError names the bad value."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)
+              if f.name not in _SERVER_LISTS and hasattr(args, f.name)}
+    prefill = tuple(parse_prefill(list(v)) for v in args.prefill or ())
+    decode = tuple(v[0] for v in args.decode or ())
+    return RouterConfig(prefill=prefill, decode=decode, **values)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`disagg router`: build the config and serve until interrupted; returns the exit code."""
+    from disagg.router.server import run  # aiohttp loads only when the router really runs
+
+    return run(config_from_args(args))

@@ -1,0 +1,117 @@
+"""One leg of a P/D request (the POST to the prefill or to the decode server), and running two legs
+so that the first failure cancels the other at once.
+
+Transport failures become typed errors here: a connection error is ServerUnreachable (502), a
+missed deadline ServerTimeout (504), a non-2xx answer ServerError (the server's own status/body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from disagg.router.errors import ServerError, ServerTimeout, ServerUnreachable
+from disagg.router.workers import Role
+
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+@dataclass(frozen=True)
+class Leg:
+    """What to send to one server: `server` is its base URL, `url` the full target."""
+
+    role: Role
+    index: int
+    server: str
+    url: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class LegAnswer:
+    """A server's complete 2xx answer."""
+
+    status: int
+    content_type: str
+    dp_rank_header: str | None
+    body: bytes
+
+
+@contextlib.contextmanager
+def leg_errors(leg: Leg, timeout_s: float) -> Iterator[None]:
+    """Turn transport failures of `leg` into ServerTimeout / ServerUnreachable."""
+    try:
+        yield
+    except TimeoutError:  # before ClientError: aiohttp's timeouts are both
+        raise ServerTimeout(str(leg.role), leg.server, timeout_s) from None
+    except aiohttp.ClientError as exc:
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ServerUnreachable(str(leg.role), leg.server, reason) from None
+
+
+class LegClient:
+    """Sends legs over the router's one ClientSession, each bounded by the request timeout."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float, connect_timeout_s: float):
+        self._session = session
+        self.timeout_s = timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+
+    async def fetch(self, leg: Leg, headers: dict[str, str]) -> LegAnswer:
+        """POST and read the whole answer; ServerError for a non-2xx status."""
+        with leg_errors(leg, self.timeout_s):
+            async with self._session.post(leg.url, data=leg.body, headers=headers, timeout=self._timeout) as resp:
+                raw = await resp.read()
+                content_type = resp.headers.get("Content-Type", "application/json")
+                if not 200 <= resp.status < 300:
+                    raise ServerError(str(leg.role), leg.server, resp.status, raw, content_type)
+                return LegAnswer(resp.status, content_type, resp.headers.get(DP_RANK_HEADER), raw)
+
+    async def open_stream(self, leg: Leg, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
+        """POST and wait for the first body chunk; the caller owns (and closes) the response."""
+        with leg_errors(leg, self.timeout_s):
+            resp = await self._session.post(leg.url, data=leg.body, headers=headers, timeout=self._timeout)
+            try:
+                if not 200 <= resp.status < 300:
+                    raw = await resp.read()
+                    content_type = resp.headers.get("Content-Type", "application/json")
+                    raise ServerError(str(leg.role), leg.server, resp.status, raw, content_type)
+                return resp, await resp.content.readany()
+            except BaseException:
+                resp.close()
+                raise
+
+    async def read_chunk(self, leg: Leg, resp: aiohttp.ClientResponse) -> bytes:
+        """The next piece of a streamed answer; b"" at its end."""
+        with leg_errors(leg, self.timeout_s):
+            return await resp.content.readany()
+
+
+async def cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel `tasks` and wait until they have finished (a cancelled leg closes its connection)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def both_or_first_error(prefill: asyncio.Task, decode: asyncio.Task) -> tuple:
+    """Both results; the first leg to fail cancels the other and its error is raised.
+
+    If both have failed by the time we look, the prefill's error wins: it is usually the cause.
+    Cancelling the caller cancels both legs.
+    """
+    tasks = [prefill, decode]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+        return prefill.result(), decode.result()
+    finally:
+        await cancel_all(tasks)

@@ -1,0 +1,111 @@
+"""Pure routing policy: which prefill and decode server serve a request, its bootstrap room, and
+(in the external-DP-routing test mode) the DP rank pinned on each leg.
+
+No I/O and no clock; randomness is injected, so tests assert exact picks.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from disagg.router.errors import NoHealthyServer
+
+ROOM_BITS = 63  # SGLang draws rooms in [0, 2**63): they fit a signed 64-bit integer everywhere
+
+
+class Policy(str, enum.Enum):
+    """How one server is picked among the healthy servers of a role."""
+
+    ROUND_ROBIN = "round_robin"  # next healthy server after the previous pick
+    RANDOM = "random"  # uniform among healthy servers
+    LEAST_LOAD = "least_load"  # fewest requests in flight; ties go round-robin
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """What the policy knows about one server: whether it may be picked, and its requests in flight."""
+
+    eligible: bool
+    in_flight: int = 0
+
+
+class ServerPicker:
+    """Picks one server of one role. Keeps only a round-robin cursor (an index, not a server)."""
+
+    def __init__(self, policy: Policy, rng: random.Random):
+        self.policy = policy
+        self._rng = rng
+        self._cursor = 0
+
+    def pick(self, loads: Sequence[ServerLoad]) -> int | None:
+        """The index of the chosen server, or None when no server is eligible."""
+        candidates = [i for i, load in enumerate(loads) if load.eligible]
+        if not candidates:
+            return None
+        if self.policy is Policy.RANDOM:
+            return self._rng.choice(candidates)
+        if self.policy is Policy.LEAST_LOAD:
+            fewest = min(loads[i].in_flight for i in candidates)
+            candidates = [i for i in candidates if loads[i].in_flight == fewest]
+        return self._next_from_cursor(candidates, len(loads))
+
+    def _next_from_cursor(self, candidates: list[int], num_servers: int) -> int:
+        """The first candidate at or after the cursor (wrapping), and the cursor moves past it."""
+        after = [i for i in candidates if i >= self._cursor]
+        chosen = after[0] if after else candidates[0]
+        self._cursor = (chosen + 1) % num_servers
+        return chosen
+
+
+class PairPicker:
+    """Picks a (prefill, decode) pair; each role has its own cursor."""
+
+    def __init__(self, policy: Policy | str, rng: random.Random | None = None):
+        policy = Policy(policy)
+        rng = rng if rng is not None else random.Random()
+        self.policy = policy
+        self._prefill = ServerPicker(policy, rng)
+        self._decode = ServerPicker(policy, rng)
+
+    def pick_pair(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad]) -> tuple[int, int]:
+        """(prefill index, decode index); NoHealthyServer names the role that has none."""
+        p = self._prefill.pick(prefill)
+        if p is None:
+            raise NoHealthyServer("prefill")
+        d = self._decode.pick(decode)
+        if d is None:
+            raise NoHealthyServer("decode")
+        return p, d
+
+
+def draw_bootstrap_room(randbits: Callable[[int], int] = secrets.randbits) -> int:
+    """A fresh room id in [0, 2**63); `randbits` is `secrets.randbits` unless a test injects one."""
+    room = randbits(ROOM_BITS)
+    assert 0 <= room < 1 << ROOM_BITS, f"room {room} outside 63 bits"
+    return room
+
+
+def draw_rooms(count: int | None, randbits: Callable[[int], int] = secrets.randbits) -> int | list[int]:
+    """One room, or `count` distinct rooms for a batched /generate request (one per prompt)."""
+    if count is None:
+        return draw_bootstrap_room(randbits)
+    rooms: list[int] = []
+    while len(rooms) < count:
+        room = draw_bootstrap_room(randbits)
+        if room not in rooms:
+            rooms.append(room)
+    return rooms
+
+
+def pick_dp_rank(dp_size: int, rng: random.Random) -> int:
+    """A uniformly random DP rank in [0, dp_size) (external-DP-routing test mode)."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be at least 1, got {dp_size}")
+    return rng.randrange(dp_size)

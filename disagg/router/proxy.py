@@ -1,0 +1,224 @@
+"""P/D dispatch of one generate request: pick a pair, add the bootstrap fields, send the same body
+to both servers at once, and answer with the decode's response (whole or streamed).
+
+The first leg to fail cancels the other and its error is the answer. A prefill that fails after the
+decode's stream has started ends the stream with one error event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from disagg.router import bodies
+from disagg.router.config import RouterConfig
+from disagg.router.errors import RouterError
+from disagg.router.health import HealthChecker
+from disagg.router.legs import DP_RANK_HEADER, Leg, LegAnswer, LegClient, both_or_first_error, cancel_all
+from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
+from disagg.router.workers import Role, WorkerPool
+
+log = structlog.get_logger("disagg.router")
+# Request headers both legs receive; everything else (Host, Content-Length, ...) is the router's own.
+FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, "X-Request-Id", "traceparent", "tracestate")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided about one request before any byte is sent."""
+
+    prefill: Leg
+    decode: Leg
+    room: int | list[int]
+    stream: bool
+    merge_logprobs: bool
+    expected_decode_rank: int | None  # external-DP-routing test mode only
+
+
+def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[str, str]:
+    """The client's headers that go to both legs, plus the JSON content type."""
+    out = {"Content-Type": "application/json"}
+    for name in FORWARDED_HEADERS:
+        if name == DP_RANK_HEADER and drop_dp_rank:
+            continue  # the test mode pins ranks itself; a header would override them on both legs
+        if name in headers:
+            out[name] = headers[name]
+    return out
+
+
+def sse_error_event(err: RouterError) -> bytes:
+    """One `data:` event holding the error body (compact JSON, so one line), then `data: [DONE]`."""
+    try:
+        payload = msgspec.json.encode(msgspec.json.decode(err.body()))
+    except msgspec.DecodeError:
+        payload = RouterError.body(err)
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
+
+
+class Proxy:
+    """Dispatches generate requests over one LegClient; owns no connections itself."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, health: HealthChecker, legs: LegClient,
+                 picker: PairPicker, rng: random.Random | None = None,
+                 randbits: Callable[[int], int] = secrets.randbits):
+        self._config = config
+        self._pool = pool
+        self._health = health
+        self._legs = legs
+        self._picker = picker
+        self._rng = rng if rng is not None else random.Random()
+        self._randbits = randbits
+
+    async def serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        """Answer one generate request (`path` is the same on both servers)."""
+        body = bodies.parse_request_body(await request.read())
+        plan = await self.plan(path, body)
+        headers = forwarded_headers(request.headers, self._config.test_external_dp_routing)
+        room = plan.room if isinstance(plan.room, int) else plan.room[0]
+        with structlog.contextvars.bound_contextvars(bootstrap_room=room, path=path):
+            self._begin(plan)
+            try:
+                log.debug("request routed", prefill=plan.prefill.server, decode=plan.decode.server)
+                if plan.stream:
+                    return await self._stream(request, plan, headers)
+                return await self._unary(plan, headers)
+            except RouterError as exc:
+                (log.warning if exc.status >= 500 else log.info)("request failed", status=exc.status, error=exc.message)
+                raise
+            finally:
+                self._end(plan)
+
+    async def plan(self, path: str, body: dict) -> Plan:
+        """Pick the pair, draw the room, and build each leg's body."""
+        p, d = self._picker.pick_pair(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE))
+        endpoint = self._config.prefill[p]
+        room = draw_rooms(bodies.generate_batch_size(path, body), self._randbits)
+        shared = bodies.with_bootstrap(body, bodies.Bootstrap(endpoint.bootstrap_host, endpoint.bootstrap_port, room))
+        expected = None
+        if self._config.test_external_dp_routing:
+            p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
+            expected = pick_dp_rank(await self._health.ensure_dp_size(Role.DECODE, d), self._rng)
+            prefill_body, decode_body = (msgspec.json.encode(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
+        else:
+            prefill_body = decode_body = msgspec.json.encode(shared)
+        decode_url = self._config.decode[d]
+        return Plan(
+            prefill=Leg(Role.PREFILL, p, endpoint.url, endpoint.url + path, prefill_body),
+            decode=Leg(Role.DECODE, d, decode_url, decode_url + path, decode_body),
+            room=room, stream=bodies.is_stream(body), merge_logprobs=bodies.wants_prompt_logprobs(path, body),
+            expected_decode_rank=expected,
+        )
+
+    def _begin(self, plan: Plan) -> None:
+        self._pool.begin(Role.PREFILL, plan.prefill.index)
+        self._pool.begin(Role.DECODE, plan.decode.index)
+
+    def _end(self, plan: Plan) -> None:
+        self._pool.end(Role.PREFILL, plan.prefill.index)
+        self._pool.end(Role.DECODE, plan.decode.index)
+
+    async def _unary(self, plan: Plan, headers: dict[str, str]) -> web.Response:
+        prefill = asyncio.create_task(self._legs.fetch(plan.prefill, headers))
+        decode = asyncio.create_task(self._legs.fetch(plan.decode, headers))
+        prefill_answer, decode_answer = await both_or_first_error(prefill, decode)
+        body = self._decode_body(plan, prefill_answer, decode_answer)
+        out_headers = {"Content-Type": decode_answer.content_type}
+        if decode_answer.dp_rank_header is not None:
+            out_headers[DP_RANK_HEADER] = decode_answer.dp_rank_header
+        return web.Response(body=body, status=decode_answer.status, headers=out_headers)
+
+    def _decode_body(self, plan: Plan, prefill: LegAnswer, decode: LegAnswer) -> bytes:
+        """The decode's bytes as they are, unless the DP check or a logprob merge must read them."""
+        if plan.expected_decode_rank is None and not plan.merge_logprobs:
+            return decode.body
+        try:
+            answer = msgspec.json.decode(decode.body)
+        except msgspec.DecodeError:
+            if plan.expected_decode_rank is not None:
+                raise RouterError(502, f"decode server {plan.decode.server} answered invalid JSON") from None
+            return decode.body
+        if plan.expected_decode_rank is not None:
+            bodies.check_decode_dp_rank(plan.expected_decode_rank, answer, decode.dp_rank_header)
+        if plan.merge_logprobs and bodies.merge_prompt_logprobs(answer, _json_or_none(prefill.body)):
+            return msgspec.json.encode(answer)
+        return decode.body
+
+    async def _stream(self, request: web.Request, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
+        prefill = asyncio.create_task(self._legs.fetch(plan.prefill, headers))
+        opening = asyncio.create_task(self._legs.open_stream(plan.decode, headers))
+        resp = None
+        try:
+            resp, first = await _await_unless_other_fails(opening, prefill)
+            reported = resp.headers.get(DP_RANK_HEADER)
+            if plan.expected_decode_rank is not None and reported is not None:
+                bodies.check_decode_dp_rank(plan.expected_decode_rank, None, reported)
+            out = web.StreamResponse(status=resp.status, headers=_stream_headers(resp.headers))
+            await out.prepare(request)
+            await self._relay(out, plan, resp, first, prefill)
+            await out.write_eof()
+            await self._settle_prefill(prefill)
+            return out
+        finally:
+            await cancel_all([prefill, opening])
+            if resp is not None:
+                resp.close()
+
+    async def _relay(self, out: web.StreamResponse, plan: Plan, resp, first: bytes, prefill: asyncio.Task) -> None:
+        """Copy the decode's chunks to the client in order; end with an error event if a leg fails."""
+        chunk = first
+        try:
+            while chunk:
+                await out.write(chunk)
+                if prefill.done() and prefill.exception() is None:  # nothing left to watch
+                    chunk = await self._legs.read_chunk(plan.decode, resp)
+                    continue
+                chunk = await _await_unless_other_fails(
+                    asyncio.create_task(self._legs.read_chunk(plan.decode, resp)), prefill)
+        except RouterError as exc:
+            log.warning("stream failed after it started", status=exc.status, error=exc.message)
+            await out.write(sse_error_event(exc))
+
+    async def _settle_prefill(self, prefill: asyncio.Task) -> None:
+        """The decode is done: wait for the prefill's answer (within the request timeout); log a late failure."""
+        done, _ = await asyncio.wait({prefill}, timeout=self._legs.timeout_s)
+        if prefill in done and not prefill.cancelled() and prefill.exception() is not None:
+            log.warning("prefill failed after the decode finished", error=str(prefill.exception()))
+
+
+async def _await_unless_other_fails(wanted: asyncio.Task, other: asyncio.Task):
+    """`wanted`'s result; raises `other`'s error if it fails first (then `wanted` is cancelled).
+
+    `other` succeeding first does not stop the wait.
+    """
+    try:
+        pending = {wanted, other}
+        while wanted in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if other in done and other.exception() is not None:
+                raise other.exception()
+        return wanted.result()
+    finally:
+        if not wanted.done():
+            await cancel_all([wanted])
+
+
+def _stream_headers(upstream: Mapping[str, str]) -> dict[str, str]:
+    out = {"Content-Type": upstream.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+           "X-Accel-Buffering": "no"}
+    if DP_RANK_HEADER in upstream:
+        out[DP_RANK_HEADER] = upstream[DP_RANK_HEADER]
+    return out
+
+
+def _json_or_none(raw: bytes) -> object:
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None

@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_args(parser_)
         add_dataclass_args(parser_.add_argument_group("DisaggConfig"), DisaggConfig)
         parser_.set_defaults(load_balance_method=method, force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
+    serve = sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router")
+    add_engine_args(serve)
+    add_dataclass_args(serve.add_argument_group("DisaggConfig"), DisaggConfig, skip=("bootstrap_port", "bootstrap_host"))
+    serve.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
+    serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
+    serve.add_argument("--log-format", default="console", help="console or json")
+    serve.set_defaults(force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
     add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
     add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
@@ -74,6 +82,11 @@ def run(argv: list[str]) -> int:
         mode = "null" if args.command == "unified" else args.command
         disagg = dataclass_from_args(DisaggConfig, args) if mode != "null" else DisaggConfig()
         return serving.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
+    if args.command == "serve":
+        from disagg import cluster
+
+        disagg = dataclass_from_args(DisaggConfig, args, bootstrap_port=0)
+        return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format)
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

@@ -12,7 +12,7 @@ PACKAGES = ("disagg", "prefill", "decode", "bootstrap", "kvtransfer")
 
 # Most specific prefix wins.
 LAYERS = {
-    "disagg.cli": 4, "disagg.serving": 4,
+    "disagg.cli": 4, "disagg.serving": 4, "disagg.cluster": 4,
     "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.api": 3, "disagg.router": 3,
     "bootstrap.server": 3, "disagg.bench": 3,
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
@@ -22,7 +22,7 @@ LAYERS = {
 # Same-layer edges that are allowed: the roles build on the front door and the DP controller.
 SAME_LAYER_OK = {
     ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
-    ("disagg.api", "disagg.dp"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.serving"),
+    ("disagg.api", "disagg.dp"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.serving"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.serving"),
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests"}
 NO_TORCH = ("disagg.api", "disagg.router", "bootstrap", "disagg.config", "disagg.types", "disagg.wire")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,6 +56,8 @@ class WorkerSpec:
 
 def run_worker(spec: WorkerSpec) -> None:
     """Process entry point (spawned)."""
+    # Ctrl-C reaches the whole process group; the front shuts workers down in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_format)
     structlog.contextvars.bind_contextvars(dp_rank=spec.dp_rank, pid=os.getpid())
     try:

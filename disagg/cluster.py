@@ -1,0 +1,78 @@
+"""`disagg serve`: a whole local P/D cluster in one command, on 127.0.0.1.
+
+Bootstrap registry (inside the prefill server), a prefill server and a decode server with
+`dp_size` workers each, and the router in front. Servers behind the router use free ports; the
+router listens on `--port`. Ctrl-C stops everything, router first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import replace
+
+from disagg.config import DisaggConfig, EngineConfig, ServerConfig
+from disagg.logs import configure_logging
+from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.server import RouterServer
+from disagg.serving import RunningServer, say, start_server
+
+
+async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
+                        dp_size: int = 2, log_format: str = "console") -> tuple[RunningServer, RunningServer, RouterServer]:
+    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format)
+    prefill_cfg = replace(base, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
+    decode_cfg = replace(base, disaggregation_mode="decode", load_balance_method="least_load")
+    say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend})")
+    results = await asyncio.gather(
+        start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),
+        start_server(decode_cfg, engine, disagg, lambda line: say(f"[decode] {line}")),
+        return_exceptions=True,
+    )
+    started = [r for r in results if isinstance(r, RunningServer)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for server in started:
+            await server.close()
+        raise failed[0]
+    prefill, decode = results
+    router = RouterServer(RouterConfig(
+        host=host, port=port, log_format=log_format,
+        prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
+        decode=(f"http://{host}:{decode.port}",),
+    ))
+    try:
+        await router.start()
+    except BaseException:
+        await prefill.close()
+        await decode.close()
+        raise
+    return prefill, decode, router
+
+
+async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str) -> int:
+    prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size, log_format=log_format)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    name = prefill.controller.model.name
+    say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
+    say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend})")
+    say(f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")
+    await stop.wait()
+    say("shutting down")
+    await router.close()
+    await asyncio.gather(prefill.close(), decode.close())
+    return 0
+
+
+def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str) -> int:
+    configure_logging(log_format)
+    try:
+        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format))
+    except Exception as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1

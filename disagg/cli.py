@@ -71,6 +71,7 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=2, help="best of N runs")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
     parser.add_argument("--out", default=None, help="write results as JSON here")
 
 

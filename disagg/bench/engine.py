@@ -66,6 +66,23 @@ def bench_hf(model, batch: list[list[int]], output_len: int) -> tuple[float, flo
     return ids.numel() / prefill_s, len(batch) * output_len / decode_s
 
 
+def profile_decode(engine: EngineCore, batch: list[list[int]], num_steps: int = 8) -> str:
+    """Top ops by self CPU time over `num_steps` decode steps of `batch` (where the time goes)."""
+    from torch.profiler import profile
+
+    assert engine.reset_prefix_cache(), "profile needs an idle engine"
+    params = SamplingParams(max_tokens=num_steps + 2, temperature=0, ignore_eos=True)
+    for prompt in batch:
+        engine.add_request(engine.new_request_id(), prompt, params)
+    engine.step()  # the prefill
+    with profile() as prof:
+        for _ in range(num_steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
+
+
 def run(args: argparse.Namespace) -> int:
     loaded = load_model(ModelConfig(model=args.model))
     results = []
@@ -84,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             ref = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
             results.append(Result(dtype_name, b, *ours, *ref))
             print(_row(results[-1]), flush=True)
+            if args.profile:
+                print(f"decode profile, {dtype_name}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
     if args.out:
         with open(args.out, "w") as f:

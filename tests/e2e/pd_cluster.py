@@ -1,0 +1,75 @@
+"""Start prefill, decode and unified servers in-process (their engine workers are real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import aiohttp
+
+from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from disagg.serving import RunningServer, start_server
+
+TINY = EngineConfig(
+    model=ModelConfig(model="tiny", dtype="float32"),
+    cache=CacheConfig(num_blocks=96, block_size=4),
+    scheduler=SchedulerConfig(max_num_batched_tokens=16),  # prompts over 16 tokens are chunked
+)
+
+
+@dataclass
+class Cluster:
+    prefill: RunningServer
+    decode: RunningServer
+    session: aiohttp.ClientSession
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://127.0.0.1:{self.prefill.port}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://127.0.0.1:{self.decode.port}"
+
+    def pd_body(self, body: dict, room: int | None = None) -> dict:
+        room = random.getrandbits(63) if room is None else room
+        return dict(body, bootstrap_host="127.0.0.1", bootstrap_port=self.prefill.bootstrap_port, bootstrap_room=room)
+
+    async def post_both(self, path: str, prefill_body: dict, decode_body: dict, headers=(None, None)):
+        """Both legs at once, as a router does; returns (prefill, decode) as (status, json-or-text, headers)."""
+        legs = await asyncio.gather(
+            self._post(self.prefill_url + path, prefill_body, headers[0]),
+            self._post(self.decode_url + path, decode_body, headers[1]),
+        )
+        return legs
+
+    async def _post(self, url: str, body: dict, headers):
+        async with self.session.post(url, json=body, headers=headers) as resp:
+            text = await resp.text()
+            data = await resp.json(content_type=None) if not body.get("stream") else text
+            return resp.status, data, resp.headers
+
+    async def free_blocks(self) -> tuple[list[int], list[int]]:
+        stats = [await s.controller.call_utility("stats") for s in (self.prefill, self.decode)]
+        return [w["num_free_blocks"] for w in stats[0]], [w["num_free_blocks"] for w in stats[1]]
+
+    async def close(self) -> None:
+        await self.session.close()
+        await asyncio.gather(self.prefill.close(), self.decode.close())
+
+
+async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig = TINY,
+                   prefill_method: str = "follow_bootstrap_room") -> Cluster:
+    disagg = DisaggConfig(transfer_backend=backend, bootstrap_port=0, force_query_prefill_dp_rank=force_query,
+                          bootstrap_timeout_s=30, waiting_timeout_s=30)
+    prefill, decode = await asyncio.gather(
+        start_server(ServerConfig(port=0, dp_size=2, load_balance_method=prefill_method,
+                                  disaggregation_mode="prefill"), engine, disagg, lambda _: None),
+        start_server(ServerConfig(port=0, dp_size=2, disaggregation_mode="decode"), engine, disagg, lambda _: None),
+    )
+    return Cluster(prefill, decode, aiohttp.ClientSession())
+
+
+async def start_unified(engine: EngineConfig = TINY) -> RunningServer:
+    return await start_server(ServerConfig(port=0, dp_size=1), engine, DisaggConfig(), lambda _: None)

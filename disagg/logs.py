@@ -8,6 +8,15 @@ import sys
 import structlog
 
 
+class _DropHttp2Probes(logging.Filter):
+    """Routers probe servers with an HTTP/2 preface (gRPC detection); aiohttp answers 400 and would
+    log a traceback per probe. The probe is expected: drop the noise, keep every other error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
 def configure_logging(log_format: str = "console", level: int = logging.INFO) -> None:
     """Idempotent; call once per process (front, workers, router)."""
     renderer = structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
@@ -24,3 +33,6 @@ def configure_logging(log_format: str = "console", level: int = logging.INFO) ->
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _DropHttp2Probes) for f in server_log.filters):
+        server_log.addFilter(_DropHttp2Probes())

@@ -1,0 +1,94 @@
+"""The real `sglang-router` (PyPI) drives our prefill and decode servers unchanged."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from pd_cluster import start_pd, start_unified
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency: pip install -e '.[dev]'")
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router(tmp_path_factory):
+    cluster = await start_pd("tcp")
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--prefill", cluster.prefill_url, str(cluster.prefill.bootstrap_port), "--decode", cluster.decode_url,
+           "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    log = open(tmp_path_factory.mktemp("sglang-router") / "router.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(120):
+                try:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
+                await asyncio.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+        await cluster.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def unified():
+    u = await start_unified()
+    yield f"http://127.0.0.1:{u.port}"
+    await u.close()
+
+
+async def post(url: str, body: dict):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json=body) as r:
+            return r.status, await (r.text() if body.get("stream") else r.json())
+
+
+async def test_generate(router, unified):
+    body = {"text": "sglang router", "sampling_params": {"max_new_tokens": 8, **GREEDY}}
+    status, data = await post(router + "/generate", body)
+    assert status == 200, data
+    assert data["output_ids"] == (await post(unified + "/generate", body))[1]["output_ids"]
+    assert len(data["output_ids"]) == 8
+
+
+async def test_completions(router, unified):
+    body = {"model": "tiny", "prompt": "sglang router", "max_tokens": 8, **GREEDY}
+    status, data = await post(router + "/v1/completions", body)
+    assert status == 200, data
+    assert data["choices"][0]["text"] == (await post(unified + "/v1/completions", body))[1]["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_completions(router, unified, stream):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream, **GREEDY}
+    status, data = await post(router + "/v1/chat/completions", body)
+    assert status == 200, data
+    expected = (await post(unified + "/v1/chat/completions", dict(body, stream=False)))[1]["choices"][0]["message"]["content"]
+    if stream:
+        chunks = [json.loads(line[6:]) for line in data.splitlines() if line.startswith("data: {")]
+        assert data.rstrip().endswith("data: [DONE]")
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected
+    else:
+        assert data["choices"][0]["message"]["content"] == expected

@@ -1,4 +1,4 @@
-"""Structured logs (structlog): console or JSON lines, each line bound to its request.
+"""Per-request log context (structlog); process set-up is disagg.logs.configure_logging.
 
 Each aiohttp request runs in its own context, so values bound with `bind_request` stay with that
 request's lines and never leak into another's.
@@ -6,29 +6,12 @@ request's lines and never leak into another's.
 
 from __future__ import annotations
 
-import logging
-
 import structlog
 from aiohttp import web
 
+from disagg.logs import configure_logging
 
-def configure_logging(log_format: str, level: int = logging.INFO) -> None:
-    """Set structlog up for this process: `json` writes one JSON object per line, `console` pretty text."""
-    renderer = (
-        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-        if log_format == "json" else [structlog.dev.ConsoleRenderer()]
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(),
-        cache_logger_on_first_use=False,
-    )
+__all__ = ["bind_request", "configure_logging", "log_context_middleware"]
 
 
 def bind_request(request_id: str, **fields: object) -> None:

@@ -219,7 +219,7 @@ async def test_json_logs_bind_request_id_and_room_and_warn_once(json_logs, capsy
         for rid in ("log-1", "log-2"):
             await post(client, "/generate", {**ENDPOINTS["/generate"], "rid": rid, "bootstrap_room": 42,
                                              "data_parallel_rank": 1})
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     finished = [line for line in lines if line["event"] == "request finished"]
     assert [(x["request_id"], x["bootstrap_room"], x["dp_rank"], x["path"], x["level"]) for x in finished] == [
         ("log-1", 42, 1, "/generate", "info"), ("log-2", 42, 1, "/generate", "info")]

@@ -208,7 +208,7 @@ async def test_disconnect_while_waiting_for_a_non_stream_answer_aborts():
 
 
 @pytest.fixture
-def json_logs():
+def json_logs(capsys):  # capsys first: the logger binds the captured stderr
     configure_logging("json")
     yield
     structlog.reset_defaults()

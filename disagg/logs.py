@@ -29,7 +29,7 @@ def configure_logging(log_format: str = "console", level: int = logging.INFO) ->
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: structlog.PrintLogger(sys.stderr),  # sys.stderr as of each line
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

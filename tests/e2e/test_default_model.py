@@ -50,8 +50,10 @@ def test_disagg_unified_answers_in_english_with_json_logs():
 def test_disagg_serve_runs_a_whole_cluster_and_stops_cleanly():
     proc, base = start("serve", "--port", "0", "--transfer-backend", "tcp")
     try:
+        hint = proc.stdout.readline()  # read here: communicate() skips what readline() buffered
         reply = ask(base, "smollm2-135m")
     finally:
         out, _ = stop(proc)
     assert reply.choices[0].message.content == "The capital of France is Paris."
-    assert "try: curl " in out and out.rstrip().endswith("shutting down")
+    assert hint.startswith(f"try: curl {base}/v1/chat/completions ")
+    assert out == "shutting down\n"

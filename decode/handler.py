@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 
 from decode.peers import PrefillPeers
@@ -23,7 +24,7 @@ from disagg.dp.engine_handler import EngineHandler, error_output, sampling_param
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 from kvtransfer import create_backend
 from kvtransfer.layouts import cache_layouts
 
@@ -47,6 +48,7 @@ class DecodeHandler(EngineHandler):
         self.control_config = control
         self.pending: dict[str, _Pending] = {}
         self.finished: list[tuple[str, TransferStatusMsg | Exception]] = []
+        self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
 
     async def start(self) -> None:
         name = f"decode-{uuid.uuid4().hex[:8]}-dp{self.dp_rank}"
@@ -125,11 +127,20 @@ class DecodeHandler(EngineHandler):
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
                 lp = None if status.first_token_logprob is None else {status.first_token_id: status.first_token_logprob}
                 self.core.admit_remote_kv(request_id, status.first_token_id, lp)
+                wait_s = time.monotonic() - pending.started
+                self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
                 log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,
-                         wait_s=round(time.monotonic() - pending.started, 6))
+                         wait_s=round(wait_s, 6))
             else:
                 out += self._fail(request_id, status)
         return out
+
+    def step(self) -> list[OutputMsg]:
+        return [self._with_kv_stats(msg) for msg in super().step()]
+
+    def _with_kv_stats(self, msg: OutputMsg) -> OutputMsg:
+        stats = self.kv_stats.pop(msg.request_id, None)
+        return msg if stats is None else msgspec.structs.replace(msg, kv=stats)
 
     def _fail(self, request_id: str, status) -> list[OutputMsg]:
         reason = status.reason if isinstance(status, TransferStatusMsg) else f"{type(status).__name__}: {status}"
@@ -143,6 +154,7 @@ class DecodeHandler(EngineHandler):
         pending = self.pending.pop(request_id, None)
         if pending is not None:
             pending.task.cancel()
+            self.kv_stats.pop(request_id, None)
             if pending.client is not None:
                 pending.client.abort(pending.room, "aborted on the decode side")
         return await super().abort(request_id)

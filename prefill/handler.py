@@ -12,6 +12,7 @@ import dataclasses
 import time
 import uuid
 
+import msgspec
 import structlog
 
 from bootstrap.client import BootstrapClient
@@ -198,15 +199,19 @@ class PrefillHandler(EngineHandler):
             handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(state.info.dst_block_ids[first:ready]),
                                         f"room:{state.room}:{ready}".encode())
             state.handles.append(handle)
+            state.first_sent_at = state.first_sent_at or time.monotonic()
             state.num_bytes += handle.num_bytes
             state.num_sent_blocks = ready
 
     def _succeed(self, state: PrefillRoom) -> list[OutputMsg]:
         token_id, logprob = state.first_token
         self._status(state.room, TransferState.SUCCESS, "", token_id, logprob, state.num_bytes)
-        self._log_transfer(state)
+        stats = state.stats(time.monotonic())
+        log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
+                 bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),
+                 transfer_s=round(stats.transfer_s, 6), gb_per_s=round(stats.kv_bytes / max(stats.transfer_s, 1e-9) / 1e9, 3))
         self._forget(state)
-        return [state.final]
+        return [msgspec.structs.replace(state.final, kv=stats)]
 
     def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
         log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
@@ -237,11 +242,3 @@ class PrefillHandler(EngineHandler):
         for room, (_, deadline) in list(self.failed_rooms.items()):
             if now > deadline:
                 del self.failed_rooms[room]
-
-    def _log_transfer(self, state: PrefillRoom) -> None:
-        now = time.monotonic()
-        transfer_s = now - max(state.info_at or now, state.created)
-        log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=state.num_bytes,
-                 bootstrap_wait_s=round((state.info_at or now) - state.created, 6),
-                 prefill_compute_s=round((state.computed_at or now) - state.created, 6),
-                 transfer_s=round(transfer_s, 6), gb_per_s=round(state.num_bytes / max(transfer_s, 1e-9) / 1e9, 3))

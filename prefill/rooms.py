@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from disagg.wire.control_msgs import TransferInfoMsg
-from disagg.wire.engine_msgs import OutputMsg
+from disagg.wire.engine_msgs import KVStatsMsg, OutputMsg
 from kvtransfer import TransferHandle
 
 
@@ -28,6 +28,16 @@ class PrefillRoom:
     first_token: tuple[int, float | None] | None = None
     info_at: float | None = None
     computed_at: float | None = None
+    first_sent_at: float | None = None
+
+    def stats(self, now: float) -> KVStatsMsg:
+        info_at = self.info_at or now
+        return KVStatsMsg(
+            bootstrap_wait_s=info_at - self.created,
+            prefill_compute_s=(self.computed_at or now) - self.created,
+            transfer_s=now - (self.first_sent_at or now),
+            kv_bytes=self.num_bytes,
+        )
 
     def blocks_ready(self, block_ids: list[int], num_computed_tokens: int, block_size: int, finished: bool) -> int:
         """How many leading blocks may be sent: full computed ones, or all once the prompt is done."""

@@ -15,7 +15,7 @@ import structlog
 
 from disagg.api.errors import ApiError, BadRequest, engine_error
 from disagg.api.state import ApiState
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 
 log = structlog.get_logger("disagg.api")
 TokenLogprobs = list[tuple[int, float]]  # (sampled id, logprob), then the top-n
@@ -38,6 +38,7 @@ class Totals:
     num_cached_tokens: int = 0
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    kv: KVStatsMsg | None = None
 
     @property
     def e2e_latency_s(self) -> float:
@@ -62,6 +63,7 @@ class Totals:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        self.kv = out.kv or self.kv
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -133,6 +135,8 @@ class Generation:
             return
         ttft_s = None if t.first_token_s is None else t.first_token_s - t.arrival_s
         self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s)
+        if t.kv is not None:
+            self._state.metrics.observe_kv(t.kv)
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,
                  prompt_tokens=t.num_prompt_tokens, completion_tokens=t.num_output_tokens,
                  e2e_latency_s=round(e2e_s, 6))

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from disagg.dp.protocol import WorkerState
+from disagg.wire.engine_msgs import KVStatsMsg
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -63,6 +64,17 @@ class ApiMetrics:
                               buckets=_TPOT_BUCKETS_S, registry=reg)
         self.e2e = Histogram("disagg_e2e_request_latency_seconds", "request latency, arrival to finish",
                              buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.kv_bootstrap_wait = Histogram("disagg_bootstrap_wait_seconds", "prefill: arrival until the decode's destination is known",
+                                           buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.kv_prefill_compute = Histogram("disagg_prefill_compute_seconds", "prefill: arrival until the prompt is computed",
+                                            buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.kv_transfer = Histogram("disagg_kv_transfer_seconds", "prefill: first block sent until every block landed",
+                                     buckets=_TPOT_BUCKETS_S + (5.0, 10.0), registry=reg)
+        self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV bytes moved between prefill and decode", registry=reg)
+        self.kv_bandwidth = Histogram("disagg_kv_transfer_gb_per_s", "KV transfer bandwidth per request (GB/s)",
+                                      buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=reg)
+        self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
+                                 buckets=_LATENCY_BUCKETS_S, registry=reg)
         reg.register(_WorkerCollector(worker_states))
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
@@ -75,6 +87,18 @@ class ApiMetrics:
             self.ttft.observe(ttft_s)
             if num_output_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_kv(self, kv: KVStatsMsg) -> None:
+        """Record a disaggregated request's time split (prefill side) or KV wait (decode side)."""
+        if kv.kv_wait_s:
+            self.kv_wait.observe(kv.kv_wait_s)
+            return
+        self.kv_bootstrap_wait.observe(kv.bootstrap_wait_s)
+        self.kv_prefill_compute.observe(kv.prefill_compute_s)
+        self.kv_transfer.observe(kv.transfer_s)
+        self.kv_bytes.inc(kv.kv_bytes)
+        if kv.transfer_s > 0:
+            self.kv_bandwidth.observe(kv.kv_bytes / kv.transfer_s / 1e9)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

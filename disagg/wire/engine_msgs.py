@@ -71,6 +71,16 @@ class ShutdownMsg(msgspec.Struct, frozen=True, tag="shutdown"):
 ToWorker = GenerateMsg | AbortMsg | UtilityMsg | ShutdownMsg | RoomFailedMsg
 
 
+class KVStatsMsg(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Where a disaggregated request's time went (prefill side, or the decode's wait for its KV)."""
+
+    bootstrap_wait_s: float = 0.0  # prefill: arrival -> the decode's destination blocks known
+    prefill_compute_s: float = 0.0  # prefill: arrival -> prompt computed
+    transfer_s: float = 0.0  # prefill: destination known and first block sent -> every block landed
+    kv_bytes: int = 0
+    kv_wait_s: float = 0.0  # decode: arrival -> KV admitted (its TTFT before the first decode step)
+
+
 class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     """Progress of one request: only what is new since the previous OutputMsg for it."""
 
@@ -87,6 +97,7 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     error: str | None = None  # the request failed; `error_status` says how (400 bad input, 500, 503)
     error_status: int = 0
     error_param: str | None = None
+    kv: KVStatsMsg | None = None  # on the prefill's final output and on the decode's first
 
 
 class UtilityResultMsg(msgspec.Struct, frozen=True, tag="utility_result", omit_defaults=True):

@@ -119,3 +119,22 @@ async def test_abort_mid_stream_frees_blocks_on_both_sides(cluster):
             break
         await asyncio.sleep(0.05)
     assert await cluster.free_blocks() == before == ([96, 96], [96, 96])
+
+
+async def test_kv_metrics_on_both_servers(cluster):
+    async def scrape(url):
+        async with cluster.session.get(url + "/metrics") as r:
+            return {line.split(" ")[0]: float(line.split(" ")[1]) for line in (await r.text()).splitlines()
+                    if line and not line.startswith("#")}
+
+    before_p, before_d = await scrape(cluster.prefill_url), await scrape(cluster.decode_url)
+    pd = cluster.pd_body(body_for("/generate", LONG))
+    await cluster.post_both("/generate", pd, pd)
+    after_p, after_d = await scrape(cluster.prefill_url), await scrape(cluster.decode_url)
+    delta = lambda after, before, name: after[name] - before.get(name, 0.0)  # noqa: E731
+    # LONG is 105 tokens = 27 blocks; a block is 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x 4 bytes
+    assert delta(after_p, before_p, "disagg_kv_transfer_bytes_total") == 27 * 2048
+    for name in ("disagg_kv_transfer_seconds_count", "disagg_bootstrap_wait_seconds_count", "disagg_prefill_compute_seconds_count"):
+        assert delta(after_p, before_p, name) == 1
+    assert delta(after_d, before_d, "disagg_kv_wait_seconds_count") == 1
+    assert after_p["disagg_kv_transfer_seconds_sum"] > before_p.get("disagg_kv_transfer_seconds_sum", 0.0)

@@ -68,9 +68,9 @@ def imports_of(module: str, path: pathlib.Path) -> list[str]:
     return out
 
 
-def violations() -> list[str]:
+def violations(extra: list[tuple[str, pathlib.Path]] = ()) -> list[str]:
     bad = []
-    for module, path in modules():
+    for module, path in modules() + list(extra):
         src = unit_of(module)
         for target in imports_of(module, path):
             top = target.split(".")[0]
@@ -96,15 +96,22 @@ def test_imports_point_down():
     assert violations() == []
 
 
-def test_rule_catches_an_upward_import(tmp_path, monkeypatch):
-    """The checker itself must fail on a known-bad module, or the test above proves nothing."""
-    bad = ROOT / "disagg" / "ops" / "_layering_probe.py"
-    bad.write_text("import disagg.engine\nimport torch\n")
-    try:
-        found = violations()
-    finally:
-        bad.unlink()
-    assert found == ["disagg.ops._layering_probe (L1) imports disagg.engine (L2)"]
+def test_rule_catches_bad_imports(tmp_path):
+    """The checker itself must fail on known-bad modules, or the test above proves nothing."""
+    ops = tmp_path / "ops_probe.py"
+    ops.write_text("import disagg.engine\n")
+    router = tmp_path / "router_probe.py"
+    router.write_text("import torch\nfrom prefill import handler\n")
+    engine = tmp_path / "engine_probe.py"
+    engine.write_text("import aiohttp\n")
+    found = violations([("disagg.ops.probe", ops), ("disagg.router.probe", router), ("disagg.engine.probe", engine)])
+    assert found == [
+        "disagg.ops.probe (L1) imports disagg.engine (L2)",
+        "disagg.router.probe imports torch: the front door stays torch-free",
+        "disagg.router.probe (L3) imports prefill (L3)",
+        "disagg.router.probe (L3) imports prefill.handler (L3)",
+        "disagg.engine.probe imports aiohttp: the engine stays free of network and roles",
+    ]
 
 
 def test_front_door_imports_without_torch():

@@ -14,6 +14,9 @@ never yields a 500.
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import time
 from collections.abc import Callable
 
@@ -219,7 +222,16 @@ class BootstrapServer:
 
 
 def run_bootstrap(config: BootstrapConfig) -> int:
-    """Standalone `disagg bootstrap`: serve until interrupted, then return the exit code."""
-    log.info("bootstrap server starting", host=config.host, port=config.port)
-    web.run_app(create_app(config), host=config.host, port=config.port, access_log=None, print=None)
+    """Standalone `disagg bootstrap`: print a ready line with the bound port, serve until Ctrl-C."""
+    return asyncio.run(_serve_standalone(config))
+
+
+async def _serve_standalone(config: BootstrapConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with BootstrapServer(config) as server:
+        print(f"ready: {server.url} (bootstrap registry)", flush=True)
+        await stop.wait()
     return 0

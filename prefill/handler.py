@@ -219,6 +219,8 @@ class PrefillHandler(EngineHandler):
             self.backend.abort(handle, reason)
         if tell_decode:
             self._status(state.room, TransferState.FAILED, reason)
+        # A decode that asks about this room later is answered at once, not after its deadline.
+        self.failed_rooms[state.room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
         self._forget(state)
         self.core.abort(state.request_id)
         return [OutputMsg(state.request_id, finish_reason="abort", error=reason, error_status=status)]

@@ -1,0 +1,65 @@
+"""P/D failures end requests with their reason, never a hang, and free blocks on both sides."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from pd_cluster import start_pd
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+async def test_prefill_leg_disconnect_fails_the_decode_and_frees_both_sides():
+    cluster = await start_pd("tcp")
+    try:
+        before = await cluster.free_blocks()
+        # The prefill leg only: the prefill holds its blocks waiting for a decode that never comes.
+        body = cluster.pd_body({"text": "p" * 30, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+        leg = asyncio.create_task(cluster._post(cluster.prefill_url + "/generate", body, None))
+        for _ in range(100):
+            prefill_free, _ = await cluster.free_blocks()
+            if prefill_free != before[0]:
+                break
+            await asyncio.sleep(0.02)
+        assert prefill_free != before[0]
+        leg.cancel()  # the client of the prefill leg goes away
+        for _ in range(100):
+            if await cluster.free_blocks() == before:
+                break
+            await asyncio.sleep(0.05)
+        assert await cluster.free_blocks() == before
+        # The decode leg that shows up late learns the room failed (no 30 s wait).
+        start = time.monotonic()
+        async with cluster.session.post(cluster.decode_url + "/generate", json=body) as r:
+            data = await r.json()
+        assert (r.status, data["error"]["message"]) == (500, "aborted on the prefill side")
+        assert time.monotonic() - start < 10
+        assert await cluster.free_blocks() == before
+    finally:
+        await cluster.close()
+
+
+async def test_a_dead_prefill_worker_fails_waiting_decodes_with_lost_connection():
+    cluster = await start_pd("tcp")
+    try:
+        before = await cluster.free_blocks()
+        room = 2 * 777  # follow_bootstrap_room: prefill DP rank 0
+        body = cluster.pd_body({"text": "q" * 30, "sampling_params": {"max_new_tokens": 4, **GREEDY}}, room)
+        # Warm the decode's control stream to prefill rank 0, then kill that worker and send only the decode leg.
+        await cluster.post_both("/generate", body, body)
+        os.kill(cluster.prefill.controller.workers[0].process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        async with cluster.session.post(cluster.decode_url + "/generate", json=cluster.pd_body(body, room)) as r:
+            data = await r.json()
+        elapsed = time.monotonic() - start
+        assert r.status == 503, data
+        assert data["error"]["message"].startswith("lost connection to prefill 127.0.0.1:")
+        assert elapsed < 10  # heartbeats: 3 misses at 1 s, not the 30 s waiting deadline
+        stats = await cluster.decode.controller.call_utility("stats")
+        assert [w["num_free_blocks"] for w in stats] == before[1]
+    finally:
+        await cluster.close()

@@ -41,6 +41,8 @@ class _Pending:
 
 
 class DecodeHandler(EngineHandler):
+    can_sleep = False
+
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig,
                  control: ControlConfig = ControlConfig()):
         super().__init__(core, dp_rank, model_name)

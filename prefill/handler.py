@@ -36,6 +36,8 @@ BUSY_WAIT_S = 0.002
 
 
 class PrefillHandler(EngineHandler):
+    can_sleep = False
+
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig, dp_size: int,
                  load_balance_method: str, control: ControlConfig = ControlConfig()):
         super().__init__(core, dp_rank, model_name)

@@ -63,6 +63,8 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
 class EngineHandler:
     """The unified (non-disaggregated) worker: every request runs start to end on this engine."""
 
+    can_sleep = True  # the P/D roles register the KV cache with peers: freeing it would break them
+
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str):
         self.core = core
         self.dp_rank = dp_rank
@@ -145,6 +147,10 @@ class EngineHandler:
             raise InvalidRequest(f"unknown utility {method!r}; known: {', '.join(UTILITIES)}", "method")
         if method == "stats":
             return self.core.stats()
+        if method == "sleep" and not self.can_sleep:
+            raise InvalidRequest(
+                "sleep is not supported on prefill/decode workers: their KV cache is registered with the "
+                "transfer backend and its peers", "method")
         return getattr(self.core, method)(*args)
 
     def stats(self) -> StatsMsg:

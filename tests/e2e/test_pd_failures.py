@@ -63,3 +63,18 @@ async def test_a_dead_prefill_worker_fails_waiting_decodes_with_lost_connection(
         assert [w["num_free_blocks"] for w in stats] == before[1]
     finally:
         await cluster.close()
+
+
+async def test_sleep_is_refused_on_pd_workers_with_the_reason():
+    cluster = await start_pd("tcp")
+    try:
+        async with cluster.session.post(cluster.decode_url + "/sleep", json={"level": 1}) as r:
+            data = await r.json()
+        assert r.status == 500
+        reason = ("InvalidRequest: sleep is not supported on prefill/decode workers: their KV cache is registered "
+                  "with the transfer backend and its peers")
+        assert data["error"]["message"] == f"sleep failed on 2 DP worker(s) (dp_rank 0: {reason}, dp_rank 1: {reason})"
+        async with cluster.session.get(cluster.decode_url + "/is_sleeping") as r:
+            assert await r.json() == {"is_sleeping": False}
+    finally:
+        await cluster.close()

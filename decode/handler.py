@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -23,10 +22,9 @@ from disagg.config import ControlConfig, DisaggConfig
 from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
-from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
+from disagg.wire.control_msgs import TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
-from kvtransfer import create_backend
-from kvtransfer.layouts import cache_layouts
+from kvtransfer.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -53,12 +51,8 @@ class DecodeHandler(EngineHandler):
         self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
 
     async def start(self) -> None:
-        name = f"decode-{uuid.uuid4().hex[:8]}-dp{self.dp_rank}"
-        self.backend = create_backend(self.config.transfer_backend, agent_name=name, host=self.config.rank_host)
-        layout, layout_msg = cache_layouts(**dataclasses.asdict(self.core.cache_spec()))
-        self.backend.register(layout)
-        local = PeerMsg(peer_name=self.backend.agent_name, transfer_backend=self.config.transfer_backend,
-                        layout=layout_msg, agent_metadata=self.backend.peer_metadata(), dp_rank=self.dp_rank)
+        self.backend, local = open_endpoint("decode", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
+                                            dataclasses.asdict(self.core.cache_spec()))
         self.peers = PrefillPeers(local, self.control_config)
 
     async def close(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 
 import msgspec
 import structlog
@@ -26,9 +25,8 @@ from disagg.wire.control_msgs import (
 )
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from kvtransfer import TransferState as BackendState
-from kvtransfer import create_backend
 from kvtransfer.control import ControlServer
-from kvtransfer.layouts import cache_layouts
+from kvtransfer.endpoint import open_endpoint
 from prefill.rooms import PrefillRoom
 
 log = structlog.get_logger(__name__)
@@ -54,18 +52,14 @@ class PrefillHandler(EngineHandler):
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        name = f"prefill-{uuid.uuid4().hex[:8]}-dp{self.dp_rank}"
-        self.backend = create_backend(self.config.transfer_backend, agent_name=name, host=self.config.rank_host)
-        layout, layout_msg = cache_layouts(**dataclasses.asdict(self.core.cache_spec()))
-        self.backend.register(layout)
-        local = PeerMsg(peer_name=self.backend.agent_name, transfer_backend=self.config.transfer_backend,
-                        layout=layout_msg, agent_metadata=self.backend.peer_metadata(), dp_rank=self.dp_rank)
+        self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
+                                            dataclasses.asdict(self.core.cache_spec()))
         self.control = ControlServer(local, self.control_config)
         port = await self.control.start(self.config.rank_host, 0)
         self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port)
         await self.bootstrap.register_rank(RankRegistrationMsg(
             dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,
-            page_size=layout.block_size_tokens, kv_cache_dtype=layout.dtype, load_balance_method=self.load_balance_method,
+            page_size=local.layout.block_size_tokens, kv_cache_dtype=local.layout.dtype, load_balance_method=self.load_balance_method,
             transfer_backend=self.config.transfer_backend, agent_name=self.backend.agent_name,
         ))
         log.info("prefill rank registered", control_port=port, backend=self.config.transfer_backend)

@@ -9,13 +9,10 @@ from aiohttp import web
 
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
 from disagg.types import EngineSleeping, InvalidRequest
+from disagg.wire.errors import error_body, error_type_of
 
 log = structlog.get_logger("disagg.api")
 
-_TYPE_OF_STATUS = {
-    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-    413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError",
-}
 
 
 class ApiError(Exception):
@@ -28,11 +25,11 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or _TYPE_OF_STATUS.get(status, "APIError")
+        self.error_type = error_type or error_type_of(status)
 
     def body(self) -> dict:
         """The JSON body: `{"error": {...}}`."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)
 
 
 class BadRequest(ApiError):

@@ -8,17 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-_TYPE_OF_STATUS = {
-    400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-    500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError",
-}
-
-
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
-               error_type: str | None = None) -> dict:
-    """The OpenAI-shaped error object for `status`."""
-    kind = error_type or _TYPE_OF_STATUS.get(status, "APIError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+from disagg.wire.errors import error_body
 
 
 class RouterError(Exception):

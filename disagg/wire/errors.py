@@ -1,0 +1,19 @@
+"""The OpenAI-shaped error body every HTTP answer of ours uses: `{"error": {message, type, param, code}}`."""
+
+from __future__ import annotations
+
+TYPE_OF_STATUS = {
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+    413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_type_of(status: int) -> str:
+    return TYPE_OF_STATUS.get(status, "APIError")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               error_type: str | None = None) -> dict:
+    """The JSON error object for an HTTP `status` (the type defaults from the status)."""
+    return {"error": {"message": message, "type": error_type or error_type_of(status), "param": param, "code": code}}

@@ -1,0 +1,35 @@
+"""A worker's transfer endpoint: its backend with the engine's KV cache registered, and the
+`PeerMsg` that introduces it on the control plane. Plain numbers in: kvtransfer never needs the engine."""
+
+from __future__ import annotations
+
+import uuid
+
+from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg
+from kvtransfer.base import KVLayout, KVTransferBackend
+from kvtransfer.factory import create_backend
+
+
+def cache_layouts(*, base_address: int, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
+                  head_dim: int, dtype: str, device: str) -> tuple[KVLayout, KVLayoutMsg]:
+    """Layouts of a [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] cache."""
+    layout = KVLayout.for_cache(base_address, num_blocks, num_layers=num_layers, block_size_tokens=block_size,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    msg = KVLayoutMsg(num_blocks=num_blocks, block_size_tokens=block_size, block_size_bytes=layout.block_size_bytes,
+                      dtype=dtype, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return layout, msg
+
+
+def open_endpoint(role: str, dp_rank: int, backend_name: str, host: str, cache: dict) -> tuple[KVTransferBackend, PeerMsg]:
+    """A backend named `<role>-<random>-dp<rank>` with the cache (fields of the engine's CacheSpec)
+    registered once, and the PeerMsg carrying its metadata and layout. The caller closes the backend."""
+    backend = create_backend(backend_name, agent_name=f"{role}-{uuid.uuid4().hex[:8]}-dp{dp_rank}", host=host)
+    try:
+        layout, layout_msg = cache_layouts(**cache)
+        backend.register(layout)
+        peer = PeerMsg(peer_name=backend.agent_name, transfer_backend=backend_name, layout=layout_msg,
+                       agent_metadata=backend.peer_metadata(), dp_rank=dp_rank)
+    except BaseException:
+        backend.close()
+        raise
+    return backend, peer

@@ -9,27 +9,17 @@ from aiohttp import web
 
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
 from disagg.types import EngineSleeping, InvalidRequest
-from disagg.wire.errors import error_body, error_type_of
+from disagg.wire.errors import HttpError
 
 log = structlog.get_logger("disagg.api")
 
 
-
-class ApiError(Exception):
+class ApiError(HttpError):
     """An error answered to the client with `status` and an OpenAI-shaped body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.error_type = error_type or error_type_of(status)
 
     def body(self) -> dict:
         """The JSON body: `{"error": {...}}`."""
-        return error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)
+        return self.error()
 
 
 class BadRequest(ApiError):

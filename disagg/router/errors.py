@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import msgspec
 
-from disagg.wire.errors import error_body
+from disagg.wire.errors import HttpError
 
 
-class RouterError(Exception):
+class RouterError(HttpError):
     """A request the router answers with an error; `status` and `body()` are what the client sees."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.error_type = error_type
 
     def body(self) -> bytes:
         """The JSON body of the error answer."""
-        return msgspec.json.encode(
-            error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)
-        )
+        return msgspec.json.encode(self.error())
 
     @property
     def content_type(self) -> str:

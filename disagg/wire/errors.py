@@ -17,3 +17,19 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
                error_type: str | None = None) -> dict:
     """The JSON error object for an HTTP `status` (the type defaults from the status)."""
     return {"error": {"message": message, "type": error_type or error_type_of(status), "param": param, "code": code}}
+
+
+class HttpError(Exception):
+    """An error answered with `status` and an OpenAI-shaped body (`error()` is the JSON object)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 error_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or error_type_of(status)
+
+    def error(self) -> dict:
+        return error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.HOLDING, RequestStatus.FINISHED)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's queues hold the objects themselves
 class Request:
     request_id: str
     prompt_token_ids: list[int]

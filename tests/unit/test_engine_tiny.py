@@ -198,3 +198,14 @@ def test_llm_offline_api(tiny_loaded):
     assert outs[0].outputs.text == llm.tokenizer.decode(outs[0].outputs.token_ids)
     with pytest.raises(TypeError, match="unknown engine option 'block_sise'"):
         LLM(model="tiny", block_sise=4)
+
+
+def test_sleep_level_2_drops_weights_and_wake_up_reloads_them(tiny_loaded):
+    core = EngineCore(EngineConfig(model=ModelConfig(model="tiny", dtype="float32"),
+                                   cache=CacheConfig(block_size=4, num_blocks=64)))
+    [before] = run(core, ["deep sleep"])
+    core.sleep(2)
+    assert core.runner.model is None and core.runner.kv_cache is None and core.loaded is None
+    core.wake_up()
+    assert not core.is_sleeping()
+    assert [o.outputs.token_ids for o in run(core, ["deep sleep"])] == [before.outputs.token_ids]

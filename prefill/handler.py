@@ -195,7 +195,6 @@ class PrefillHandler(EngineHandler):
             handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(state.info.dst_block_ids[first:ready]),
                                         f"room:{state.room}:{ready}".encode())
             state.handles.append(handle)
-            state.first_sent_at = state.first_sent_at or time.monotonic()
             state.num_bytes += handle.num_bytes
             state.num_sent_blocks = ready
 

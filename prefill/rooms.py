@@ -28,14 +28,16 @@ class PrefillRoom:
     first_token: tuple[int, float | None] | None = None
     info_at: float | None = None
     computed_at: float | None = None
-    first_sent_at: float | None = None
 
     def stats(self, now: float) -> KVStatsMsg:
+        """Time split of a delivered room. `transfer_s` is what the transfer adds after both the
+        prompt is computed and the destination is known (blocks sent earlier overlap compute)."""
         info_at = self.info_at or now
+        computed_at = self.computed_at or now
         return KVStatsMsg(
             bootstrap_wait_s=info_at - self.created,
-            prefill_compute_s=(self.computed_at or now) - self.created,
-            transfer_s=now - (self.first_sent_at or now),
+            prefill_compute_s=computed_at - self.created,
+            transfer_s=now - max(computed_at, info_at),
             kv_bytes=self.num_bytes,
         )
 

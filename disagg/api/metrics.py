@@ -68,7 +68,7 @@ class ApiMetrics:
                                            buckets=_LATENCY_BUCKETS_S, registry=reg)
         self.kv_prefill_compute = Histogram("disagg_prefill_compute_seconds", "prefill: arrival until the prompt is computed",
                                             buckets=_LATENCY_BUCKETS_S, registry=reg)
-        self.kv_transfer = Histogram("disagg_kv_transfer_seconds", "prefill: first block sent until every block landed",
+        self.kv_transfer = Histogram("disagg_kv_transfer_seconds", "prefill: prompt computed and destination known until every block landed",
                                      buckets=_TPOT_BUCKETS_S + (5.0, 10.0), registry=reg)
         self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV bytes moved between prefill and decode", registry=reg)
         self.kv_bandwidth = Histogram("disagg_kv_transfer_gb_per_s", "KV transfer bandwidth per request (GB/s)",

@@ -2,8 +2,9 @@
 
 The worker is one asyncio program. Each turn: take what arrived (without waiting when there is
 work), apply it, let the handler advance its background work (KV transfers in the P/D roles), run
-one engine step, send the outputs; report load twice a second. An engine step blocks the loop for
-its few milliseconds; sockets and gRPC streams are served between steps.
+one engine step, send the outputs; report load twice a second. The engine step runs in a thread
+while the loop awaits it: only the loop's I/O (sockets, gRPC streams, queued events) goes on
+meanwhile; every handler method is still called from the loop, one at a time.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: as
                 _send(writer, await apply(handler, msg))
             _send(writer, await handler.poll())
             if handler.has_work():
-                _send(writer, step(handler))
+                # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
+                # (a decode's TransferInfo must not wait for a run of engine steps to go out).
+                _send(writer, await asyncio.to_thread(step, handler))
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 _send(writer, [handler.stats()])

@@ -76,7 +76,7 @@ class KVStatsMsg(msgspec.Struct, frozen=True, omit_defaults=True):
 
     bootstrap_wait_s: float = 0.0  # prefill: arrival -> the decode's destination blocks known
     prefill_compute_s: float = 0.0  # prefill: arrival -> prompt computed
-    transfer_s: float = 0.0  # prefill: destination known and first block sent -> every block landed
+    transfer_s: float = 0.0  # prefill: prompt computed and destination known -> every block landed
     kv_bytes: int = 0
     kv_wait_s: float = 0.0  # decode: arrival -> KV admitted (its TTFT before the first decode step)
 

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     from disagg.bench import transfer
 
     transfer.add_arguments(bench_sub.add_parser("transfer", help="KV transfer GB/s per backend beside memcpy"))
+    from disagg.bench import serve as bench_serve
+
+    bench_serve.add_arguments(bench_sub.add_parser("serve", help="serving latency and goodput under Poisson load"))
     return parser
 
 
@@ -96,6 +99,10 @@ def run(argv: list[str]) -> int:
         from bootstrap.server import run_bootstrap
 
         return run_bootstrap(dataclass_from_args(BootstrapConfig, args))
+    if args.command == "bench" and args.bench == "serve":
+        from disagg.bench import serve as bench_serve
+
+        return bench_serve.run(args)
     if args.command == "bench" and args.bench == "transfer":
         from disagg.bench import transfer
 

@@ -112,6 +112,7 @@ async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: as
                 # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
                 _send(writer, await asyncio.to_thread(step, handler))
+                _send(writer, await handler.poll())  # blocks the step just computed go out now
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 _send(writer, [handler.stats()])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -27,6 +28,13 @@ from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 from kvtransfer.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Queued:
+    msg: GenerateMsg
+    prompt_ids: list[int]
+    arrived: float
 
 
 @dataclass
@@ -49,6 +57,7 @@ class DecodeHandler(EngineHandler):
         self.pending: dict[str, _Pending] = {}
         self.finished: list[tuple[str, TransferStatusMsg | Exception]] = []
         self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
+        self.queued: deque[_Queued] = deque()  # waiting for room in the KV cache, in arrival order
 
     async def start(self) -> None:
         self.backend, local = open_endpoint("decode", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
@@ -72,17 +81,35 @@ class DecodeHandler(EngineHandler):
                     f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
                     "locally (send it through a P/D router)", missing[0])
             prompt_ids = self.prompt_ids(msg)
-            blocks = self.core.reserve_for_remote_kv(msg.request_id, prompt_ids, sampling_params(msg.sampling))
-            if blocks is None:
-                raise RuntimeError("decode KV cache is full; retry later")
+            self.core.validate_prompt(prompt_ids)
         except Exception as exc:
-            out = error_output(msg.request_id, exc)
-            if isinstance(exc, RuntimeError):
-                out = OutputMsg(msg.request_id, finish_reason="abort", error=str(exc), error_status=503)
-            return [out]
-        task = asyncio.create_task(self._fetch_kv(msg, blocks, len(prompt_ids)))
-        self.pending[msg.request_id] = _Pending(msg, task, time.monotonic(), msg.bootstrap_room)
-        return []
+            return [error_output(msg.request_id, exc)]
+        self.queued.append(_Queued(msg, prompt_ids, time.monotonic()))
+        return self._reserve_queued()
+
+    def _reserve_queued(self) -> list[OutputMsg]:
+        """Reserve blocks for queued requests in arrival order while the cache has room; a request
+        that waited past the deadline for room fails with 503."""
+        out = []
+        while self.queued:
+            head = self.queued[0]
+            try:
+                blocks = self.core.reserve_for_remote_kv(head.msg.request_id, head.prompt_ids, sampling_params(head.msg.sampling))
+            except Exception as exc:
+                self.queued.popleft()
+                out.append(error_output(head.msg.request_id, exc))
+                continue
+            if blocks is None:
+                if time.monotonic() - head.arrived > self.config.waiting_timeout_s:
+                    self.queued.popleft()
+                    out.append(OutputMsg(head.msg.request_id, finish_reason="abort", error_status=503, error=(
+                        f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s")))
+                    continue
+                break
+            self.queued.popleft()
+            task = asyncio.create_task(self._fetch_kv(head.msg, blocks, len(head.prompt_ids)))
+            self.pending[head.msg.request_id] = _Pending(head.msg, task, head.arrived, head.msg.bootstrap_room)
+        return out
 
     async def _fetch_kv(self, msg: GenerateMsg, blocks: list[int], num_prompt_tokens: int) -> None:
         """Resolve, connect, send TransferInfo, wait for the prefill's verdict (all bounded)."""
@@ -113,8 +140,11 @@ class DecodeHandler(EngineHandler):
                                dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
         return await client.send_transfer(info)
 
+    def idle_wait_s(self, default_s: float) -> float:
+        return 0.002 if self.queued else default_s
+
     async def poll(self) -> list[OutputMsg]:
-        out = []
+        out = self._reserve_queued()
         finished, self.finished = self.finished, []
         for request_id, status in finished:
             pending = self.pending.pop(request_id, None)
@@ -147,6 +177,10 @@ class DecodeHandler(EngineHandler):
                           error_param=getattr(status, "param", None))]
 
     async def abort(self, request_id: str) -> list[OutputMsg]:
+        for queued in self.queued:
+            if queued.msg.request_id == request_id:
+                self.queued.remove(queued)
+                return [OutputMsg(request_id, finish_reason="abort")]
         pending = self.pending.pop(request_id, None)
         if pending is not None:
             pending.task.cancel()

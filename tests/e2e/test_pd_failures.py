@@ -78,3 +78,24 @@ async def test_sleep_is_refused_on_pd_workers_with_the_reason():
             assert await r.json() == {"is_sleeping": False}
     finally:
         await cluster.close()
+
+
+async def test_a_full_decode_cache_queues_requests_instead_of_failing_them():
+    from dataclasses import replace
+
+    from disagg.config import CacheConfig
+    from pd_cluster import TINY
+
+    small = replace(TINY, cache=CacheConfig(num_blocks=30, block_size=4))  # 120 tokens: one long request at a time
+    cluster = await start_pd("tcp", engine=small)
+    try:
+        prompt = "queue me up, " * 8  # 105 tokens with BOS: 27 of the 30 blocks
+        bodies = [cluster.pd_body({"text": prompt, "sampling_params": {"max_new_tokens": 8, **GREEDY}}) for _ in range(3)]
+        # All three on decode worker 0, which holds one of them at a time: two wait in its queue.
+        results = await asyncio.gather(*(cluster.post_both("/generate", b, dict(b, routed_dp_rank=0)) for b in bodies))
+        assert [(p[0], d[0]) for p, d in results] == [(200, 200)] * 3, results
+        outputs = [d[1]["output_ids"] for _, d in results]
+        assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 8
+        assert await cluster.free_blocks() == ([30, 30], [30, 30])
+    finally:
+        await cluster.close()

@@ -46,6 +46,15 @@ class _Pending:
     client: object = None  # the ControlClient once the TransferInfo went out
 
 
+def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
+    """The first token's logprobs as the engine keeps them (top-n plus the sampled token), if asked for."""
+    if status.first_token_top_logprobs:
+        return dict(status.first_token_top_logprobs)
+    if status.first_token_logprob is not None:
+        return {status.first_token_id: status.first_token_logprob}
+    return None
+
+
 class DecodeHandler(EngineHandler):
     can_sleep = False
 
@@ -151,8 +160,7 @@ class DecodeHandler(EngineHandler):
             if pending is None:
                 continue  # aborted meanwhile
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                lp = None if status.first_token_logprob is None else {status.first_token_id: status.first_token_logprob}
-                self.core.admit_remote_kv(request_id, status.first_token_id, lp)
+                self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status))
                 wait_s = time.monotonic() - pending.started
                 self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
                 log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,

@@ -105,6 +105,8 @@ class RequestOutput:
     prompt_logprobs: list[TopLogprobs | None] | None = None  # first entry None, as in vLLM
     num_cached_tokens: int = 0
     error: str | None = None
+    num_logprobs: int | None = None  # top-n asked for per generated token (SamplingParams.logprobs)
+    num_prompt_logprobs: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -118,8 +118,7 @@ class PrefillHandler(EngineHandler):
                 continue
             state = self.rooms[room]
             if msg.new_token_ids:
-                lp = msg.logprobs[0][0][1] if msg.logprobs else None
-                state.first_token = (msg.new_token_ids[0], lp)
+                state.first_token = (msg.new_token_ids[0], tuple(msg.logprobs[0]) if msg.logprobs else ())
             if msg.finish_reason is not None:
                 state.final = msg
                 state.computed_at = time.monotonic()
@@ -199,8 +198,10 @@ class PrefillHandler(EngineHandler):
             state.num_sent_blocks = ready
 
     def _succeed(self, state: PrefillRoom) -> list[OutputMsg]:
-        token_id, logprob = state.first_token
-        self._status(state.room, TransferState.SUCCESS, "", token_id, logprob, state.num_bytes)
+        token_id, top = state.first_token  # top: (id, logprob) pairs, the sampled token first
+        self.control.send_status(TransferStatusMsg(
+            room=state.room, state=TransferState.SUCCESS, first_token_id=token_id, num_bytes=state.num_bytes,
+            first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top))
         stats = state.stats(time.monotonic())
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),
@@ -227,9 +228,8 @@ class PrefillHandler(EngineHandler):
         self.by_request.pop(state.request_id, None)
         self.core.release(state.request_id)
 
-    def _status(self, room: int, state: TransferState, reason: str, token_id=None, logprob=None, num_bytes=0) -> None:
-        self.control.send_status(TransferStatusMsg(room=room, state=state, reason=reason, first_token_id=token_id,
-                                                   first_token_logprob=logprob, num_bytes=num_bytes))
+    def _status(self, room: int, state: TransferState, reason: str) -> None:
+        self.control.send_status(TransferStatusMsg(room=room, state=state, reason=reason))
 
     def _expire(self, now: float) -> None:
         for room, (_, deadline) in list(self.early_infos.items()):

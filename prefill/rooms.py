@@ -25,7 +25,7 @@ class PrefillRoom:
     handles: list[TransferHandle] = field(default_factory=list)
     num_bytes: int = 0
     final: OutputMsg | None = None  # the engine's answer, held until the KV landed
-    first_token: tuple[int, float | None] | None = None
+    first_token: tuple[int, tuple[tuple[int, float], ...]] | None = None  # token id, its top logprobs
     info_at: float | None = None
     computed_at: float | None = None
 

@@ -34,10 +34,11 @@ def error_output(request_id: str, exc: Exception) -> OutputMsg:
     return OutputMsg(request_id, finish_reason="abort", error=str(exc), error_status=status, error_param=param)
 
 
-def _pairs(top: dict[int, float], sampled: int) -> list[tuple[int, float]]:
-    """Sampled token first, then the rest by descending logprob."""
-    rest = sorted(((t, lp) for t, lp in top.items() if t != sampled), key=lambda p: -p[1])
-    return [(sampled, top[sampled])] + rest
+def _pairs(top: dict[int, float], sampled: int, num_top: int) -> list[tuple[int, float]]:
+    """The sampled (or actual) token first, then the top `num_top` by descending logprob, which
+    include that token again when it ranks among them (as OpenAI's top_logprobs do)."""
+    ranked = sorted(top.items(), key=lambda p: -p[1])[:num_top]
+    return [(sampled, top[sampled])] + ranked
 
 
 def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
@@ -45,11 +46,12 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
     logprobs = None
     if out.outputs.logprobs is not None and new:
         tops = out.outputs.logprobs[len(out.outputs.logprobs) - len(new) :]
-        logprobs = [_pairs(top, tok) for top, tok in zip(tops, new)]
+        logprobs = [_pairs(top, tok, out.num_logprobs or 0) for top, tok in zip(tops, new)]
     prompt_logprobs = None
     if first and out.prompt_logprobs is not None:
         prompt_logprobs = [
-            None if top is None else _pairs(top, tok) for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
+            None if top is None else _pairs(top, tok, out.num_prompt_logprobs or 0)
+            for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
         ]
     finish = out.outputs.finish_reason
     return OutputMsg(

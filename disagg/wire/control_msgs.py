@@ -69,6 +69,7 @@ class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     first_token_id: int | None = None
     first_token_logprob: float | None = None
     num_bytes: int = 0
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), the top-n asked for
 
 
 class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,6 +147,7 @@ def status_to_pb(status: TransferStatusMsg) -> pb.TransferStatus:
         msg.first_token_id = status.first_token_id
     if status.first_token_logprob is not None:
         msg.first_token_logprob = status.first_token_logprob
+    msg.first_token_top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in status.first_token_top_logprobs)
     return msg
 
 
@@ -158,6 +160,7 @@ def status_from_pb(msg: pb.TransferStatus) -> TransferStatusMsg:
         first_token_id=msg.first_token_id if msg.HasField("first_token_id") else None,
         first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
         num_bytes=msg.num_bytes,
+        first_token_top_logprobs=tuple((x.token_id, x.logprob) for x in msg.first_token_top_logprobs),
     )
 
 

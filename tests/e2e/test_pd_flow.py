@@ -138,3 +138,17 @@ async def test_kv_metrics_on_both_servers(cluster):
         assert delta(after_p, before_p, name) == 1
     assert delta(after_d, before_d, "disagg_kv_wait_seconds_count") == 1
     assert after_p["disagg_kv_transfer_seconds_sum"] > before_p.get("disagg_kv_transfer_seconds_sum", 0.0)
+
+
+async def test_logprobs_of_every_token_cross_over_from_the_prefill(cluster, unified):
+    body = {"model": "tiny", "prompt": SHORT, "max_tokens": 4, "logprobs": 3, **GREEDY}
+    pd = cluster.pd_body(body)
+    _, (status, data, _) = await cluster.post_both("/v1/completions", pd, pd)
+    expected = (await unified_post(unified, "/v1/completions", body))["choices"][0]["logprobs"]
+    got = data["choices"][0]["logprobs"]
+    assert status == 200
+    assert [len(t) for t in got["top_logprobs"]] == [len(t) for t in expected["top_logprobs"]] == [3, 3, 3, 3]
+    assert got["tokens"] == expected["tokens"]
+    for ours, theirs in zip(got["top_logprobs"], expected["top_logprobs"]):
+        assert ours.keys() == theirs.keys()
+        assert all(abs(ours[k] - theirs[k]) < 1e-4 for k in ours)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import itertools
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -19,6 +20,14 @@ from kvtransfer.base import (
 from kvtransfer.descriptors import BlockRun, Descriptor, check_block_pairs, describe, pair_runs
 from kvtransfer.handshake import PeerInfo, check_compatible, decode_peer_info, encode_peer_info
 from kvtransfer.transfers import TransferTable
+
+
+def drain(inbox: "deque[Notification]") -> list[Notification]:
+    """Pop everything queued so far, oldest first (thread-safe for deque appends from another thread)."""
+    drained = []
+    while inbox:
+        drained.append(inbox.popleft())
+    return drained
 
 
 class BackendCore(abc.ABC):

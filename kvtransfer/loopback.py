@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
-from kvtransfer.core import BackendCore
+from kvtransfer.core import BackendCore, drain
 from kvtransfer.descriptors import BlockRun
 from kvtransfer.handshake import PeerInfo
 
@@ -133,10 +133,7 @@ class LoopbackBackend(BackendCore):
         self._inbox.append(notification)
 
     def _drain_notifications(self) -> list[Notification]:
-        drained = []
-        while self._inbox:
-            drained.append(self._inbox.popleft())
-        return drained
+        return drain(self._inbox)
 
     def _send_notification(self, peer: str, tag: bytes) -> None:
         self._target(peer)._deliver(Notification(self._agent_name, tag))

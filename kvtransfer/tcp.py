@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
-from kvtransfer.core import BackendCore
+from kvtransfer.core import BackendCore, drain
 from kvtransfer.descriptors import BlockRun, Segment, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
 from kvtransfer.tcp_server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
@@ -198,10 +198,7 @@ class TcpBackend(BackendCore):
             link.forget(handle.transfer_id)
 
     def _drain_notifications(self) -> list[Notification]:
-        drained = []
-        while self._inbox:
-            drained.append(self._inbox.popleft())
-        return drained
+        return drain(self._inbox)
 
     def _send_notification(self, peer: str, tag: bytes) -> None:
         if not self._links[peer].submit(_Job(FrameKind.NOTIF, 0, tag=tag)):

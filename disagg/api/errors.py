@@ -9,7 +9,7 @@ from aiohttp import web
 
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
 from disagg.types import EngineSleeping, InvalidRequest
-from disagg.wire.errors import HttpError
+from disagg.wire.errors import HttpError, http_exception_error
 
 log = structlog.get_logger("disagg.api")
 
@@ -75,16 +75,6 @@ def to_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _from_http_exception(exc: web.HTTPException, request: web.Request) -> ApiError:
-    if exc.status == 404:
-        return ApiError(404, f"Not Found: {request.method} {request.path}", code="route_not_found")
-    if exc.status == 405:
-        return ApiError(405, f"Method Not Allowed: {request.method} {request.path}")
-    if exc.status == 413:
-        return ApiError(413, f"request body too large: {exc.text}")
-    return ApiError(exc.status, exc.text or exc.reason)
-
-
 @web.middleware
 async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every error leaves as OpenAI-shaped JSON with the right status."""
@@ -94,7 +84,7 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
         if exc.status < 400:
             raise
         keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
-        return error_response(_from_http_exception(exc, request), keep)
+        return error_response(http_exception_error(ApiError, exc.status, exc.text or exc.reason, request.method, request.path), keep)
     except ConnectionResetError:  # the client left; there is nobody to answer
         raise
     except Exception as exc:  # noqa: BLE001 - the boundary: one request's failure never kills the server

@@ -28,6 +28,7 @@ from disagg.router.legs import Leg, LegClient, leg_errors
 from disagg.router.policy import PairPicker
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
+from disagg.wire.errors import http_exception_error
 
 log = structlog.get_logger("disagg.router")
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -144,14 +145,6 @@ async def _get(router: Router, role: Role, server: str, path: str, headers: dict
             return resp.status, resp.headers.get("Content-Type", "application/json"), await resp.read()
 
 
-def _from_http_exception(exc: web.HTTPException, request: web.Request) -> RouterError:
-    if exc.status == 404:
-        return RouterError(404, f"Not Found: {request.method} {request.path}", code="route_not_found")
-    if exc.status == 405:
-        return RouterError(405, f"Method Not Allowed: {request.method} {request.path}")
-    return RouterError(exc.status, exc.text or exc.reason)
-
-
 @web.middleware
 async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every failure leaves as JSON with the right status; one request never kills the router."""
@@ -162,7 +155,7 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        err = _from_http_exception(exc, request)
+        err = http_exception_error(RouterError, exc.status, exc.text or exc.reason, request.method, request.path)
         keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return web.Response(body=err.body(), status=err.status, content_type=err.content_type, headers=keep)
     except ConnectionResetError:  # the client left; nobody to answer

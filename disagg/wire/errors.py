@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 TYPE_OF_STATUS = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
     413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
@@ -33,3 +35,17 @@ class HttpError(Exception):
 
     def error(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)
+
+
+def http_exception_error(cls: type[E], status: int, text: str, method: str, path: str) -> E:
+    """The `cls` error for an HTTP framework exception (unknown route, wrong method, body too large)."""
+    if status == 404:
+        return cls(404, f"Not Found: {method} {path}", code="route_not_found")
+    if status == 405:
+        return cls(405, f"Method Not Allowed: {method} {path}")
+    if status == 413:
+        return cls(413, f"request body too large: {text}")
+    return cls(status, text)
+
+
+E = TypeVar("E", bound=HttpError)

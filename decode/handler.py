@@ -79,9 +79,6 @@ class DecodeHandler(EngineHandler):
         await self.peers.close()
         self.backend.close()
 
-    def has_work(self) -> bool:
-        return self.core.has_unfinished()
-
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         try:
             missing = [f for f in ("bootstrap_room", "bootstrap_host", "bootstrap_port") if getattr(msg, f) is None]

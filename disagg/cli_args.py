@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 
 
 def _scalar_type(hint):
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    """`int | None` -> int: the type argparse converts to."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0]
     return hint

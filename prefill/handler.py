@@ -177,11 +177,11 @@ class PrefillHandler(EngineHandler):
         progress = self.core.request_progress(state.request_id)
         if progress is not None:
             self._send_ready_blocks(state, progress)
-        for handle in state.handles:
-            status = self.backend.poll(handle)
-            if status.state is BackendState.FAILED:
-                return self._fail(state, f"KV transfer failed: {status.reason}")
-        done = all(self.backend.poll(h).state is BackendState.SUCCESS for h in state.handles)
+        statuses = [self.backend.poll(handle) for handle in state.handles]
+        failed = next((s for s in statuses if s.state is BackendState.FAILED), None)
+        if failed is not None:
+            return self._fail(state, f"KV transfer failed: {failed.reason}")
+        done = all(s.state is BackendState.SUCCESS for s in statuses)
         if state.final is not None and state.all_sent and done:
             return self._succeed(state)
         return []

@@ -110,7 +110,7 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_token_ids)} tokens; the context length is {self.max_model_len}, "
-                "so a prompt may have at most {} tokens".format(self.max_model_len - 1),
+                f"so a prompt may have at most {self.max_model_len - 1} tokens",
                 "prompt",
             )
         needed = self.kv.blocks_needed(len(prompt_token_ids) + 1)
@@ -172,7 +172,7 @@ class EngineCore:
                     request.prompt_logprobs.extend(logprobs)
             for request in self.scheduler.update(scheduled, result.sampled):
                 self._collect(request)
-        self._collect_length_finished()
+        self._collect_scheduler_finished()
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -204,8 +204,8 @@ class EngineCore:
         self.outputs.remove(request.request_id)
         self.runner.sampler.forget(request.request_id)
 
-    def _collect_length_finished(self) -> None:
-        """Requests the scheduler ended on its own (out of cache) still owe a final output."""
+    def _collect_scheduler_finished(self) -> None:
+        """Requests the scheduler ended on its own (e.g. out of cache) still owe a final output."""
         for request in self.scheduler.drain_finished():
             self._finish_output(request)
 

@@ -39,12 +39,12 @@ class Cluster:
     async def post_both(self, path: str, prefill_body: dict, decode_body: dict, headers=(None, None)):
         """Both legs at once, as a router does; returns (prefill, decode) as (status, json-or-text, headers)."""
         legs = await asyncio.gather(
-            self._post(self.prefill_url + path, prefill_body, headers[0]),
-            self._post(self.decode_url + path, decode_body, headers[1]),
+            self.post(self.prefill_url + path, prefill_body, headers[0]),
+            self.post(self.decode_url + path, decode_body, headers[1]),
         )
         return legs
 
-    async def _post(self, url: str, body: dict, headers):
+    async def post(self, url: str, body: dict, headers):
         async with self.session.post(url, json=body, headers=headers) as resp:
             text = await resp.text()
             data = await resp.json(content_type=None) if not body.get("stream") else text

@@ -19,7 +19,7 @@ async def test_prefill_leg_disconnect_fails_the_decode_and_frees_both_sides():
         before = await cluster.free_blocks()
         # The prefill leg only: the prefill holds its blocks waiting for a decode that never comes.
         body = cluster.pd_body({"text": "p" * 30, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
-        leg = asyncio.create_task(cluster._post(cluster.prefill_url + "/generate", body, None))
+        leg = asyncio.create_task(cluster.post(cluster.prefill_url + "/generate", body, None))
         for _ in range(100):
             prefill_free, _ = await cluster.free_blocks()
             if prefill_free != before[0]:

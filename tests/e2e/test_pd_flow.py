@@ -110,7 +110,7 @@ async def test_decode_without_room_is_400_naming_the_fields(cluster):
 async def test_abort_mid_stream_frees_blocks_on_both_sides(cluster):
     before = await cluster.free_blocks()
     body = cluster.pd_body({"text": LONG, "sampling_params": {"max_new_tokens": 400, **GREEDY}, "stream": True})
-    prefill = asyncio.create_task(cluster._post(cluster.prefill_url + "/generate", dict(body, stream=False), None))
+    prefill = asyncio.create_task(cluster.post(cluster.prefill_url + "/generate", dict(body, stream=False), None))
     async with cluster.session.post(cluster.decode_url + "/generate", json=body) as resp:
         await resp.content.readline()  # first chunk arrived: the KV moved, decoding runs
     await prefill

@@ -151,13 +151,16 @@ class DecodeHandler(EngineHandler):
 
     async def poll(self) -> list[OutputMsg]:
         out = self._reserve_queued()
+        for request_id in [rid for rid in self.pending if self.core.request_progress(rid) is None]:
+            self._drop_pending(request_id, "the decode engine failed the request")  # it answered already
         finished, self.finished = self.finished, []
         for request_id, status in finished:
             pending = self.pending.pop(request_id, None)
             if pending is None:
                 continue  # aborted meanwhile
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status))
+                if not self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status)):
+                    continue  # the engine ended the request meanwhile and already answered it
                 wait_s = time.monotonic() - pending.started
                 self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
                 log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,
@@ -186,10 +189,14 @@ class DecodeHandler(EngineHandler):
             if queued.msg.request_id == request_id:
                 self.queued.remove(queued)
                 return [OutputMsg(request_id, finish_reason="abort")]
+        self._drop_pending(request_id, "aborted on the decode side")
+        return await super().abort(request_id)
+
+    def _drop_pending(self, request_id: str, reason: str) -> None:
+        """Stop waiting for a request's KV and tell its prefill to stop writing."""
         pending = self.pending.pop(request_id, None)
         if pending is not None:
             pending.task.cancel()
             self.kv_stats.pop(request_id, None)
             if pending.client is not None:
-                pending.client.abort(pending.room, "aborted on the decode side")
-        return await super().abort(request_id)
+                pending.client.abort(pending.room, reason)

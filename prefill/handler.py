@@ -81,7 +81,9 @@ class PrefillHandler(EngineHandler):
                 raise InvalidRequest("a prefill request needs bootstrap_room (and bootstrap_host, bootstrap_port)", "bootstrap_room")
             if room in self.rooms:
                 raise InvalidRequest(f"bootstrap_room {room} is already in use on this prefill worker", "bootstrap_room")
-            one_token = dataclasses.replace(sampling_params(msg.sampling), max_tokens=1, min_tokens=0)
+            params = sampling_params(msg.sampling)
+            # The first token obeys min_tokens as it would in one engine (no EOS or stop id first).
+            one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             self.core.add_request(msg.request_id, self.prompt_ids(msg), one_token, hold_blocks=True)
         except Exception as exc:
             if room is not None:
@@ -108,16 +110,19 @@ class PrefillHandler(EngineHandler):
             self._status(room, TransferState.FAILED, reason)
         return []
 
-    def step(self) -> list[OutputMsg]:
-        """Engine step; answers of P/D requests are held until their KV is delivered."""
+    def _convert(self, outputs) -> list[OutputMsg]:
+        """Answers of P/D requests are held until their KV is delivered; a request the engine
+        failed fails its room in the next poll (this may run in the engine-step thread)."""
         out = []
-        for msg in super().step():
+        for msg in super()._convert(outputs):
             room = self.by_request.get(msg.request_id)
             if room is None:
                 out.append(msg)
                 continue
             state = self.rooms[room]
-            if msg.new_token_ids:
+            if msg.error is not None:
+                state.error = msg.error
+            elif msg.new_token_ids:
                 state.first_token = (msg.new_token_ids[0], tuple(msg.logprobs[0]) if msg.logprobs else ())
             if msg.finish_reason is not None:
                 state.final = msg
@@ -167,6 +172,8 @@ class PrefillHandler(EngineHandler):
         state.info, state.peer, state.info_at = info, self.peers.get(info.peer_name), time.monotonic()
 
     def _advance(self, state: PrefillRoom, now: float) -> list[OutputMsg]:
+        if state.error is not None:
+            return self._fail(state, state.error)
         if state.info is None:
             if now > state.deadline:
                 return self._fail(state, f"no destination from decode for bootstrap_room {state.room} "

@@ -28,6 +28,7 @@ class PrefillRoom:
     first_token: tuple[int, tuple[tuple[int, float], ...]] | None = None  # token id, its top logprobs
     info_at: float | None = None
     computed_at: float | None = None
+    error: str | None = None  # the engine failed the request: fail the room on the next poll
 
     def stats(self, now: float) -> KVStatsMsg:
         """Time split of a delivered room. `transfer_s` is what the transfer adds after both the

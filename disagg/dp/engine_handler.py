@@ -126,23 +126,28 @@ class EngineHandler:
         return self._convert(self.core.step())
 
     def _convert(self, outputs: list[RequestOutput]) -> list[OutputMsg]:
+        """Engine outputs as wire messages; a request the engine failed becomes its error (500).
+
+        The P/D roles override this to hold or route their requests' answers. It may run in the
+        engine-step thread: overrides only record state there, and act on it in poll()."""
         msgs = []
         for out in outputs:
             first = out.request_id not in self._started
             self._started.add(out.request_id)
-            msgs.append(to_output_msg(out, first))
+            if out.error is not None:
+                msgs.append(OutputMsg(out.request_id, finish_reason="abort", error=out.error, error_status=500))
+            else:
+                msgs.append(to_output_msg(out, first))
             if out.finished:
                 self._started.discard(out.request_id)
         return msgs
 
     def fail_all(self, exc: Exception) -> list[OutputMsg]:
-        """An engine step crashed: end every request with the error, keep the worker alive."""
-        ids = list(self.core.scheduler.requests)
-        for request_id in ids:
-            self.core.abort(request_id)
-        self.core.take_outputs()
-        self._started.clear()
-        return [error_output(rid, RuntimeError(f"engine step failed: {exc}")) for rid in ids]
+        """An engine step crashed outside any one request: end every request with the error, keep
+        the worker alive. (A request whose own part of a step raises fails alone, in EngineCore.step.)"""
+        for request_id in list(self.core.scheduler.requests):
+            self.core.fail(request_id, f"engine step failed: {type(exc).__name__}: {exc}")
+        return self._convert(self.core.take_outputs())
 
     def utility(self, method: str, args: list) -> object:
         if method not in UTILITIES:

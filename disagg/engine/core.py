@@ -125,6 +125,14 @@ class EngineCore:
         self._finish_output(request)
         return True
 
+    def fail(self, request_id: str, reason: str) -> bool:
+        """End a request because the engine could not run it: like abort, with `reason` as its error."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        request.error = reason
+        return self.abort(request_id)
+
     # ---- P/D hooks ----------------------------------------------------------------------------
 
     def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
@@ -135,10 +143,17 @@ class EngineCore:
         self.outputs.add(request)
         return list(request.block_ids)
 
-    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None) -> None:
-        """The prompt's KV landed in the reserved blocks; continue from the first token."""
+    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None) -> bool:
+        """The prompt's KV landed in the reserved blocks; continue from the first token. False when
+        the request no longer waits for KV (it was aborted or failed meanwhile)."""
         request = self.scheduler.admit_remote_kv(request_id, SampledToken(first_token_id, first_logprobs))
+        if request is None:
+            return False
+        params = request.sampling_params
+        if params.seed is not None and not params.greedy:
+            self.runner.sampler.skip_draw(request_id, params.seed, self.arch.vocab_size)
         self._collect(request)
+        return True
 
     def request_progress(self, request_id: str) -> RequestProgress | None:
         request = self.scheduler.requests.get(request_id)
@@ -164,6 +179,8 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.seqs:
             result = self.runner.execute(scheduled)
+            for request_id, reason in result.failed.items():
+                self.fail(request_id, f"engine step failed for request {request_id}: {reason}")
             for request_id, logprobs in result.prompt_logprobs.items():
                 request = self.scheduler.requests.get(request_id)
                 if request is not None and not request.prompt_logprobs:

@@ -17,6 +17,13 @@ from disagg.types import TopLogprobs
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its part of the step raised
+
+    def merge(self, other: RunnerOutput) -> RunnerOutput:
+        self.sampled.update(other.sampled)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.failed.update(other.failed)
+        return self
 
 
 def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> int:
@@ -43,9 +50,24 @@ class ModelRunner:
         self.kv_cache = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step. A request whose part raises fails alone (in `failed`); the others get
+        exactly the tokens they would have got (sampling is per row; KV writes of a re-run are the same)."""
         assert self.kv_cache is not None, "execute while the KV cache is freed"
-        decodes = [s for s in sched.seqs if len(s.token_ids) == 1]
-        prefills = [s for s in sched.seqs if len(s.token_ids) > 1]
+        return self._isolating(sched.seqs)
+
+    def _isolating(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
+        """Run `seqs`; when the forward raises, run halves until the requests that raise alone are found."""
+        try:
+            return self._run(seqs)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the batch
+            if len(seqs) == 1:
+                return RunnerOutput(failed={seqs[0].request_id: f"{type(exc).__name__}: {exc}"})
+            mid = len(seqs) // 2
+            return self._isolating(seqs[:mid]).merge(self._isolating(seqs[mid:]))
+
+    def _run(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        prefills = [s for s in seqs if len(s.token_ids) > 1]
         seqs = decodes + prefills
         batch, sample_rows, prompt_rows = self._build(decodes, prefills)
         logits = self.model.forward(batch, self.kv_cache)
@@ -53,9 +75,16 @@ class ModelRunner:
         sampling = [s for s in seqs if s.sample]
         if sampling:
             tokens = self.sampler.sample(logits[sample_rows], sampling, self.eos_token_ids)
-            out.sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
+            for seq, token in zip(sampling, tokens):
+                if isinstance(token, SampledToken):
+                    out.sampled[seq.request_id] = token
+                else:
+                    out.failed[seq.request_id] = token
         for seq, first, last in prompt_rows:
-            out.prompt_logprobs[seq.request_id] = self._prompt_logprobs(seq, logits[first:last])
+            try:
+                out.prompt_logprobs[seq.request_id] = self._prompt_logprobs(seq, logits[first:last])
+            except Exception as exc:  # noqa: BLE001 - this request only (sampling already happened)
+                out.failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
         return out
 
     def _build(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]):

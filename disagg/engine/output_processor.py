@@ -80,6 +80,7 @@ class OutputProcessor:
             new_text=new_text,
             prompt_logprobs=list(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
             num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
             num_logprobs=request.sampling_params.logprobs,
             num_prompt_logprobs=request.sampling_params.prompt_logprobs,
         )

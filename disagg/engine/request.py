@@ -45,6 +45,7 @@ class Request:
     logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+    error: str | None = None  # why the engine failed this request (it ends with ABORT)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,35 +30,47 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.seeded.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], eos_token_ids: tuple[int, ...]) -> list[SampledToken]:
-        """One token per row of `logits` ([len(seqs), vocab], float32)."""
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], eos_token_ids: tuple[int, ...]) -> list[SampledToken | str]:
+        """One token per row of `logits` ([len(seqs), vocab], float32); a row whose sampling raises
+        gets the reason instead, and the other rows are sampled exactly as without it."""
         raw = logits
-        logits = self._mask_early_stops(logits, seqs, eos_token_ids)
+        logits, failed = self._mask_early_stops(logits, seqs, eos_token_ids)
         token_ids = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
-            if not seq.sampling_params.greedy:
-                token_ids[i] = self._sample_row(logits[i], seq)
-        want = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+            if i not in failed and not seq.sampling_params.greedy:
+                try:
+                    token_ids[i] = self._sample_row(logits[i], seq)
+                except Exception as exc:  # noqa: BLE001 - this row only
+                    failed[i] = f"{type(exc).__name__}: {exc}"
+        want = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None and i not in failed]
         logprobs = torch.log_softmax(raw[want], dim=-1) if want else None
-        out = []
+        out: list[SampledToken | str] = []
         for i, seq in enumerate(seqs):
+            if i in failed:
+                out.append(failed[i])
+                continue
             top = None
             if logprobs is not None and seq.sampling_params.logprobs is not None:
                 top = top_logprobs(logprobs[want.index(i)], seq.sampling_params.logprobs, token_ids[i])
             out.append(SampledToken(token_ids[i], top))
         return out
 
-    def _mask_early_stops(self, logits, seqs: list[ScheduledSeq], eos_token_ids) -> torch.Tensor:
-        """Before min_tokens are out, EOS and stop token ids cannot be sampled."""
+    def _mask_early_stops(self, logits, seqs: list[ScheduledSeq], eos_token_ids) -> tuple[torch.Tensor, dict[int, str]]:
+        """Before min_tokens are out, EOS and stop token ids cannot be sampled. Returns the masked
+        logits and the rows whose mask could not be applied (with why)."""
         rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling_params.min_tokens]
+        failed: dict[int, str] = {}
         if not rows:
-            return logits
+            return logits, failed
         logits = logits.clone()
         for i in rows:
             params = seqs[i].sampling_params
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-            logits[i, banned] = float("-inf")
-        return logits
+            try:
+                logits[i, banned] = float("-inf")
+            except Exception as exc:  # noqa: BLE001 - e.g. a stop token id past the vocabulary
+                failed[i] = f"{type(exc).__name__}: {exc}"
+        return logits, failed
 
     def _sample_row(self, logits: torch.Tensor, seq: ScheduledSeq) -> int:
         probs = truncated_probs(logits, seq.sampling_params)
@@ -66,12 +78,19 @@ class Sampler:
 
     def _generator(self, seq: ScheduledSeq) -> torch.Generator:
         seed = seq.sampling_params.seed
-        if seed is None:
-            return self.generator
-        gen = self.seeded.get(seq.request_id)
+        return self.generator if seed is None else self._seeded(seq.request_id, seed)
+
+    def _seeded(self, request_id: str, seed: int) -> torch.Generator:
+        gen = self.seeded.get(request_id)
         if gen is None:
-            gen = self.seeded[seq.request_id] = torch.Generator().manual_seed(seed)
+            gen = self.seeded[request_id] = torch.Generator().manual_seed(seed)
         return gen
+
+    def skip_draw(self, request_id: str, seed: int, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one token drawn elsewhere (another engine
+        sampled it from the same seed), so the next tokens are the ones one engine would draw.
+        A draw consumes the same random numbers whatever the probabilities; only the size counts."""
+        torch.multinomial(torch.ones(vocab_size), 1, generator=self._seeded(request_id, seed))
 
 
 def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -78,9 +78,12 @@ class Scheduler:
         self.remote[request.request_id] = request
         return True
 
-    def admit_remote_kv(self, request_id: str, first: SampledToken) -> Request:
-        """The prompt's KV is in the reserved blocks: run the request from its first token on."""
-        request = self.remote.pop(request_id)
+    def admit_remote_kv(self, request_id: str, first: SampledToken) -> Request | None:
+        """The prompt's KV is in the reserved blocks: run the request from its first token on.
+        None when the request no longer waits for KV (aborted or failed meanwhile)."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING

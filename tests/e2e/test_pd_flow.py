@@ -152,3 +152,24 @@ async def test_logprobs_of_every_token_cross_over_from_the_prefill(cluster, unif
     for ours, theirs in zip(got["top_logprobs"], expected["top_logprobs"]):
         assert ours.keys() == theirs.keys()
         assert all(abs(ours[k] - theirs[k]) < 1e-4 for k in ours)
+
+
+async def test_min_tokens_and_seeded_sampling_pd_equal_unified(cluster, unified):
+    """The prefill's first token obeys min_tokens; the decode's seeded generator skips the draw
+    the prefill made, so both continue the one stream a single engine would sample."""
+    probe = {"text": LONG, "sampling_params": {"max_new_tokens": 1, **GREEDY}}
+    first = (await unified_post(unified, "/generate", probe))["output_ids"][0]
+    bodies = [
+        {"text": LONG, "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 1, "stop_token_ids": [first], **GREEDY}},
+        {"text": LONG, "sampling_params": {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.95,
+                                           "sampling_seed": 77, "ignore_eos": True}},
+    ]
+    outputs = []
+    for body in bodies:
+        expected = (await unified_post(unified, "/generate", body))["output_ids"]
+        pd = cluster.pd_body(body)
+        (_, _, _), (d_status, d_data, _) = await cluster.post_both("/generate", pd, pd)
+        assert d_status == 200, d_data
+        assert d_data["output_ids"] == expected
+        outputs.append(expected)
+    assert outputs[0][0] != first and outputs[0][-1] == first and len(outputs[1]) == 12

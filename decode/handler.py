@@ -19,7 +19,7 @@ import structlog
 
 from decode.peers import PrefillPeers
 from decode.resolver import QUERY, decide_prefill_dp_rank
-from disagg.config import ControlConfig, DisaggConfig
+from disagg.config import DisaggConfig
 from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
@@ -58,11 +58,10 @@ def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
 class DecodeHandler(EngineHandler):
     can_sleep = False
 
-    def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig,
-                 control: ControlConfig = ControlConfig()):
+    def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig):
         super().__init__(core, dp_rank, model_name)
         self.config = config
-        self.control_config = control
+        self.control_config = config.control
         self.pending: dict[str, _Pending] = {}
         self.finished: list[tuple[str, TransferStatusMsg | Exception]] = []
         self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
@@ -150,6 +149,7 @@ class DecodeHandler(EngineHandler):
         return 0.002 if self.queued else default_s
 
     async def poll(self) -> list[OutputMsg]:
+        self.backend.notifications()  # write tags: SUCCESS on the control stream is what counts
         out = self._reserve_queued()
         for request_id in [rid for rid in self.pending if self.core.request_progress(rid) is None]:
             self._drop_pending(request_id, "the decode engine failed the request")  # it answered already

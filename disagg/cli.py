@@ -11,7 +11,8 @@ import sys
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
-    BootstrapConfig, CacheConfig, ConfigError, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig,
+    BootstrapConfig, CacheConfig, ConfigError, ControlConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig,
+    ServerConfig,
 )
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -33,6 +34,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
 
 
+def add_disagg_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    add_dataclass_args(parser.add_argument_group("DisaggConfig"), DisaggConfig, skip=skip)
+    add_dataclass_args(parser.add_argument_group("ControlConfig (KV control plane)"), ControlConfig)
+
+
+def disagg_from_args(args: argparse.Namespace, **overrides) -> DisaggConfig:
+    return dataclass_from_args(DisaggConfig, args, control=dataclass_from_args(ControlConfig, args), **overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description="Prefill/decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,11 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     for role, method in (("prefill", "follow_bootstrap_room"), ("decode", "least_load")):
         parser_ = sub.add_parser(role, help=f"serve the {role} role of a P/D cluster")
         add_server_args(parser_)
-        add_dataclass_args(parser_.add_argument_group("DisaggConfig"), DisaggConfig)
+        add_disagg_args(parser_)
         parser_.set_defaults(load_balance_method=method, force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
     serve = sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router")
     add_engine_args(serve)
-    add_dataclass_args(serve.add_argument_group("DisaggConfig"), DisaggConfig, skip=("bootstrap_port", "bootstrap_host"))
+    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host"))
     serve.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
     serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
@@ -84,12 +94,12 @@ def run(argv: list[str]) -> int:
         from disagg import serving
 
         mode = "null" if args.command == "unified" else args.command
-        disagg = dataclass_from_args(DisaggConfig, args) if mode != "null" else DisaggConfig()
+        disagg = disagg_from_args(args) if mode != "null" else DisaggConfig()
         return serving.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
     if args.command == "serve":
         from disagg import cluster
 
-        disagg = dataclass_from_args(DisaggConfig, args, bootstrap_port=0)
+        disagg = disagg_from_args(args, bootstrap_port=0)
         return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format)
     if args.command == "router":
         from disagg.router.launch import main as router_main

@@ -124,6 +124,12 @@ class ServerConfig:
     log_format: str = field(default="console", metadata={"help": "console or json"})
     worker_start_timeout_s: float = field(default=600.0, metadata={"help": "limit for workers to load"})
     disaggregation_mode: str = field(default="null", metadata={"help": "null (unified), prefill or decode"})
+    worker_restart_backoff_s: float = field(
+        default=1.0, metadata={"help": "wait before restarting a dead DP worker; doubles per quick death"}
+    )
+    worker_restart_max_backoff_s: float = field(
+        default=30.0, metadata={"help": "longest wait before a restart; a worker up this long resets the backoff"}
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -136,6 +142,11 @@ class ServerConfig:
             )
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
+        if not 0 < self.worker_restart_backoff_s <= self.worker_restart_max_backoff_s:
+            raise ConfigError(
+                "need 0 < worker_restart_backoff_s <= worker_restart_max_backoff_s, got "
+                f"{self.worker_restart_backoff_s}, {self.worker_restart_max_backoff_s}"
+            )
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ConfigError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}")
 
@@ -152,15 +163,19 @@ class DisaggConfig:
         default=300.0, metadata={"help": "prefill: how long a request waits for its decode's destination blocks"}
     )
     waiting_timeout_s: float = field(default=300.0, metadata={"help": "decode: how long a request waits for its KV"})
+    registry_refresh_s: float = field(
+        default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"}
+    )
     force_query_prefill_dp_rank: bool = field(
         default_factory=lambda: force_query_prefill_dp_rank(),
         metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
     )
+    control: ControlConfig = field(default_factory=lambda: ControlConfig())
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in ("nixl", "tcp", "loopback"):
             raise ConfigError(f"transfer_backend must be nixl or tcp, got {self.transfer_backend!r}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 

@@ -8,6 +8,7 @@ the 1-token HTTP answer goes back. Every wait has a deadline; a failure answers 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -15,7 +16,7 @@ import msgspec
 import structlog
 
 from bootstrap.client import BootstrapClient
-from disagg.config import ControlConfig, DisaggConfig
+from disagg.config import DisaggConfig
 from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
@@ -37,12 +38,12 @@ class PrefillHandler(EngineHandler):
     can_sleep = False
 
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig, dp_size: int,
-                 load_balance_method: str, control: ControlConfig = ControlConfig()):
+                 load_balance_method: str):
         super().__init__(core, dp_rank, model_name)
         self.config = config
         self.dp_size = dp_size
         self.load_balance_method = load_balance_method
-        self.control_config = control
+        self.control_config = config.control
         self.rooms: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
         self.early_infos: dict[int, tuple[TransferInfoMsg, float]] = {}  # TransferInfo before the request
@@ -57,14 +58,28 @@ class PrefillHandler(EngineHandler):
         self.control = ControlServer(local, self.control_config)
         port = await self.control.start(self.config.rank_host, 0)
         self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port)
-        await self.bootstrap.register_rank(RankRegistrationMsg(
+        self.registration = RankRegistrationMsg(
             dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,
             page_size=local.layout.block_size_tokens, kv_cache_dtype=local.layout.dtype, load_balance_method=self.load_balance_method,
             transfer_backend=self.config.transfer_backend, agent_name=self.backend.agent_name,
-        ))
+        )
+        await self.bootstrap.register_rank(self.registration)
+        self.refresher = asyncio.create_task(self._refresh_registration())
         log.info("prefill rank registered", control_port=port, backend=self.config.transfer_backend)
 
+    async def _refresh_registration(self) -> None:
+        """Register again every `registry_refresh_s`: a registry that restarted (and forgot the
+        ranks) knows the topology again within that period."""
+        interval_s = self.config.registry_refresh_s
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.bootstrap.register_rank(self.registration, deadline_s=interval_s)
+            except Exception as exc:  # noqa: BLE001 - the registry may be down for a while: try again later
+                log.warning("registry refresh failed", error=f"{type(exc).__name__}: {exc}")
+
     async def close(self) -> None:
+        self.refresher.cancel()
         await self.control.close()
         await self.bootstrap.close()
         self.backend.close()
@@ -133,6 +148,7 @@ class PrefillHandler(EngineHandler):
 
     async def poll(self) -> list[OutputMsg]:
         out: list[OutputMsg] = []
+        self.backend.notifications()  # push flow tracks completion by handle: drop tags, never let them pile up
         while not self.control.events.empty():
             out += self._on_event(self.control.events.get_nowait())
         now = time.monotonic()
@@ -156,6 +172,9 @@ class PrefillHandler(EngineHandler):
             for room in event.rooms:
                 if room in self.rooms:
                     out += self._fail(self.rooms[room], f"lost decode {event.peer_name}: {event.reason}", tell_decode=False)
+            backend_peer = self.peers.pop(event.peer_name, None)
+            if backend_peer is not None:  # no stale metadata: a returning decode registers anew
+                self.backend.remove_peer(backend_peer)
             return out
         return []
 

@@ -26,18 +26,23 @@ class AbortBody(msgspec.Struct, kw_only=True):
     abort_all: bool | None = None
 
 
-def _unhealthy_workers(engine: EngineClient) -> str:
-    bad = [s for s in engine.worker_states() if not (s.alive and s.ready)]
-    listed = ", ".join(f"dp_rank {s.dp_rank} {'not ready' if s.alive else 'dead'}" for s in bad)
-    return f"engine is not healthy ({listed or 'reason unknown'})"
+def _listed(down) -> str:
+    return ", ".join(f"dp_rank {s.dp_rank} {'not ready' if s.alive else 'dead'}" for s in down) or "reason unknown"
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 when every DP worker is alive and ready, else 503."""
+    """GET /health: 200 with an empty body when every DP worker is ready; 200 with a `degraded`
+    JSON body naming the workers that are down while at least one serves (dead workers restart on
+    their own: keep the server in rotation); 503 when none can serve (docs/faults.md)."""
     engine = state_of(request).engine
     if engine.healthy():
         return web.Response(status=200)
-    return error_response(ApiError(503, _unhealthy_workers(engine)))
+    states = engine.worker_states()
+    down = [s for s in states if not (s.alive and s.ready)]
+    if len(down) < len(states):
+        return json_response({"status": "degraded", "message": f"DP workers down: {_listed(down)}",
+                              "dp_ranks_down": [s.dp_rank for s in down]})
+    return error_response(ApiError(503, f"engine is not healthy ({_listed(down)})"))
 
 
 async def _probe(engine: EngineClient, dp_rank: int) -> str | None:

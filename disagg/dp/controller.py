@@ -2,7 +2,9 @@
 
 Workers connect back over a Unix socket in a private temp dir and speak msgspec frames. A worker
 that dies is noticed (EOF or its process sentinel) within half a second: its requests end with a
-503 error and health turns red; nothing waits on it forever.
+503 naming its rank, and it is restarted after a backoff (doubling per quick death) as a new
+incarnation: a new process with a new transfer identity. Meanwhile the other workers keep serving,
+requests pinned to the dead rank fail fast, and nothing waits on it forever.
 """
 
 from __future__ import annotations
@@ -36,19 +38,36 @@ MONITOR_INTERVAL_S = 0.5
 
 
 class _Worker:
-    def __init__(self, rank: int, process):
+    """One incarnation of the worker of a DP rank; a restart makes a new one."""
+
+    def __init__(self, rank: int, process, num_restarts: int = 0, down_reason: str | None = None):
         self.rank = rank
         self.process = process
         self.writer: asyncio.StreamWriter | None = None
         self.ready: ReadyMsg | None = None
+        self.ready_at: float | None = None
         self.alive = True
         self.stats = StatsMsg(0, 0, 0, 0)
         self.outstanding: dict[str, int] = {}  # request id -> estimated tokens
+        self.num_restarts = num_restarts
+        self.down_reason = down_reason  # why the previous incarnation is gone (None: first start)
+        self.num_quick_deaths = 0  # deaths in a row of incarnations that did not stay up long
+
+    @property
+    def available(self) -> bool:
+        return self.alive and self.ready is not None
 
     def send(self, msg) -> None:
-        if not self.alive or self.writer is None:
-            raise WorkerUnavailable(f"DP worker {self.rank} is not available")
+        if not self.available or self.writer is None:
+            raise WorkerUnavailable(self.unavailable_reason())
         self.writer.write(frame(encode(msg)))
+
+    def unavailable_reason(self) -> str:
+        if not self.alive:
+            return f"DP worker {self.rank} is not available: it died ({self.down_reason}); a restart is scheduled"
+        if self.down_reason is not None:
+            return f"DP worker {self.rank} is not available: it is restarting after it died ({self.down_reason})"
+        return f"DP worker {self.rank} is not available: it is not ready yet"
 
 
 class DPController:
@@ -71,7 +90,9 @@ class DPController:
         self._all_ready = asyncio.Event()
         self._tmpdir = tempfile.mkdtemp(prefix="disagg-dp-")
         self._server: asyncio.AbstractServer | None = None
+        self._socket_path = ""
         self._closing = False
+        self._supervising = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -79,15 +100,19 @@ class DPController:
         """Spawn the workers and wait until every one has loaded its engine (bounded)."""
         path = os.path.join(self._tmpdir, "workers.sock")
         self._server = await asyncio.start_unix_server(self._on_connect, path)
-        ctx = multiprocessing.get_context("spawn")
-        for rank in range(self.dp_size):
-            spec = WorkerSpec(rank, self.engine_config, path, self.server.log_format, self.handler)
-            process = ctx.Process(target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
-            process.start()
-            self.workers.append(_Worker(rank, process))
+        self._socket_path = path
+        self.workers = [_Worker(rank, self._spawn(rank)) for rank in range(self.dp_size)]
         progress(f"loading {self.engine_config.model.model} on {self.dp_size} DP worker(s)")
         self._tasks.append(asyncio.create_task(self._monitor()))
         await self._wait_ready(progress)
+        self._supervising = True  # from now on a dead worker is restarted (at start-up it is fatal)
+
+    def _spawn(self, rank: int):
+        spec = WorkerSpec(rank, self.engine_config, self._socket_path, self.server.log_format, self.handler)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
+        process.start()
+        return process
 
     async def _wait_ready(self, progress) -> None:
         deadline = time.monotonic() + self.server.worker_start_timeout_s
@@ -133,7 +158,9 @@ class DPController:
         ready = decode_from_worker(await read_frame(reader))
         assert isinstance(ready, ReadyMsg), f"first message from a worker must be ReadyMsg, got {ready!r}"
         worker = self.workers[ready.dp_rank]
-        worker.writer, worker.ready = writer, ready
+        worker.writer, worker.ready, worker.ready_at = writer, ready, time.monotonic()
+        if worker.num_restarts:
+            log.info("DP worker restarted", dp_rank=worker.rank, num_restarts=worker.num_restarts)
         if self.model is None:
             self.model = ModelCard(ready.model_name, ready.max_model_len, ready.vocab_size)
         if all(w.ready is not None for w in self.workers):
@@ -169,6 +196,7 @@ class DPController:
         if not worker.alive:
             return
         worker.alive = False
+        worker.down_reason = how
         if self._closing:
             return
         log.error("DP worker died", dp_rank=worker.rank, how=how)
@@ -178,16 +206,40 @@ class DPController:
             if queue is not None:
                 queue.put_nowait(OutputMsg(request_id, finish_reason="abort", error=error, error_status=503))
         worker.outstanding.clear()
+        if self._supervising:
+            self._tasks.append(asyncio.create_task(self._restart(worker)))
+
+    def restart_backoff_s(self, worker: _Worker) -> tuple[float, int]:
+        """The wait before restarting `worker`, and the quick-death count it implies: the backoff
+        doubles per death of a worker that was not up for `worker_restart_max_backoff_s`."""
+        server = self.server
+        lived_s = 0.0 if worker.ready_at is None else time.monotonic() - worker.ready_at
+        quick = 0 if lived_s >= server.worker_restart_max_backoff_s else worker.num_quick_deaths + 1
+        return min(server.worker_restart_backoff_s * 2 ** max(quick - 1, 0), server.worker_restart_max_backoff_s), quick
+
+    async def _restart(self, dead: _Worker) -> None:
+        """Start the next incarnation of a dead rank after its backoff (unless closing)."""
+        delay_s, quick = self.restart_backoff_s(dead)
+        log.info("restarting DP worker", dp_rank=dead.rank, backoff_s=delay_s)
+        await asyncio.sleep(delay_s)
+        if self._closing:
+            return
+        await asyncio.to_thread(dead.process.join, 5)  # reap it
+        worker = _Worker(dead.rank, self._spawn(dead.rank), dead.num_restarts + 1, dead.down_reason)
+        worker.num_quick_deaths = quick
+        self.workers[dead.rank] = worker
 
     # ---- EngineClient -------------------------------------------------------------------------
 
     def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
         loads = [sum(w.outstanding.values()) for w in self.workers]
-        return self.dispatcher.pick(routed_dp_rank, bootstrap_room, loads, [w.alive for w in self.workers])
+        return self.dispatcher.pick(routed_dp_rank, bootstrap_room, loads, [w.available for w in self.workers])
 
     async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
         """Outputs of one request; leaving the loop early (disconnect, error) aborts it."""
         worker = self.workers[self.dispatcher.check_rank(dp_rank)]
+        if not worker.available:
+            raise WorkerUnavailable(worker.unavailable_reason())
         if msg.request_id in self._streams:
             raise InvalidRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         queue: asyncio.Queue[OutputMsg] = asyncio.Queue()
@@ -202,13 +254,13 @@ class DPController:
                 yield out
         finally:
             self._streams.pop(msg.request_id, None)
-            if not finished and worker.alive:
+            if not finished and worker.available:
                 worker.outstanding.pop(msg.request_id, None)
                 worker.send(AbortMsg(msg.request_id))
 
     async def abort(self, request_id: str) -> bool:
         for worker in self.workers:
-            if request_id in worker.outstanding and worker.alive:
+            if request_id in worker.outstanding and worker.available:
                 worker.send(AbortMsg(request_id))
                 return True
         return False
@@ -231,13 +283,13 @@ class DPController:
         return [
             WorkerState(
                 w.rank, w.alive, w.ready is not None, w.stats.num_running, w.stats.num_waiting,
-                w.stats.num_free_blocks, w.stats.num_total_blocks, len(w.outstanding),
+                w.stats.num_free_blocks, w.stats.num_total_blocks, len(w.outstanding), w.num_restarts,
             )
             for w in self.workers
         ]
 
     def healthy(self) -> bool:
-        return bool(self.workers) and all(w.alive and w.ready is not None for w in self.workers)
+        return bool(self.workers) and all(w.available for w in self.workers)
 
 
 def _estimate_tokens(msg: GenerateMsg) -> int:

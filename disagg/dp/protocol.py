@@ -51,6 +51,7 @@ class WorkerState:
     num_free_blocks: int
     num_total_blocks: int
     num_outstanding_requests: int
+    num_restarts: int = 0  # how many times this rank's worker was restarted after dying
 
 
 class EngineClient(Protocol):

@@ -26,8 +26,11 @@ async def test_health_follows_the_workers():
     async with api_client(engine) as client:
         assert await call(client, "GET", "/health") == (200, "")
         engine.alive[2] = False
-        assert await call(client, "GET", "/health") == (
-            503, error("engine is not healthy (dp_rank 2 dead)", "ServiceUnavailableError"))
+        assert await call(client, "GET", "/health") == (200, {
+            "status": "degraded", "message": "DP workers down: dp_rank 2 dead", "dp_ranks_down": [2]})
+        engine.alive[:] = [False] * 3
+        assert await call(client, "GET", "/health") == (503, error(
+            "engine is not healthy (dp_rank 0 dead, dp_rank 1 dead, dp_rank 2 dead)", "ServiceUnavailableError"))
 
 
 async def test_health_generate_runs_one_token_on_every_worker():
@@ -59,7 +62,7 @@ async def test_server_info_and_alias():
         "dp_size": 2, "load_balance_method": "follow_bootstrap_room", "disaggregation_mode": "prefill",
         "internal_states": [
             {"dp_rank": r, "alive": True, "ready": True, "num_running": 0, "num_waiting": r, "num_free_blocks": 100 - r,
-             "num_total_blocks": 128, "num_outstanding_requests": 0} for r in (0, 1)],
+             "num_total_blocks": 128, "num_outstanding_requests": 0, "num_restarts": 0} for r in (0, 1)],
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -60,13 +60,19 @@ class Cluster:
 
 
 async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig = TINY,
-                   prefill_method: str = "follow_bootstrap_room") -> Cluster:
-    disagg = DisaggConfig(transfer_backend=backend, bootstrap_port=0, force_query_prefill_dp_rank=force_query,
-                          bootstrap_timeout_s=30, waiting_timeout_s=30)
+                   prefill_method: str = "follow_bootstrap_room", server: dict | None = None,
+                   disagg: dict | None = None) -> Cluster:
+    """Prefill and decode servers (dp 2 each); `server` / `disagg` override config fields of both
+    (fault tests set short deadlines there; `disagg["control"]` holds the control plane's timings)."""
+    disagg_config = DisaggConfig(**{
+        "transfer_backend": backend, "bootstrap_port": 0, "force_query_prefill_dp_rank": force_query,
+        "bootstrap_timeout_s": 30, "waiting_timeout_s": 30, **(disagg or {})})
+    base = ServerConfig(port=0, dp_size=2, **(server or {}))
+    prefill_cfg = replace(base, load_balance_method=prefill_method, disaggregation_mode="prefill")
+    decode_cfg = replace(base, disaggregation_mode="decode")
     prefill, decode = await asyncio.gather(
-        start_server(ServerConfig(port=0, dp_size=2, load_balance_method=prefill_method,
-                                  disaggregation_mode="prefill"), engine, disagg, lambda _: None),
-        start_server(ServerConfig(port=0, dp_size=2, disaggregation_mode="decode"), engine, disagg, lambda _: None),
+        start_server(prefill_cfg, engine, disagg_config, lambda _: None),
+        start_server(decode_cfg, engine, disagg_config, lambda _: None),
     )
     return Cluster(prefill, decode, aiohttp.ClientSession())
 

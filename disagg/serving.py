@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import structlog
 from aiohttp import web
@@ -42,8 +42,8 @@ class RunningServer:
     controller: DPController
     runner: web.AppRunner
     port: int
+    drain: Drain  # the front door's: refuses new requests and turns health red once it runs
     bootstrap: BootstrapServer | None = None
-    drain: Drain = field(default_factory=Drain)
 
     @property
     def bootstrap_port(self) -> int | None:
@@ -82,7 +82,7 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
         if bootstrap is not None:
             await bootstrap.close()
         raise
-    return RunningServer(controller, runner, port, bootstrap, app[STATE].drain)
+    return RunningServer(controller, runner, port, app[STATE].drain, bootstrap)
 
 
 async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> int:
@@ -104,9 +104,10 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
 
 async def drain_server(running: RunningServer, timeout_s: float, hurry: asyncio.Event | None = None) -> None:
     """Health red and new requests refused; in-flight requests get `timeout_s`, then are aborted."""
-    log.info("draining", in_flight=running.drain.num_in_flight, shutdown_timeout_s=timeout_s)
+    mode = running.controller.server.disaggregation_mode
+    log.info("draining", mode=mode, in_flight=running.drain.num_in_flight, shutdown_timeout_s=timeout_s)
     aborted = await running.drain.run(timeout_s, hurry)
-    log.info("drained", aborted=aborted)
+    log.info("drained", mode=mode, aborted=aborted)
 
 
 def run(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig()) -> int:

@@ -242,7 +242,7 @@ async def test_wait_for_dp_rank_polls_until_registered_or_deadline(server):
             await client.wait_for_dp_rank(78, deadline_s=0.2)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 async def test_standalone_bootstrap_process_serves_and_exits_cleanly_on_a_stop_signal(stop):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -11,8 +11,8 @@ import sys
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
-    BootstrapConfig, CacheConfig, ConfigError, ControlConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig,
-    ServerConfig,
+    SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, CacheConfig, ConfigError, ControlConfig, DisaggConfig,
+    EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, check_shutdown_timeout,
 )
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
     serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
     serve.add_argument("--log-format", default="console", help="console or json")
+    serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                       default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
     serve.set_defaults(force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
     add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
@@ -100,7 +102,9 @@ def run(argv: list[str]) -> int:
         from disagg import cluster
 
         disagg = disagg_from_args(args, bootstrap_port=0)
-        return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format)
+        check_shutdown_timeout(args.shutdown_timeout_s)
+        return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
+                           args.shutdown_timeout_s)
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

@@ -20,19 +20,21 @@ def _scalar_type(hint):
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` option per dataclass field, typed and documented from the field."""
+    """One `--field-name` option per dataclass field, typed and documented from the field (plus the
+    spellings other servers use, from the field's `aliases` metadata)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
             continue
         kind = _scalar_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"{help_text} (default: {default})")
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, **overrides):

@@ -2,21 +2,22 @@
 
 Bootstrap registry (inside the prefill server), a prefill server and a decode server with
 `dp_size` workers each, and the router in front. Servers behind the router use free ports; the
-router listens on `--port`. Ctrl-C stops everything, router first.
+router listens on `--port`. SIGTERM or Ctrl-C drains the router first (its requests span both
+servers), then prefill and decode within what is left of `--shutdown-timeout-s`, then stops them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from dataclasses import replace
 
-from disagg.config import DisaggConfig, EngineConfig, ServerConfig
+from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, EngineConfig, ServerConfig
+from disagg.drain import StopSignals
 from disagg.logs import configure_logging
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from disagg.serving import RunningServer, say, start_server
+from disagg.serving import RunningServer, drain_server, say, start_server
 
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
@@ -51,28 +52,40 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
     return prefill, decode, router
 
 
-async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str) -> int:
+async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
+                        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
     prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size, log_format=log_format)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals()
+    signals.install()
     name = prefill.controller.model.name
     say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
     say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend})")
     say(f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")
-    await stop.wait()
+    await signals.requested.wait()
     say("shutting down")
-    await router.close()
-    await asyncio.gather(prefill.close(), decode.close())
+    await drain_cluster(prefill, decode, router, shutdown_timeout_s, signals.hurry)
     return 0
 
 
-def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str) -> int:
+async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: RouterServer, timeout_s: float,
+                        hurry: asyncio.Event | None = None) -> None:
+    """Drain and stop the router, then drain prefill and decode within what is left of `timeout_s`
+    (requests the router aborted are being aborted there already), then stop them."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    await router.drain.run(timeout_s, hurry)
+    await router.close()
+    left_s = max(deadline - loop.time(), 0.0)
+    await asyncio.gather(drain_server(prefill, left_s, hurry), drain_server(decode, left_s, hurry))
+    await asyncio.gather(prefill.close(), decode.close())
+
+
+def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
     configure_logging(log_format)
     try:
-        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format))
+        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -106,6 +106,17 @@ def force_query_prefill_dp_rank(environ: dict[str, str] | None = None) -> bool:
 # --- HTTP front door and data-parallel workers ----------------------------------------------------
 
 LOAD_BALANCE_METHODS = ("round_robin", "least_load", "follow_bootstrap_room")
+SHUTDOWN_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_HELP = (
+    "on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted (0: abort at once); "
+    "health turns 503 and new requests get 503 meanwhile; a second signal ends the wait"
+)
+
+
+def check_shutdown_timeout(value: float) -> None:
+    """ConfigError unless `value` (shutdown_timeout_s of a server or the router) is >= 0."""
+    if value < 0:
+        raise ConfigError(f"shutdown_timeout_s must be >= 0, got {value}")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
@@ -123,6 +134,10 @@ class ServerConfig:
     max_body_bytes: int = field(default=8 << 20, metadata={"help": "largest accepted request body"})
     log_format: str = field(default="console", metadata={"help": "console or json"})
     worker_start_timeout_s: float = field(default=600.0, metadata={"help": "limit for workers to load"})
+    shutdown_timeout_s: float = field(
+        default=SHUTDOWN_TIMEOUT_S,
+        metadata={"help": SHUTDOWN_TIMEOUT_HELP, "aliases": ("--shutdown-timeout",)},
+    )
     disaggregation_mode: str = field(default="null", metadata={"help": "null (unified), prefill or decode"})
     worker_restart_backoff_s: float = field(
         default=1.0, metadata={"help": "wait before restarting a dead DP worker; doubles per quick death"}
@@ -149,6 +164,7 @@ class ServerConfig:
             )
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ConfigError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}")
+        check_shutdown_timeout(self.shutdown_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
-"""Run one server (unified, prefill or decode) with its DP engine workers until Ctrl-C.
+"""Run one server (unified, prefill or decode) with its DP engine workers until SIGTERM or Ctrl-C.
 
 Layer 4 beside the CLI: it composes the front door (disagg.api), the DP controller, and for the
-P/D roles their worker handlers and (prefill) the in-process bootstrap registry.
+P/D roles their worker handlers and (prefill) the in-process bootstrap registry. A stop signal
+drains the server (disagg.drain) before it closes; the registry closes last, so the decodes of a
+prefill's last requests can still look it up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,9 +19,11 @@ from aiohttp import web
 from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
+from disagg.api.state import STATE
 from disagg.config import BootstrapConfig, DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import HandlerSpec
+from disagg.drain import Drain, StopSignals
 from disagg.logs import configure_logging
 from prefill.controller import PrefillController
 
@@ -34,9 +37,12 @@ def say(line: str) -> None:
 
 @dataclass
 class RunningServer:
+    """A started server. `await drain.run(timeout_s)` first to shut down gracefully, then `close()`."""
+
     controller: DPController
     runner: web.AppRunner
     port: int
+    drain: Drain  # the front door's: refuses new requests and turns health red once it runs
     bootstrap: BootstrapServer | None = None
 
     @property
@@ -44,6 +50,7 @@ class RunningServer:
         return None if self.bootstrap is None else self.bootstrap.port
 
     async def close(self) -> None:
+        """Stop HTTP, then the workers, then the bootstrap registry."""
         await self.runner.cleanup()
         await self.controller.close()
         if self.bootstrap is not None:
@@ -68,31 +75,39 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
     controller, bootstrap = await _controller(server, engine, disagg)
     try:
         await controller.start(progress)
-        runner, port = await start_http(create_app(server, controller), server.host, server.port)
+        app = create_app(server, controller)
+        runner, port = await start_http(app, server.host, server.port)
     except BaseException:
         await controller.close()
         if bootstrap is not None:
             await bootstrap.close()
         raise
-    return RunningServer(controller, runner, port, bootstrap)
+    return RunningServer(controller, runner, port, app[STATE].drain, bootstrap)
 
 
 async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> int:
     running = await start_server(server, engine, disagg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals()
+    signals.install()
     url = f"http://{server.host}:{running.port}"
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
     say(f"ready: {url} mode={server.disaggregation_mode} model={running.controller.model.name} dp_size={server.dp_size}{extra}")
     if server.disaggregation_mode == "null":
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{running.controller.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
-    await stop.wait()
+    await signals.requested.wait()
     say("shutting down")
+    await drain_server(running, server.shutdown_timeout_s, signals.hurry)
     await running.close()
     return 0
+
+
+async def drain_server(running: RunningServer, timeout_s: float, hurry: asyncio.Event | None = None) -> None:
+    """Health red and new requests refused; in-flight requests get `timeout_s`, then are aborted."""
+    mode = running.controller.server.disaggregation_mode
+    log.info("draining", mode=mode, in_flight=running.drain.num_in_flight, shutdown_timeout_s=timeout_s)
+    aborted = await running.drain.run(timeout_s, hurry)
+    log.info("drained", mode=mode, aborted=aborted)
 
 
 def run(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig()) -> int:

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import decode_body
-from disagg.api.errors import ApiError, BadRequest, error_response
+from disagg.api.errors import ApiError, BadRequest, draining_error, error_response
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.dp.protocol import EngineClient
@@ -33,8 +33,11 @@ def _listed(down) -> str:
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 with an empty body when every DP worker is ready; 200 with a `degraded`
     JSON body naming the workers that are down while at least one serves (dead workers restart on
-    their own: keep the server in rotation); 503 when none can serve (docs/faults.md)."""
-    engine = state_of(request).engine
+    their own: keep the server in rotation); 503 when none can serve or while draining (docs/faults.md)."""
+    state = state_of(request)
+    if state.drain.draining:
+        return error_response(draining_error(state.drain))
+    engine = state.engine
     if engine.healthy():
         return web.Response(status=200)
     states = engine.worker_states()
@@ -78,7 +81,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """
     state = state_of(request)
     engine = state.engine
-    if state.config.disaggregation_mode != "null" or not engine.healthy():
+    if state.config.disaggregation_mode != "null" or not engine.healthy() or state.drain.draining:
         return await health(request)
     failures = await asyncio.gather(*(_probe_in_time(engine, r) for r in range(engine.dp_size)))
     listed = ", ".join(f"dp_rank {r}: {f}" for r, f in enumerate(failures) if f is not None)

@@ -16,6 +16,7 @@ from disagg.api.metrics import ApiMetrics
 from disagg.api.state import STATE, ApiState
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
+from disagg.drain import CLOSE_TIMEOUT_S
 
 
 def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bool = True) -> web.Application:
@@ -37,9 +38,10 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[web.
     """Serve `app` on host:port (0: any free port); returns the runner (`await runner.cleanup()`) and port.
 
     Handlers are cancelled when their client disconnects, so a non-streaming request whose client
-    left is aborted on its worker too (streams notice on their next write either way).
+    left is aborted on its worker too (streams notice on their next write either way). Handlers still
+    running at `runner.cleanup()` get CLOSE_TIMEOUT_S (drain generate requests before that).
     """
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

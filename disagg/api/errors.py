@@ -8,8 +8,9 @@ import structlog
 from aiohttp import web
 
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
+from disagg.drain import Drain
 from disagg.types import EngineSleeping, InvalidRequest
-from disagg.wire.errors import HttpError, http_exception_error
+from disagg.wire.errors import DRAINING_CODE, SHUTDOWN_CODE, HttpError, http_exception_error
 
 log = structlog.get_logger("disagg.api")
 
@@ -42,6 +43,16 @@ class Unauthorized(ApiError):
     def __init__(self) -> None:
         super().__init__(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
                          code="invalid_api_key")
+
+
+def draining_error(drain: Drain) -> ApiError:
+    """503 for a new generate request, and for `/health`, while the server drains."""
+    return ApiError(503, drain.refusal_message(), code=DRAINING_CODE)
+
+
+def shutdown_error(drain: Drain) -> ApiError:
+    """503 (or the stream's error event) for a request the drain aborted."""
+    return ApiError(503, drain.abort_message(), code=SHUTDOWN_CODE)
 
 
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:

@@ -7,6 +7,7 @@ same on every generate endpoint.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from typing import Protocol
 
@@ -14,13 +15,14 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from disagg.api.errors import to_api_error
+from disagg.api.errors import ApiError, draining_error, shutdown_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.requests import REQUEST_ID_HEADER
 from disagg.api.routing import DP_RANK_HEADER
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
+from disagg.drain import Drain
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 
 log = structlog.get_logger("disagg.api")
@@ -47,25 +49,41 @@ def json_response(body: object, status: int = 200, headers: dict[str, str] | Non
 
 async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_rank: int | None,
                            renderer: Renderer, *, stream: bool) -> web.StreamResponse:
-    """Run `msg` on the DP worker the engine picks and answer with `renderer`'s bodies."""
+    """Run `msg` on the DP worker the engine picks and answer with `renderer`'s bodies.
+
+    A draining server refuses the request (503); one the drain aborts ends with its shutdown error.
+    """
     state = state_of(request)
     bind_request(msg.request_id, bootstrap_room=msg.bootstrap_room)
-    dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room)
-    structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
-    generation = Generation(state, msg, dp_rank)
-    headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
-    if not stream:
-        totals = await generation.collect()
+    if state.drain.draining:
+        raise draining_error(state.drain)
+    with state.drain.track():
+        dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room)
+        structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
+        generation = Generation(state, msg, dp_rank)
+        headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
+        if stream:
+            return await _stream(request, generation, renderer, headers, state.drain)
+        try:
+            totals = await generation.collect()
+        except asyncio.CancelledError:
+            if not state.drain.claim_abort():
+                raise
+            raise shutdown_error(state.drain) from None
         return json_response(renderer.full(totals), headers=headers)
-    return await _stream(request, generation, renderer, headers)
 
 
 async def _stream(request: web.Request, generation: Generation, renderer: Renderer,
-                  headers: dict[str, str]) -> web.StreamResponse:
+                  headers: dict[str, str], drain: Drain) -> web.StreamResponse:
     async with aclosing(generation.outputs()) as outputs:
         # Wait for the first output before sending headers: a request the worker rejects at once
         # (bad prompt, sleeping engine) gets its real HTTP status instead of a 200 stream.
-        first = await anext(outputs, None)
+        try:
+            first = await anext(outputs, None)
+        except asyncio.CancelledError:
+            if not drain.claim_abort():
+                raise
+            raise shutdown_error(drain) from None
         sse = SSEWriter(headers)
         try:
             await sse.start(request)
@@ -73,7 +91,21 @@ async def _stream(request: web.Request, generation: Generation, renderer: Render
             await sse.done()
         except ClientGone:
             log.info("client disconnected mid-stream; aborting the request")
+        except asyncio.CancelledError:
+            if not drain.claim_abort():
+                raise
+            await _end_with_error(sse, shutdown_error(drain))
     return sse.response
+
+
+async def _end_with_error(sse: SSEWriter, err: ApiError) -> None:
+    """One error event, then `[DONE]`; a client that already left is not an error."""
+    log.warning("request aborted mid-stream", status=err.status, error=err.message)
+    try:
+        await sse.send_error(err)
+        await sse.done()
+    except ClientGone:
+        pass
 
 
 async def _pump(sse: SSEWriter, renderer: Renderer, totals: Totals, first: OutputMsg | None, outputs) -> None:

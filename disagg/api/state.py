@@ -11,18 +11,21 @@ from aiohttp import web
 from disagg.api.metrics import ApiMetrics
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
+from disagg.drain import Drain
 
 log = structlog.get_logger("disagg.api")
 
 
 @dataclass
 class ApiState:
-    """Per-app state. `inflight` maps a running request id to its DP rank (for `abort_all`)."""
+    """Per-app state. `inflight` maps a running request id to its DP rank (for `abort_all`); `drain`
+    refuses new generate requests and turns health red once the server shuts down."""
 
     config: ServerConfig
     engine: EngineClient
     metrics: ApiMetrics
     inflight: dict[str, int] = field(default_factory=dict)
+    drain: Drain = field(default_factory=Drain)
     started_at: int = field(default_factory=lambda: int(time.time()))
     _noted: set[str] = field(default_factory=set)
 

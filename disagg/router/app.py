@@ -3,7 +3,8 @@
 Routes:
 - `POST /generate`, `/v1/completions`, `/v1/chat/completions`, `/inference/v1/generate`: P/D dispatch
 - `GET /v1/models`: from the first healthy decode server
-- `GET /health`: 200 while at least one prefill and one decode server are healthy, else 503
+- `GET /health`: 200 while at least one prefill and one decode server are healthy, else 503 (and
+  503 `draining` once the router shuts down: new generate requests get the same)
 - `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
 - `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
 Every error is OpenAI-shaped JSON; unknown routes are 404.
@@ -21,8 +22,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from disagg.drain import Drain
 from disagg.router.config import RouterConfig
-from disagg.router.errors import NoHealthyServer, RouterError
+from disagg.router.errors import NoHealthyServer, RouterDraining, RouterError
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegClient, leg_errors
 from disagg.router.policy import PairPicker
@@ -45,6 +47,7 @@ class Router:
         self._rng = rng if rng is not None else random.Random()
         self._randbits = randbits
         self.picker = PairPicker(config.policy, self._rng)
+        self.drain = Drain("router")
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.proxy: Proxy | None = None
@@ -58,7 +61,8 @@ class Router:
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self.health = HealthChecker(self.config, self.pool, self.session)
         self.legs = LegClient(self.session, self.config.request_timeout_s, self.config.connect_timeout_s)
-        self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits)
+        self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits,
+                           self.drain)
         await self.health.start()
 
     async def close(self) -> None:
@@ -82,13 +86,20 @@ def _json(payload: object, status: int = 200) -> web.Response:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """P/D dispatch; the same path is called on both servers."""
-    return await _router(request).proxy.serve(request, request.path)
+    """P/D dispatch; the same path is called on both servers. Refused (503) while the router drains."""
+    router = _router(request)
+    if router.drain.draining:
+        raise RouterDraining(router.drain.refusal_message())
+    with router.drain.track():
+        return await router.proxy.serve(request, request.path)
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while a pair can be formed from servers whose last check succeeded."""
-    pool = _router(request).pool
+    """200 while a pair can be formed from servers whose last check succeeded; 503 while draining."""
+    router = _router(request)
+    if router.drain.draining:
+        raise RouterDraining(router.drain.refusal_message())
+    pool = router.pool
     counts = {role: pool.num_healthy(role) for role in Role}
     for role, count in counts.items():
         if count == 0:

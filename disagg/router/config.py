@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from disagg.config import ConfigError
+from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, check_shutdown_timeout
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 POLICIES = ("round_robin", "random", "least_load")
@@ -90,6 +90,7 @@ class RouterConfig:
     max_body_bytes: int = field(default=64 << 20, metadata={"help": "largest accepted request body"})
     max_connections: int = field(default=1024, metadata={"help": "open connections to all servers together"})
     log_format: str = field(default="console", metadata={"help": "console or json"})
+    shutdown_timeout_s: float = field(default=SHUTDOWN_TIMEOUT_S, metadata={"help": SHUTDOWN_TIMEOUT_HELP})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -110,6 +111,7 @@ class RouterConfig:
         for name in ("max_body_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        check_shutdown_timeout(self.shutdown_timeout_s)
 
     @property
     def health_checks_enabled(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from disagg.wire.errors import HttpError
+from disagg.wire.errors import DRAINING_CODE, SHUTDOWN_CODE, HttpError
 
 
 class RouterError(HttpError):
@@ -37,6 +37,20 @@ class NoHealthyServer(RouterError):
     def __init__(self, role: str):
         super().__init__(503, f"no healthy {role} server", code="no_healthy_server")
         self.role = role
+
+
+class RouterDraining(RouterError):
+    """503: the router is shutting down and takes no new requests (its /health says the same)."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, code=DRAINING_CODE)
+
+
+class RequestShutDown(RouterError):
+    """503 (or the stream's error event): the router shut down before this request finished."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, code=SHUTDOWN_CODE)
 
 
 class ServerUnreachable(RouterError):
@@ -96,3 +110,12 @@ class ServerError(RouterError):
         except msgspec.DecodeError:
             return False
         return True
+
+
+class ServerDraining(ServerError):
+    """A server refused a new request with 503 because it is shutting down; the router marks it
+    unhealthy and sends the request to another server. `index` is the server's place in its role."""
+
+    def __init__(self, role: str, index: int, url: str, raw: bytes, content_type: str):
+        super().__init__(role, url, 503, raw, content_type)
+        self.index = index

@@ -15,7 +15,9 @@ import structlog
 
 from disagg.router.config import RouterConfig
 from disagg.router.errors import RouterError, ServerTimeout, ServerUnreachable
+from disagg.router.legs import json_or_none
 from disagg.router.workers import Health, Role, WorkerPool
+from disagg.wire.errors import is_draining_answer
 
 log = structlog.get_logger("disagg.router")
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
@@ -25,8 +27,11 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: floa
     """None if `GET url/health` answers 2xx within the deadline, else why not."""
     try:
         async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            await resp.read()
-            return None if 200 <= resp.status < 300 else f"/health answered {resp.status}"
+            raw = await resp.read()
+            if 200 <= resp.status < 300:
+                return None
+            draining = is_draining_answer(resp.status, json_or_none(raw))
+            return f"/health answered {resp.status}" + (" (draining)" if draining else "")
     except asyncio.TimeoutError:
         return f"/health did not answer within {timeout_s:g} s"
     except aiohttp.ClientError as exc:

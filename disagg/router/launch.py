@@ -17,7 +17,8 @@ import typing
 from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, POLICIES, RouterConfig, parse_prefill
 
 _SERVER_LISTS = ("prefill", "decode")
-_ALIASES = {"request_timeout_s": ("--request-timeout-secs",)}  # sglang-router's spelling
+_ALIASES = {"request_timeout_s": ("--request-timeout-secs",),  # sglang-router's spelling
+            "shutdown_timeout_s": ("--shutdown-timeout",)}  # vLLM's
 _CHOICES = {"policy": POLICIES, "log_format": ("console", "json")}
 
 

@@ -2,7 +2,8 @@
 so that the first failure cancels the other at once.
 
 Transport failures become typed errors here: a connection error is ServerUnreachable (502), a
-missed deadline ServerTimeout (504), a non-2xx answer ServerError (the server's own status/body).
+missed deadline ServerTimeout (504), a non-2xx answer ServerError (the server's own status/body), or
+ServerDraining when the server refused because it is shutting down.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 
-from disagg.router.errors import ServerError, ServerTimeout, ServerUnreachable
+from disagg.router.errors import ServerDraining, ServerError, ServerTimeout, ServerUnreachable
 from disagg.router.workers import Role
+from disagg.wire.errors import is_draining_answer
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 
@@ -53,6 +56,21 @@ def leg_errors(leg: Leg, timeout_s: float) -> Iterator[None]:
         raise ServerUnreachable(str(leg.role), leg.server, reason) from None
 
 
+def answer_error(leg: Leg, status: int, raw: bytes, content_type: str) -> ServerError:
+    """The error for a non-2xx answer: ServerDraining when the server refused because it shuts down."""
+    if status == 503 and is_draining_answer(status, json_or_none(raw)):
+        return ServerDraining(str(leg.role), leg.index, leg.server, raw, content_type)
+    return ServerError(str(leg.role), leg.server, status, raw, content_type)
+
+
+def json_or_none(raw: bytes) -> object:
+    """`raw` decoded as JSON, or None when it is not JSON."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+
+
 class LegClient:
     """Sends legs over the router's one ClientSession, each bounded by the request timeout."""
 
@@ -68,7 +86,7 @@ class LegClient:
                 raw = await resp.read()
                 content_type = resp.headers.get("Content-Type", "application/json")
                 if not 200 <= resp.status < 300:
-                    raise ServerError(str(leg.role), leg.server, resp.status, raw, content_type)
+                    raise answer_error(leg, resp.status, raw, content_type)
                 return LegAnswer(resp.status, content_type, resp.headers.get(DP_RANK_HEADER), raw)
 
     async def open_stream(self, leg: Leg, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
@@ -79,7 +97,7 @@ class LegClient:
                 if not 200 <= resp.status < 300:
                     raw = await resp.read()
                     content_type = resp.headers.get("Content-Type", "application/json")
-                    raise ServerError(str(leg.role), leg.server, resp.status, raw, content_type)
+                    raise answer_error(leg, resp.status, raw, content_type)
                 return resp, await resp.content.readany()
             except BaseException:
                 resp.close()

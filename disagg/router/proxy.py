@@ -2,7 +2,8 @@
 to both servers at once, and answer with the decode's response (whole or streamed).
 
 The first leg to fail cancels the other and its error is the answer. A prefill that fails after the
-decode's stream has started ends the stream with one error event and `data: [DONE]`.
+decode's stream has started ends the stream with one error event and `data: [DONE]`. A server that
+answers 503 `draining` (it is shutting down) is skipped: the request goes to another pair.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from disagg.drain import Drain
 from disagg.router import bodies
 from disagg.router.config import RouterConfig
-from disagg.router.errors import RouterError
+from disagg.router.errors import RequestShutDown, RouterError, ServerDraining
 from disagg.router.health import HealthChecker
-from disagg.router.legs import DP_RANK_HEADER, Leg, LegAnswer, LegClient, both_or_first_error, cancel_all
+from disagg.router.legs import (
+    DP_RANK_HEADER, Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none,
+)
 from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
-from disagg.router.workers import Role, WorkerPool
+from disagg.router.workers import Health, Role, WorkerPool
 
 log = structlog.get_logger("disagg.router")
+DRAINING_REFUSAL = "refused a request with 503 (draining)"  # `last_error` of a server found draining that way
 # Request headers both legs receive; everything else (Host, Content-Length, ...) is the router's own.
 FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, "X-Request-Id", "traceparent", "tracestate")
 
@@ -67,8 +72,9 @@ class Proxy:
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, health: HealthChecker, legs: LegClient,
                  picker: PairPicker, rng: random.Random | None = None,
-                 randbits: Callable[[int], int] = secrets.randbits):
+                 randbits: Callable[[int], int] = secrets.randbits, drain: Drain | None = None):
         self._config = config
+        self._drain = drain if drain is not None else Drain("router")
         self._pool = pool
         self._health = health
         self._legs = legs
@@ -77,10 +83,38 @@ class Proxy:
         self._randbits = randbits
 
     async def serve(self, request: web.Request, path: str) -> web.StreamResponse:
-        """Answer one generate request (`path` is the same on both servers)."""
+        """Answer one generate request (`path` is the same on both servers).
+
+        A server that refuses because it is draining is marked unhealthy and the request goes to
+        another pair (a new room; the cancelled legs abort the old one). A request the router's own
+        drain aborts ends with its shutdown error.
+        """
         body = bodies.parse_request_body(await request.read())
-        plan = await self.plan(path, body)
         headers = forwarded_headers(request.headers, self._config.test_external_dp_routing)
+        try:
+            return await self._serve_elsewhere_if_draining(request, path, body, headers)
+        except asyncio.CancelledError:
+            if not self._drain.claim_abort():
+                raise
+            raise RequestShutDown(self._drain.abort_message()) from None
+        except RouterError as exc:
+            (log.warning if exc.status >= 500 else log.info)("request failed", status=exc.status, error=exc.message)
+            raise
+
+    async def _serve_elsewhere_if_draining(self, request: web.Request, path: str, body: dict,
+                                           headers: dict[str, str]) -> web.StreamResponse:
+        refused: ServerDraining | None = None
+        # Every refusal marks one more server unhealthy, so this many tries end with no pair left.
+        for _ in range(self._pool.size(Role.PREFILL) + self._pool.size(Role.DECODE)):
+            try:
+                return await self._serve_plan(request, path, await self.plan(path, body), headers)
+            except ServerDraining as exc:
+                log.info("server is draining; sending the request elsewhere", role=exc.role, url=exc.url)
+                self._pool.set_health(Role(exc.role), exc.index, Health.UNHEALTHY, DRAINING_REFUSAL)
+                refused = exc
+        raise refused
+
+    async def _serve_plan(self, request: web.Request, path: str, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
         room = plan.room if isinstance(plan.room, int) else plan.room[0]
         with structlog.contextvars.bound_contextvars(bootstrap_room=room, path=path):
             self._begin(plan)
@@ -89,9 +123,6 @@ class Proxy:
                 if plan.stream:
                     return await self._stream(request, plan, headers)
                 return await self._unary(plan, headers)
-            except RouterError as exc:
-                (log.warning if exc.status >= 500 else log.info)("request failed", status=exc.status, error=exc.message)
-                raise
             finally:
                 self._end(plan)
 
@@ -146,7 +177,7 @@ class Proxy:
             return decode.body
         if plan.expected_decode_rank is not None:
             bodies.check_decode_dp_rank(plan.expected_decode_rank, answer, decode.dp_rank_header)
-        if plan.merge_logprobs and bodies.merge_prompt_logprobs(answer, _json_or_none(prefill.body)):
+        if plan.merge_logprobs and bodies.merge_prompt_logprobs(answer, json_or_none(prefill.body)):
             return msgspec.json.encode(answer)
         return decode.body
 
@@ -161,14 +192,30 @@ class Proxy:
                 bodies.check_decode_dp_rank(plan.expected_decode_rank, None, reported)
             out = web.StreamResponse(status=resp.status, headers=_stream_headers(resp.headers))
             await out.prepare(request)
-            await self._relay(out, plan, resp, first, prefill)
+            await self._relay_unless_aborted(out, plan, resp, first, prefill)
             await out.write_eof()
-            await self._settle_prefill(prefill)
+            try:
+                await self._settle_prefill(prefill)
+            except asyncio.CancelledError:  # the client has its whole answer; stop waiting for the prefill
+                if not self._drain.claim_abort():
+                    raise
             return out
         finally:
             await cancel_all([prefill, opening])
             if resp is not None:
                 resp.close()
+
+    async def _relay_unless_aborted(self, out: web.StreamResponse, plan: Plan, resp, first: bytes,
+                                    prefill: asyncio.Task) -> None:
+        """`_relay`; when the router's drain aborts the request, the stream ends with its error event."""
+        try:
+            await self._relay(out, plan, resp, first, prefill)
+        except asyncio.CancelledError:
+            if not self._drain.claim_abort():
+                raise
+            err = RequestShutDown(self._drain.abort_message())
+            log.warning("request aborted mid-stream", status=err.status, error=err.message)
+            await out.write(sse_error_event(err))
 
     async def _relay(self, out: web.StreamResponse, plan: Plan, resp, first: bytes, prefill: asyncio.Task) -> None:
         """Copy the decode's chunks to the client in order; end with an error event if a leg fails."""
@@ -216,9 +263,3 @@ def _stream_headers(upstream: Mapping[str, str]) -> dict[str, str]:
         out[DP_RANK_HEADER] = upstream[DP_RANK_HEADER]
     return out
 
-
-def _json_or_none(raw: bytes) -> object:
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return None

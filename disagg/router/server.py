@@ -1,5 +1,6 @@
 """Running the router: on a port of the current event loop (tests, `disagg serve`), or standalone
-until SIGINT/SIGTERM (`disagg router`), printing `ready: http://HOST:PORT` once it listens.
+until SIGINT/SIGTERM (`disagg router`), printing `ready: http://HOST:PORT` once it listens, and
+draining before it exits.
 """
 
 from __future__ import annotations
@@ -7,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
-import signal
 import sys
 from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
+from disagg.drain import CLOSE_TIMEOUT_S, Drain, StopSignals
 from disagg.logs import configure_logging
 from disagg.router.app import Router, create_app
 from disagg.router.config import RouterConfig
@@ -47,7 +48,8 @@ class RouterServer:
         if self._runner is not None:
             raise RuntimeError("router already started")
         # A client that leaves cancels its handler, which cancels both legs (the servers then abort).
-        runner = web.AppRunner(create_app(self.router), access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(create_app(self.router), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=CLOSE_TIMEOUT_S)
         await runner.setup()
         try:
             site = web.TCPSite(runner, self.config.host, self.config.port)
@@ -61,6 +63,11 @@ class RouterServer:
                  prefill=[p.url for p in self.config.prefill], decode=list(self.config.decode),
                  test_external_dp_routing=self.config.test_external_dp_routing)
         return self.port
+
+    @property
+    def drain(self) -> Drain:
+        """`await drain.run(timeout_s)` before `close()` to let requests in flight finish."""
+        return self.router.drain
 
     async def close(self) -> None:
         """Stop serving and close every upstream connection; idempotent."""
@@ -77,15 +84,15 @@ class RouterServer:
 
 
 async def serve_forever(config: RouterConfig) -> int:
-    """Serve until SIGINT or SIGTERM; the ready line goes to stdout, flushed."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    """Serve until SIGINT or SIGTERM, then drain (`shutdown_timeout_s`); the ready line goes to stdout."""
+    signals = StopSignals()
+    signals.install()
     async with RouterServer(config) as server:
         print(f"ready: {server.url}", flush=True)
-        await stop.wait()
-        log.info("router shutting down")
+        await signals.requested.wait()
+        log.info("router draining", in_flight=server.drain.num_in_flight, shutdown_timeout_s=config.shutdown_timeout_s)
+        aborted = await server.drain.run(config.shutdown_timeout_s, signals.hurry)
+        log.info("router shutting down", aborted=aborted)
     return 0
 
 

@@ -10,6 +10,18 @@ TYPE_OF_STATUS = {
     504: "GatewayTimeoutError",
 }
 
+# Error codes of the drain (disagg.drain): a 503 with DRAINING_CODE refuses a new request because the
+# server is shutting down (a router sends the request to another server); SHUTDOWN_CODE ends a request
+# the shutdown aborted.
+DRAINING_CODE = "draining"
+SHUTDOWN_CODE = "shutdown"
+
+
+def is_draining_answer(status: int, body: object) -> bool:
+    """True for a server's 503 whose JSON error body carries DRAINING_CODE."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return status == 503 and isinstance(error, dict) and error.get("code") == DRAINING_CODE
+
 
 def error_type_of(status: int) -> str:
     return TYPE_OF_STATUS.get(status, "APIError")

@@ -242,7 +242,8 @@ async def test_wait_for_dp_rank_polls_until_registered_or_deadline(server):
             await client.wait_for_dp_rank(78, deadline_s=0.2)
 
 
-async def test_standalone_bootstrap_process_serves_and_exits_cleanly_on_sigint():
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_standalone_bootstrap_process_serves_and_exits_cleanly_on_a_stop_signal(stop):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -255,7 +256,7 @@ async def test_standalone_bootstrap_process_serves_and_exits_cleanly_on_sigint()
             await client.register_dp_rank(5, 1, deadline_s=15.0)  # retried until the process listens
             assert await client.query_dp_ranks([5, 6]) == {5: 1}
             assert await client.query_dp_ranks([]) == {}
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
     finally:
         if proc.returncode is None:

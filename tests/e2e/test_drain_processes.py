@@ -1,0 +1,180 @@
+"""SIGTERM on real `disagg unified|prefill|decode` processes (tiny model): health red, new requests
+refused, in-flight requests finish (a prefill's decode still gets its KV through the registry), what
+outlives the shutdown timeout ends with an error, and every process exits 0."""
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+
+import aiohttp
+import pytest
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REFUSED = {"error": {"message": "server is draining: it accepts no new requests", "type": "ServiceUnavailableError",
+                     "param": None, "code": "draining"}}
+GREEDY = {"temperature": 0, "ignore_eos": True}
+USAGE = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+async def start(*args: str) -> tuple[asyncio.subprocess.Process, str, str]:
+    """`disagg ARGS` from this checkout; (process, base URL, its stdout up to the ready line)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "disagg.cli", *args, cwd=ROOT, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    out = line = ""
+    while not line.startswith("ready:"):
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        if not line:
+            raise AssertionError(f"disagg {' '.join(args)} exited before its ready line")
+        out += line
+    return proc, line.split()[1], out
+
+
+@contextlib.asynccontextmanager
+async def running(*procs: asyncio.subprocess.Process):
+    """Kill whatever a failed test leaves running."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def wait_until_draining(http: aiohttp.ClientSession, url: str) -> tuple[int, object]:
+    """/health once the process handled its signal (it arrives asynchronously); bounded."""
+    deadline = time.monotonic() + 5
+    while True:
+        async with http.get(url + "/health") as resp:
+            answer = resp.status, await resp.json(content_type=None) if resp.status != 200 else None
+        if answer[0] != 200 or time.monotonic() > deadline:
+            return answer
+        await asyncio.sleep(0.01)
+
+
+async def refused(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, object]:
+    async with http.post(url + "/generate", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def events(raw: bytes) -> list:
+    found = []
+    for block in raw.decode().split("\n\n"):
+        if block.strip():
+            data = block.removeprefix("data: ")
+            found.append(data if data == "[DONE]" else json.loads(data))
+    return found
+
+
+def completion_tokens(stream: list) -> tuple[int, str | None]:
+    """(tokens streamed, last finish_reason) of an OpenAI completions stream with continuous usage."""
+    chunks = [e for e in stream if isinstance(e, dict) and e.get("choices")]
+    return chunks[-1]["usage"]["completion_tokens"], chunks[-1]["choices"][0]["finish_reason"]
+
+
+async def test_unified_sigterm_finishes_the_stream_refuses_new_requests_and_exits_0():
+    proc, url, _ = await start("unified", "--model", "tiny", "--port", "0", "--shutdown-timeout-s", "30")
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 400, "stream": True, **GREEDY, **USAGE}
+    async with running(proc), aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            first = await resp.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            assert await wait_until_draining(http, url) == (503, REFUSED)
+            assert await refused(http, url, {"text": "new", "sampling_params": {"max_new_tokens": 2}}) == (503, REFUSED)
+            rest = await resp.read()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        exited_s = time.monotonic() - signalled
+    stream = events(first + rest)
+    assert (completion_tokens(stream), stream[-1]) == ((400, "length"), "[DONE]")
+    assert exited_s < 30
+
+
+async def test_unified_shutdown_timeout_shorter_than_the_stream_ends_it_with_an_error():
+    proc, url, _ = await start("unified", "--model", "tiny", "--port", "0", "--shutdown-timeout", "0.3")
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 480, "stream": True, **GREEDY, **USAGE}
+    async with running(proc), aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            first = await resp.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = await resp.read()
+            aborted_s = time.monotonic() - signalled
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        exited_s = time.monotonic() - signalled
+    *tokens, error, done = events(first + rest)
+    assert (error, done) == ({"error": {
+        "message": "server shut down before the request finished (shutdown timeout 0.3 s)",
+        "type": "ServiceUnavailableError", "param": None, "code": "shutdown"}}, "[DONE]")
+    num_tokens, finish_reason = completion_tokens(tokens)
+    assert 1 <= num_tokens < 480 and finish_reason is None
+    assert 0.3 <= aborted_s < 2.0
+    assert exited_s < 5.0  # the grace, then closing the HTTP site and the worker
+
+
+async def test_pd_sigterm_prefill_still_serves_kv_and_decode_finishes_its_stream():
+    (prefill, prefill_url, ready), (decode, decode_url, _) = await asyncio.gather(
+        start("prefill", "--model", "tiny", "--port", "0", "--bootstrap-port", "0", "--transfer-backend", "tcp"),
+        start("decode", "--model", "tiny", "--port", "0", "--transfer-backend", "tcp"))
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": int(re.search(r"bootstrap_port=(\d+)", ready)[1]),
+          "bootstrap_room": random.getrandbits(63)}
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 400, **GREEDY}, **pd}
+    async with running(prefill, decode), aiohttp.ClientSession() as http:
+        # The prefill leg alone: in flight on the prefill, which waits for its decode's destination blocks.
+        prefill_leg = asyncio.create_task(http.post(prefill_url + "/generate", json=body))
+        await wait_for_outstanding(http, prefill_url)
+        prefill.send_signal(signal.SIGTERM)
+        assert await wait_until_draining(http, prefill_url) == (503, REFUSED)
+        assert await refused(http, prefill_url, body) == (503, REFUSED)
+        # The decode leg arrives after the SIGTERM: it finds the prefill through the registry, still up.
+        async with http.post(decode_url + "/generate", json=dict(body, stream=True)) as resp:
+            first = await resp.content.readuntil(b"\n\n")  # the KV arrived: the decode generates
+            decode.send_signal(signal.SIGTERM)
+            assert await wait_until_draining(http, decode_url) == (503, REFUSED)
+            assert await refused(http, decode_url, body) == (503, REFUSED)
+            rest = await resp.read()
+        async with await prefill_leg as answer:
+            assert (answer.status, (await answer.json())["meta_info"]["completion_tokens"]) == (200, 1)
+        assert await asyncio.wait_for(prefill.wait(), 30) == 0
+        assert await asyncio.wait_for(decode.wait(), 30) == 0
+    *outputs, done = events(first + rest)
+    assert (len(outputs[-1]["output_ids"]), outputs[-1]["meta_info"]["finish_reason"], done) == (
+        400, {"type": "length", "length": 400}, "[DONE]")
+
+
+async def wait_for_outstanding(http: aiohttp.ClientSession, url: str) -> None:
+    """Until the server's DP worker holds one request (bounded)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        async with http.get(url + "/server_info") as resp:
+            if [s["num_outstanding_requests"] for s in (await resp.json())["internal_states"]] == [1]:
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{url} never took the request")
+
+
+async def test_disagg_serve_drains_the_router_before_prefill_and_decode_then_exits_0():
+    proc, url, out = await start("serve", "--model", "tiny", "--port", "0", "--dp-size", "1", "--transfer-backend", "tcp")
+    decode_url = re.search(r"decode (http://\S+)", out)[1]
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 400, "stream": True, **GREEDY, **USAGE}
+    async with running(proc), aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            first = await resp.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            assert await wait_until_draining(http, url) == (503, {"error": {
+                "message": "router is draining: it accepts no new requests", "type": "ServiceUnavailableError",
+                "param": None, "code": "draining"}})
+            async with http.get(decode_url + "/health") as health:
+                assert health.status == 200  # the router drains first: its stream still runs there
+            rest = await resp.read()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    stream = events(first + rest)
+    assert (completion_tokens(stream), stream[-1]) == ((400, "length"), "[DONE]")

@@ -3,11 +3,16 @@
 Bootstrap registry (inside the prefill server), a prefill server and a decode server with
 `dp_size` workers each, and the router in front. Servers behind the router use free ports; the
 router listens on `--port`. Ctrl-C stops everything, router first.
+
+Every part gets the same cluster secret (a random one when none is given), so the control streams,
+the KV listeners and the registry writes are authenticated; `api_key` guards the router and both
+servers, `admin_key` the servers' admin routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import sys
 from dataclasses import replace
@@ -20,8 +25,11 @@ from disagg.serving import RunningServer, say, start_server
 
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
-                        dp_size: int = 2, log_format: str = "console") -> tuple[RunningServer, RunningServer, RouterServer]:
-    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format)
+                        dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
+                        admin_key: str | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
+    if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
+        disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
+    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
     prefill_cfg = replace(base, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
     decode_cfg = replace(base, disaggregation_mode="decode", load_balance_method="least_load")
     say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend})")
@@ -38,7 +46,7 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
         raise failed[0]
     prefill, decode = results
     router = RouterServer(RouterConfig(
-        host=host, port=port, log_format=log_format,
+        host=host, port=port, log_format=log_format, api_key=api_key,
         prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
         decode=(f"http://{host}:{decode.port}",),
     ))
@@ -51,8 +59,10 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
     return prefill, decode, router
 
 
-async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str) -> int:
-    prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size, log_format=log_format)
+async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
+                        api_key: str | None = None, admin_key: str | None = None) -> int:
+    prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
+                                                  log_format=log_format, api_key=api_key, admin_key=admin_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -69,10 +79,11 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, p
     return 0
 
 
-def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str) -> int:
+def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
+        api_key: str | None = None, admin_key: str | None = None) -> int:
     configure_logging(log_format)
     try:
-        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format))
+        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, api_key, admin_key))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -52,11 +52,12 @@ class PrefillHandler(EngineHandler):
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        secret = self.config.cluster_secret
         self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
-                                            dataclasses.asdict(self.core.cache_spec()))
-        self.control = ControlServer(local, self.control_config)
+                                            dataclasses.asdict(self.core.cache_spec()), secret)
+        self.control = ControlServer(local, self.control_config, cluster_secret=secret)
         port = await self.control.start(self.config.rank_host, 0)
-        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port)
+        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret)
         await self.bootstrap.register_rank(RankRegistrationMsg(
             dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,
             page_size=local.layout.block_size_tokens, kv_cache_dtype=local.layout.dtype, load_balance_method=self.load_balance_method,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -59,14 +59,25 @@ class Cluster:
         await asyncio.gather(self.prefill.close(), self.decode.close())
 
 
+def pd_config(backend: str, force_query: bool = False, **options) -> DisaggConfig:
+    return DisaggConfig(transfer_backend=backend, bootstrap_port=0, force_query_prefill_dp_rank=force_query,
+                        bootstrap_timeout_s=30, waiting_timeout_s=30, **options)
+
+
+async def start_decode(disagg: DisaggConfig, engine: EngineConfig = TINY, dp_size: int = 2) -> RunningServer:
+    return await start_server(ServerConfig(port=0, dp_size=dp_size, disaggregation_mode="decode"), engine, disagg,
+                              lambda _: None)
+
+
 async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig = TINY,
-                   prefill_method: str = "follow_bootstrap_room") -> Cluster:
-    disagg = DisaggConfig(transfer_backend=backend, bootstrap_port=0, force_query_prefill_dp_rank=force_query,
-                          bootstrap_timeout_s=30, waiting_timeout_s=30)
+                   prefill_method: str = "follow_bootstrap_room", cluster_secret: str | None = None,
+                   decode_options: dict | None = None) -> Cluster:
+    """Both servers share `cluster_secret` (None: none, whatever the environment says)."""
+    disagg = pd_config(backend, force_query, cluster_secret=cluster_secret)
     prefill, decode = await asyncio.gather(
         start_server(ServerConfig(port=0, dp_size=2, load_balance_method=prefill_method,
                                   disaggregation_mode="prefill"), engine, disagg, lambda _: None),
-        start_server(ServerConfig(port=0, dp_size=2, disaggregation_mode="decode"), engine, disagg, lambda _: None),
+        start_decode(replace(disagg, **(decode_options or {})), engine),
     )
     return Cluster(prefill, decode, aiohttp.ClientSession())
 

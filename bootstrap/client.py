@@ -3,6 +3,10 @@
 Every call has a deadline (`deadline_s`, default from BootstrapClientConfig) and retries with
 exponential backoff until it passes: connection failures, 5xx answers and, where the server says
 "not yet" (503: topology incomplete), that too. A 4xx answer is final and raises BootstrapRejected.
+
+A decode reaches whatever bootstrap_host a request names, so errors never carry the server's response
+text: they say which host:port answered which status (the text goes to the log only). The cluster
+secret is sent on the write calls only (PUT /route, POST /register_dp_rank), never on reads.
 """
 
 from __future__ import annotations
@@ -41,13 +45,29 @@ class BootstrapTimeout(BootstrapError):
 
 
 class BootstrapRejected(BootstrapError):
-    """The server refused the request (4xx); retrying the same request will not help."""
+    """The server refused the request (4xx); retrying the same request will not help.
 
-    def __init__(self, status: int, message: str, url: str):
-        super().__init__(f"bootstrap server {url} answered {status}: {message}")
+    The message names the server, the call and the status; `detail` holds the server's own error
+    text, for logs only (it is the remote body, never shown to a client)."""
+
+    def __init__(self, status: int, address: str, call: str, detail: str):
+        hint = ": the cluster secret is missing or differs from the registry's" if status == 401 else ""
+        super().__init__(f"bootstrap server {address} answered {status} to {call}{hint}")
         self.status = status
-        self.message = message
-        self.url = url
+        self.address = address
+        self.detail = detail
+
+
+class BootstrapInvalidAnswer(BootstrapError):
+    """The server answered 200 with a body that is not what the call expects (not a bootstrap server?)."""
+
+
+def _transport_failure(exc: BaseException) -> str:
+    """What went wrong reaching the server, without anything the server sent (a parser error quotes
+    the bytes of a non-HTTP answer: a banner is a remote body too)."""
+    if isinstance(exc, OSError):  # connect failures: our own socket's view
+        return f"{type(exc).__name__}: {exc}"
+    return type(exc).__name__
 
 
 def _error_text(body: bytes) -> str:
@@ -103,11 +123,13 @@ class BootstrapClient:
 
     def __init__(
         self, host: str, port: int, config: BootstrapClientConfig = BootstrapClientConfig(),
-        clock: Clock = time.monotonic,
+        clock: Clock = time.monotonic, *, cluster_secret: str | None = None,
     ):
         bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
-        self.url = f"http://{bracketed}:{port}"
+        self.address = f"{bracketed}:{port}"
+        self.url = f"http://{self.address}"
         self.config = config
+        self._write_headers = {} if cluster_secret is None else {"Authorization": f"Bearer {cluster_secret}"}
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._batcher = _RoomQueryBatcher(self._post_query, config.query_batch_window_s)
@@ -131,34 +153,42 @@ class BootstrapClient:
         return self._session
 
     async def _attempt(self, method: str, path: str, body: object | None, params: dict | None,
-                       timeout_s: float) -> tuple[int, bytes]:
+                       timeout_s: float, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         data = None if body is None else msgspec.json.encode(body)
-        headers = None if body is None else {"Content-Type": "application/json"}
+        if body is not None:
+            headers = {**(headers or {}), "Content-Type": "application/json"}
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self._http().request(method, self.url + path, data=data, params=params,
                                         headers=headers, timeout=timeout) as resp:
             return resp.status, await resp.read()
 
-    async def _call(self, method: str, path: str, *, body: object | None = None,
-                    params: dict | None = None, deadline_s: float | None = None) -> bytes:
-        """One request, retried with backoff until a final answer or the deadline."""
+    async def _call(self, method: str, path: str, *, body: object | None = None, params: dict | None = None,
+                    deadline_s: float | None = None, write: bool = False) -> bytes:
+        """One request, retried with backoff until a final answer or the deadline. `write` calls carry
+        the cluster secret."""
+        headers = self._write_headers if write else None
         limit_s = self.config.deadline_s if deadline_s is None else deadline_s
         start = self._clock()
         reached, last, attempt = False, "no attempt made", 0
         while (remaining := start + limit_s - self._clock()) > 0:
             try:
                 status, payload = await self._attempt(
-                    method, path, body, params, min(self.config.request_timeout_s, remaining))
+                    method, path, body, params, min(self.config.request_timeout_s, remaining), headers)
             except asyncio.TimeoutError:
                 reached, last = True, "request timed out"
             except (aiohttp.ClientError, OSError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
+                last = _transport_failure(exc)
             else:
                 if status == 200:
                     return payload
                 if status < 500:
-                    raise BootstrapRejected(status, _error_text(payload), f"{self.url}{path}")
-                reached, last = True, f"HTTP {status}: {_error_text(payload)}"
+                    detail = _error_text(payload)
+                    log.warning("bootstrap request refused", server=self.address, call=f"{method} {path}",
+                                status=status, detail=detail)
+                    raise BootstrapRejected(status, self.address, f"{method} {path}", detail)
+                reached, last = True, f"HTTP {status}"
+                log.debug("bootstrap request not answered yet", server=self.address, call=f"{method} {path}",
+                          status=status, detail=_error_text(payload))
             delay = min(self.config.retry.backoff_s(attempt), max(0.0, start + limit_s - self._clock()))
             attempt += 1
             await asyncio.sleep(delay)
@@ -179,13 +209,13 @@ class BootstrapClient:
 
     async def register_rank(self, reg: RankRegistrationMsg, deadline_s: float | None = None) -> None:
         """PUT /route for one prefill rank; retried until the server is up or the deadline."""
-        await self._call("PUT", "/route", body=route_body(reg), deadline_s=deadline_s)
+        await self._call("PUT", "/route", body=route_body(reg), deadline_s=deadline_s, write=True)
 
     async def get_topology(self, deadline_s: float | None = None) -> TopologyMsg:
         """The prefill server's topology; waits (503 retried) until every rank registered."""
         params = {"engine_rank": "-1", "target_dp_group": "-1", "target_pp_rank": "-1"}
         raw = await self._call("GET", "/route", params=params, deadline_s=deadline_s)
-        return msgspec.json.decode(raw, type=TopologyMsg)
+        return self._decode(raw, TopologyMsg, "GET /route")
 
     async def get_rank_address(self, dp_rank: int, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0,
                                deadline_s: float | None = None) -> RankAddressMsg:
@@ -193,16 +223,28 @@ class BootstrapClient:
         params = {"prefill_dp_rank": str(dp_rank), "prefill_cp_rank": str(cp_rank),
                   "target_tp_rank": str(tp_rank), "target_pp_rank": str(pp_rank)}
         raw = await self._call("GET", "/route", params=params, deadline_s=deadline_s)
-        return msgspec.json.decode(raw, type=RankAddressMsg)
+        return self._decode(raw, RankAddressMsg, "GET /route")
+
+    def _decode(self, raw: bytes, kind: type, call: str):
+        try:
+            return msgspec.json.decode(raw, type=kind)
+        except msgspec.DecodeError:  # ValidationError too; its text may quote the body, so it stays out
+            raise BootstrapInvalidAnswer(
+                f"bootstrap server {self.address} answered 200 to {call} with a body that is not a "
+                f"{kind.__name__}") from None
 
     async def register_dp_rank(self, room: int, dp_rank: int, deadline_s: float | None = None) -> None:
         """POST /register_dp_rank: prefill DP rank `dp_rank` serves `room`."""
         body = {"bootstrap_room": room, "dp_rank": dp_rank}
-        await self._call("POST", "/register_dp_rank", body=body, deadline_s=deadline_s)
+        await self._call("POST", "/register_dp_rank", body=body, deadline_s=deadline_s, write=True)
 
     async def _post_query(self, rooms: list[int]) -> dict[int, int]:
         raw = await self._call("POST", "/query_dp_ranks", body={"bootstrap_rooms": rooms})
-        return dp_ranks_from_body(raw)
+        try:
+            return dp_ranks_from_body(raw)
+        except (msgspec.DecodeError, ValueError):  # the messages quote the body: they stay out
+            raise BootstrapInvalidAnswer(f"bootstrap server {self.address} answered 200 to POST /query_dp_ranks "
+                                         "with a body that is not a room map") from None
 
     async def query_dp_ranks(self, rooms: Iterable[int]) -> dict[int, int]:
         """room -> prefill DP rank for the rooms the server knows now (others are left out).

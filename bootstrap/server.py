@@ -7,9 +7,12 @@ Routes (docs/protocol.md has examples):
 - `POST /query_dp_ranks`     `{bootstrap_rooms: [...]}` -> `{"<room>": dp_rank}` for known rooms
 - `GET /health`              `OK`
 
-Errors are JSON `{"error": message}`: 400 malformed input, 404 unknown rank (or path), 405 wrong
-method, 409 conflicting registration, 413 body too large, 503 topology incomplete. Malformed input
-never yields a 500.
+Errors are JSON `{"error": message}`: 400 malformed input, 401 missing or wrong cluster secret,
+404 unknown rank (or path), 405 wrong method, 409 conflicting registration, 413 body too large,
+503 topology incomplete. Malformed input never yields a 500.
+
+With a cluster secret, the write routes (`PUT /route`, `POST /register_dp_rank`) need
+`Authorization: Bearer <secret>`; the read routes stay open (real SGLang decodes and routers read them).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from bootstrap.registry import (
     UnknownRank,
 )
 from disagg.config import BootstrapConfig
+from disagg.wire.auth import bearer_matches
 from disagg.wire.bootstrap_msgs import (
     ErrorMsg,
     QueryDpRanksMsg,
@@ -49,6 +53,7 @@ from disagg.wire.bootstrap_msgs import (
 Clock = Callable[[], float]
 REGISTRY_KEY = web.AppKey("registry", BootstrapRegistry)
 CLOCK_KEY = web.AppKey("clock", Callable[[], float])
+WRITE_ROUTES = frozenset({("PUT", "/route"), ("POST", "/register_dp_rank")})
 _STATUS_OF = {InvalidRegistration: 400, UnknownRank: 404, ConflictingRegistration: 409, IncompleteTopology: 503}
 log = structlog.get_logger("bootstrap")
 
@@ -79,6 +84,24 @@ async def _errors_as_json(request: web.Request, handler):
         headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
         return web.Response(body=msgspec.json.encode(ErrorMsg(exc.text or exc.reason)), status=exc.status,
                             headers=headers, content_type="application/json")
+
+
+def cluster_secret_middleware(secret: str):
+    """401 on the write routes unless the request carries `Authorization: Bearer <secret>`."""
+
+    @web.middleware
+    async def check_cluster_secret(request: web.Request, handler):
+        if (request.method, request.path) in WRITE_ROUTES and not bearer_matches(
+                request.headers.get("Authorization"), secret):
+            log.warning("registry write refused", method=request.method, path=request.path, remote=request.remote)
+            return web.Response(
+                body=msgspec.json.encode(ErrorMsg(
+                    f"{request.method} {request.path} needs 'Authorization: Bearer <cluster secret>': "
+                    "missing or wrong cluster secret")),
+                status=401, headers={"WWW-Authenticate": "Bearer"}, content_type="application/json")
+        return await handler(request)
+
+    return check_cluster_secret
 
 
 async def _decode(request: web.Request, kind: type):
@@ -151,7 +174,10 @@ def create_app(
     registry: BootstrapRegistry | None = None,
 ) -> web.Application:
     """The aiohttp application; `clock` timestamps room entries (tests pass a fake one)."""
-    app = web.Application(middlewares=[_errors_as_json], client_max_size=config.max_body_bytes)
+    middlewares = [_errors_as_json]
+    if config.cluster_secret is not None:
+        middlewares.append(cluster_secret_middleware(config.cluster_secret))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[REGISTRY_KEY] = registry if registry is not None else BootstrapRegistry(config.room_ttl_s)
     app[CLOCK_KEY] = clock
     app.router.add_put("/route", put_route)
@@ -203,7 +229,8 @@ class BootstrapServer:
             raise
         self._runner = runner
         self.port = runner.addresses[0][1]
-        log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s)
+        log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s,
+                 cluster_secret=self.config.cluster_secret is not None)
         return self.port
 
     async def close(self) -> None:

@@ -68,9 +68,10 @@ class DecodeHandler(EngineHandler):
         self.queued: deque[_Queued] = deque()  # waiting for room in the KV cache, in arrival order
 
     async def start(self) -> None:
+        secret = self.config.cluster_secret
         self.backend, local = open_endpoint("decode", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
-                                            dataclasses.asdict(self.core.cache_spec()))
-        self.peers = PrefillPeers(local, self.control_config)
+                                            dataclasses.asdict(self.core.cache_spec()), secret)
+        self.peers = PrefillPeers(local, self.control_config, secret)
 
     async def close(self) -> None:
         for pending in self.pending.values():
@@ -85,6 +86,10 @@ class DecodeHandler(EngineHandler):
                 raise InvalidRequest(
                     f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
                     "locally (send it through a P/D router)", missing[0])
+            if not self.config.allows_bootstrap_host(msg.bootstrap_host):
+                # Refused before any connection: a request must not make the decode reach arbitrary hosts.
+                raise InvalidRequest(f"bootstrap_host {msg.bootstrap_host!r} is not allowed on this decode server "
+                                     "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
             prompt_ids = self.prompt_ids(msg)
             self.core.validate_prompt(prompt_ids)
         except Exception as exc:

@@ -1,5 +1,8 @@
 """The decode worker's connections to prefill servers: one bootstrap client per registry, one
-control stream per prefill rank, topology and addresses cached."""
+control stream per prefill rank, topology and addresses cached.
+
+Registries are named by requests, so their clients only read and never carry the cluster secret;
+the control streams prove it (and check the prefill proves it back)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from kvtransfer.control_client import ControlClient
 
 
 class PrefillPeers:
-    def __init__(self, local: PeerMsg, control: ControlConfig = ControlConfig()):
+    def __init__(self, local: PeerMsg, control: ControlConfig = ControlConfig(), cluster_secret: str | None = None):
         self.local = local
         self.control_config = control
+        self._cluster_secret = cluster_secret
         self.bootstraps: dict[tuple[str, int], BootstrapClient] = {}
         self.topologies: dict[tuple[str, int], TopologyMsg] = {}
         self.clients: dict[tuple[str, int, int], ControlClient] = {}
@@ -47,7 +51,8 @@ class PrefillPeers:
                 if client is not None:
                     await client.close()
                 address = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
-                client = ControlClient(format_address(address.rank_ip, address.rank_port), self.local, self.control_config)
+                client = ControlClient(format_address(address.rank_ip, address.rank_port), self.local, self.control_config,
+                                       cluster_secret=self._cluster_secret)
                 await client.connect()
                 self.clients[key] = client
         return client

@@ -32,6 +32,13 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
+    parser.set_defaults(admin_key=ServerConfig().admin_key)  # from the environment, kept out of --help
+
+
+def secret_defaults() -> dict[str, object]:
+    """Defaults read from the environment (config.py): set after the options, so --help never shows them."""
+    return dict(force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank,
+                cluster_secret=DisaggConfig().cluster_secret)
 
 
 def add_disagg_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -52,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser_ = sub.add_parser(role, help=f"serve the {role} role of a P/D cluster")
         add_server_args(parser_)
         add_disagg_args(parser_)
-        parser_.set_defaults(load_balance_method=method, force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
+        parser_.set_defaults(load_balance_method=method, **secret_defaults())
     serve = sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router")
     add_engine_args(serve)
     add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host"))
@@ -62,10 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", default="console", help="console or json")
     serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                        default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
-    serve.set_defaults(force_query_prefill_dp_rank=DisaggConfig().force_query_prefill_dp_rank)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
+    serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
+    serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
     add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
     add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
+    boot.set_defaults(cluster_secret=BootstrapConfig().cluster_secret)
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     add_bench_engine_args(bench_sub.add_parser("engine", help="engine prefill/decode tok/s beside HF transformers"))
@@ -104,7 +114,7 @@ def run(argv: list[str]) -> int:
         disagg = disagg_from_args(args, bootstrap_port=0)
         check_shutdown_timeout(args.shutdown_timeout_s)
         return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
-                           args.shutdown_timeout_s)
+                           args.shutdown_timeout_s, args.api_key, args.admin_key)
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

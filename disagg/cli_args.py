@@ -11,12 +11,17 @@ import types
 import typing
 
 
-def _scalar_type(hint):
+def scalar_type(hint):
     """`int | None` -> int: the type argparse converts to."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0]
     return hint
+
+
+def comma_list(value: str) -> tuple[str, ...]:
+    """`a, b,c` -> ("a", "b", "c"): how a tuple[str, ...] field is given on the command line."""
+    return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -26,13 +31,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
     for f in dataclasses.fields(cls):
         if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
             continue
-        kind = _scalar_type(hints[f.name])
+        kind = scalar_type(hints[f.name])
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         if kind is bool:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
+        elif typing.get_origin(kind) is tuple:
+            parser.add_argument(*flags, dest=f.name, type=comma_list, default=default,
+                                help=f"{help_text} (default: {','.join(default) or 'none'})")
         else:
             parser.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"{help_text} (default: {default})")
 

@@ -4,11 +4,16 @@ Bootstrap registry (inside the prefill server), a prefill server and a decode se
 `dp_size` workers each, and the router in front. Servers behind the router use free ports; the
 router listens on `--port`. SIGTERM or Ctrl-C drains the router first (its requests span both
 servers), then prefill and decode within what is left of `--shutdown-timeout-s`, then stops them.
+
+Every part gets the same cluster secret (a random one when none is given), so the control streams,
+the KV listeners and the registry writes are authenticated; `api_key` guards the router and both
+servers, `admin_key` the servers' admin routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from dataclasses import replace
 
@@ -21,8 +26,11 @@ from disagg.serving import RunningServer, drain_server, say, start_server
 
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
-                        dp_size: int = 2, log_format: str = "console") -> tuple[RunningServer, RunningServer, RouterServer]:
-    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format)
+                        dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
+                        admin_key: str | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
+    if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
+        disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
+    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
     prefill_cfg = replace(base, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
     decode_cfg = replace(base, disaggregation_mode="decode", load_balance_method="least_load")
     say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend})")
@@ -39,7 +47,7 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
         raise failed[0]
     prefill, decode = results
     router = RouterServer(RouterConfig(
-        host=host, port=port, log_format=log_format,
+        host=host, port=port, log_format=log_format, api_key=api_key,
         prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
         decode=(f"http://{host}:{decode.port}",),
     ))
@@ -53,8 +61,10 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
 
 
 async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
-                        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
-    prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size, log_format=log_format)
+                        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
+                        admin_key: str | None = None) -> int:
+    prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
+                                                  log_format=log_format, api_key=api_key, admin_key=admin_key)
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
@@ -82,10 +92,11 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 
 
 def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
-        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None) -> int:
     configure_logging(log_format)
     try:
-        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s))
+        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
+                                         api_key, admin_key))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

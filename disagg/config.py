@@ -103,6 +103,30 @@ def force_query_prefill_dp_rank(environ: dict[str, str] | None = None) -> bool:
     return env_flag("DISAGG_FORCE_QUERY_PREFILL_DP_RANK", environ)
 
 
+def env_secret(name: str, environ: dict[str, str] | None = None) -> str | None:
+    """The environment variable's value, or None when it is unset or empty."""
+    return (environ if environ is not None else os.environ).get(name) or None
+
+
+def cluster_secret(environ: dict[str, str] | None = None) -> str | None:
+    """DISAGG_CLUSTER_SECRET: the secret shared by every prefill, decode and bootstrap of one cluster."""
+    return env_secret("DISAGG_CLUSTER_SECRET", environ)
+
+
+def admin_key(environ: dict[str, str] | None = None) -> str | None:
+    """DISAGG_ADMIN_KEY: the bearer key of a server's admin routes."""
+    return env_secret("DISAGG_ADMIN_KEY", environ)
+
+
+def _check_secret(name: str, value: str | None) -> None:
+    if value is not None and not value:
+        raise ConfigError(f"{name} must not be empty (leave it unset to turn it off)")
+
+
+_CLUSTER_SECRET_HELP = ("shared secret authenticating the KV control stream, the tcp KV listener and bootstrap "
+                        "registry writes (env DISAGG_CLUSTER_SECRET; unset: no authentication)")
+
+
 # --- HTTP front door and data-parallel workers ----------------------------------------------------
 
 LOAD_BALANCE_METHODS = ("round_robin", "least_load", "follow_bootstrap_room")
@@ -130,7 +154,12 @@ class ServerConfig:
     load_balance_method: str = field(
         default="least_load", metadata={"help": "round_robin, least_load or follow_bootstrap_room"}
     )
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY'"})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": "require 'Authorization: Bearer KEY'"})
+    admin_key: str | None = field(
+        default_factory=lambda: admin_key(), repr=False,
+        metadata={"help": "bearer key of the admin routes (abort, flush, sleep, wake_up; env DISAGG_ADMIN_KEY); "
+                          "with --api-key and no admin key they answer 403"},
+    )
     max_body_bytes: int = field(default=8 << 20, metadata={"help": "largest accepted request body"})
     log_format: str = field(default="console", metadata={"help": "console or json"})
     worker_start_timeout_s: float = field(default=600.0, metadata={"help": "limit for workers to load"})
@@ -165,6 +194,8 @@ class ServerConfig:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ConfigError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}")
         check_shutdown_timeout(self.shutdown_timeout_s)
+        _check_secret("api_key", self.api_key)
+        _check_secret("admin_key", self.admin_key)
 
 
 @dataclass(frozen=True)
@@ -187,6 +218,11 @@ class DisaggConfig:
         metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
     )
     control: ControlConfig = field(default_factory=lambda: ControlConfig())
+    cluster_secret: str | None = field(
+        default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
+    allowed_bootstrap_hosts: tuple[str, ...] = field(
+        default=(), metadata={"help": "decode: the only bootstrap_host values a request may name, comma-separated, "
+                                      "compared as written (default: any host, as SGLang)"})
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in ("nixl", "tcp", "loopback"):
@@ -194,6 +230,15 @@ class DisaggConfig:
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        _check_secret("cluster_secret", self.cluster_secret)
+        hosts = tuple(self.allowed_bootstrap_hosts)
+        if any(not host or host != host.strip() for host in hosts):
+            raise ConfigError(f"allowed_bootstrap_hosts must be host names or addresses, got {','.join(hosts)!r}")
+        object.__setattr__(self, "allowed_bootstrap_hosts", hosts)
+
+    def allows_bootstrap_host(self, host: str) -> bool:
+        """True when a request may name `host` as its bootstrap_host (any host when the list is empty)."""
+        return not self.allowed_bootstrap_hosts or host.lower() in (h.lower() for h in self.allowed_bootstrap_hosts)
 
 
 # --- Bootstrap registry and KV control plane ----------------------------------------------------
@@ -230,8 +275,13 @@ class BootstrapConfig:
         default=120.0, metadata={"help": "seconds a registered room -> prefill DP rank entry lives"}
     )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
+    cluster_secret: str | None = field(
+        default_factory=lambda: cluster_secret(), repr=False,
+        metadata={"help": "require 'Authorization: Bearer SECRET' on PUT /route and POST /register_dp_rank "
+                          "(env DISAGG_CLUSTER_SECRET; reads stay open)"})
 
     def __post_init__(self) -> None:
+        _check_secret("cluster_secret", self.cluster_secret)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.room_ttl_s <= 0:

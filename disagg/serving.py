@@ -59,7 +59,8 @@ class RunningServer:
 
 async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> tuple[DPController, BootstrapServer | None]:
     if server.disaggregation_mode == "prefill":
-        bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port))
+        bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
+                                                    cluster_secret=disagg.cluster_secret))
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
         handler = HandlerSpec("prefill.handler:PrefillHandler", dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))

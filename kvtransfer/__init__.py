@@ -9,14 +9,14 @@ Light on purpose: importing kvtransfer loads neither NIXL nor torch.
 """
 
 from kvtransfer.base import (
-    BackendClosed, BackendUnavailable, IncompatiblePeer, InvalidBlockIds, InvalidLayout, KVLayout, KVTransferBackend,
+    AuthenticationFailed, BackendClosed, BackendUnavailable, IncompatiblePeer, InvalidBlockIds, InvalidLayout, KVLayout, KVTransferBackend,
     KVTransferError, LayoutMismatch, Notification, NotRegistered, PeerUnavailable, TransferFailed, TransferHandle,
     TransferOp, TransferState, TransferStatus, UnknownTransfer, wait, wait_all,
 )
 from kvtransfer.factory import available_backends, create_backend
 
 __all__ = [
-    "BackendClosed", "BackendUnavailable", "IncompatiblePeer", "InvalidBlockIds", "InvalidLayout", "KVLayout",
+    "AuthenticationFailed", "BackendClosed", "BackendUnavailable", "IncompatiblePeer", "InvalidBlockIds", "InvalidLayout", "KVLayout",
     "KVTransferBackend", "KVTransferError", "LayoutMismatch", "NotRegistered", "Notification", "PeerUnavailable",
     "TransferFailed", "TransferHandle", "TransferOp", "TransferState", "TransferStatus", "UnknownTransfer",
     "available_backends", "create_backend", "wait", "wait_all",

@@ -46,6 +46,12 @@ class IncompatiblePeer(KVTransferError):
     """The peer's metadata cannot be used by this backend (other backend, bad encoding)."""
 
 
+class AuthenticationFailed(KVTransferError):
+    """A peer refused our cluster secret, or required one we do not hold, or did not prove it holds ours.
+
+    The message names the peer and says which; the connection is closed and nothing was transferred."""
+
+
 class LayoutMismatch(IncompatiblePeer):
     """The peer's page size, dtype or block size differs from ours; refused at handshake."""
 

@@ -22,6 +22,7 @@ import structlog
 from disagg.config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof_refusal, control_reply
 from disagg.wire.control_msgs import (
     AbortMsg,
     PeerLostMsg,
@@ -35,9 +36,10 @@ from disagg.wire.control_msgs import (
     status_msg,
     transfer_info_from_pb,
 )
-from kvtransfer.base import IncompatiblePeer, KVTransferError, PeerUnavailable
+from kvtransfer.base import AuthenticationFailed, IncompatiblePeer, KVTransferError, PeerUnavailable
 
-__all__ = ["ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer", "check_transfer"]
+__all__ = ["AuthenticationFailed", "ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer",
+           "check_transfer"]
 Clock = Callable[[], float]
 ControlEvent = PeerMsg | TransferInfoMsg | AbortMsg | PeerLostMsg
 log = structlog.get_logger("kvtransfer.control")
@@ -145,6 +147,9 @@ class _Servicer(pb_grpc.KVControlServicer):
         self._server = server
 
     async def Connect(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        refusal = await self._server._authenticate(context)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
         session = _Session(self._server._clock())
         self._server._streams.add(session)
         reader = asyncio.create_task(self._server._read_stream(session, request_iterator))
@@ -165,10 +170,12 @@ class ControlServer:
     backend), TransferInfoMsg (valid destination blocks for a room), AbortMsg, PeerLostMsg.
     """
 
-    def __init__(self, local: PeerMsg, config: ControlConfig = ControlConfig(), clock: Clock = time.monotonic):
+    def __init__(self, local: PeerMsg, config: ControlConfig = ControlConfig(), clock: Clock = time.monotonic, *,
+                 cluster_secret: str | None = None):
         self.local = local
         self.config = config
         self._clock = clock
+        self._cluster_secret = cluster_secret  # None: every stream is accepted (as without a secret upstream)
         self._watchdog: asyncio.Task | None = None
         self.events: asyncio.Queue[ControlEvent] = asyncio.Queue()
         self.port: int | None = None
@@ -204,6 +211,18 @@ class ControlServer:
         for session in self._streams:
             session.end("control server closed")
         await server.stop(self.config.close_grace_s)
+
+    async def _authenticate(self, context) -> str | None:
+        """Check a new stream's cluster secret proof; None (and our reply sent) when it may go on."""
+        if self._cluster_secret is None:
+            return None
+        proof = dict(context.invocation_metadata() or ()).get(CONTROL_AUTH_KEY)
+        refusal = control_proof_refusal(self._cluster_secret, proof, time.time())
+        if refusal is not None:
+            log.warning("control stream refused", peer_address=context.peer(), reason=refusal)
+            return refusal
+        await context.send_initial_metadata(((CONTROL_AUTH_KEY, control_reply(self._cluster_secret, proof)),))
+        return None
 
     async def _watch_streams(self) -> None:
         # A decode host that vanishes without closing its socket leaves the stream open; its

@@ -11,6 +11,7 @@ row, or when the stream breaks, every pending room fails with "lost connection t
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
@@ -19,6 +20,7 @@ import structlog
 from disagg.config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.auth import CONTROL_AUTH_KEY, NONCE_BYTES, control_proof, control_reply_matches
 from disagg.wire.control_msgs import (
     PeerMsg,
     TransferInfoMsg,
@@ -31,7 +33,9 @@ from disagg.wire.control_msgs import (
     status_from_pb,
     transfer_msg,
 )
-from kvtransfer.control import Clock, ControlError, PeerRejected, PeerUnavailable, grpc_options
+from kvtransfer.control import (
+    AuthenticationFailed, Clock, ControlError, PeerRejected, PeerUnavailable, grpc_options,
+)
 
 log = structlog.get_logger("kvtransfer.control")
 
@@ -48,10 +52,11 @@ class ControlClient:
     """Control-plane stream from this decode worker (`local`) to the prefill worker at `address`."""
 
     def __init__(self, address: str, local: PeerMsg, config: ControlConfig = ControlConfig(),
-                 clock: Clock = time.monotonic):
+                 clock: Clock = time.monotonic, *, cluster_secret: str | None = None):
         self.address = address
         self.local = local
         self.config = config
+        self._cluster_secret = cluster_secret
         self.remote: PeerMsg | None = None
         self._clock = clock
         self._channel: grpc.aio.Channel | None = None
@@ -81,22 +86,33 @@ class ControlClient:
         """Reach the prefill worker and register; returns the prefill's PeerMsg.
 
         PeerUnavailable if it cannot be reached within connect_timeout_s, PeerRejected if it
-        refuses our registration (the reason says why, e.g. a page size mismatch).
+        refuses our registration (the reason says why, e.g. a page size mismatch), AuthenticationFailed
+        if it refuses our cluster secret or, when we hold one, does not prove that it holds it too.
         """
         if self._channel is not None:
             raise ControlError("control client already connected")
         limit_s = self.config.connect_timeout_s
         deadline = self._clock() + limit_s
+        proof = None if self._cluster_secret is None else control_proof(self._cluster_secret, time.time(),
+                                                                        os.urandom(NONCE_BYTES))
         self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options(self.config))
         try:
             await asyncio.wait_for(self._channel.channel_ready(), limit_s)
-            self._call = pb_grpc.KVControlStub(self._channel).Connect(self._requests())
+            metadata = None if proof is None else ((CONTROL_AUTH_KEY, proof),)
+            self._call = pb_grpc.KVControlStub(self._channel).Connect(self._requests(), metadata=metadata)
             self._outbox.put_nowait(register_msg(self.local))
             first = await asyncio.wait_for(self._call.read(), max(deadline - self._clock(), 1e-3))
+            reply = dict(await self._call.initial_metadata() or ()).get(CONTROL_AUTH_KEY)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
             await self.close()
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                raise AuthenticationFailed(f"prefill {self.address} refused the control stream: {exc.details()}") from None
             detail = "timed out" if isinstance(exc, asyncio.TimeoutError) else exc.code().name
             raise PeerUnavailable(f"cannot reach prefill {self.address} within {limit_s:g} s ({detail})") from None
+        if proof is not None and not control_reply_matches(self._cluster_secret, proof, reply):
+            await self.close()
+            raise AuthenticationFailed(f"prefill {self.address} did not prove it holds the cluster secret "
+                                       "(started without --cluster-secret, or with another one?)")
         if first is grpc.aio.EOF or first.WhichOneof("payload") != "register_ack":
             await self.close()
             raise PeerUnavailable(f"prefill {self.address} did not answer the registration")

@@ -20,10 +20,12 @@ def cache_layouts(*, base_address: int, num_blocks: int, num_layers: int, block_
     return layout, msg
 
 
-def open_endpoint(role: str, dp_rank: int, backend_name: str, host: str, cache: dict) -> tuple[KVTransferBackend, PeerMsg]:
+def open_endpoint(role: str, dp_rank: int, backend_name: str, host: str, cache: dict,
+                  cluster_secret: str | None = None) -> tuple[KVTransferBackend, PeerMsg]:
     """A backend named `<role>-<random>-dp<rank>` with the cache (fields of the engine's CacheSpec)
     registered once, and the PeerMsg carrying its metadata and layout. The caller closes the backend."""
-    backend = create_backend(backend_name, agent_name=f"{role}-{uuid.uuid4().hex[:8]}-dp{dp_rank}", host=host)
+    backend = create_backend(backend_name, agent_name=f"{role}-{uuid.uuid4().hex[:8]}-dp{dp_rank}", host=host,
+                             cluster_secret=cluster_secret)
     try:
         layout, layout_msg = cache_layouts(**cache)
         backend.register(layout)

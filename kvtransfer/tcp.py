@@ -19,8 +19,9 @@ from kvtransfer.base import (
 from kvtransfer.core import BackendCore, drain
 from kvtransfer.descriptors import BlockRun, Segment, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
+from kvtransfer.tcp_auth import greet
 from kvtransfer.tcp_server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
-from kvtransfer.tcp_wire import FrameHead, FrameKind, discard, read_head, recv_into_exact, send_frame
+from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 from kvtransfer.transfers import TransferTable
 
 
@@ -136,11 +137,13 @@ class TcpBackend(BackendCore):
 
     backend_name = "tcp"
 
-    def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1", connect_timeout_s: float = 5.0,
+                 cluster_secret: str | None = None) -> None:
         super().__init__(agent_name)
         self._connect_timeout_s = connect_timeout_s
+        self._cluster_secret = cluster_secret  # answers peers' challenges, and challenges every inbound peer
         self._inbox: deque[Notification] = deque()
-        self._server = InboundServer(host, self._inbox.append)
+        self._server = InboundServer(host, self._inbox.append, cluster_secret)
         self._region: memoryview | None = None
         self._links: dict[str, _Link] = {}
 
@@ -168,14 +171,27 @@ class TcpBackend(BackendCore):
         return PeerInfo(info.backend, info.name, info.layout, host=self._server.host, port=self._server.port)
 
     def _on_add_peer(self, info: PeerInfo) -> None:
+        """Connect and pass the peer's handshake (its challenge, when it holds a cluster secret) within
+        the connect timeout; AuthenticationFailed when it refuses us, PeerUnavailable when unreachable."""
         assert self._region is not None
+        who = f"peer {info.name!r} at {info.host}:{info.port}"
         try:
             sock = socket.create_connection((info.host, info.port), timeout=self._connect_timeout_s)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(sock, FrameHead(FrameKind.HELLO, tag=self._agent_name.encode()))
         except OSError as exc:
-            raise PeerUnavailable(f"cannot connect to peer {info.name!r} at {info.host}:{info.port}: {exc}") from None
+            raise PeerUnavailable(f"cannot connect to {who}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            greet(sock, self._agent_name, self._cluster_secret, who)
+            sock.settimeout(None)
+        except ProtocolError as exc:
+            shutdown_quietly(sock)
+            raise PeerUnavailable(f"{who} broke the handshake: {exc}") from None
+        except OSError as exc:
+            shutdown_quietly(sock)
+            raise PeerUnavailable(f"cannot connect to {who}: {exc or type(exc).__name__}") from None
+        except BaseException:
+            shutdown_quietly(sock)
+            raise
         self._links[info.name] = _Link(info, sock, self._region, self._transfers)
 
     def _on_remove_peer(self, peer: str) -> None:

@@ -2,6 +2,7 @@
 
 One thread accepts; one thread per connection reads frames, lands WRITE payloads straight into the
 region (recv_into over a view of the caller's memory), answers READs from it and queues notifications.
+A connection serves frames only after the handshake of tcp_auth (the cluster secret's challenge).
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ import socket
 import threading
 from collections.abc import Callable
 
+import structlog
+
 from kvtransfer.base import Notification
 from kvtransfer.descriptors import segment_in_bounds
+from kvtransfer.tcp_auth import HandshakeRefused, admit
 from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 
 JOIN_TIMEOUT_S = 2.0
+log = structlog.get_logger("kvtransfer.tcp")
 
 
 def shutdown_quietly(sock: socket.socket) -> None:
@@ -27,7 +32,9 @@ def shutdown_quietly(sock: socket.socket) -> None:
 
 
 class InboundServer:
-    def __init__(self, host: str, on_notification: Callable[[Notification], None]) -> None:
+    def __init__(self, host: str, on_notification: Callable[[Notification], None],
+                 cluster_secret: str | None = None) -> None:
+        self._cluster_secret = cluster_secret  # None: any peer that says HELLO is served
         self._listener = socket.create_server((host, 0))
         self.host: str = self._listener.getsockname()[0]
         self.port: int = self._listener.getsockname()[1]
@@ -84,11 +91,8 @@ class InboundServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            hello = read_head(conn)
-            if hello.kind is not FrameKind.HELLO:
-                raise ProtocolError(f"expected HELLO, got {hello.kind.name}")
-            peer = hello.tag.decode()
-            while True:
+            peer = self._admit(conn)
+            while peer is not None:
                 self._serve_frame(conn, peer, read_head(conn))
         except (OSError, UnicodeDecodeError):
             pass  # the peer went away or spoke garbage: drop the connection, the peer sees it closed
@@ -96,6 +100,17 @@ class InboundServer:
             with self._lock:
                 self._connections.pop(conn, None)
             shutdown_quietly(conn)
+
+    def _admit(self, conn: socket.socket) -> str | None:
+        """The peer's name once it passed the handshake; None (logged) when it did not."""
+        try:
+            return admit(conn, self._cluster_secret)
+        except HandshakeRefused as exc:
+            log.warning("kv connection refused", port=self.port, peer=exc.peer, reason=exc.reason)
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("kv connection dropped during the handshake", port=self.port,
+                        error=str(exc) or type(exc).__name__)
+        return None
 
     def _serve_frame(self, conn: socket.socket, peer: str, head: FrameHead) -> None:
         if head.kind is FrameKind.NOTIF:

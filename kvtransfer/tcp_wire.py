@@ -2,11 +2,14 @@
 
     header   kind u8 | pad 3 | num_segments u32 | tag_bytes u32 | transfer_id u64 | payload_bytes u64
     segments num_segments x (offset_bytes u64, size_bytes u64), offsets into the receiver's region
-    tag      tag_bytes bytes (notification tag, peer name for HELLO, reason for ERROR)
+    tag      tag_bytes bytes (notification tag, peer name for HELLO, reason for ERROR, nonce for
+             CHALLENGE, HMAC answer for AUTH)
     payload  payload_bytes bytes (WRITE: the blocks, in segment order; DATA: the blocks read)
 
-Conversation: the connecting side sends HELLO(name) once, then WRITE / READ / NOTIF requests; the
-listening side answers WRITE with ACK (after the bytes landed), READ with DATA, bad requests with ERROR.
+Conversation: the connecting side sends HELLO(name) once and completes the handshake of tcp_auth
+(ACK at once, or CHALLENGE / AUTH / ACK when the listener holds a cluster secret), then WRITE / READ /
+NOTIF requests; the listening side answers WRITE with ACK (after the bytes landed), READ with DATA, bad
+requests with ERROR.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class FrameKind(enum.IntEnum):
     ACK = 5
     ERROR = 6
     NOTIF = 7
+    CHALLENGE = 8
+    AUTH = 9
 
 
 class ProtocolError(ConnectionError):

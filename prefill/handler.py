@@ -25,6 +25,7 @@ from disagg.wire.control_msgs import (
     AbortMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
 )
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from kvtransfer import KVTransferError
 from kvtransfer import TransferState as BackendState
 from kvtransfer.control import ControlServer
 from kvtransfer.endpoint import open_endpoint
@@ -49,15 +50,17 @@ class PrefillHandler(EngineHandler):
         self.early_infos: dict[int, tuple[TransferInfoMsg, float]] = {}  # TransferInfo before the request
         self.failed_rooms: dict[int, tuple[str, float]] = {}
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
+        self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        secret = self.config.cluster_secret
         self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
-                                            dataclasses.asdict(self.core.cache_spec()))
-        self.control = ControlServer(local, self.control_config)
+                                            dataclasses.asdict(self.core.cache_spec()), secret)
+        self.control = ControlServer(local, self.control_config, cluster_secret=secret)
         port = await self.control.start(self.config.rank_host, 0)
-        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port)
+        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret)
         self.registration = RankRegistrationMsg(
             dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,
             page_size=local.layout.block_size_tokens, kv_cache_dtype=local.layout.dtype, load_balance_method=self.load_balance_method,
@@ -159,7 +162,7 @@ class PrefillHandler(EngineHandler):
 
     def _on_event(self, event) -> list[OutputMsg]:
         if isinstance(event, PeerMsg):
-            self.peers[event.peer_name] = self.backend.add_peer(event.agent_metadata)
+            self._add_peer(event)
         elif isinstance(event, TransferInfoMsg):
             self._on_transfer_info(event)
         elif isinstance(event, AbortMsg):
@@ -168,6 +171,7 @@ class PrefillHandler(EngineHandler):
             if state is not None:
                 return self._fail(state, f"aborted by decode: {event.reason}", status=499, tell_decode=False)
         elif isinstance(event, PeerLostMsg):
+            self.peer_failures.pop(event.peer_name, None)
             out = []
             for room in event.rooms:
                 if room in self.rooms:
@@ -177,6 +181,17 @@ class PrefillHandler(EngineHandler):
                 self.backend.remove_peer(backend_peer)
             return out
         return []
+
+    def _add_peer(self, peer: PeerMsg) -> None:
+        """Load a registered decode's transfer metadata. A decode we cannot reach (or that refuses our
+        cluster secret) fails its own rooms with the reason; it never takes this worker down."""
+        try:
+            self.peers[peer.peer_name] = self.backend.add_peer(peer.agent_metadata)
+            self.peer_failures.pop(peer.peer_name, None)
+        except KVTransferError as exc:
+            log.warning("decode peer not added", peer=peer.peer_name, reason=str(exc))
+            self.peers.pop(peer.peer_name, None)
+            self.peer_failures[peer.peer_name] = str(exc)
 
     def _on_transfer_info(self, info: TransferInfoMsg) -> None:
         if info.room in self.failed_rooms:
@@ -199,6 +214,9 @@ class PrefillHandler(EngineHandler):
                                          f"within {self.config.bootstrap_timeout_s:g} s", status=504)
             return []
         if state.peer is None:
+            failure = self.peer_failures.get(state.info.peer_name)
+            if failure is not None:
+                return self._fail(state, f"decode peer {state.info.peer_name} could not be added: {failure}")
             return self._fail(state, f"decode peer {state.info.peer_name} never registered")
         progress = self.core.request_progress(state.request_id)
         if progress is not None:

@@ -1,7 +1,7 @@
 """create_app: the aiohttp application of one server (unified, prefill or decode).
 
 Middlewares, outermost first: a clean log context per request, request counting (Prometheus),
-errors as OpenAI-shaped JSON, then the optional API key check.
+errors as OpenAI-shaped JSON, then the optional API and admin key checks (disagg.api.auth).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from disagg.api import admin_routes, openai_routes, sglang_routes, tokens_routes, utility_routes
-from disagg.api.auth import api_key_middleware
+from disagg.api.auth import auth_middleware
 from disagg.api.errors import errors_middleware
 from disagg.api.logging import configure_logging, log_context_middleware
 from disagg.api.metrics import ApiMetrics
@@ -25,8 +25,9 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
         configure_logging(config.log_format)
     metrics = ApiMetrics(engine.worker_states)
     middlewares = [log_context_middleware, metrics.middleware(), errors_middleware]
-    if config.api_key:
-        middlewares.append(api_key_middleware(config.api_key))
+    keys = auth_middleware(config.api_key, config.admin_key)
+    if keys is not None:
+        middlewares.append(keys)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[STATE] = ApiState(config, engine, metrics)
     for module in (openai_routes, sglang_routes, tokens_routes, admin_routes, utility_routes):

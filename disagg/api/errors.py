@@ -55,6 +55,22 @@ def shutdown_error(drain: Drain) -> ApiError:
     return ApiError(503, drain.abort_message(), code=SHUTDOWN_CODE)
 
 
+class UnauthorizedAdmin(ApiError):
+    """401: an admin route without the admin key."""
+
+    def __init__(self) -> None:
+        super().__init__(401, "Invalid or missing admin key: send 'Authorization: Bearer <admin key>'",
+                         code="invalid_admin_key")
+
+
+class AdminDisabled(ApiError):
+    """403: an admin route on a server with an API key but no admin key (an API key never grants admin)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(403, f"{path} is an admin route and this server has an API key but no admin key: "
+                              "start it with --admin-key (or DISAGG_ADMIN_KEY) to use it", code="admin_disabled")
+
+
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
     """A JSON response carrying `err`."""
     return web.Response(body=msgspec.json.encode(err.body()), status=err.status,

@@ -7,7 +7,8 @@ Routes:
   503 `draining` once the router shuts down: new generate requests get the same)
 - `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
 - `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
-Every error is OpenAI-shaped JSON; unknown routes are 404.
+Every error is OpenAI-shaped JSON; unknown routes are 404. With `api_key`, every route but `/health`
+and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from disagg.router.legs import Leg, LegClient, leg_errors
 from disagg.router.policy import PairPicker
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
+from disagg.wire.auth import bearer_matches
 from disagg.wire.errors import http_exception_error
 
 log = structlog.get_logger("disagg.router")
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class Router:
@@ -111,7 +114,8 @@ async def health_generate(request: web.Request) -> web.Response:
     """Every eligible server's `/health_generate`, concurrently; 503 naming those that failed."""
     router = _router(request)
     targets = [info for role in Role for info in router.pool.infos(role) if info.health is not Health.UNHEALTHY]
-    outcomes = await asyncio.gather(*(_get(router, info.role, info.url, "/health_generate", {}) for info in targets),
+    headers = _authorization(request)
+    outcomes = await asyncio.gather(*(_get(router, info.role, info.url, "/health_generate", headers) for info in targets),
                                     return_exceptions=True)
     failed = []
     for info, outcome in zip(targets, outcomes):
@@ -142,9 +146,14 @@ async def list_models(request: web.Request) -> web.Response:
     index = router.pool.first_eligible(Role.DECODE)
     if index is None:
         raise NoHealthyServer("decode")
-    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-    status, content_type, body = await _get(router, Role.DECODE, router.config.decode[index], "/v1/models", headers)
+    status, content_type, body = await _get(router, Role.DECODE, router.config.decode[index], "/v1/models",
+                                            _authorization(request))
     return web.Response(body=body, status=status, headers={"Content-Type": content_type})
+
+
+def _authorization(request: web.Request) -> dict[str, str]:
+    """The client's Authorization header, passed on to the servers (they may share the API key)."""
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
 
 
 async def _get(router: Router, role: Role, server: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
@@ -177,9 +186,25 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
         return web.Response(body=err.body(), status=500, content_type=err.content_type)
 
 
+def api_key_middleware(api_key: str):
+    """401 unless the request carries `Authorization: Bearer <api_key>` (the probes stay open)."""
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization"), api_key):
+            raise RouterError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+        return await handler(request)
+
+    return check_api_key
+
+
 def create_app(router: Router) -> web.Application:
     """The application; `router` is started on app startup and closed on cleanup."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=router.config.max_body_bytes)
+    middlewares = [errors_middleware]
+    if router.config.api_key is not None:
+        middlewares.append(api_key_middleware(router.config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=router.config.max_body_bytes)
     app[ROUTER_KEY] = router
 
     async def lifecycle(_app: web.Application):

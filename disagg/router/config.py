@@ -91,8 +91,14 @@ class RouterConfig:
     max_connections: int = field(default=1024, metadata={"help": "open connections to all servers together"})
     log_format: str = field(default="console", metadata={"help": "console or json"})
     shutdown_timeout_s: float = field(default=SHUTDOWN_TIMEOUT_S, metadata={"help": SHUTDOWN_TIMEOUT_HELP})
+    api_key: str | None = field(
+        default=None, repr=False,
+        metadata={"help": "require 'Authorization: Bearer KEY' from clients (not on /health, /metrics); the header "
+                          "goes on to both servers, so start them with the same --api-key"})
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (leave it unset to turn it off)")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(_check_url(u, "--decode") for u in self.decode))
         if not self.prefill or not self.decode:

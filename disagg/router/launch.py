@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import typing
 
+from disagg.cli_args import scalar_type
 from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, POLICIES, RouterConfig, parse_prefill
 
 _SERVER_LISTS = ("prefill", "decode")
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_text)
         else:
-            parser.add_argument(*flags, dest=f.name, type=hints[f.name], default=f.default,
+            parser.add_argument(*flags, dest=f.name, type=scalar_type(hints[f.name]), default=f.default,
                                 choices=_CHOICES.get(f.name), help=f"{help_text} (default: {f.default})")
 
 

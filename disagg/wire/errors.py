@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 TYPE_OF_STATUS = {
-    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 405: "MethodNotAllowedError",
     413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }

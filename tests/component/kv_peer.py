@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=int, default=4096)
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--cluster-secret", default=None)
     args = parser.parse_args(argv)
-    state = PeerState(create_backend(args.backend), args.num_blocks, args.block_bytes, args.block_tokens, args.dtype)
+    backend = create_backend(args.backend, cluster_secret=args.cluster_secret)
+    state = PeerState(backend, args.num_blocks, args.block_bytes, args.block_tokens, args.dtype)
     control.write(msgspec.json.encode(state.hello()) + b"\n")
     for line in sys.stdin.buffer:
         request = msgspec.json.decode(line)

@@ -10,10 +10,12 @@ import time
 import grpc
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from disagg.config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof
 from disagg.wire.control_msgs import (
     AbortMsg,
     KVLayoutMsg,
@@ -28,7 +30,7 @@ from disagg.wire.control_msgs import (
     status_to_pb,
     transfer_msg,
 )
-from kvtransfer.control import ControlError, ControlServer, PeerRejected, PeerUnavailable
+from kvtransfer.control import AuthenticationFailed, ControlError, ControlServer, PeerRejected, PeerUnavailable
 from kvtransfer.control_client import ControlClient
 
 pytestmark = pytest.mark.timeout(30)
@@ -272,6 +274,57 @@ async def test_unreachable_prefill_and_client_misuse():
             cli.send_transfer(info(1))
         with pytest.raises(ControlError, match=r"^control server already started$"):
             await srv.start()
+
+
+SECRET = "control-secret"
+NO_SECRET = "no cluster secret sent: this prefill requires one (set --cluster-secret on the decode)"
+MISMATCH = "cluster secret mismatch: the decode's --cluster-secret differs from the prefill's"
+
+
+@pytest.mark.parametrize("secret, reason", [(None, NO_SECRET), ("other-secret", MISMATCH)], ids=["none", "wrong"])
+async def test_a_stream_without_the_cluster_secret_is_refused(secret, reason):
+    async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as srv:
+        with capture_logs() as logs, pytest.raises(AuthenticationFailed) as exc:
+            await ControlClient(f"127.0.0.1:{srv.port}", DECODE, FAST, cluster_secret=secret).connect()
+        assert type(exc.value) is AuthenticationFailed
+        assert str(exc.value) == f"prefill 127.0.0.1:{srv.port} refused the control stream: {reason}"
+        assert [(e["event"], e["reason"]) for e in logs if e["event"] == "control stream refused"] == [
+            ("control stream refused", reason)]
+        assert srv.peers == {} and srv.events.empty()
+
+
+async def test_the_right_cluster_secret_registers_and_transfers():
+    async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as srv, ControlClient(
+            f"127.0.0.1:{srv.port}", DECODE, FAST, cluster_secret=SECRET) as cli:
+        assert cli.remote == PREFILL
+        assert await asyncio.wait_for(srv.events.get(), 2) == DECODE
+        future = cli.send_transfer(info(9))
+        assert await asyncio.wait_for(srv.events.get(), 2) == info(9)
+        done = TransferStatusMsg(room=9, state=TransferState.SUCCESS, first_token_id=4, num_bytes=12288)
+        assert srv.send_status(done) is True
+        assert await asyncio.wait_for(future, 2) == done
+
+
+async def test_a_prefill_without_the_secret_is_refused_by_a_decode_holding_one():
+    """The decode checks the prefill's reply: a prefill that cannot prove the secret gets no TransferInfo."""
+    async with ControlServer(PREFILL, FAST) as srv:
+        with pytest.raises(AuthenticationFailed) as exc:
+            await ControlClient(f"127.0.0.1:{srv.port}", DECODE, FAST, cluster_secret=SECRET).connect()
+    assert str(exc.value) == (f"prefill 127.0.0.1:{srv.port} did not prove it holds the cluster secret "
+                              "(started without --cluster-secret, or with another one?)")
+
+
+async def test_a_raw_stream_with_a_stale_proof_is_refused_before_any_message():
+    async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as srv, grpc.aio.insecure_channel(
+            f"127.0.0.1:{srv.port}") as channel:
+        proof = control_proof(SECRET, time.time() - 3600, b"n" * 16)
+        call = pb_grpc.KVControlStub(channel).Connect(metadata=((CONTROL_AUTH_KEY, proof),))
+        await call.write(register_msg(DECODE))
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await asyncio.wait_for(call.read(), 2)
+        assert exc.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert exc.value.details().startswith("cluster secret proof is 360")
+        assert srv.peers == {} and srv.events.empty()
 
 
 def test_status_translation_keeps_unset_first_token_unset():

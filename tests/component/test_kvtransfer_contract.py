@@ -1,7 +1,8 @@
 """One contract for every KV transfer backend, between two real processes (loopback: in-process twin).
 
 The peer (kv_peer.py) owns a 64 x 4 KiB region of zeros; this process owns another. Checks compare
-sha256 of every block, so a stray byte anywhere fails the test.
+sha256 of every block, so a stray byte anywhere fails the test. `tcp+secret` is the tcp backend with a
+cluster secret on both sides: every connection passes the listener's challenge first.
 """
 
 from __future__ import annotations
@@ -34,16 +35,30 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PEER_SCRIPT = pathlib.Path(kv_peer.__file__).resolve()
 NUM_BLOCKS, BLOCK_BYTES, BLOCK_TOKENS, DTYPE = 64, 4096, 16, "bfloat16"
 TIMEOUT_S = 10.0
+SECRET = "contract-secret"
 BACKENDS = [
-    "loopback", "tcp",
+    "loopback", "tcp", "tcp+secret",
     pytest.param("nixl", marks=pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed")),
 ]
+
+
+def backend_of(kind: str) -> tuple[str, str | None]:
+    """`tcp+secret` -> ("tcp", SECRET); a plain backend name -> (name, None)."""
+    name, _, with_secret = kind.partition("+")
+    return name, SECRET if with_secret else None
+
+
+def open_backend(kind: str, fabric: LoopbackFabric, secret: str | None = None):
+    name, default_secret = backend_of(kind)
+    return create_backend(name, fabric=fabric, cluster_secret=secret or default_secret)
 
 
 class ProcessPeer:
     """kv_peer.py in its own process; commands over a pipe, every read bounded by a deadline."""
 
-    def __init__(self, backend: str, *, stallable: bool = False) -> None:
+    def __init__(self, kind: str, *, stallable: bool = False, secret: str | None = None) -> None:
+        backend, default_secret = backend_of(kind)
+        secret = secret or default_secret
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         if stallable and backend == "nixl":
             # UCX's shared-memory puts are one-sided: they land in a SIGSTOPped process. Over TCP they need
@@ -51,6 +66,8 @@ class ProcessPeer:
             env["UCX_TLS"] = "tcp"
         command = [sys.executable, str(PEER_SCRIPT), "--backend", backend, "--num-blocks", str(NUM_BLOCKS),
                    "--block-bytes", str(BLOCK_BYTES), "--block-tokens", str(BLOCK_TOKENS), "--dtype", DTYPE]
+        if secret is not None:
+            command += ["--cluster-secret", secret]
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buffer = b""
         hello = self._read_reply(30.0)
@@ -58,11 +75,15 @@ class ProcessPeer:
         self.metadata = bytes.fromhex(hello["metadata"])
 
     def call(self, op: str, **args: object) -> dict:
-        self._proc.stdin.write(msgspec.json.encode({"op": op, **args}) + b"\n")
-        self._proc.stdin.flush()
-        reply = self._read_reply(TIMEOUT_S + 5)
+        reply = self.try_call(op, **args)
         assert "error" not in reply, reply["error"]
         return reply
+
+    def try_call(self, op: str, **args: object) -> dict:
+        """The reply as it is: `{"error": "<type>: <message>"}` when the command raised."""
+        self._proc.stdin.write(msgspec.json.encode({"op": op, **args}) + b"\n")
+        self._proc.stdin.flush()
+        return self._read_reply(TIMEOUT_S + 5)
 
     def _read_reply(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -137,10 +158,10 @@ class InProcessPeer:
 class Local:
     """This process's side: a region of zeros and a registered backend."""
 
-    def __init__(self, backend: str, fabric: LoopbackFabric) -> None:
+    def __init__(self, kind: str, fabric: LoopbackFabric, secret: str | None = None) -> None:
         self.memory = np.zeros(NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
         self.layout = KVLayout(self.memory.ctypes.data, NUM_BLOCKS, BLOCK_BYTES, BLOCK_TOKENS, DTYPE)
-        self.backend = create_backend(backend, fabric=fabric)
+        self.backend = open_backend(kind, fabric, secret)
         self.backend.register(self.layout)
 
     def fill(self, block_ids: list[int], seed: int) -> list[str]:
@@ -299,7 +320,7 @@ def test_close_releases_the_registration(pair: Pair) -> None:
     with pytest.raises(BackendClosed):
         local.backend.register(local.layout)
     local.backend.close()  # idempotent
-    with create_backend(pair.backend, fabric=pair.fabric) as again:
+    with open_backend(pair.backend, pair.fabric) as again:
         again.register(local.layout)
         name = again.add_peer(pair.peer.metadata)
         assert wait(again, again.write(name, [1], [1], b""), TIMEOUT_S).state is TransferState.SUCCESS
@@ -349,4 +370,5 @@ def test_deadline_expiry_fails_the_transfer_and_late_completion_is_dropped(pair:
     finally:
         local.backend.close()
         peer.close()
+
 

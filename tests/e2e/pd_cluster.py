@@ -59,20 +59,29 @@ class Cluster:
         await asyncio.gather(self.prefill.close(), self.decode.close())
 
 
+def pd_config(backend: str, force_query: bool = False, **options) -> DisaggConfig:
+    return DisaggConfig(**{"transfer_backend": backend, "bootstrap_port": 0, "force_query_prefill_dp_rank": force_query,
+                           "bootstrap_timeout_s": 30, "waiting_timeout_s": 30, **options})
+
+
+async def start_decode(disagg: DisaggConfig, engine: EngineConfig = TINY, dp_size: int = 2,
+                       server: dict | None = None) -> RunningServer:
+    config = ServerConfig(port=0, dp_size=dp_size, disaggregation_mode="decode", **(server or {}))
+    return await start_server(config, engine, disagg, lambda _: None)
+
+
 async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig = TINY,
-                   prefill_method: str = "follow_bootstrap_room", server: dict | None = None,
-                   disagg: dict | None = None) -> Cluster:
-    """Prefill and decode servers (dp 2 each); `server` / `disagg` override config fields of both
-    (fault tests set short deadlines there; `disagg["control"]` holds the control plane's timings)."""
-    disagg_config = DisaggConfig(**{
-        "transfer_backend": backend, "bootstrap_port": 0, "force_query_prefill_dp_rank": force_query,
-        "bootstrap_timeout_s": 30, "waiting_timeout_s": 30, **(disagg or {})})
+                   prefill_method: str = "follow_bootstrap_room", cluster_secret: str | None = None,
+                   decode_options: dict | None = None, server: dict | None = None, disagg: dict | None = None) -> Cluster:
+    """Prefill and decode servers (dp 2 each) sharing `cluster_secret` (None: none, whatever the
+    environment says). `server` / `disagg` override config fields of both (fault tests set short
+    deadlines there; `disagg["control"]` holds the control plane's timings), `decode_options` the decode's."""
+    disagg_config = pd_config(backend, force_query, cluster_secret=cluster_secret, **(disagg or {}))
     base = ServerConfig(port=0, dp_size=2, **(server or {}))
-    prefill_cfg = replace(base, load_balance_method=prefill_method, disaggregation_mode="prefill")
-    decode_cfg = replace(base, disaggregation_mode="decode")
     prefill, decode = await asyncio.gather(
-        start_server(prefill_cfg, engine, disagg_config, lambda _: None),
-        start_server(decode_cfg, engine, disagg_config, lambda _: None),
+        start_server(replace(base, load_balance_method=prefill_method, disaggregation_mode="prefill"), engine,
+                     disagg_config, lambda _: None),
+        start_decode(replace(disagg_config, **(decode_options or {})), engine, server=server),
     )
     return Cluster(prefill, decode, aiohttp.ClientSession())
 

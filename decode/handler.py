@@ -66,6 +66,8 @@ class DecodeHandler(EngineHandler):
         self.finished: list[tuple[str, TransferStatusMsg | Exception]] = []
         self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
         self.queued: deque[_Queued] = deque()  # waiting for room in the KV cache, in arrival order
+        self.fencing: dict[str, asyncio.Task] = {}  # ended requests waiting for their prefill's fence
+        self.fenced: list[str] = []  # ... whose blocks can go back to the pool now
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -74,8 +76,8 @@ class DecodeHandler(EngineHandler):
         self.peers = PrefillPeers(local, self.control_config, secret)
 
     async def close(self) -> None:
-        for pending in self.pending.values():
-            pending.task.cancel()
+        for task in [p.task for p in self.pending.values()] + list(self.fencing.values()):
+            task.cancel()
         await self.peers.close()
         self.backend.close()
 
@@ -156,8 +158,12 @@ class DecodeHandler(EngineHandler):
     async def poll(self) -> list[OutputMsg]:
         self.backend.notifications()  # write tags: SUCCESS on the control stream is what counts
         out = self._reserve_queued()
-        for request_id in [rid for rid in self.pending if self.core.request_progress(rid) is None]:
-            self._drop_pending(request_id, "the decode engine failed the request")  # it answered already
+        fenced, self.fenced = self.fenced, []
+        for request_id in fenced:
+            self.core.release(request_id)
+        for request_id in [rid for rid in self.pending if self._ended(rid)]:
+            # The engine failed it (and answered it): stop waiting, fence its blocks.
+            self._end_pending(request_id, self.pending.pop(request_id), "the decode engine failed the request")
         finished, self.finished = self.finished, []
         for request_id, status in finished:
             pending = self.pending.pop(request_id, None)
@@ -171,8 +177,12 @@ class DecodeHandler(EngineHandler):
                 log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,
                          wait_s=round(wait_s, 6))
             else:
-                out += self._fail(request_id, status)
+                out += self._fail(request_id, pending, status)
         return out
+
+    def _ended(self, request_id: str) -> bool:
+        progress = self.core.request_progress(request_id)
+        return progress is None or progress.finished
 
     def step(self) -> list[OutputMsg]:
         return [self._with_kv_stats(msg) for msg in super().step()]
@@ -181,11 +191,12 @@ class DecodeHandler(EngineHandler):
         stats = self.kv_stats.pop(msg.request_id, None)
         return msg if stats is None else msgspec.structs.replace(msg, kv=stats)
 
-    def _fail(self, request_id: str, status) -> list[OutputMsg]:
+    def _fail(self, request_id: str, pending: _Pending, status) -> list[OutputMsg]:
         reason = status.reason if isinstance(status, TransferStatusMsg) else f"{type(status).__name__}: {status}"
         code = 400 if isinstance(status, InvalidRequest) else 503 if "lost connection" in reason else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id)
+        self._end_pending(request_id, pending, reason)
         return [OutputMsg(request_id, finish_reason="abort", error=reason, error_status=code,
                           error_param=getattr(status, "param", None))]
 
@@ -194,14 +205,40 @@ class DecodeHandler(EngineHandler):
             if queued.msg.request_id == request_id:
                 self.queued.remove(queued)
                 return [OutputMsg(request_id, finish_reason="abort")]
-        self._drop_pending(request_id, "aborted on the decode side")
-        return await super().abort(request_id)
-
-    def _drop_pending(self, request_id: str, reason: str) -> None:
-        """Stop waiting for a request's KV and tell its prefill to stop writing."""
         pending = self.pending.pop(request_id, None)
+        out = await super().abort(request_id)  # the engine ends it and quarantines its reserved blocks
         if pending is not None:
-            pending.task.cancel()
-            self.kv_stats.pop(request_id, None)
-            if pending.client is not None:
-                pending.client.abort(pending.room, reason)
+            self._end_pending(request_id, pending, "aborted on the decode side")
+        return out
+
+    def _end_pending(self, request_id: str, pending: _Pending, reason: str) -> None:
+        """Stop waiting for a request's KV. The engine keeps its blocks quarantined; they are released
+        once no write of its prefill can land: at once when the TransferInfo never went out, else
+        when the prefill confirms the room is final, or after that prefill is cut off."""
+        pending.task.cancel()
+        self.kv_stats.pop(request_id, None)
+        if pending.client is None:
+            self.core.release(request_id)
+            return
+        fence = pending.client.abort(pending.room, reason)
+        if fence.done() and fence.result():
+            self.core.release(request_id)
+            return
+        self.fencing[request_id] = asyncio.create_task(self._await_fence(request_id, pending.client, fence))
+
+    async def _await_fence(self, request_id: str, client, fence: asyncio.Future) -> None:
+        try:
+            acked = await asyncio.wait_for(asyncio.shield(fence), self.config.abort_ack_timeout_s)
+        except asyncio.TimeoutError:
+            acked = False
+            client.drop(f"no acknowledgement of an abort within {self.config.abort_ack_timeout_s:g} s")
+        if not acked and client.remote is not None:
+            prefill = client.remote.peer_name
+            if await asyncio.to_thread(self.backend.cut_inbound, prefill):
+                log.warning("prefill cut off before reusing its blocks", prefill=prefill, request_id=request_id)
+            else:  # NIXL: one-sided writes cannot be refused here; the prefill fences its own writes
+                log.warning("prefill lost; its writes cannot be refused on this backend", prefill=prefill,
+                            request_id=request_id, backend=self.config.transfer_backend)
+        self.fencing.pop(request_id, None)
+        self.fenced.append(request_id)
+        self.wake()

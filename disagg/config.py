@@ -210,6 +210,14 @@ class DisaggConfig:
         default=300.0, metadata={"help": "prefill: how long a request waits for its decode's destination blocks"}
     )
     waiting_timeout_s: float = field(default=300.0, metadata={"help": "decode: how long a request waits for its KV"})
+    transfer_timeout_s: float = field(
+        default=60.0, metadata={"help": "prefill: how long a room's blocks may take to land once the destination "
+                                        "is known, and how long a failed room's posted writes may take to settle"}
+    )
+    abort_ack_timeout_s: float = field(
+        default=10.0, metadata={"help": "decode: how long an aborted room waits for the prefill to confirm it stopped "
+                                        "writing before that prefill is declared lost (its blocks stay quarantined meanwhile)"}
+    )
     registry_refresh_s: float = field(
         default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"}
     )
@@ -227,7 +235,8 @@ class DisaggConfig:
     def __post_init__(self) -> None:
         if self.transfer_backend not in ("nixl", "tcp", "loopback"):
             raise ConfigError(f"transfer_backend must be nixl or tcp, got {self.transfer_backend!r}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s", "transfer_timeout_s",
+                     "abort_ack_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         _check_secret("cluster_secret", self.cluster_secret)

@@ -209,6 +209,11 @@ class KVTransferBackend(Protocol):
     def remove_peer(self, peer: str) -> None:
         """Fail the peer's live transfers and drop it. Unknown peers are ignored."""
 
+    def cut_inbound(self, peer: str) -> bool:
+        """Stop writes `peer` posts into our region: when this returns True, none can land any
+        more. False when the transport cannot refuse a one-sided write (NIXL/UCX: the writer's
+        own fencing is all there is)."""
+
     def describe(self, block_ids: Sequence[int]) -> list[Descriptor]:
         """Descriptors (address, size_bytes, device_id) of our blocks; adjacent ids coalesce."""
 

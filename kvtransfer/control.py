@@ -183,6 +183,7 @@ class ControlServer:
         self._streams: set[_Session] = set()
         self._sessions: dict[str, _Session] = {}
         self._rooms: dict[int, tuple[_Session, TransferInfoMsg]] = {}
+        self._aborting: set[int] = set()  # rooms the decode aborted, until the role's final status
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on host:port (0: a free port); returns the actual port."""
@@ -266,9 +267,25 @@ class ControlServer:
         session = entry[0]
         if status.state.is_terminal:
             del self._rooms[status.room]
+            self._aborting.discard(status.room)
             session.rooms.discard(status.room)
         session.send(status_msg(status))
         return True
+
+    def drop_peer(self, peer_name: str, reason: str) -> bool:
+        """End a decode's stream from our side (e.g. its transfers are stuck): its rooms are lost
+        (PeerLostMsg), and the decode, seeing the stream end, cuts us off before reusing blocks."""
+        session = self._sessions.get(peer_name)
+        if session is None:
+            return False
+        self._drop_session(session, reason)
+        session.end(reason)
+        return True
+
+    def is_writable(self, room: int) -> bool:
+        """True while the room's decode still wants its KV: active, not aborted, its stream alive.
+        The prefill checks this before posting each write."""
+        return room in self._rooms and room not in self._aborting
 
     async def _read_stream(self, session: _Session, requests) -> None:
         try:
@@ -342,9 +359,17 @@ class ControlServer:
     def _on_abort(self, session: _Session, room: int, reason: str) -> None:
         entry = self._rooms.get(room)
         if entry is None or entry[0] is not session:
-            return  # already final, or not this peer's room: nothing to undo
-        del self._rooms[room]
-        session.rooms.discard(room)
+            # Already final, or never reached us: nothing was or will be written. Say so, so the
+            # decode can reuse its blocks now (its abort waits for a final status of the room).
+            if entry is None:
+                session.send(status_msg(TransferStatusMsg(room=room, state=TransferState.FAILED,
+                                                          reason=f"aborted by decode: {reason}")))
+            return
+        if room in self._aborting:
+            return
+        # The room stays active until the prefill role sends its final status: that status is the
+        # acknowledgement the decode waits for before it reuses the destination blocks.
+        self._aborting.add(room)
         self.events.put_nowait(AbortMsg(room=room, reason=reason, peer_name=session.name))
 
     def _drop_session(self, session: _Session, reason: str) -> None:
@@ -354,6 +379,7 @@ class ControlServer:
         rooms = tuple(sorted(session.rooms))
         for room in rooms:
             del self._rooms[room]
+            self._aborting.discard(room)
         session.rooms.clear()
         self.events.put_nowait(PeerLostMsg(peer_name=session.peer.peer_name, reason=reason, rooms=rooms))
         log.info("peer lost", peer=session.peer.peer_name, reason=reason, rooms=len(rooms))

@@ -46,6 +46,7 @@ class _Room:
     def __init__(self, future: asyncio.Future):
         self.future = future
         self.latest: TransferStatusMsg | None = None
+        self.fence: asyncio.Future[bool] | None = None  # set by abort(): resolved by the prefill's final status
 
 
 class ControlClient:
@@ -170,13 +171,30 @@ class ControlClient:
         self._outbox.put_nowait(transfer_msg(info))
         return future
 
-    def abort(self, room: int, reason: str) -> None:
-        """Give a room up: its future resolves FAILED ("aborted: <reason>"), the prefill frees it."""
-        entry = self._rooms.pop(room, None)
-        if entry is not None:
-            self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=f"aborted: {reason}"))
-        if self._dead is None:
-            self._outbox.put_nowait(abort_msg(room, reason))
+    def abort(self, room: int, reason: str) -> asyncio.Future[bool]:
+        """Give a room up: its future resolves FAILED ("aborted: <reason>") at once, the prefill
+        stops writing and frees it. Returns the room's fence: True once no write of the prefill can
+        still land in the room's blocks (the prefill's final status for it arrived, or had already);
+        False when the stream is lost first (then only cutting that peer off makes the blocks safe)."""
+        fence: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        entry = self._rooms.get(room)
+        if entry is None:
+            # A live stream already delivered the room's final status: nothing more is written. A
+            # dead one may have lost rooms still being written: assume the worst.
+            fence.set_result(self._dead is None)
+            return fence
+        if entry.fence is not None:
+            return entry.fence
+        entry.fence = fence
+        self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=f"aborted: {reason}"))
+        self._outbox.put_nowait(abort_msg(room, reason))
+        return fence
+
+    def drop(self, detail: str) -> None:
+        """Declare the prefill lost (e.g. it never acknowledged an abort): every pending room and
+        fence fails, the stream ends. Make a new client to reconnect."""
+        if self._dead is None and not self._closing:
+            self._lose(detail)
 
     @staticmethod
     def _resolve(entry: _Room, status: TransferStatusMsg) -> None:
@@ -190,6 +208,8 @@ class ControlClient:
         rooms, self._rooms = self._rooms, {}
         for room, entry in rooms.items():
             self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=reason))
+            if entry.fence is not None and not entry.fence.done():
+                entry.fence.set_result(False)
 
     def _lose(self, detail: str) -> None:
         reason = f"lost connection to prefill {self.address}: {detail}"
@@ -224,6 +244,8 @@ class ControlClient:
             if status.state.is_terminal:
                 del self._rooms[status.room]
                 self._resolve(entry, status)
+                if entry.fence is not None and not entry.fence.done():
+                    entry.fence.set_result(True)
         elif kind == "heartbeat_ack":
             if msg.heartbeat_ack.seq > self._heartbeat_acked:
                 self._heartbeat_acked = msg.heartbeat_ack.seq

@@ -135,6 +135,13 @@ class BackendCore(abc.ABC):
                 self._transfers.fail(transfer_id, f"peer {peer!r} was removed")
         self._on_remove_peer(peer)
 
+    def cut_inbound(self, peer: str) -> bool:
+        self._check_open()
+        return self._cut_inbound(peer)
+
+    def _cut_inbound(self, peer: str) -> bool:
+        return False  # one-sided writes (NIXL): nothing on our side can refuse them
+
     def describe(self, block_ids: Sequence[int]) -> list[Descriptor]:
         return describe(self._require_layout(), block_ids)
 

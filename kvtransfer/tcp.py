@@ -199,6 +199,10 @@ class TcpBackend(BackendCore):
         if link is not None:
             link.close()
 
+    def _cut_inbound(self, peer: str) -> bool:
+        self._server.cut_peer(peer)  # a returning peer connects again (and is authenticated again)
+        return True
+
     def _post(self, handle: TransferHandle, runs: list[BlockRun], notif_tag: bytes) -> None:
         assert self._layout is not None
         local, remote = run_segments(self._layout.block_size_bytes, runs)

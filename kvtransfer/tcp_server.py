@@ -42,6 +42,7 @@ class InboundServer:
         self._lock = threading.Lock()
         self._region: memoryview | None = None
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._names: dict[socket.socket, str] = {}  # admitted connections: the peer that spoke HELLO
         self._closing = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True)
         self._accept_thread.start()
@@ -66,6 +67,14 @@ class InboundServer:
         shutdown_quietly(self._listener)
         self._accept_thread.join(JOIN_TIMEOUT_S)
         self._stop_connections(connections)
+
+    def cut_peer(self, peer: str) -> int:
+        """Close every connection of `peer` and wait for its thread: once this returns, nothing that
+        peer sent can land in the region any more. Returns how many connections were cut."""
+        with self._lock:
+            connections = [(c, t) for c, t in self._connections.items() if self._names.get(c) == peer]
+        self._stop_connections(connections)
+        return len(connections)
 
     def _stop_connections(self, connections: list[tuple[socket.socket, threading.Thread]]) -> None:
         for conn, _ in connections:
@@ -92,6 +101,9 @@ class InboundServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             peer = self._admit(conn)
+            if peer is not None:
+                with self._lock:
+                    self._names[conn] = peer
             while peer is not None:
                 self._serve_frame(conn, peer, read_head(conn))
         except (OSError, UnicodeDecodeError):
@@ -99,6 +111,7 @@ class InboundServer:
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
+                self._names.pop(conn, None)
             shutdown_quietly(conn)
 
     def _admit(self, conn: socket.socket) -> str | None:

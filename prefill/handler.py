@@ -29,7 +29,7 @@ from kvtransfer import KVTransferError
 from kvtransfer import TransferState as BackendState
 from kvtransfer.control import ControlServer
 from kvtransfer.endpoint import open_endpoint
-from prefill.rooms import PrefillRoom
+from prefill.rooms import PrefillRoom, Settling
 
 log = structlog.get_logger(__name__)
 BUSY_WAIT_S = 0.002
@@ -50,6 +50,7 @@ class PrefillHandler(EngineHandler):
         self.early_infos: dict[int, tuple[TransferInfoMsg, float]] = {}  # TransferInfo before the request
         self.failed_rooms: dict[int, tuple[str, float]] = {}
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
+        self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -157,6 +158,7 @@ class PrefillHandler(EngineHandler):
         now = time.monotonic()
         for state in list(self.rooms.values()):
             out += self._advance(state, now)
+        self._settle(now)
         self._expire(now)
         return out
 
@@ -166,10 +168,14 @@ class PrefillHandler(EngineHandler):
         elif isinstance(event, TransferInfoMsg):
             self._on_transfer_info(event)
         elif isinstance(event, AbortMsg):
+            # Every abort is answered with a final status once nothing can be written any more:
+            # the decode keeps the room's blocks quarantined until then.
             state = self.rooms.get(event.room)
-            self.early_infos.pop(event.room, None)
+            reason = f"aborted by decode: {event.reason}"
             if state is not None:
-                return self._fail(state, f"aborted by decode: {event.reason}", status=499, tell_decode=False)
+                return self._fail(state, reason, status=499)
+            self.early_infos.pop(event.room, None)
+            self._status(event.room, TransferState.FAILED, reason)  # never written to
         elif isinstance(event, PeerLostMsg):
             self.peer_failures.pop(event.peer_name, None)
             out = []
@@ -213,13 +219,16 @@ class PrefillHandler(EngineHandler):
                 return self._fail(state, f"no destination from decode for bootstrap_room {state.room} "
                                          f"within {self.config.bootstrap_timeout_s:g} s", status=504)
             return []
+        if now > state.info_at + self.config.transfer_timeout_s:
+            return self._fail(state, f"the KV of bootstrap_room {state.room} did not reach decode "
+                                     f"{state.info.peer_name} within {self.config.transfer_timeout_s:g} s", status=504)
         if state.peer is None:
             failure = self.peer_failures.get(state.info.peer_name)
             if failure is not None:
                 return self._fail(state, f"decode peer {state.info.peer_name} could not be added: {failure}")
             return self._fail(state, f"decode peer {state.info.peer_name} never registered")
         progress = self.core.request_progress(state.request_id)
-        if progress is not None:
+        if progress is not None and self.control.is_writable(state.room):  # never after an abort or a lost stream
             self._send_ready_blocks(state, progress)
         statuses = [self.backend.poll(handle) for handle in state.handles]
         failed = next((s for s in statuses if s.state is BackendState.FAILED), None)
@@ -254,16 +263,40 @@ class PrefillHandler(EngineHandler):
         return [msgspec.structs.replace(state.final, kv=stats)]
 
     def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
+        """End a room: no write is posted for it any more, the client hears at once. The decode's
+        FAILED status waits until every posted write settled (it is the decode's fence)."""
         log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
-        for handle in state.handles:
-            self.backend.abort(handle, reason)
-        if tell_decode:
-            self._status(state.room, TransferState.FAILED, reason)
         # A decode that asks about this room later is answered at once, not after its deadline.
         self.failed_rooms[state.room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
-        self._forget(state)
+        self.rooms.pop(state.room, None)
+        self.by_request.pop(state.request_id, None)
+        # Our source blocks may go back at once: a write still reading them only lands in
+        # destination blocks the decode keeps quarantined until our final status.
         self.core.abort(state.request_id)
+        if tell_decode and state.handles:
+            self.settling.append(Settling(state.room, state.info.peer_name, tuple(state.handles), reason,
+                                          time.monotonic() + self.config.transfer_timeout_s))
+        else:
+            for handle in state.handles:
+                self.backend.release(handle)
+            if tell_decode:
+                self._status(state.room, TransferState.FAILED, reason)
         return [OutputMsg(state.request_id, finish_reason="abort", error=reason, error_status=status)]
+
+    def _settle(self, now: float) -> None:
+        """Send a failed room's final status once its posted writes all ended; a transport stuck past
+        `transfer_timeout_s` gets that decode's stream dropped (it then cuts us off itself)."""
+        for entry in list(self.settling):
+            if all(self.backend.poll(h).state.is_terminal for h in entry.handles):
+                self._status(entry.room, TransferState.FAILED, entry.reason)
+            elif now > entry.deadline:
+                self.control.drop_peer(entry.peer_name, f"writes of bootstrap_room {entry.room} did not settle "
+                                                        f"within {self.config.transfer_timeout_s:g} s")
+            else:
+                continue
+            for handle in entry.handles:
+                self.backend.release(handle)
+            self.settling.remove(entry)
 
     def _forget(self, state: PrefillRoom) -> None:
         for handle in state.handles:

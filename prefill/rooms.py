@@ -49,3 +49,15 @@ class PrefillRoom:
     @property
     def all_sent(self) -> bool:
         return self.info is not None and self.num_sent_blocks == len(self.info.dst_block_ids)
+
+
+@dataclass(frozen=True)
+class Settling:
+    """A failed room whose posted writes may still be landing: its decode hears FAILED (and reuses
+    the destination blocks) only once every handle ended."""
+
+    room: int
+    peer_name: str  # the decode's name on the control plane
+    handles: tuple[TransferHandle, ...]
+    reason: str
+    deadline: float

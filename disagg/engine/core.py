@@ -169,7 +169,8 @@ class EngineCore:
         return CacheSpec(cache.data_ptr(), self.num_blocks, a.num_layers, self.block_size, a.num_kv_heads, a.head_dim, dtype, str(cache.device))
 
     def release(self, request_id: str) -> bool:
-        """Free the blocks a finished `hold_blocks` request kept."""
+        """Free the blocks a finished `hold_blocks` request kept, or those of a request that ended
+        while waiting for remote KV (quarantined until the caller knows no write can land)."""
         return self.scheduler.release(request_id)
 
     # ---- the step -----------------------------------------------------------------------------
@@ -240,6 +241,8 @@ class EngineCore:
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level}", "level")
         for request_id in list(self.scheduler.requests):
             self.abort(request_id)
+        for request_id in list(self.scheduler.holding):
+            self.release(request_id)  # the cache itself goes away: nothing can be written into it
         self.runner.free_kv_cache()
         if level == 2:
             self.runner.model = None
@@ -264,5 +267,6 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": self.kv.num_free_blocks,
+            "num_quarantined_blocks": self.scheduler.num_quarantined_blocks,
             "num_total_blocks": self.num_blocks,
         }

@@ -46,6 +46,7 @@ class Request:
     prompt_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
     error: str | None = None  # why the engine failed this request (it ends with ABORT)
+    quarantined: bool = False  # ended while a remote engine may still write its blocks: kept until release()
 
     @property
     def num_prompt_tokens(self) -> int:

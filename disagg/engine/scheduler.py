@@ -213,15 +213,19 @@ class Scheduler:
         """End a request wherever it is; free its blocks unless it holds them for a remote reader."""
         if request.is_finished:
             return
+        # Blocks reserved for a remote writer stay out of the pool until the caller knows no write
+        # can land any more (release()): reusing them earlier could let a late write corrupt them.
+        request.quarantined = request.status is RequestStatus.WAITING_FOR_KV
         self._unlink(request)
         self._finished.append(request)
-        hold = request.hold_blocks and reason is not FinishReason.ABORT
+        hold = (request.hold_blocks and reason is not FinishReason.ABORT) or request.quarantined
         request.finish(reason, stop_reason)
         if not hold:
             request.status = RequestStatus.FINISHED
             self.kv.free(request)
             self.requests.pop(request.request_id, None)
         else:
+            request.status = RequestStatus.HOLDING
             self.holding[request.request_id] = request
 
     def abort(self, request_id: str) -> Request | None:
@@ -230,6 +234,8 @@ class Scheduler:
         if request is None:
             return None
         if request.status is RequestStatus.HOLDING:
+            if request.quarantined:
+                return None  # ended already; only release() frees its blocks
             self.release(request_id)
             return request
         self.finish(request, FinishReason.ABORT)
@@ -256,6 +262,11 @@ class Scheduler:
         """Requests finished since the last call (by stops, aborts or lack of cache)."""
         finished, self._finished = self._finished, []
         return finished
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Blocks of ended requests that a remote writer may still write (not free, not in use)."""
+        return sum(len(r.block_ids) for r in self.holding.values() if r.quarantined)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -159,15 +159,34 @@ async def test_transfer_info_before_registration_is_refused(server):
     assert server.active_rooms == {}
 
 
-async def test_abort_fails_the_room_locally_and_frees_it_on_the_prefill(server, client):
+async def test_abort_fails_the_room_locally_and_fences_it_when_the_prefill_acknowledges(server, client):
     future = client.send_transfer(info(11))
     await asyncio.wait_for(server.events.get(), 2)
-    client.abort(11, "client went away")
+    fence = client.abort(11, "client went away")
     assert future.result() == failed(11, "aborted: client went away")
     assert await asyncio.wait_for(server.events.get(), 2) == AbortMsg(room=11, reason="client went away",
                                                                       peer_name="decode-0")
+    # Until the prefill role says it stopped writing, the room stays active and unwritable.
+    assert (list(server.active_rooms), server.is_writable(11), fence.done()) == ([11], False, False)
+    assert client.abort(11, "again") is fence
+    assert server.send_status(failed(11, "aborted by decode: client went away")) is True
+    assert await asyncio.wait_for(fence, 2) is True
     assert server.active_rooms == {}
     assert server.send_status(TransferStatusMsg(room=11, state=TransferState.SUCCESS)) is False
+
+
+async def test_abort_of_a_final_room_is_fenced_at_once_and_a_lost_stream_fences_false(server, client):
+    future = client.send_transfer(info(12))
+    await asyncio.wait_for(server.events.get(), 2)
+    assert server.send_status(failed(12, "prefill gave up")) is True
+    assert await asyncio.wait_for(future, 2) == failed(12, "prefill gave up")
+    assert await client.abort(12, "late") is True
+    client.send_transfer(info(13))
+    await asyncio.wait_for(server.events.get(), 2)
+    fence = client.abort(13, "client went away")
+    client.drop("test: the prefill never answered")
+    assert await asyncio.wait_for(fence, 2) is False
+    assert await client.abort(14, "after the loss") is False
 
 
 async def test_closing_the_client_reports_the_peer_lost_with_its_rooms(server):

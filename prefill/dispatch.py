@@ -19,13 +19,11 @@ def plan_room(*, dp_size: int, method: str, dp_rank: int, room: int | None, deco
     `decode_told`: the request carries disagg_prefill_dp_rank, so the decode skips the registry."""
     if room is None or dp_size == 1 or decode_told:
         return RoomPlan(register=False)
-    if method != "follow_bootstrap_room":
-        return RoomPlan(register=True)
+    if method != "follow_bootstrap_room" or force_query:
+        return RoomPlan(register=True)  # the decode asks the registry (with the flag it always does)
     implied = room % dp_size
     if dp_rank == implied:
         return RoomPlan(register=False)
-    if force_query:
-        return RoomPlan(register=True)
     return RoomPlan(register=False, conflict=(
         f"bootstrap_room {room} was dispatched to prefill DP rank {dp_rank}, but load_balance_method "
         f"follow_bootstrap_room implies rank {implied} (room % dp_size={dp_size}), where the decode looks for its KV; "

@@ -105,7 +105,7 @@ class PrefillHandler(EngineHandler):
             one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             self.core.add_request(msg.request_id, self.prompt_ids(msg), one_token, hold_blocks=True)
         except Exception as exc:
-            if room is not None:
+            if room is not None and room not in self.rooms:  # a duplicate never spoils the room in use
                 await self.room_failed(room, f"the prefill rejected the request: {exc}")
             return [error_output(msg.request_id, exc)]
         self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s)

@@ -1,0 +1,101 @@
+"""Registry restart, a disconnect storm, two requests with one room: exact outcomes, and every
+worker's free-block gauge back at its start."""
+
+import asyncio
+import random
+
+import pytest
+
+from bootstrap.server import BootstrapServer
+from disagg.config import ControlConfig
+from pd_cluster import start_pd
+from test_fencing import LONG, PROMPTS, body, unified_outputs, wait_gauges
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
+FAST = {"registry_refresh_s": 0.3, "waiting_timeout_s": 10, "bootstrap_timeout_s": 10, "abort_ack_timeout_s": 2,
+        "control": ControlConfig(heartbeat_interval_s=0.2, heartbeat_max_misses=3, connect_timeout_s=2)}
+
+
+async def test_a_restarted_registry_learns_the_topology_again_from_the_prefill_ranks():
+    expected = await unified_outputs(PROMPTS[:1])
+    cluster = await start_pd("tcp", force_query=True, disagg=FAST)  # every decode asks the registry
+    try:
+        old = cluster.prefill.bootstrap
+        port = old.port
+        await old.close()
+        fresh = BootstrapServer(old.config)
+        await fresh.start(port=port)
+        cluster.prefill.bootstrap = fresh  # closed with the cluster
+        route = f"http://127.0.0.1:{port}/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1"
+        async with cluster.session.get(route) as r:
+            assert r.status == 503  # it remembers nothing
+        for _ in range(50):
+            async with cluster.session.get(route) as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        assert (r.status, fresh.registry.num_registered) == (200, 2)
+        pd = cluster.pd_body(body(PROMPTS[0]))
+        (p, _, _), (d, data, _) = await cluster.post_both("/generate", pd, pd)
+        assert (p, d, data["output_ids"]) == (200, 200, expected[0])
+    finally:
+        await cluster.close()
+
+
+async def test_a_disconnect_storm_leaves_no_block_behind():
+    expected = await unified_outputs(PROMPTS)
+    cluster = await start_pd("tcp", disagg=FAST)
+    try:
+        idle = [[(w, 0) for w in side] for side in await cluster.free_blocks()]
+        rng = random.Random(8)
+
+        async def leg(url, payload):
+            async with cluster.session.post(url, json=payload) as r:
+                async for _ in r.content:
+                    pass
+
+        tasks = []
+        for i in range(24):
+            pd = cluster.pd_body(dict(body(rng.choice(PROMPTS), 48), stream=True))
+            legs = [cluster.prefill_url + "/generate", cluster.decode_url + "/generate"]
+            rng.shuffle(legs)  # either side may lose its client first
+            tasks += [asyncio.create_task(leg(url, pd)) for url in legs]
+        await asyncio.sleep(0.02)
+        for task in tasks:
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert await wait_gauges([cluster.prefill, cluster.decode], idle, timeout_s=15) == idle
+        outs = []
+        for text in PROMPTS:
+            pd = cluster.pd_body(body(text))
+            (p, _, _), (d, data, _) = await cluster.post_both("/generate", pd, pd)
+            assert (p, d) == (200, 200), data
+            outs.append(data["output_ids"])
+        assert outs == expected
+        assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
+    finally:
+        await cluster.close()
+
+
+async def test_two_requests_with_one_room_serve_one_and_refuse_the_other():
+    expected = await unified_outputs([LONG])
+    cluster = await start_pd("tcp", disagg=FAST)
+    try:
+        idle = [[(w, 0) for w in side] for side in await cluster.free_blocks()]
+        pd = cluster.pd_body(body(LONG), room=2 * 31)  # both on prefill worker 0, decodes on workers 0 and 1
+        results = await asyncio.gather(
+            cluster.post(cluster.prefill_url + "/generate", pd, None),
+            cluster.post(cluster.prefill_url + "/generate", pd, None),
+            cluster.post(cluster.decode_url + "/generate", dict(pd, routed_dp_rank=0), None),
+            cluster.post(cluster.decode_url + "/generate", dict(pd, routed_dp_rank=1), None),
+        )
+        prefills, decodes = sorted(results[:2], key=lambda r: r[0]), sorted(results[2:], key=lambda r: r[0])
+        assert [p[0] for p in prefills] == [200, 400]
+        assert prefills[1][1]["error"]["message"] == f"bootstrap_room {2 * 31} is already in use on this prefill worker"
+        assert [d[0] for d in decodes] == [200, 500]
+        assert decodes[0][1]["output_ids"] == expected[0]
+        assert decodes[1][1]["error"]["message"] == f"room {2 * 31} is already active with different transfer info"
+        assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
+    finally:
+        await cluster.close()

@@ -238,7 +238,9 @@ class EngineCore:
             self._finish_output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work to step, or outputs still owed: a remote admission whose first token ends the request
+        (EOS, max_tokens 1) queues its final output outside a step, and only a step delivers it."""
+        return self.scheduler.has_work() or bool(self._pending)
 
     # ---- utilities ----------------------------------------------------------------------------
 

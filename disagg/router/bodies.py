@@ -45,6 +45,8 @@ def generate_batch_size(path: str, body: dict) -> int | None:
         return None
     text = body.get("text")
     if isinstance(text, list):
+        if not text:
+            raise BadRequest("text is an empty list: send a prompt (or a non-empty batch of prompts)", "text")
         return len(text)
     ids = body.get("input_ids")
     if isinstance(ids, list) and ids and isinstance(ids[0], list):

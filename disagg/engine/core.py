@@ -225,11 +225,13 @@ class EngineCore:
             self._pending.append(self.outputs.emit(request))
 
     def _finish_output(self, request: Request) -> None:
-        if request.request_id not in self.outputs.streams:
+        # An aborted request is finished at once and again when the scheduler's finished list is
+        # drained; by then a new request may carry its id: only the owner of the stream reports.
+        if not self.outputs.owns(request):
             return
         self.outputs.check_stop_strings(request)
         self._pending.append(self.outputs.emit(request))
-        self.outputs.remove(request.request_id)
+        self.outputs.remove(request)
         self.runner.sampler.forget(request.request_id)
 
     def _collect_scheduler_finished(self) -> None:

@@ -42,13 +42,13 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """How to sample one request. A temperature below 1e-5 (0 included) means greedy, as in vLLM.
 
-    `max_tokens=None` means "not set by the client": the engine generates at most
-    `default_max_tokens` (the endpoint's default) and never past the context; None there too means
-    "the rest of the context". A `max_tokens` that is set must fit the context with the prompt, or
-    the engine refuses the request at admission (vLLM's rule); a default never does.
+    `max_tokens=None` means "not set": the engine generates at most `default_max_tokens` (16, as
+    vLLM's default; the HTTP endpoints pass their own) and never past the context; None there too
+    means "the rest of the context". A `max_tokens` that is set must fit the context with the prompt,
+    or the engine refuses the request at admission (vLLM's rule); a default never does.
     """
 
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -62,7 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled token's)
     prompt_logprobs: int | None = None  # top-n per prompt token
     skip_special_tokens: bool = True
-    default_max_tokens: int | None = None  # applies when max_tokens is None; capped by the context
+    default_max_tokens: int | None = 16  # applies when max_tokens is None; capped by the context
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -59,9 +59,11 @@ def test_seeds_must_be_signed_64_bit(seed):
 
 
 def test_unset_max_tokens_bounds_min_tokens_by_the_default():
-    assert SamplingParams(max_tokens=None, min_tokens=10**6).max_tokens is None  # no default: the context decides
+    assert (SamplingParams().max_tokens, SamplingParams().default_max_tokens) == (None, 16)  # vLLM's 16, as a default
+    params = SamplingParams(default_max_tokens=None, min_tokens=10**6)  # no default: the context decides
+    assert (params.max_tokens, params.min_tokens) == (None, 10**6)
     with pytest.raises(InvalidRequest) as err:
-        SamplingParams(max_tokens=None, default_max_tokens=16, min_tokens=17)
+        SamplingParams(min_tokens=17)
     assert (err.value.message, err.value.param) == ("min_tokens must be between 0 and max_tokens (16), got 17", "min_tokens")
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(max_tokens=None, default_max_tokens=0)
@@ -97,9 +99,14 @@ def test_unset_max_tokens_resolve_to_the_default_capped_by_the_context(core, def
     assert core.scheduler.requests["r"].sampling_params.max_tokens == resolved
 
 
+def test_the_default_of_the_python_api_is_capped_by_the_context_never_refused(core):
+    core.add_request("r", [5] * 500, SamplingParams())  # 500 + 16 > 512: the default stops at 12
+    assert core.scheduler.requests["r"].sampling_params.max_tokens == 12
+
+
 def test_min_tokens_past_the_context_are_refused_when_max_tokens_is_unset(core):
     with pytest.raises(InvalidRequest) as err:
-        core.add_request("r", list(range(1, 11)), SamplingParams(max_tokens=None, min_tokens=503))
+        core.add_request("r", list(range(1, 11)), SamplingParams(default_max_tokens=None, min_tokens=503))
     assert (err.value.message, err.value.param) == (
         "min_tokens is 503, but the prompt has 10 tokens and the context length is 512: at most 502 tokens can be "
         "generated", "min_tokens")

@@ -49,6 +49,7 @@ from disagg.wire.bootstrap_msgs import (
     rank_address,
     sglang_topology,
 )
+from disagg.wire.errors import JSON_TOO_DEEP
 
 Clock = Callable[[], float]
 REGISTRY_KEY = web.AppKey("registry", BootstrapRegistry)
@@ -112,6 +113,10 @@ async def _decode(request: web.Request, kind: type):
         raise BadRequest(f"invalid {request.method} {request.path} body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"invalid JSON body: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadRequest("invalid JSON body: it is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest(f"invalid JSON body: {JSON_TOO_DEEP}") from None
 
 
 async def put_route(request: web.Request) -> web.Response:

@@ -6,7 +6,14 @@ No torch here: the HTTP front door and the router import this module.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# Seeds seed a torch.Generator, whose manual_seed takes [-2**63, 2**64 - 1]; vLLM's API takes a
+# signed 64-bit integer. Both hold for the intersection.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20
 
 
 class InvalidRequest(ValueError):
@@ -33,9 +40,15 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. `temperature == 0` means greedy, as in vLLM."""
+    """How to sample one request. A temperature below 1e-5 (0 included) means greedy, as in vLLM.
 
-    max_tokens: int = 16
+    `max_tokens=None` means "not set": the engine generates at most `default_max_tokens` (16, as
+    vLLM's default; the HTTP endpoints pass their own) and never past the context; None there too
+    means "the rest of the context". A `max_tokens` that is set must fit the context with the prompt,
+    or the engine refuses the request at admission (vLLM's rule); a default never does.
+    """
+
+    max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,26 +62,43 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled token's)
     prompt_logprobs: int | None = None  # top-n per prompt token
     skip_special_tokens: bool = True
+    default_max_tokens: int | None = 16  # applies when max_tokens is None; capped by the context
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            name = "stop" if not isinstance(self.stop, (list, tuple)) else "stop_token_ids"
+            raise InvalidRequest(f"{name} must be a list", name)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequest(f"{name} must be a finite number, got {value!r}", name)
+        for name, value in (("max_tokens", self.max_tokens), ("default_max_tokens", self.default_max_tokens)):
+            if value is not None and not (_is_int(value) and value > 0):
+                raise InvalidRequest(f"{name} must be at least 1, got {value}", name)
+        bound = self.max_tokens if self.max_tokens is not None else self.default_max_tokens
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens > 0, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"),
+            (_is_int(self.min_tokens) and self.min_tokens >= 0 and (bound is None or self.min_tokens <= bound),
+             "min_tokens", f"min_tokens must be between 0 and max_tokens ({bound}), got {self.min_tokens}"
+             if bound is not None else f"min_tokens must be non-negative, got {self.min_tokens}"),
             (self.temperature >= 0, "temperature", f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", f"top_k must be -1 (off) or non-negative, got {self.top_k}"),
+            (_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", f"top_k must be -1 (off) or non-negative, got {self.top_k}"),
             (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"logprobs must be between 0 and 20, got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}"),
+            (self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+             f"seed must be an integer between {SEED_MIN} and {SEED_MAX} (64-bit signed), got {self.seed}"),
+            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -76,7 +106,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 TopLogprobs = dict[int, float]  # token id -> logprob

@@ -3,20 +3,25 @@
 Decoding checks every known field's type; unknown fields (routers add `log_metrics`, `rid`,
 `return_hidden_states`, `bootstrap_*`, ...) are ignored. Every field is nullable, as in OpenAI's
 API: `null` means "the default", and the defaults live in requests.py, one place per endpoint.
-Fields whose JSON type varies (`prompt`, `text`, `input_ids`, `rid`) are `object` here and are
-checked in requests.py.
+Fields whose JSON type varies (`prompt`, `text`, `input_ids`, `rid`, `messages`) are `object` here and
+are checked in requests.py. Every integer is bounded to what the worker messages carry (64 bits), so
+no value overflows downstream; seeds stay unbounded here so SamplingParams names their range.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 
 from disagg.api.errors import BadRequest
+from disagg.wire.errors import JSON_TOO_DEEP
 
 T = TypeVar("T")
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # as SGLang draws them (63 bits)
 _PATH_RE = re.compile(r"at `\$\.([A-Za-z_][\w.]*)")
 
 
@@ -33,12 +38,12 @@ class RoutedBody(msgspec.Struct, kw_only=True):
     Decoded from the same body as the endpoint's own struct, so every endpoint reads them alike.
     """
 
-    routed_dp_rank: int | None = None
-    data_parallel_rank: int | None = None  # deprecated alias of routed_dp_rank
-    disagg_prefill_dp_rank: int | None = None
+    routed_dp_rank: Int64 | None = None
+    data_parallel_rank: Int64 | None = None  # deprecated alias of routed_dp_rank
+    disagg_prefill_dp_rank: Int64 | None = None
     bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_port: Port | None = None
+    bootstrap_room: Room | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -46,16 +51,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    n: int | None = None
+    n: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -67,7 +72,7 @@ class OpenAIBody(SamplingFields, kw_only=True):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     request_id: str | None = None
     add_special_tokens: bool | None = None
 
@@ -76,9 +81,9 @@ class CompletionBody(OpenAIBody, kw_only=True):
     """/v1/completions: `logprobs` is a count; `echo`, `best_of` > 1 and `suffix` are refused."""
 
     prompt: object = None
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
 
@@ -86,27 +91,27 @@ class ChatBody(OpenAIBody, kw_only=True):
     """/v1/chat/completions: `logprobs` is a flag, `top_logprobs` the count."""
 
     messages: object = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):
     """SGLang's `sampling_params` fields that the engine implements."""
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
+    max_new_tokens: Int64 | None = None
+    min_new_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     sampling_seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    n: int | None = None
+    n: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -120,17 +125,17 @@ class SGLangBody(msgspec.Struct, kw_only=True):
     sampling_params: SGLangSampling | None = None
     stream: bool | None = None
     return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
+    logprob_start_len: Int64 | None = None
+    top_logprobs_num: Int64 | None = None
     rid: object = None
 
 
 class TokensSampling(SamplingFields, kw_only=True):
     """vLLM SamplingParams fields that the engine implements."""
 
-    max_tokens: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    max_tokens: Int64 | None = None
+    logprobs: Int64 | None = None
+    prompt_logprobs: Int64 | None = None
 
 
 class TokensBody(msgspec.Struct, kw_only=True):
@@ -141,7 +146,7 @@ class TokensBody(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     request_id: str | None = None
-    priority: int | None = None
+    priority: Int64 | None = None
     model: str | None = None
 
 
@@ -156,3 +161,5 @@ def decode_body(raw: bytes, kind: type[T]) -> T:
         raise BadRequest(f"malformed JSON body: {exc}") from None
     except UnicodeDecodeError:
         raise BadRequest("malformed JSON body: it is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest(f"malformed JSON body: {JSON_TOO_DEEP}") from None

@@ -20,7 +20,7 @@ from disagg.api.routing import read_routing
 from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import ApiState, state_of
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the context length
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the context; chat's is the rest of the context
 
 
 def completion_prompt(prompt: object, vocab_size: int) -> dict:
@@ -40,16 +40,45 @@ def completion_prompt(prompt: object, vocab_size: int) -> dict:
 
 
 def chat_messages(messages: object) -> list[dict]:
-    """A non-empty list of `{role, content}` objects; the worker applies the chat template."""
+    """`[{role, content}]` with every content a plain string, for the worker's chat template.
+
+    Content may be a string, null (empty), or a list of content parts as the openai SDK, LangChain
+    and LiteLLM send them; text parts (and bare strings) are joined with "\n", as vLLM does. Other
+    part types (image_url, input_audio, ...) are refused: the model takes text only. Other message
+    keys (name, tool_calls, ...) do not reach the template.
+    """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of content parts", "messages")
-    return messages
+        out.append({"role": message["role"], "content": _content_text(message.get("content"), i)})
+    return out
+
+
+def _content_text(content: object, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"messages[{i}].content must be a string or a list of content parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise BadRequest(f"{where} must be an object with a string 'type'", where)
+        if part["type"] != "text":
+            raise BadRequest(f"{where}.type {part['type']!r} is not supported: this model takes text only "
+                             "(content parts of type 'text')", f"{where}.type")
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.text must be a string", f"{where}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _common_checks(state: ApiState, body: OpenAIBody) -> StreamOptions:
@@ -71,8 +100,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     prompt = completion_prompt(body.prompt, state.engine.model.vocab_size)
-    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    sampling = sampling_from_fields(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    sampling = sampling_from_fields(body, max_tokens=body.max_tokens, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                    logprobs=body.logprobs)
     request_id = choose_request_id(request, body.request_id, "request_id", "cmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -95,9 +124,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = decode_body(raw, ChatBody)
     options = _common_checks(state, body)
     messages = chat_messages(body.messages)
-    max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None),
-                      state.engine.model.max_model_len)
-    sampling = sampling_from_fields(body, max_tokens=max_tokens, logprobs=_chat_logprobs(body))
+    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    sampling = sampling_from_fields(body, max_tokens=max_tokens, default_max_tokens=None,  # unset: the rest of the context
+                                    logprobs=_chat_logprobs(body))
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them

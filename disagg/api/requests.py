@@ -7,6 +7,7 @@ disagg.types.SamplingParams, so the front door rejects exactly what the engine w
 from __future__ import annotations
 
 import dataclasses
+import unicodedata
 import uuid
 
 from aiohttp import web
@@ -19,6 +20,7 @@ from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
 REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 256  # the id goes back in the X-Request-Id header; clients read headers up to 8 KiB
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -49,6 +51,9 @@ def choose_request_id(request: web.Request, body_id: object, param: str, prefix:
     if body_id is not None:
         if not isinstance(body_id, str) or not body_id:
             raise BadRequest(f"{param} must be a non-empty string (batched requests are not supported)", param)
+        if len(body_id) > MAX_REQUEST_ID_CHARS or any(unicodedata.category(c) == "Cc" for c in body_id):
+            raise BadRequest(f"{param} must have at most {MAX_REQUEST_ID_CHARS} characters and no control "
+                             "characters: it is sent back in the X-Request-Id header", param)
         request_id = body_id
     else:
         request_id = request.headers.get(REQUEST_ID_HEADER, "").strip() or f"{prefix}-{uuid.uuid4().hex}"
@@ -81,19 +86,23 @@ def check_unsupported(n: int | None, presence: float | None, frequency: float | 
             raise BadRequest(f"{name} is not supported: got {value}, leave it at {neutral}", name)
 
 
-def make_sampling(**fields: object) -> SamplingMsg:
-    """Validate through SamplingParams (None means its default) and convert to the wire message."""
-    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingMsg:
+    """Validate through SamplingParams and convert to the wire message. None means the default;
+    `max_tokens` None means the client did not set it: the worker applies `default_max_tokens`
+    (None: the rest of the context) once it knows the prompt's length."""
+    params = SamplingParams(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+                            **{k: v for k, v in fields.items() if v is not None})
     values = dataclasses.asdict(params)
     return SamplingMsg(**{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
 
 
-def sampling_from_fields(f: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingMsg:
+def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_max_tokens: int | None,
+                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingMsg:
     """SamplingMsg from the fields OpenAI's and vLLM's APIs share."""
     check_unsupported(f.n, f.presence_penalty, f.frequency_penalty, f.repetition_penalty)
     return make_sampling(
-        max_tokens=max_tokens, min_tokens=f.min_tokens, temperature=f.temperature, top_p=f.top_p,
+        max_tokens=max_tokens, default_max_tokens=default_max_tokens, min_tokens=f.min_tokens,
+        temperature=f.temperature, top_p=f.top_p,
         top_k=f.top_k, min_p=f.min_p, seed=f.seed, stop=f.stop, stop_token_ids=f.stop_token_ids,
         ignore_eos=f.ignore_eos, include_stop_str_in_output=f.include_stop_str_in_output,
         skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

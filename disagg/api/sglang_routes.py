@@ -24,7 +24,7 @@ from disagg.api.serving import serve_generation
 from disagg.api.state import state_of
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default (capped by the context, never refused)
 
 
 def sglang_prompt(body: SGLangBody, vocab_size: int) -> dict:
@@ -46,7 +46,7 @@ def sglang_sampling(body: SGLangBody) -> SamplingMsg:
     start = -1 if body.logprob_start_len is None else body.logprob_start_len
     wants_prompt = bool(body.return_logprob) and start >= 0
     return make_sampling(
-        max_tokens=DEFAULT_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens,
+        max_tokens=sp.max_new_tokens, default_max_tokens=DEFAULT_MAX_NEW_TOKENS,
         min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
         min_p=sp.min_p, seed=sp.sampling_seed, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,

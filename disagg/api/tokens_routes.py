@@ -29,7 +29,7 @@ from disagg.api.serving import serve_generation
 from disagg.api.state import state_of
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
-DEFAULT_MAX_TOKENS = 16  # vLLM SamplingParams' default
+DEFAULT_MAX_TOKENS = 16  # vLLM SamplingParams' default (capped by the context, never refused)
 MAX_LOGPROBS = 20  # the engine's cap; -1 ("all", as in vLLM) asks for this many
 
 
@@ -42,7 +42,7 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
 def tokens_sampling(sp: TokensSampling) -> SamplingMsg:
     """vLLM-style `sampling_params` as a SamplingMsg."""
     return sampling_from_fields(
-        sp, max_tokens=DEFAULT_MAX_TOKENS if sp.max_tokens is None else sp.max_tokens,
+        sp, max_tokens=sp.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
         logprobs=_logprobs_count(sp.logprobs, "logprobs"),
         prompt_logprobs=_logprobs_count(sp.prompt_logprobs, "prompt_logprobs"),
     )

@@ -247,7 +247,7 @@ class DPController:
         finished = False
         try:
             worker.send(msg)
-            worker.outstanding[msg.request_id] = _estimate_tokens(msg)
+            worker.outstanding[msg.request_id] = _estimate_tokens(msg, self.model.max_model_len if self.model else 0)
             while not finished:
                 out = await queue.get()
                 finished = out.finish_reason is not None or out.error is not None
@@ -292,10 +292,11 @@ class DPController:
         return bool(self.workers) and all(w.available for w in self.workers)
 
 
-def _estimate_tokens(msg: GenerateMsg) -> int:
+def _estimate_tokens(msg: GenerateMsg, max_model_len: int) -> int:
     """Outstanding-token estimate for least_load, before the worker has tokenized anything."""
     if msg.prompt_token_ids is not None:
         prompt = len(msg.prompt_token_ids)
     else:
         prompt = len(msg.prompt or "") // 4 + sum(len(str(m.get("content", ""))) for m in msg.messages or []) // 4
-    return prompt + msg.sampling.max_tokens
+    limit = msg.sampling.max_tokens or msg.sampling.default_max_tokens or max_model_len  # unset: up to the context
+    return prompt + limit

@@ -25,6 +25,7 @@ def sampling_params(msg: SamplingMsg) -> SamplingParams:
         top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=msg.logprobs,
         prompt_logprobs=msg.prompt_logprobs, skip_special_tokens=msg.skip_special_tokens,
+        default_max_tokens=msg.default_max_tokens,
     )
 
 
@@ -32,6 +33,15 @@ def error_output(request_id: str, exc: Exception) -> OutputMsg:
     status = 400 if isinstance(exc, InvalidRequest) else 503 if isinstance(exc, EngineSleeping) else 500
     param = getattr(exc, "param", None)
     return OutputMsg(request_id, finish_reason="abort", error=str(exc), error_status=status, error_param=param)
+
+
+def admission_error(request_id: str, exc: Exception) -> OutputMsg:
+    """The answer to a request that could not be admitted: 400/503 for the typed errors; anything
+    else is our bug, logged with its traceback and answered 500 with the exception's text."""
+    if isinstance(exc, (InvalidRequest, EngineSleeping)):
+        return error_output(request_id, exc)
+    log.exception("could not admit the request", request_id=request_id)
+    return error_output(request_id, RuntimeError(f"the worker could not admit the request: {type(exc).__name__}: {exc}"))
 
 
 def _pairs(top: dict[int, float], sampled: int, num_top: int) -> list[tuple[int, float]]:
@@ -79,6 +89,14 @@ class EngineHandler:
         return ReadyMsg(self.dp_rank, self.model_name, core.max_model_len, core.arch.vocab_size, core.num_blocks, core.block_size)
 
     def prompt_ids(self, msg: GenerateMsg) -> list[int]:
+        """The request's prompt as token ids, checked for admission with the request's own sampling
+        (vocabulary, stop ids, the context with its max_tokens): every role refuses what the
+        unified engine refuses, though a prefill runs it with max_tokens 1. Raises InvalidRequest."""
+        ids = self._tokenize(msg)
+        self.core.check_request(ids, sampling_params(msg.sampling))
+        return ids
+
+    def _tokenize(self, msg: GenerateMsg) -> list[int]:
         tokenizer = self.core.tokenizer
         if msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
@@ -108,11 +126,11 @@ class EngineHandler:
         return []
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
-        """Queue a request; a rejected one answers at once with its error."""
+        """Queue a request; a rejected one answers at once with its error, and the worker goes on."""
         try:
             self.core.add_request(msg.request_id, self.prompt_ids(msg), sampling_params(msg.sampling))
-        except (InvalidRequest, EngineSleeping) as exc:
-            return [error_output(msg.request_id, exc)]
+        except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
+            return [admission_error(msg.request_id, exc)]
         return []
 
     async def abort(self, request_id: str) -> list[OutputMsg]:

@@ -23,7 +23,8 @@ from disagg.config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
-    AbortMsg, GenerateMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker, encode,
+    AbortMsg, GenerateMsg, OutputMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
+    encode,
 )
 
 if TYPE_CHECKING:
@@ -145,6 +146,19 @@ def _send(writer: asyncio.StreamWriter, msgs: list) -> None:
 
 
 async def apply(handler: EngineHandler, msg) -> list:
+    """Apply one message from the front. A message that raises never stops the loop: a request
+    that could not be admitted answers with a 500 naming the exception; a failed abort is logged."""
+    try:
+        return await _apply(handler, msg)
+    except Exception as exc:  # noqa: BLE001 - the handlers answer their own errors; this is the backstop
+        log.exception("applying a message failed", message=type(msg).__name__)
+        if isinstance(msg, GenerateMsg):
+            return [OutputMsg(msg.request_id, finish_reason="abort", error_status=500,
+                              error=f"the worker could not admit the request: {type(exc).__name__}: {exc}")]
+        return []
+
+
+async def _apply(handler: EngineHandler, msg) -> list:
     if isinstance(msg, GenerateMsg):
         return await handler.submit(msg)
     if isinstance(msg, AbortMsg):

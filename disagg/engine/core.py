@@ -7,6 +7,7 @@ a finished request's blocks until a reader releases them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -95,10 +96,37 @@ class EngineCore:
     def _new_request(self, request_id, prompt_token_ids, params, hold_blocks) -> Request:
         if self.sleep_level:
             raise EngineSleeping("the engine is sleeping; call wake_up() first")
-        self.validate_prompt(prompt_token_ids)
+        params = self.check_request(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold_blocks)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Admission: refuse (InvalidRequest) what could make a step raise or cannot fit the context.
+
+        Returns `params` with `max_tokens` resolved: a value the client set must fit the context with
+        the prompt (vLLM's rule and message); an unset one becomes the endpoint's default, capped by
+        the rest of the context (or that rest when there is no default).
+        """
+        self.validate_prompt(prompt_token_ids)
+        vocab = self.arch.vocab_size
+        for token_id in params.stop_token_ids:
+            if token_id >= vocab:
+                raise InvalidRequest(f"stop token id {token_id} is out of vocabulary (vocab_size={vocab})", "stop_token_ids")
+        num_prompt, room = len(prompt_token_ids), self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the messages, {params.max_tokens} in "
+                    "the completion). Please reduce the length of the messages or completion.", "max_tokens")
+            return params
+        if params.min_tokens > room:
+            raise InvalidRequest(
+                f"min_tokens is {params.min_tokens}, but the prompt has {num_prompt} tokens and the context length is "
+                f"{self.max_model_len}: at most {room} tokens can be generated", "min_tokens")
+        default = params.default_max_tokens
+        return dataclasses.replace(params, max_tokens=room if default is None else min(default, room))
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if len(prompt_token_ids) == 0:
@@ -215,11 +243,13 @@ class EngineCore:
             self._pending.append(self.outputs.emit(request))
 
     def _finish_output(self, request: Request) -> None:
-        if request.request_id not in self.outputs.streams:
+        # An aborted request is finished at once and again when the scheduler's finished list is
+        # drained; by then a new request may carry its id: only the owner of the stream reports.
+        if not self.outputs.owns(request):
             return
         self.outputs.check_stop_strings(request)
         self._pending.append(self.outputs.emit(request))
-        self.outputs.remove(request.request_id)
+        self.outputs.remove(request)
         self.runner.sampler.forget(request.request_id)
 
     def _collect_scheduler_finished(self) -> None:
@@ -228,7 +258,9 @@ class EngineCore:
             self._finish_output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work to step, or outputs still owed: a remote admission whose first token ends the request
+        (EOS, max_tokens 1) queues its final output outside a step, and only a step delivers it."""
+        return self.scheduler.has_work() or bool(self._pending)
 
     # ---- utilities ----------------------------------------------------------------------------
 

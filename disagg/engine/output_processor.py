@@ -11,6 +11,7 @@ from disagg.types import CompletionOutput, RequestOutput
 
 @dataclass
 class _Stream:
+    request: Request  # the owner: a request id may be reused as soon as its request has ended
     detokenizer: IncrementalDetokenizer
     num_emitted_tokens: int = 0
     text: str = ""
@@ -27,10 +28,16 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         params = request.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        self.streams[request.request_id] = _Stream(detok)
+        self.streams[request.request_id] = _Stream(request, detok)
 
-    def remove(self, request_id: str) -> None:
-        self.streams.pop(request_id, None)
+    def owns(self, request: Request) -> bool:
+        """Whether `request` (this object, not only its id) still has its stream."""
+        stream = self.streams.get(request.request_id)
+        return stream is not None and stream.request is request
+
+    def remove(self, request: Request) -> None:
+        if self.owns(request):
+            del self.streams[request.request_id]
 
     def check_stop_strings(self, request: Request) -> str | None:
         """Detokenize new tokens; return the stop string that now ends the text, if any."""

@@ -102,8 +102,10 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays, even when
+        # top_p rounds to 0 in float32 (a subnormal top_p would otherwise drop every token: NaN).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from disagg.router.errors import BadRequest, DpRankMismatch
+from disagg.wire.errors import JSON_TOO_DEEP
 
 GENERATE_PATH = "/generate"
 # Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
@@ -24,6 +25,10 @@ def parse_request_body(raw: bytes) -> dict:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not valid JSON: it is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest(f"request body is not valid JSON: {JSON_TOO_DEEP}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -40,6 +45,8 @@ def generate_batch_size(path: str, body: dict) -> int | None:
         return None
     text = body.get("text")
     if isinstance(text, list):
+        if not text:
+            raise BadRequest("text is an empty list: send a prompt (or a non-empty batch of prompts)", "text")
         return len(text)
     ids = body.get("input_ids")
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -62,6 +69,15 @@ class Bootstrap:
             return {"bootstrap_host": [self.host] * count, "bootstrap_port": [self.port] * count,
                     "bootstrap_room": list(self.room)}
         return {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room}
+
+
+def encode_body(body: dict) -> bytes:
+    """A leg's body as JSON. A body nested just short of the decoder's limit can still exhaust the
+    (deeper) stack here: that is the client's 400, never our 500."""
+    try:
+        return msgspec.json.encode(body)
+    except RecursionError:
+        raise BadRequest(f"request body is not valid JSON: {JSON_TOO_DEEP}") from None
 
 
 def with_bootstrap(body: dict, bootstrap: Bootstrap) -> dict:

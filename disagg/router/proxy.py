@@ -136,9 +136,9 @@ class Proxy:
         if self._config.test_external_dp_routing:
             p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
             expected = pick_dp_rank(await self._health.ensure_dp_size(Role.DECODE, d), self._rng)
-            prefill_body, decode_body = (msgspec.json.encode(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
+            prefill_body, decode_body = (bodies.encode_body(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
         else:
-            prefill_body = decode_body = msgspec.json.encode(shared)
+            prefill_body = decode_body = bodies.encode_body(shared)
         decode_url = self._config.decode[d]
         return Plan(
             prefill=Leg(Role.PREFILL, p, endpoint.url, endpoint.url + path, prefill_body),

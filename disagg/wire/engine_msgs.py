@@ -10,9 +10,13 @@ import msgspec
 
 
 class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Mirror of disagg.types.SamplingParams (validated again by the worker)."""
+    """Mirror of disagg.types.SamplingParams (validated again by the worker).
 
-    max_tokens: int = 16
+    `max_tokens` None: the client did not set it; the worker resolves it once the prompt is
+    tokenized, to `default_max_tokens` capped by the context (None: the rest of the context).
+    """
+
+    max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -26,6 +30,7 @@ class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    default_max_tokens: int | None = 16
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):

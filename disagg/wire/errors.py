@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+# Why a JSON body that exhausts the decoder's recursion is refused; each HTTP edge puts its own prefix.
+JSON_TOO_DEEP = "it is nested too deeply"
+
 TYPE_OF_STATUS = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 405: "MethodNotAllowedError",
     413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",

@@ -26,6 +26,7 @@ from disagg.types import InvalidRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 
 FAKE_MODEL = ModelCard(name="fake-model", max_model_len=64, vocab_size=1000)
+LONG_MODEL = ModelCard(name="fake-model", max_model_len=4096, vocab_size=1000)  # for requests that must run long
 FIRST_OUTPUT_ID = 100
 
 
@@ -108,7 +109,8 @@ class FakeEngine:
             yield rejection
             return
         text = ""
-        for i in range(sp.max_tokens):
+        limit = self._max_tokens(sp, num_prompt)
+        for i in range(limit):
             await asyncio.sleep(self.token_delay_s)
             if self._abort_flags[rid].is_set():
                 yield OutputMsg(rid, finish_reason="abort", num_prompt_tokens=num_prompt, num_output_tokens=i)
@@ -119,7 +121,7 @@ class FakeEngine:
             if self.script.raise_after == i:
                 raise WorkerUnavailable("DP worker died mid-request")
             token_id = FIRST_OUTPUT_ID + i
-            new_text, finish, stop_reason = self._step_text(sp, text, token_id, i)
+            new_text, finish, stop_reason = self._step_text(sp, text, token_id, i, limit)
             text += new_text
             yield OutputMsg(
                 rid, new_token_ids=[token_id], new_text=new_text, finish_reason=finish, stop_reason=stop_reason,
@@ -136,10 +138,23 @@ class FakeEngine:
         if num_prompt >= self.model.max_model_len:
             return OutputMsg(msg.request_id, error=f"the prompt has {num_prompt} tokens; the context length is "
                              f"{self.model.max_model_len}", error_status=400, error_param="prompt")
+        max_tokens = msg.sampling.max_tokens
+        if max_tokens is not None and num_prompt + max_tokens > self.model.max_model_len:
+            return OutputMsg(msg.request_id, error=f"This model's maximum context length is {self.model.max_model_len} "
+                             f"tokens. However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                             f"messages, {max_tokens} in the completion). Please reduce the length of the messages or "
+                             "completion.", error_status=400, error_param="max_tokens")
         return None
 
+    def _max_tokens(self, sp, num_prompt: int) -> int:
+        """As the engine resolves it: the client's value, else the endpoint's default capped by the context."""
+        if sp.max_tokens is not None:
+            return sp.max_tokens
+        room = self.model.max_model_len - num_prompt
+        return room if sp.default_max_tokens is None else min(sp.default_max_tokens, room)
+
     @staticmethod
-    def _step_text(sp, text: str, token_id: int, i: int) -> tuple[str, str | None, str | int | None]:
+    def _step_text(sp, text: str, token_id: int, i: int, limit: int) -> tuple[str, str | None, str | int | None]:
         new_text = token_text(token_id)
         if token_id in sp.stop_token_ids and i + 1 > sp.min_tokens:
             return ("", "stop", token_id) if not sp.include_stop_str_in_output else (new_text, "stop", token_id)
@@ -149,7 +164,7 @@ class FakeEngine:
             if at >= 0:
                 end = at + len(stop) if sp.include_stop_str_in_output else at
                 return whole[len(text):end], "stop", stop
-        return new_text, ("length" if i + 1 == sp.max_tokens else None), None
+        return new_text, ("length" if i + 1 == limit else None), None
 
     def _prompt_logprobs(self, msg: GenerateMsg):
         n = msg.sampling.prompt_logprobs

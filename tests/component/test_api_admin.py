@@ -4,7 +4,7 @@ import asyncio
 import re
 
 import pytest
-from fake_engine import FakeEngine, api_client
+from fake_engine import FakeEngine, LONG_MODEL, api_client
 
 from disagg.dp.protocol import UtilityFailed
 
@@ -106,7 +106,7 @@ async def test_metrics_counts_requests_tokens_latency_and_workers():
 
 
 async def test_abort_requests_by_rid_and_all():
-    engine = FakeEngine(dp_size=2, token_delay_s=0.02)
+    engine = FakeEngine(dp_size=2, model=LONG_MODEL, token_delay_s=0.02)
     async with api_client(engine) as client:
         streams = [await client.post("/generate", json={"text": "a", "rid": rid, "stream": True,
                                                          "sampling_params": {"max_new_tokens": 500}})

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 import structlog
 from aiohttp import web
-from fake_engine import FakeEngine, api_client, sse_events
+from fake_engine import FakeEngine, LONG_MODEL, api_client, sse_events
 
 from disagg.api.app import create_app, start_server
 from disagg.api.logging import configure_logging
@@ -145,7 +145,7 @@ async def test_api_key_guards_everything_but_the_probes():
 
 
 async def test_request_ids():
-    engine = FakeEngine(token_delay_s=0.02)
+    engine = FakeEngine(model=LONG_MODEL, token_delay_s=0.02)
     async with api_client(engine) as client:
         resp, body = await post(client, "/v1/completions", ENDPOINTS["/v1/completions"], headers={"X-Request-Id": "hdr-1"})
         assert (body["id"], resp.headers["X-Request-Id"]) == ("hdr-1", "hdr-1")
@@ -172,7 +172,7 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
 @pytest.mark.parametrize("handler_cancellation", [True, False])
 async def test_disconnect_mid_stream_aborts_the_request(handler_cancellation):
     """With handler cancellation the handler is cancelled; without it, the next write fails. Both abort."""
-    engine = FakeEngine(token_delay_s=0.01)
+    engine = FakeEngine(model=LONG_MODEL, token_delay_s=0.01)
     runner = web.AppRunner(create_app(ServerConfig(port=0), engine, configure_logs=False),
                            handler_cancellation=handler_cancellation)
     await runner.setup()
@@ -193,7 +193,7 @@ async def test_disconnect_mid_stream_aborts_the_request(handler_cancellation):
 
 
 async def test_disconnect_while_waiting_for_a_non_stream_answer_aborts():
-    engine = FakeEngine(token_delay_s=0.01)
+    engine = FakeEngine(model=LONG_MODEL, token_delay_s=0.01)
     runner, port = await start_server(create_app(ServerConfig(port=0), engine, configure_logs=False), "127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as session:

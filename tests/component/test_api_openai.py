@@ -52,7 +52,7 @@ async def test_completion_sampling_fields_reach_the_engine():
     assert msg.prompt_token_ids == [5, 6] and msg.add_special_tokens is True
     assert msg.sampling == SamplingMsg(max_tokens=4, min_tokens=1, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3,
                                        stop=["zz"], stop_token_ids=[999], ignore_eos=True, include_stop_str_in_output=True,
-                                       logprobs=2, skip_special_tokens=False)
+                                       logprobs=2, skip_special_tokens=False, default_max_tokens=16)
 
 
 @pytest.mark.parametrize("prompt, field, value", [
@@ -161,11 +161,14 @@ async def test_chat_non_stream_defaults_and_logprobs():
     assert (msg.messages, msg.sampling.max_tokens, msg.sampling.logprobs, msg.add_special_tokens) == (messages, 2, 1, False)
 
 
-async def test_chat_max_tokens_defaults_to_context_length():
+async def test_chat_max_tokens_defaults_to_the_rest_of_the_context():
     engine = FakeEngine()
     async with api_client(engine) as client:
-        await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": None})
-    assert engine.requests[0][0].sampling.max_tokens == 64
+        _, body = await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": None})
+    sampling = engine.requests[0][0].sampling
+    assert (sampling.max_tokens, sampling.default_max_tokens) == (None, None)  # unset: the worker fills the context
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (1, 63)  # 1 + 63 = the context, 64
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body, param, message", [

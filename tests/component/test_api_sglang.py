@@ -47,15 +47,18 @@ async def test_generate_sampling_params_and_ignored_router_fields():
     assert (msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room) == ("10.0.0.1", 8998, 12345)
     assert msg.sampling == SamplingMsg(max_tokens=2, min_tokens=1, temperature=0.0, top_p=0.8, top_k=5, min_p=0.05,
                                        seed=11, stop=["x"], stop_token_ids=[7], ignore_eos=True,
-                                       include_stop_str_in_output=True, skip_special_tokens=False)
+                                       include_stop_str_in_output=True, skip_special_tokens=False,
+                                       default_max_tokens=128)
 
 
-async def test_generate_default_max_new_tokens_is_128():
+async def test_generate_default_max_new_tokens_is_128_capped_by_the_context():
     engine = FakeEngine()
     async with api_client(engine) as client:
         await post(client, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
-        await post(client, {"input_ids": [1]})
-    assert [m.sampling.max_tokens for m, _ in engine.requests] == [1, 128]
+        _, body = await post(client, {"input_ids": [1]})
+    assert [(m.sampling.max_tokens, m.sampling.default_max_tokens) for m, _ in engine.requests] == [(1, 128), (None, 128)]
+    # SGLang's default never trips the context rule: 128 is capped to the 63 tokens left of a 64-token context
+    assert (len(body["output_ids"]), body["meta_info"]["finish_reason"]) == (63, {"type": "length", "length": 63})
 
 
 @pytest.mark.parametrize("body, param, message", [

@@ -92,7 +92,7 @@ async def test_tokens_stream_only_new_ids_and_usage_chunks():
 async def test_tokens_stream_finish_without_new_tokens_still_gets_a_chunk():
     engine = FakeEngine(token_delay_s=0.02)
     async with api_client(engine) as client:
-        resp = await client.post(PATH, json={"token_ids": [1], "sampling_params": {"max_tokens": 500}, "stream": True,
+        resp = await client.post(PATH, json={"token_ids": [1], "sampling_params": {"max_tokens": 60}, "stream": True,
                                              "request_id": "long"})
         first = await resp.content.readuntil(b"\n\n")
         abort = await client.post("/abort_requests", json={"rid": "long"})

@@ -136,6 +136,9 @@ async def test_restarted_rank_replaces_its_address_and_conflicts_are_409(server,
          "invalid POST /query_dp_ranks body: Expected `object`, got `array`"),
         ("POST", "/query_dp_ranks", {"json": {"bootstrap_rooms": 5}},
          "invalid POST /query_dp_ranks body: Expected `array`, got `int` - at `$.bootstrap_rooms`"),
+        ("POST", "/register_dp_rank", {"data": b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"},
+         "invalid JSON body: it is nested too deeply"),
+        ("PUT", "/route", {"data": b'{"rank_ip": "\xff"}'}, "invalid JSON body: it is not valid UTF-8"),
     ],
 )
 async def test_malformed_requests_are_400_with_a_message(server, http, method, path, kwargs, message):

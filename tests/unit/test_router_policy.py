@@ -8,7 +8,7 @@ import pytest
 from disagg.config import ConfigError
 from disagg.router import bodies
 from disagg.router.config import PrefillEndpoint, RouterConfig, parse_prefill
-from disagg.router.errors import DpRankMismatch, NoHealthyServer, ServerError, ServerUnreachable
+from disagg.router.errors import BadRequest, DpRankMismatch, NoHealthyServer, ServerError, ServerUnreachable
 from disagg.router.policy import (
     PairPicker, Policy, ServerLoad, ServerPicker, draw_bootstrap_room, draw_rooms, pick_dp_rank,
 )
@@ -110,6 +110,10 @@ def test_batched_generate_gets_one_field_per_prompt():
     assert bodies.generate_batch_size("/generate", {"input_ids": [[1], [2], [3]]}) == 3
     assert bodies.generate_batch_size("/generate", {"input_ids": [1, 2]}) is None
     assert bodies.generate_batch_size("/v1/completions", {"text": ["a"]}) is None
+    with pytest.raises(BadRequest) as exc:  # no prompt means no room to draw: the client's 400
+        bodies.generate_batch_size("/generate", {"text": []})
+    assert (exc.value.status, exc.value.message, exc.value.param) == (
+        400, "text is an empty list: send a prompt (or a non-empty batch of prompts)", "text")
     fields = bodies.Bootstrap("h", None, [4, 5]).fields()
     assert fields == {"bootstrap_host": ["h", "h"], "bootstrap_port": [None, None], "bootstrap_room": [4, 5]}
 
@@ -158,6 +162,21 @@ def test_request_body_must_be_a_json_object():
         with pytest.raises(Exception) as exc:
             bodies.parse_request_body(raw)
         assert exc.value.status == 400 and exc.value.message.startswith(message)
+
+
+def test_bodies_nested_too_deeply_or_not_utf8_are_400_never_500():
+    deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for raw, message in ((deep, "request body is not valid JSON: it is nested too deeply"),
+                         (b'{"text": "\xff"}', "request body is not valid JSON: it is not valid UTF-8")):
+        with pytest.raises(BadRequest) as exc:
+            bodies.parse_request_body(raw)
+        assert (exc.value.status, exc.value.message) == (400, message)
+    nested: list = []
+    for _ in range(5_000):  # decodable just under the limit, the body still has to be encoded again per leg
+        nested = [nested]
+    with pytest.raises(BadRequest) as exc:
+        bodies.encode_body({"text": nested})
+    assert (exc.value.status, exc.value.message) == (400, "request body is not valid JSON: it is nested too deeply")
 
 
 # --- errors ----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ def test_top_k_top_p_min_p_and_temperature():
     assert probs(top_k=2) == [0.666667, 0.333333, 0.0, 0.0]
     assert probs(top_p=0.7) == [0.666667, 0.333333, 0.0, 0.0]  # 0.5 + 0.25 reaches 0.7
     assert probs(top_p=0.5) == [1.0, 0.0, 0.0, 0.0]
+    assert probs(top_p=5e-324) == [1.0, 0.0, 0.0, 0.0]  # 0.0 in float32: the first token still stays
     assert probs(min_p=0.3) == [0.555556, 0.277778, 0.166667, 0.0]  # 0.1 < 0.3 * 0.5
     hot = truncated_probs(LOGITS.clone(), SamplingParams(temperature=2.0)).tolist()
     expected = [math.sqrt(p) / sum(math.sqrt(q) for q in (0.5, 0.25, 0.15, 0.1)) for p in (0.5, 0.25, 0.15, 0.1)]

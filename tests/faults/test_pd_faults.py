@@ -99,3 +99,37 @@ async def test_two_requests_with_one_room_serve_one_and_refuse_the_other():
         assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
     finally:
         await cluster.close()
+
+
+async def test_poison_requests_beside_innocent_ones_leave_the_innocents_exact():
+    expected = await unified_outputs(PROMPTS)
+    cluster = await start_pd("tcp", disagg=FAST)
+    try:
+        idle = [[(w, 0) for w in side] for side in await cluster.free_blocks()]
+        poisons = [
+            ({"input_ids": [5, 6, 7], "sampling_params": {"min_new_tokens": 2, "stop_token_ids": [999999999]}},
+             "stop token id 999999999 is out of vocabulary (vocab_size=320)"),
+            ({"text": "x", "sampling_params": {"sampling_seed": 2**70}}, None),
+            ({"text": "x", "sampling_params": {"max_new_tokens": 2**62}}, None),
+        ]
+
+        async def innocent(text, room):
+            pd = cluster.pd_body(body(text), room=room)
+            (p, _, _), (d, data, _) = await cluster.post_both("/generate", pd, pd)
+            assert (p, d) == (200, 200), data
+            return data["output_ids"]
+
+        async def poison(payload, room):
+            pd = cluster.pd_body(payload, room=room)
+            return await cluster.post_both("/generate", pd, pd)
+
+        results = await asyncio.gather(*(innocent(t, 2 * (400 + i)) for i, t in enumerate(PROMPTS)),
+                                       *(poison(p, 2 * (500 + i)) for i, (p, _) in enumerate(poisons)))
+        assert list(results[:len(PROMPTS)]) == expected
+        for ((p, p_data, _), (d, d_data, _)), (_, message) in zip(results[len(PROMPTS):], poisons):
+            assert (p, d) == (400, 400), (p_data, d_data)
+            if message is not None:
+                assert p_data["error"]["message"] == d_data["error"]["message"] == message
+        assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
+    finally:
+        await cluster.close()

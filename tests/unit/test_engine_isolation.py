@@ -54,8 +54,9 @@ def test_a_sampling_failure_fails_only_its_request(tiny_loaded, params):
 def test_a_nan_distribution_fails_only_its_request(tiny_loaded):
     expected = [o.outputs.token_ids for o in run(engine(tiny_loaded), PROMPTS, SEEDED)]
     core = engine(tiny_loaded)
-    # temperature 1e-38 divides the logits into infinities: softmax is NaN and multinomial raises.
-    nan_params = SamplingParams(max_tokens=8, temperature=1e-38)
+    # A NaN temperature (admission refuses it; set past it here) makes softmax NaN: multinomial raises.
+    nan_params = SamplingParams(max_tokens=8, temperature=0.5)
+    object.__setattr__(nan_params, "temperature", float("nan"))
     innocents, poison = run_with_poison(core, PROMPTS, SEEDED, ([5, 6, 7], nan_params))
     assert [o.outputs.token_ids for o in innocents] == expected
     assert poison.error.startswith("engine step failed for request poison: RuntimeError: probability tensor contains")

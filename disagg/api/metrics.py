@@ -23,6 +23,9 @@ _WORKER_GAUGES = (
     ("disagg_num_requests_waiting", "requests waiting on the DP worker", "num_waiting"),
     ("disagg_num_free_blocks", "free KV cache blocks of the DP worker", "num_free_blocks"),
     ("disagg_num_total_blocks", "KV cache blocks of the DP worker", "num_total_blocks"),
+    ("disagg_num_quarantined_blocks", "KV blocks of the DP worker held until no remote write can land",
+     "num_quarantined_blocks"),
+    ("disagg_worker_restarts", "times the DP worker of this rank was restarted after dying", "num_restarts"),
     ("disagg_worker_ready", "1 when the DP worker is alive and ready", None),
 )
 

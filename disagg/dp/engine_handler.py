@@ -180,4 +180,5 @@ class EngineHandler:
 
     def stats(self) -> StatsMsg:
         s = self.core.stats()
-        return StatsMsg(s["num_running"], s["num_waiting"], s["num_free_blocks"], s["num_total_blocks"])
+        return StatsMsg(s["num_running"], s["num_waiting"], s["num_free_blocks"], s["num_total_blocks"],
+                        s["num_quarantined_blocks"])

@@ -52,6 +52,7 @@ class WorkerState:
     num_total_blocks: int
     num_outstanding_requests: int
     num_restarts: int = 0  # how many times this rank's worker was restarted after dying
+    num_quarantined_blocks: int = 0  # KV blocks held until no remote write can land (fencing)
 
 
 class EngineClient(Protocol):

@@ -129,6 +129,7 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    num_quarantined_blocks: int = 0  # blocks a remote writer may still write (not free, not in use)
 
 
 FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg

@@ -62,7 +62,8 @@ async def test_server_info_and_alias():
         "dp_size": 2, "load_balance_method": "follow_bootstrap_room", "disaggregation_mode": "prefill",
         "internal_states": [
             {"dp_rank": r, "alive": True, "ready": True, "num_running": 0, "num_waiting": r, "num_free_blocks": 100 - r,
-             "num_total_blocks": 128, "num_outstanding_requests": 0, "num_restarts": 0} for r in (0, 1)],
+             "num_total_blocks": 128, "num_outstanding_requests": 0, "num_restarts": r,
+             "num_quarantined_blocks": 3 * r} for r in (0, 1)],
     }
 
 
@@ -103,6 +104,8 @@ async def test_metrics_counts_requests_tokens_latency_and_workers():
     assert sample(text, "disagg_num_requests_waiting", '{dp_rank="1"}') == 1
     assert sample(text, "disagg_num_free_blocks", '{dp_rank="0"}') == 100
     assert sample(text, "disagg_num_requests_running", '{dp_rank="0"}') == 0
+    assert sample(text, "disagg_num_quarantined_blocks", '{dp_rank="1"}') == 3
+    assert sample(text, "disagg_worker_restarts", '{dp_rank="1"}') == 1
 
 
 async def test_abort_requests_by_rid_and_all():

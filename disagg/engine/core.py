@@ -183,6 +183,12 @@ class EngineCore:
         self._collect(request)
         return True
 
+    def admit_remote_prefix(self, request_id: str, num_computed_tokens: int) -> bool:
+        """The KV of the prompt's first `num_computed_tokens` landed in the reserved blocks (pull
+        flow: this engine read it); the rest of the prompt and every output token are computed here.
+        False when the request no longer waits for KV."""
+        return self.scheduler.admit_remote_prefix(request_id, num_computed_tokens) is not None
+
     def request_progress(self, request_id: str) -> RequestProgress | None:
         request = self.scheduler.requests.get(request_id)
         if request is None:

@@ -91,6 +91,19 @@ class Scheduler:
         self.append_token(request, first)
         return request
 
+    def admit_remote_prefix(self, request_id: str, num_computed_tokens: int) -> Request | None:
+        """The KV of the prompt's first `num_computed_tokens` is in the reserved blocks (read from
+        another engine): compute the rest here, from the first output token on as usual."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
+        assert 0 <= num_computed_tokens < request.num_prompt_tokens, "the last prompt token is computed here"
+        request.num_computed_tokens = num_computed_tokens
+        self.kv.cache_full_blocks(request, num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
     # ---- schedule -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -44,6 +44,7 @@ class RoutedBody(msgspec.Struct, kw_only=True):
     bootstrap_host: str | None = None
     bootstrap_port: Port | None = None
     bootstrap_room: Room | None = None
+    kv_transfer_params: dict | None = None  # pull flow (vLLM's NixlConnector): passed to the worker as is
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

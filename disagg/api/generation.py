@@ -39,6 +39,7 @@ class Totals:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     kv: KVStatsMsg | None = None
+    kv_transfer_params: dict | None = None  # pull flow: the prefill's ticket
 
     @property
     def e2e_latency_s(self) -> float:
@@ -64,6 +65,7 @@ class Totals:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.kv = out.kv or self.kv
+        self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason

@@ -80,7 +80,8 @@ class CompletionRenderer(_OpenAIRenderer):
     def full(self, totals: Totals) -> object:
         logprobs = completion_logprobs(totals.logprobs, 0) if totals.logprobs is not None else None
         choice = self._choice(totals.text, logprobs, totals.finish_reason, totals.stop_reason)
-        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage()}
+        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),
+                "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod
     def _choice(text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
@@ -113,7 +114,8 @@ class ChatRenderer(_OpenAIRenderer):
         logprobs = chat_logprobs(totals.logprobs) if totals.logprobs is not None else None
         message = {"role": "assistant", "content": totals.text}
         choice = self._choice(message, logprobs, totals.finish_reason, totals.stop_reason, key="message")
-        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage()}
+        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),
+                "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod
     def _choice(body: dict, logprobs: dict | None, finish_reason: str | None, stop_reason,

@@ -22,6 +22,7 @@ class Routing:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    kv_transfer_params: dict | None = None
 
 
 def read_routing(request: web.Request, raw: bytes, warn_once: Callable[[str, str], None]) -> Routing:
@@ -38,7 +39,8 @@ def read_routing(request: web.Request, raw: bytes, warn_once: Callable[[str, str
     header = request.headers.get(DP_RANK_HEADER)
     if header is not None:
         rank = _parse_rank_header(header)
-    return Routing(rank, body.disagg_prefill_dp_rank, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+    return Routing(rank, body.disagg_prefill_dp_rank, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
+                   body.kv_transfer_params)
 
 
 def _parse_rank_header(value: str) -> int:

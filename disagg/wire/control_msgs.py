@@ -80,6 +80,26 @@ class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
     peer_name: str
 
 
+class LeaseMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Pull flow, decode -> prefill (via the control server's event queue): claim the leased
+    blocks of a finished request (`release` False), or release them (`release` True)."""
+
+    request_id: str
+    peer_name: str
+    release: bool = False
+    reason: str = ""
+
+
+class LeaseStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Pull flow, prefill -> decode: the answer to a claim or a release."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    block_ids: tuple[int, ...] = ()
+    released: bool = False
+
+
 class PeerLostMsg(msgspec.Struct, frozen=True, kw_only=True):
     """Control-server event: a decode peer's stream ended; its active rooms are dropped."""
 
@@ -200,3 +220,26 @@ def heartbeat_msg(seq: int) -> pb.DecodeMsg:
 def heartbeat_ack_msg(seq: int) -> pb.PrefillMsg:
     """Prefill stream answer to a heartbeat."""
     return pb.PrefillMsg(heartbeat_ack=pb.HeartbeatAck(seq=seq))
+
+
+def claim_msg(request_id: str) -> pb.DecodeMsg:
+    """Decode stream message carrying Claim (pull flow)."""
+    return pb.DecodeMsg(claim=pb.Claim(request_id=request_id))
+
+
+def release_msg(request_id: str, reason: str) -> pb.DecodeMsg:
+    """Decode stream message carrying Release (pull flow)."""
+    return pb.DecodeMsg(release=pb.Release(request_id=request_id, reason=reason))
+
+
+def lease_status_msg(status: LeaseStatusMsg) -> pb.PrefillMsg:
+    """Prefill stream message carrying LeaseStatus."""
+    return pb.PrefillMsg(lease_status=pb.LeaseStatus(
+        request_id=status.request_id, ok=status.ok, reason=status.reason, block_ids=list(status.block_ids),
+        released=status.released))
+
+
+def lease_status_from_pb(msg: pb.LeaseStatus) -> LeaseStatusMsg:
+    """protobuf -> LeaseStatusMsg."""
+    return LeaseStatusMsg(request_id=msg.request_id, ok=msg.ok, reason=msg.reason, block_ids=tuple(msg.block_ids),
+                          released=msg.released)

@@ -48,6 +48,9 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: int | None = None
     register_room: bool = False  # prefill: tell the registry which DP rank took this room
+    # Pull flow (vLLM's NixlConnector fields): `do_remote_decode` on the prefill leg, the prefill's
+    # ticket (`do_remote_prefill`, `remote_*`) on the decode leg.
+    kv_transfer_params: dict | None = None
 
 
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
@@ -102,6 +105,7 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     error: str | None = None  # the request failed; `error_status` says how (400 bad input, 500, 503)
     error_status: int = 0
     error_param: str | None = None
+    kv_transfer_params: dict | None = None  # pull flow, prefill: the ticket the decode reads with
     kv: KVStatsMsg | None = None  # on the prefill's final output and on the decode's first
 
 

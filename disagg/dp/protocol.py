@@ -53,6 +53,7 @@ class WorkerState:
     num_outstanding_requests: int
     num_restarts: int = 0  # how many times this rank's worker was restarted after dying
     num_quarantined_blocks: int = 0  # KV blocks held until no remote write can land (fencing)
+    block_size: int = 0  # tokens per KV block (0 until the worker is ready)
 
 
 class EngineClient(Protocol):

@@ -200,7 +200,7 @@ class FakeEngine:
             WorkerState(dp_rank=r, alive=self.alive[r], ready=self.alive[r],
                         num_running=sum(1 for v in self._running.values() if v == r), num_waiting=r,
                         num_free_blocks=100 - r, num_total_blocks=128, num_outstanding_requests=0, num_restarts=r,
-                        num_quarantined_blocks=3 * r)
+                        num_quarantined_blocks=3 * r, block_size=16)
             for r in range(self.dp_size)
         ]
 

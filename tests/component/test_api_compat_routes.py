@@ -63,3 +63,35 @@ async def test_abort_with_request_ids_keeps_the_admin_key():
                              headers={"Authorization": "Bearer admin-secret"})
     assert denied[0] == 401 and denied[1]["error"]["code"] == "invalid_admin_key"
     assert allowed == (200, {"aborted": []})
+
+
+async def test_sglang_max_new_tokens_null_is_the_rest_of_the_context_and_absent_is_128():
+    engine = FakeEngine(dp_size=1)  # a 64-token context
+    async with api_client(engine) as client:
+        _, null = await call(client, "POST", "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": None}})
+        _, absent = await call(client, "POST", "/generate", json={"input_ids": [1, 2], "sampling_params": {}})
+        _, no_params = await call(client, "POST", "/generate", json={"input_ids": [1, 2]})
+    assert [(m.sampling.max_tokens, m.sampling.default_max_tokens) for m, _ in engine.requests] == [
+        (None, None), (None, 128), (None, 128)]
+    assert [b["meta_info"]["completion_tokens"] for b in (null, absent, no_params)] == [62, 62, 62]
+    assert null["meta_info"]["finish_reason"] == {"type": "length", "length": 62}
+
+
+async def test_sglang_absent_max_new_tokens_stays_128_on_a_long_context():
+    engine = FakeEngine(dp_size=1, model=LONG_MODEL)
+    async with api_client(engine) as client:
+        _, absent = await call(client, "POST", "/generate", json={"input_ids": [1], "sampling_params": {}})
+        _, null = await call(client, "POST", "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": None}})
+    assert (absent["meta_info"]["completion_tokens"], null["meta_info"]["completion_tokens"]) == (128, 4095)
+
+
+async def test_tokens_endpoint_max_tokens_unset_is_the_rest_of_the_context():
+    engine = FakeEngine(dp_size=1)
+    async with api_client(engine) as client:
+        _, unset = await call(client, "POST", "/inference/v1/generate", json={"token_ids": [1, 2, 3]})
+        _, null = await call(client, "POST", "/inference/v1/generate",
+                             json={"token_ids": [1], "sampling_params": {"max_tokens": None}})
+    assert [(m.sampling.max_tokens, m.sampling.default_max_tokens) for m, _ in engine.requests] == [
+        (None, None), (None, None)]
+    assert (len(unset["choices"][0]["token_ids"]), unset["choices"][0]["finish_reason"]) == (61, "length")
+    assert len(null["choices"][0]["token_ids"]) == 63

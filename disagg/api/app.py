@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from disagg.api import admin_routes, openai_routes, sglang_routes, tokens_routes, utility_routes
+from disagg.api import (
+    admin_routes,
+    openai_routes,
+    sglang_routes,
+    tokenize_routes,
+    tokens_routes,
+    utility_routes,
+)
 from disagg.api.auth import auth_middleware
 from disagg.api.errors import errors_middleware
 from disagg.api.logging import configure_logging, log_context_middleware
@@ -30,7 +37,7 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
         middlewares.append(keys)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[STATE] = ApiState(config, engine, metrics)
-    for module in (openai_routes, sglang_routes, tokens_routes, admin_routes, utility_routes):
+    for module in (openai_routes, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes):
         module.add_routes(app)
     return app
 

@@ -1,4 +1,7 @@
-"""vLLM's /tokenize and /detokenize answered by real engine workers on the tiny model: exact ids."""
+"""vLLM's /tokenize and /detokenize answered by real engine workers on the tiny model (exact ids),
+and the vllm:* metrics of requests those workers served."""
+
+import re
 
 import aiohttp
 import pytest
@@ -59,3 +62,30 @@ async def test_detokenize_keeps_special_tokens(server):
     assert await post(server, "/detokenize", {"tokens": [256, 258, 72, 105, 259, 257]}) == (
         200, {"prompt": "<bos><|im_start|>Hi<|im_end|><eos>"})
     assert await post(server, "/detokenize", {"tokens": HI_THERE[1:]}) == (200, {"prompt": "Hi there"})
+
+
+async def vllm_samples(server) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{server.port}/metrics") as r:
+            text = await r.text()
+    return {name + labels: float(value) for name, labels, value in re.findall(r"^(vllm:\w+)(\{.*\}) (\S+)$", text, re.M)}
+
+
+async def test_vllm_metrics_count_a_request_on_its_engine(server):
+    before = await vllm_samples(server)
+    status, _ = await post(server, "/v1/completions", {"prompt": "Hi there", "max_tokens": 3, "ignore_eos": True,
+                                                       "routed_dp_rank": 1})
+    after = await vllm_samples(server)
+    one = '{engine="1",model_name="tiny"}'
+    changed = {k: after[k] - before.get(k, 0.0) for k in after
+               if k.endswith(one) or 'engine="1",finished_reason' in k}
+    assert status == 200
+    assert {k: v for k, v in changed.items() if "_bucket" not in k and "_sum" not in k and "created" not in k
+            and "num_requests" not in k and "kv_cache" not in k} == {
+        "vllm:prompt_tokens_total" + one: 9, "vllm:generation_tokens_total" + one: 3,
+        'vllm:request_success_total{engine="1",finished_reason="stop",model_name="tiny"}': 0,
+        'vllm:request_success_total{engine="1",finished_reason="length",model_name="tiny"}': 1,
+        'vllm:request_success_total{engine="1",finished_reason="abort",model_name="tiny"}': 0,
+        "vllm:time_to_first_token_seconds_count" + one: 1, "vllm:inter_token_latency_seconds_count" + one: 2,
+        "vllm:request_time_per_output_token_seconds_count" + one: 1, "vllm:e2e_request_latency_seconds_count" + one: 1,
+    }

@@ -98,9 +98,10 @@ class ChatBody(OpenAIBody, kw_only=True):
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):
-    """SGLang's `sampling_params` fields that the engine implements."""
+    """SGLang's `sampling_params` fields that the engine implements. `max_new_tokens` absent (UNSET)
+    keeps SGLang's default; `null` is the rest of the context, as SGLang's scheduler treats it."""
 
-    max_new_tokens: Int64 | None = None
+    max_new_tokens: Int64 | None | msgspec.UnsetType = msgspec.UNSET
     min_new_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -38,6 +38,8 @@ class Totals:
     num_cached_tokens: int = 0
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    last_token_s: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)  # between outputs that carry tokens
     kv: KVStatsMsg | None = None
     kv_transfer_params: dict | None = None  # pull flow: the prefill's ticket
 
@@ -53,8 +55,13 @@ class Totals:
 
     def add(self, out: OutputMsg) -> None:
         """Fold in one OutputMsg (which carries only what is new)."""
-        if self.first_token_s is None and out.new_token_ids:
-            self.first_token_s = time.perf_counter()
+        if out.new_token_ids:
+            now = time.perf_counter()
+            if self.last_token_s is None:
+                self.first_token_s = now
+            else:
+                self.inter_token_s.append(now - self.last_token_s)
+            self.last_token_s = now
         self.token_ids.extend(out.new_token_ids)
         self.text += out.new_text
         if out.logprobs is not None:
@@ -136,7 +143,8 @@ class Generation:
             log.info("request stopped early", dp_rank=t.dp_rank, completion_tokens=t.num_output_tokens)
             return
         ttft_s = None if t.first_token_s is None else t.first_token_s - t.arrival_s
-        self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s)
+        self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s, dp_rank=t.dp_rank,
+                                            finish_reason=t.finish_reason, inter_token_s=t.inter_token_s)
         if t.kv is not None:
             self._state.metrics.observe_kv(t.kv)
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,

@@ -6,6 +6,7 @@ then `data: [DONE]`.
 
 from __future__ import annotations
 
+import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import SGLangBody, SGLangSampling, decode_body
@@ -24,7 +25,7 @@ from disagg.api.serving import serve_generation
 from disagg.api.state import state_of
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default (capped by the context, never refused)
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the field is absent (capped by the context, never refused)
 
 
 def sglang_prompt(body: SGLangBody, vocab_size: int) -> dict:
@@ -45,8 +46,11 @@ def sglang_sampling(body: SGLangBody) -> SamplingMsg:
     top_n = body.top_logprobs_num or 0
     start = -1 if body.logprob_start_len is None else body.logprob_start_len
     wants_prompt = bool(body.return_logprob) and start >= 0
+    # Absent: SGLang's 128 (capped by the context); null: the rest of the context.
+    max_new_tokens = None if sp.max_new_tokens is msgspec.UNSET else sp.max_new_tokens
     return make_sampling(
-        max_tokens=sp.max_new_tokens, default_max_tokens=DEFAULT_MAX_NEW_TOKENS,
+        max_tokens=max_new_tokens,
+        default_max_tokens=None if sp.max_new_tokens is None else DEFAULT_MAX_NEW_TOKENS,
         min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
         min_p=sp.min_p, seed=sp.sampling_seed, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,

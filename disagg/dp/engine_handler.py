@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 import structlog
 
+from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
 from disagg.types import EngineSleeping, InvalidRequest, RequestOutput, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
 
 log = structlog.get_logger(__name__)
 
-UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats")
+UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats", "tokenize", "detokenize")
 
 
 def sampling_params(msg: SamplingMsg) -> SamplingParams:
@@ -172,6 +173,10 @@ class EngineHandler:
             raise InvalidRequest(f"unknown utility {method!r}; known: {', '.join(UTILITIES)}", "method")
         if method == "stats":
             return self.core.stats()
+        if method == "tokenize":
+            return tokenization.tokenize(self.core.tokenizer, *args)
+        if method == "detokenize":
+            return tokenization.detokenize(self.core.tokenizer, *args)
         if method == "sleep" and not self.can_sleep:
             raise InvalidRequest(
                 "sleep is not supported on prefill/decode workers: their KV cache is registered with the "

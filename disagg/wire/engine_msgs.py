@@ -65,11 +65,33 @@ class AbortMsg(msgspec.Struct, frozen=True, tag="abort"):
 
 
 class UtilityMsg(msgspec.Struct, frozen=True, tag="utility"):
-    """Call an engine utility (`is_sleeping`, `sleep`, `wake_up`, `reset_prefix_cache`, `stats`)."""
+    """Call an engine utility (`is_sleeping`, `sleep`, `wake_up`, `reset_prefix_cache`, `stats`,
+    `tokenize` with a TokenizeMsg, `detokenize` with a list of token ids)."""
 
     call_id: int
     method: str
     args: list = []
+
+
+class TokenizeMsg(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The argument of the `tokenize` utility (vLLM's /tokenize): exactly one of `prompt` and
+    `messages` (plain-string contents; the worker applies the chat template)."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResultMsg(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The answer of the `tokenize` utility; `error` (with `error_param`) when the input was refused."""
+
+    tokens: list[int] = []
+    token_strs: list[str] | None = None
+    error: str | None = None
+    error_param: str | None = None
 
 
 class ShutdownMsg(msgspec.Struct, frozen=True, tag="shutdown"):

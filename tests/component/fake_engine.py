@@ -6,7 +6,8 @@ Deterministic "model": the i-th generated token (0-based) is `FIRST_OUTPUT_ID + 
 logprobs. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
 and of every message's content. Scripted behaviours: per-worker sleeping flags and
 reset_prefix_cache answers, dead workers, an error output or an exception after k tokens, a delay
-between tokens. It records every request, every aborted request and every utility call.
+between tokens. It records every request, every aborted request and every utility call. The
+`tokenize` and `detokenize` utilities follow `fake_tokenize` and `token_text`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from disagg.api.app import create_app
 from disagg.config import ServerConfig
 from disagg.dp.protocol import ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
 from disagg.types import InvalidRequest
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, TokenizeMsg
 
 FAKE_MODEL = ModelCard(name="fake-model", max_model_len=64, vocab_size=1000)
 LONG_MODEL = ModelCard(name="fake-model", max_model_len=4096, vocab_size=1000)  # for requests that must run long
@@ -63,6 +64,7 @@ class FakeEngine:
         self.aborted: list[str] = []  # requests whose iterator was closed before they finished
         self.abort_calls: list[tuple[str, bool]] = []  # engine.abort(request_id) -> found
         self.utility_calls: list[tuple[str, tuple]] = []
+        self.utility_ranks: list[list[int] | None] = []  # the `ranks` of each utility call (None: all)
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running: dict[str, int] = {}
         self._next_rank = 0
@@ -180,12 +182,18 @@ class FakeEngine:
             flag.set()
         return flag is not None
 
-    async def call_utility(self, method: str, *args) -> list[object]:
+    async def call_utility(self, method: str, *args, ranks: list[int] | None = None) -> list[object]:
         self.utility_calls.append((method, args))
-        if not all(self.alive):
-            raise WorkerUnavailable(f"{method}: DP worker {self.alive.index(False)} is not running")
+        self.utility_ranks.append(ranks)
+        called = list(range(self.dp_size)) if ranks is None else ranks
+        if not all(self.alive[r] for r in called):
+            raise WorkerUnavailable(f"{method}: DP worker {next(r for r in called if not self.alive[r])} is not running")
         if method in self.utility_results:
             return list(self.utility_results[method])
+        if method == "tokenize":
+            return [fake_tokenize(args[0]) for _ in called]
+        if method == "detokenize":
+            return ["".join(token_text(t) for t in args[0]) for _ in called]
         if method == "is_sleeping":
             return list(self.sleeping)
         if method in ("sleep", "wake_up"):
@@ -200,7 +208,7 @@ class FakeEngine:
             WorkerState(dp_rank=r, alive=self.alive[r], ready=self.alive[r],
                         num_running=sum(1 for v in self._running.values() if v == r), num_waiting=r,
                         num_free_blocks=100 - r, num_total_blocks=128, num_outstanding_requests=0, num_restarts=r,
-                        num_quarantined_blocks=3 * r)
+                        num_quarantined_blocks=3 * r, block_size=16)
             for r in range(self.dp_size)
         ]
 
@@ -214,6 +222,21 @@ def prompt_length(msg: GenerateMsg) -> int:
     if msg.prompt is not None:
         return len(msg.prompt.split())
     return sum(len(str(m.get("content") or "").split()) for m in msg.messages or [])
+
+
+def fake_tokenize(msg: TokenizeMsg) -> dict:
+    """One token per whitespace-separated word, its id the word's length + 10 (BOS 1 with
+    add_special_tokens); a chat renders as `<role> content` per message, `<assistant>` last with
+    add_generation_prompt. Token strings are the words."""
+    if msg.messages is None:
+        text = msg.prompt
+    else:
+        text = " ".join(f"<{m['role']}> {m['content']}" for m in msg.messages)
+        text += " <assistant>" if msg.add_generation_prompt else ""
+    words = text.split()
+    tokens = [1] * msg.add_special_tokens + [len(w) + 10 for w in words]
+    strs = ["<s>"] * msg.add_special_tokens + words if msg.return_token_strs else None
+    return {"tokens": tokens, "token_strs": strs}
 
 
 def fake_logprobs(token_id: int, top_n: int, base: float = -0.5) -> list[tuple[int, float]]:

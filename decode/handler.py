@@ -26,7 +26,7 @@ from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
-from kvtransfer.base import TransferFailed
+from kvtransfer.base import PeerUnavailable, TransferFailed
 from kvtransfer.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
@@ -243,7 +243,8 @@ class DecodeHandler(EngineHandler):
             reason = status.reason
         else:  # bad input reads as itself; anything else names its kind
             reason = status.message if isinstance(status, InvalidRequest) else f"{type(status).__name__}: {status}"
-        code = 400 if isinstance(status, InvalidRequest) else 503 if "lost connection" in reason else 500
+        unavailable = isinstance(status, PeerUnavailable) or "lost connection" in reason
+        code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id)
         self._end_pending(request_id, pending, reason)
@@ -272,6 +273,9 @@ class DecodeHandler(EngineHandler):
         if pending.lease is not None:  # pull flow: the prefill frees its blocks now, not at expiry
             client, remote_request_id = pending.lease
             client.release(remote_request_id, reason)
+        elif (ticket := ticket_of(pending.msg)) is not None:  # gave up before reaching the prefill
+            key = f"release:{request_id}"
+            self.fencing[key] = asyncio.create_task(self._release_ticket(key, ticket, reason))
         if pending.client is None:
             self.core.release(request_id)
             return
@@ -280,6 +284,16 @@ class DecodeHandler(EngineHandler):
             self.core.release(request_id)
             return
         self.fencing[request_id] = asyncio.create_task(self._await_fence(request_id, pending.client, fence))
+
+    async def _release_ticket(self, key: str, ticket: Ticket, reason: str) -> None:
+        """Pull flow: tell a ticket's prefill to free the blocks we will not read (bounded)."""
+        try:
+            client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), self.config.waiting_timeout_s)
+            await asyncio.wait_for(client.release(ticket.request_id, reason), self.config.waiting_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own then
+            log.warning("could not release a ticket's lease", request_id=ticket.request_id, error=str(exc))
+        finally:
+            self.fencing.pop(key, None)
 
     async def _await_fence(self, request_id: str, client, fence: asyncio.Future) -> None:
         try:

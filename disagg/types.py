@@ -46,6 +46,8 @@ class SamplingParams:
     vLLM's default; the HTTP endpoints pass their own) and never past the context; None there too
     means "the rest of the context". A `max_tokens` that is set must fit the context with the prompt,
     or the engine refuses the request at admission (vLLM's rule); a default never does.
+    `max_tokens=0` is a prompt-only request (scoring): the prompt is computed, its prompt logprobs
+    returned, and it finishes with LENGTH and no output token.
     """
 
     max_tokens: int | None = None
@@ -79,9 +81,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number, got {value!r}", name)
-        for name, value in (("max_tokens", self.max_tokens), ("default_max_tokens", self.default_max_tokens)):
-            if value is not None and not (_is_int(value) and value > 0):
-                raise InvalidRequest(f"{name} must be at least 1, got {value}", name)
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 0):
+            raise InvalidRequest(f"max_tokens must be at least 0, got {self.max_tokens}", "max_tokens")
+        if self.default_max_tokens is not None and not (_is_int(self.default_max_tokens) and self.default_max_tokens > 0):
+            raise InvalidRequest(f"default_max_tokens must be at least 1, got {self.default_max_tokens}", "default_max_tokens")
         bound = self.max_tokens if self.max_tokens is not None else self.default_max_tokens
         checks = [
             (_is_int(self.min_tokens) and self.min_tokens >= 0 and (bound is None or self.min_tokens <= bound),
@@ -103,6 +106,11 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
+
+    @property
+    def prompt_only(self) -> bool:
+        """Compute the prompt (and its logprobs) without generating: `max_tokens` 0."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

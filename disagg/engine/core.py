@@ -171,10 +171,13 @@ class EngineCore:
         self.outputs.add(request)
         return list(request.block_ids)
 
-    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None) -> bool:
-        """The prompt's KV landed in the reserved blocks; continue from the first token. False when
-        the request no longer waits for KV (it was aborted or failed meanwhile)."""
-        request = self.scheduler.admit_remote_kv(request_id, SampledToken(first_token_id, first_logprobs))
+    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None,
+                        prompt_logprobs: list[dict[int, float] | None] | None = None) -> bool:
+        """The prompt's KV landed in the reserved blocks; continue from the first token, with the
+        prompt logprobs the remote engine computed (first entry None). False when the request no
+        longer waits for KV (it was aborted or failed meanwhile)."""
+        first = SampledToken(first_token_id, first_logprobs)
+        request = self.scheduler.admit_remote_kv(request_id, first, prompt_logprobs)
         if request is None:
             return False
         params = request.sampling_params

@@ -1,7 +1,7 @@
 """An in-process EngineClient twin for the HTTP tests, plus helpers to serve it on 127.0.0.1:0.
 
 Deterministic "model": the i-th generated token (0-based) is `FIRST_OUTPUT_ID + i`, its text is
-`" w<id>"`. It honours max_tokens ("length"), stop_token_ids and stop strings ("stop", with
+`" w<id>"`. It honours max_tokens ("length"; 0: the prompt only), stop_token_ids and stop strings ("stop", with
 `stop_reason`), logprobs (sampled token first at -0.5, then top-n: id + k at -0.5 - k) and prompt
 logprobs. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
 and of every message's content. Scripted behaviours: per-worker sleeping flags and
@@ -110,6 +110,10 @@ class FakeEngine:
             return
         text = ""
         limit = self._max_tokens(sp, num_prompt)
+        if limit == 0:  # prompt only (scoring): its logprobs, no token
+            yield OutputMsg(rid, finish_reason="length", prompt_logprobs=self._prompt_logprobs(msg),
+                            num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens)
+            return
         for i in range(limit):
             await asyncio.sleep(self.token_delay_s)
             if self._abort_flags[rid].is_set():

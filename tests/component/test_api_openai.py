@@ -76,7 +76,7 @@ async def test_completion_prompt_forms(prompt, field, value):
     ({}, "prompt", "prompt is required"),
     ({"prompt": [1, -2]}, "prompt", "token id -2 in prompt is negative"),
     ({"prompt": [1, 1000]}, "prompt", "token id 1000 in prompt is out of vocabulary (vocab_size=1000)"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens", "max_tokens must be at least 0, got -1"),
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative, got -1.0"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),

@@ -1,0 +1,97 @@
+"""Batched /generate (SGLang's shapes) over real HTTP against the fake engine."""
+
+import pytest
+from fake_engine import FakeEngine, api_client, sse_events
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def post(client, path, body):
+    resp = await client.post(path, json=body)
+    ctype = resp.headers.get("Content-Type", "")
+    return resp, (await resp.json() if ctype.startswith("application/json") else await resp.text())
+
+
+def strip_latency(items: list[dict]) -> list[dict]:
+    for item in items:
+        assert 0 <= item["meta_info"].pop("e2e_latency") < 5
+    return items
+
+
+async def test_generate_text_batch_is_a_list_with_per_prompt_sampling_and_rids():
+    engine = FakeEngine(dp_size=2)
+    body = {"text": ["one two", "three"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 1}],
+            "rid": ["a", "b"]}
+    async with api_client(engine) as client:
+        resp, got = await post(client, "/generate", body)
+    assert resp.status == 200
+    assert strip_latency(got) == [
+        {"text": " w100 w101", "output_ids": [100, 101], "meta_info": {
+            "id": "a", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 2, "completion_tokens": 2,
+            "cached_tokens": 0, "dp_rank": 0}},
+        {"text": " w100", "output_ids": [100], "meta_info": {
+            "id": "b", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1, "completion_tokens": 1,
+            "cached_tokens": 0, "dp_rank": 1}},
+    ]
+    assert [(m.request_id, m.prompt, r) for m, r in engine.requests] == [("a", "one two", 0), ("b", "three", 1)]
+
+
+async def test_generate_input_ids_batch_shares_one_sampling_dict_and_gets_one_room_each():
+    engine = FakeEngine(dp_size=2, load_balance_method="follow_bootstrap_room")
+    body = {"input_ids": [[1, 2], [3], [4, 5, 6]], "sampling_params": {"max_new_tokens": 1},
+            "bootstrap_host": ["h"] * 3, "bootstrap_port": [8998] * 3, "bootstrap_room": [10, 11, 12]}
+    async with api_client(engine) as client:
+        resp, got = await post(client, "/generate", body)
+    assert resp.status == 200 and [g["output_ids"] for g in got] == [[100], [100], [100]]
+    assert [(m.prompt_token_ids, m.sampling.max_tokens, m.bootstrap_host, m.bootstrap_port, m.bootstrap_room, r)
+            for m, r in engine.requests] == [
+        ([1, 2], 1, "h", 8998, 10, 0), ([3], 1, "h", 8998, 11, 1), ([4, 5, 6], 1, "h", 8998, 12, 0)]
+    assert len({m.request_id for m, _ in engine.requests}) == 3
+
+
+async def test_generate_batch_of_one_is_still_a_list():
+    async with api_client(FakeEngine()) as client:
+        _, got = await post(client, "/generate", {"text": ["x"], "sampling_params": {"max_new_tokens": 1}})
+    assert isinstance(got, list) and [g["text"] for g in got] == [" w100"]
+
+
+async def test_generate_batch_streams_cumulative_events_with_their_index():
+    async with api_client(FakeEngine()) as client:
+        _, raw = await post(client, "/generate", {"text": ["a", "b"], "stream": True, "rid": ["x", "y"],
+                                                  "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 1}]})
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    seen = sorted((e["index"], e["meta_info"]["id"], e["output_ids"]) for e in events[:-1])
+    assert seen == [(0, "x", [100]), (0, "x", [100, 101]), (1, "y", [100])]
+
+
+async def test_generate_batch_logprob_fields_per_prompt():
+    engine = FakeEngine()
+    body = {"input_ids": [[4, 5, 6], [7, 8]], "sampling_params": {"max_new_tokens": 1},
+            "return_logprob": [True, False], "logprob_start_len": [1, -1], "top_logprobs_num": 1}
+    async with api_client(engine) as client:
+        _, got = await post(client, "/generate", body)
+    assert [m.sampling.prompt_logprobs for m, _ in engine.requests] == [1, None]
+    assert got[0]["meta_info"]["input_token_logprobs"] == [[-1.0, 5, None], [-1.0, 6, None]]
+    assert got[0]["meta_info"]["output_token_logprobs"] == [[-0.5, 100, None]]
+    assert "input_token_logprobs" not in got[1]["meta_info"] and "output_token_logprobs" not in got[1]["meta_info"]
+
+
+async def test_generate_max_new_tokens_0_scores_the_prompt_only():
+    async with api_client(FakeEngine()) as client:
+        _, got = await post(client, "/generate", {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 0},
+                                                  "return_logprob": True, "logprob_start_len": 0})
+    assert (got["text"], got["output_ids"], got["meta_info"]["finish_reason"]) == ("", [], {"type": "length", "length": 0})
+    assert got["meta_info"]["input_token_logprobs"] == [[None, 4, None], [-1.0, 5, None]]
+    assert got["meta_info"]["output_token_logprobs"] == []
+
+
+async def test_a_failing_item_fails_the_batch_and_aborts_the_others():
+    engine = FakeEngine(token_delay_s=0.01)
+    engine.script.error_after = 1
+    engine.script.error_status = 400
+    engine.script.error_text = "bad prompt"
+    async with api_client(engine) as client:
+        resp, got = await post(client, "/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 5}})
+    assert resp.status == 400
+    assert got == {"error": {"message": "bad prompt", "type": "BadRequestError", "param": None, "code": None}}

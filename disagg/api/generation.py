@@ -32,6 +32,8 @@ class Totals:
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None  # when the request asked for its prompt back
+    prompt_text: str | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
@@ -61,6 +63,8 @@ class Totals:
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_text = out.prompt_token_ids, out.prompt_text
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.kv = out.kv or self.kv

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from disagg.engine.core import EngineCore
@@ -82,6 +83,7 @@ class EngineHandler:
         self.dp_rank = dp_rank
         self.model_name = model_name
         self._started: set[str] = set()  # requests whose first OutputMsg went out
+        self._return_prompt: set[str] = set()  # requests whose first OutputMsg carries the prompt
         self.wake: Callable[[], None] = lambda: None  # set by the worker loop
 
     def ready_msg(self) -> ReadyMsg:
@@ -106,6 +108,18 @@ class EngineHandler:
         if msg.prompt is not None:
             return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
         raise InvalidRequest("the request has no prompt", "prompt")
+
+    def note(self, msg: GenerateMsg) -> None:
+        """Remember what a request's answers must carry, before any role's submit() runs it."""
+        if msg.return_prompt:
+            self._return_prompt.add(msg.request_id)
+
+    def sent(self, msgs: list) -> None:
+        """Messages on their way to the front: forget what `note` kept for requests that ended
+        (whichever path answered them: the engine, an admission error, a failed transfer)."""
+        for msg in msgs:
+            if isinstance(msg, OutputMsg) and (msg.finish_reason is not None or msg.error is not None):
+                self._return_prompt.discard(msg.request_id)
 
     async def start(self) -> None:
         """Set up what the handler needs beyond the engine (the roles: transfer agents, servers)."""
@@ -155,10 +169,16 @@ class EngineHandler:
             if out.error is not None:
                 msgs.append(OutputMsg(out.request_id, finish_reason="abort", error=out.error, error_status=500))
             else:
-                msgs.append(to_output_msg(out, first))
+                msgs.append(self._with_prompt(to_output_msg(out, first), out, first))
             if out.finished:
                 self._started.discard(out.request_id)
         return msgs
+
+    def _with_prompt(self, msg: OutputMsg, out: RequestOutput, first: bool) -> OutputMsg:
+        if not first or out.request_id not in self._return_prompt:
+            return msg
+        text = self.core.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return msgspec.structs.replace(msg, prompt_token_ids=list(out.prompt_token_ids), prompt_text=text)
 
     def fail_all(self, exc: Exception) -> list[OutputMsg]:
         """An engine step crashed outside any one request: end every request with the error, keep

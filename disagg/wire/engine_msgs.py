@@ -48,6 +48,7 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: int | None = None
     register_room: bool = False  # prefill: tell the registry which DP rank took this room
+    return_prompt: bool = False  # the first OutputMsg carries the prompt's token ids and text (echo, scoring)
 
 
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
@@ -103,6 +104,8 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     error_status: int = 0
     error_param: str | None = None
     kv: KVStatsMsg | None = None  # on the prefill's final output and on the decode's first
+    prompt_token_ids: list[int] | None = None  # on the first message, when GenerateMsg.return_prompt
+    prompt_text: str | None = None  # ... the prompt detokenized (special tokens kept, as vLLM's echo)
 
 
 class UtilityResultMsg(msgspec.Struct, frozen=True, tag="utility_result", omit_defaults=True):

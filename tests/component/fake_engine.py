@@ -112,7 +112,8 @@ class FakeEngine:
         limit = self._max_tokens(sp, num_prompt)
         if limit == 0:  # prompt only (scoring): its logprobs, no token
             yield OutputMsg(rid, finish_reason="length", prompt_logprobs=self._prompt_logprobs(msg),
-                            num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens)
+                            num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens,
+                            **prompt_fields(msg))
             return
         for i in range(limit):
             await asyncio.sleep(self.token_delay_s)
@@ -132,6 +133,7 @@ class FakeEngine:
                 logprobs=[fake_logprobs(token_id, sp.logprobs)] if sp.logprobs is not None else None,
                 prompt_logprobs=self._prompt_logprobs(msg) if i == 0 else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens, num_output_tokens=i + 1,
+                **(prompt_fields(msg) if i == 0 else {}),
             )
             if finish is not None:
                 return
@@ -210,6 +212,15 @@ class FakeEngine:
 
     def healthy(self) -> bool:
         return all(self.alive)
+
+
+def prompt_fields(msg: GenerateMsg) -> dict:
+    """The prompt's ids and text, when the request asks for them back: ids as sent, or 7 per word;
+    the text of an id is `<id>` (a space between ids)."""
+    if not msg.return_prompt:
+        return {}
+    ids = msg.prompt_token_ids or [7] * prompt_length(msg)
+    return {"prompt_token_ids": ids, "prompt_text": " ".join(f"<{t}>" for t in ids)}
 
 
 def prompt_length(msg: GenerateMsg) -> int:

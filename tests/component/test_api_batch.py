@@ -95,3 +95,63 @@ async def test_a_failing_item_fails_the_batch_and_aborts_the_others():
         resp, got = await post(client, "/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 5}})
     assert resp.status == 400
     assert got == {"error": {"message": "bad prompt", "type": "BadRequestError", "param": None, "code": None}}
+
+
+def strip_created(body: dict) -> dict:
+    assert isinstance(body.pop("created"), int)
+    return body
+
+
+async def test_completions_prompt_list_is_one_choice_per_prompt_with_summed_usage():
+    engine = FakeEngine(dp_size=2)
+    async with api_client(engine) as client:
+        resp, got = await post(client, "/v1/completions", {"prompt": ["a b", [5, 6, 7]], "max_tokens": 2,
+                                                           "request_id": "batch-1"})
+    assert resp.status == 200 and resp.headers["X-Request-Id"] == "batch-1"
+    assert strip_created(got) == {
+        "id": "batch-1", "object": "text_completion", "model": "fake-model", "dp_rank": 0,
+        "choices": [
+            {"index": 0, "text": " w100 w101", "logprobs": None, "finish_reason": "length", "stop_reason": None},
+            {"index": 1, "text": " w100 w101", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}},
+    }
+    assert [(m.request_id, m.prompt, m.prompt_token_ids, r) for m, r in engine.requests] == [
+        ("batch-1-0", "a b", None, 0), ("batch-1-1", None, [5, 6, 7], 1)]
+
+
+async def test_completions_prompt_list_streams_chunks_with_their_choice_index_then_usage():
+    async with api_client(FakeEngine()) as client:
+        _, raw = await post(client, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [(c["index"], c["text"], c["finish_reason"]) for e in events[:-2] for c in e["choices"]]
+    assert sorted(chunks) == [(0, " w100", None), (0, " w101", "length"), (1, " w100", None), (1, " w101", "length")]
+    assert len({e["id"] for e in events[:-1]}) == 1
+    assert (events[-2]["choices"], events[-2]["usage"]["completion_tokens"]) == ([], 4)
+
+
+async def test_completions_echo_with_logprobs_returns_the_prompt_and_its_logprobs():
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        _, got = await post(client, "/v1/completions", {"prompt": [4, 5], "max_tokens": 1, "echo": True, "logprobs": 1})
+    [msg] = [m for m, _ in engine.requests]
+    assert (msg.return_prompt, msg.sampling.logprobs, msg.sampling.prompt_logprobs) == (True, 1, 1)
+    [choice] = got["choices"]
+    assert choice["text"] == "<4> <5> w100"
+    assert choice["logprobs"] == {
+        "tokens": ["token_id:4", "token_id:5", "token_id:100"],
+        "token_logprobs": [None, -1.0, -0.5],
+        "top_logprobs": [None, {"token_id:5": -1.0}, {"token_id:100": -0.5}],
+        "text_offset": [0, 0, 7],
+    }
+
+
+async def test_completions_echo_of_a_text_prompt_with_max_tokens_0_is_the_prompt_alone():
+    async with api_client(FakeEngine()) as client:
+        _, got = await post(client, "/v1/completions", {"prompt": "score this", "max_tokens": 0, "echo": True})
+        _, raw = await post(client, "/v1/completions", {"prompt": "score this", "max_tokens": 0, "echo": True,
+                                                         "stream": True})
+    assert [(c["text"], c["finish_reason"], c["logprobs"]) for c in got["choices"]] == [("score this", "length", None)]
+    assert got["usage"]["completion_tokens"] == 0
+    assert [c["text"] for e in sse_events(raw)[:-1] for c in e["choices"]] == ["score this"]

@@ -70,8 +70,10 @@ async def test_completion_prompt_forms(prompt, field, value):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "a", "n": 2}, "n", "n must be 1, got 2: this server returns one choice per request"),
-    ({"prompt": "a", "echo": True}, "echo", "echo is not supported"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported: got 2 prompts, send one per request"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt must not be empty"),
+    ({"prompt": ["a", [1, "x"]]}, "prompt", "prompt must be a list of integer token ids"),
+    ({"prompt": ["a", "b"], "bootstrap_room": 3}, "bootstrap_room",
+     "a batch of 2 prompts needs bootstrap_room as a list of 2 rooms"),
     ({"prompt": ""}, "prompt", "prompt must not be empty"),
     ({}, "prompt", "prompt is required"),
     ({"prompt": [1, -2]}, "prompt", "token id -2 in prompt is negative"),

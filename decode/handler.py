@@ -55,6 +55,13 @@ def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
     return None
 
 
+def remote_prompt_logprobs(msg: GenerateMsg, status: TransferStatusMsg) -> list[dict[int, float] | None] | None:
+    """The prompt logprobs the prefill computed, as the engine keeps them (first entry None), if asked for."""
+    if msg.sampling.prompt_logprobs is None:
+        return None
+    return [None] + [dict(entry) for entry in status.prompt_logprobs]
+
+
 class DecodeHandler(EngineHandler):
     can_sleep = False
 
@@ -170,7 +177,8 @@ class DecodeHandler(EngineHandler):
             if pending is None:
                 continue  # aborted meanwhile
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                if not self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status)):
+                if not self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status),
+                                                 remote_prompt_logprobs(pending.msg, status)):
                     continue  # the engine ended the request meanwhile and already answered it
                 wait_s = time.monotonic() - pending.started
                 self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)

@@ -43,7 +43,7 @@ class RoutedBody(msgspec.Struct, kw_only=True):
     disagg_prefill_dp_rank: Int64 | None = None
     # A batch carries one room per prompt: lists, as sgl-model-gateway sends them.
     bootstrap_host: str | list[str] | None = None
-    bootstrap_port: Port | list[Port] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
     bootstrap_room: Room | list[Room] | None = None
 
 

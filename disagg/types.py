@@ -63,6 +63,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled token's)
     prompt_logprobs: int | None = None  # top-n per prompt token
+    logprob_token_ids: tuple[int, ...] = ()  # also these tokens' logprobs wherever logprobs are returned
     skip_special_tokens: bool = True
     default_max_tokens: int | None = 16  # applies when max_tokens is None; capped by the context
 
@@ -74,6 +75,7 @@ class SamplingParams:
             raise InvalidRequest(f"{name} must be a list", name)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -102,6 +104,8 @@ class SamplingParams:
              "prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
+            (all(_is_int(t) and t >= 0 for t in self.logprob_token_ids), "token_ids_logprob",
+             "token_ids_logprob must be non-negative integers"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -149,6 +153,7 @@ class RequestOutput:
     error: str | None = None
     num_logprobs: int | None = None  # top-n asked for per generated token (SamplingParams.logprobs)
     num_prompt_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] = ()  # SamplingParams.logprob_token_ids
 
     @property
     def finished(self) -> bool:

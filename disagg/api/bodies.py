@@ -130,6 +130,7 @@ class SGLangBody(msgspec.Struct, kw_only=True):
     logprob_start_len: Int64 | list[Int64] | None = None
     top_logprobs_num: Int64 | list[Int64] | None = None
     return_text_in_logprobs: bool | None = None
+    token_ids_logprob: object = None  # token ids, or (a batch) one list of them per prompt
     rid: object = None
 
 

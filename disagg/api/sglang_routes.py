@@ -13,7 +13,6 @@ from aiohttp import web
 from disagg.api.batch import serve_batch
 from disagg.api.bodies import SGLangBody, SGLangSampling, decode_body
 from disagg.api.errors import BadRequest
-from disagg.api.generation import TokenLogprobs, Totals
 from disagg.api.requests import (
     build_generate_msg,
     check_token_ids,
@@ -24,8 +23,9 @@ from disagg.api.requests import (
 )
 from disagg.api.routing import read_routing
 from disagg.api.serving import serve_generation
+from disagg.api.sglang_render import LogprobFields, SGLangBatchRenderer, SGLangRenderer
 from disagg.api.state import state_of
-from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
+from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default (capped by the context, never refused)
 
@@ -62,10 +62,11 @@ def per_prompt(value: object, num_prompts: int, param: str) -> list:
     return [value] * num_prompts
 
 
-def sglang_sampling(sp: SGLangSampling | None, return_logprob: bool, start: int, top_n: int) -> SamplingMsg:
+def sglang_sampling(sp: SGLangSampling | None, fields: LogprobFields) -> SamplingMsg:
     """SGLang's `sampling_params` (+ the logprob fields) as a SamplingMsg. `max_new_tokens` 0
     computes the prompt only (with `logprob_start_len`, for its logprobs)."""
     sp = sp or SGLangSampling()
+    wanted, top_n = fields.return_logprob, fields.top_n
     check_unsupported(sp.n, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
     return make_sampling(
         max_tokens=sp.max_new_tokens, default_max_tokens=DEFAULT_MAX_NEW_TOKENS,
@@ -73,75 +74,20 @@ def sglang_sampling(sp: SGLangSampling | None, return_logprob: bool, start: int,
         min_p=sp.min_p, seed=sp.sampling_seed, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
         include_stop_str_in_output=sp.no_stop_trim,
-        logprobs=top_n if return_logprob else None, prompt_logprobs=top_n if return_logprob and start >= 0 else None,
+        logprobs=top_n if wanted else None, prompt_logprobs=top_n if wanted and fields.start >= 0 else None,
+        logprob_token_ids=list(fields.token_ids) if wanted else None,
     )
 
 
-def finish_reason_info(totals: Totals) -> dict | None:
-    """SGLang's `meta_info.finish_reason`: `{"type": "stop", "matched": ...}`, length or abort."""
-    reason = totals.finish_reason
-    if reason is None:
-        return None
-    if reason == "stop":
-        return {"type": "stop"} if totals.stop_reason is None else {"type": "stop", "matched": totals.stop_reason}
-    if reason == "length":
-        return {"type": "length", "length": totals.num_output_tokens}
-    return {"type": reason, "message": "the request was aborted"} if reason == "abort" else {"type": reason}
-
-
-def _triples(entries: list[tuple[int, float]]) -> list[list]:
-    return [[lp, token_id, None] for token_id, lp in entries]
-
-
-class SGLangRenderer:
-    """Bodies of /generate: `{text, output_ids, meta_info}`, cumulative in every streamed event."""
-
-    def __init__(self, return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
-                 prompt_token_ids: list[int] | None):
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.top_logprobs_num = top_logprobs_num
-        self.prompt_token_ids = prompt_token_ids
-
-    def chunks(self, out: OutputMsg, totals: Totals) -> list[object]:
-        if not out.new_token_ids and out.finish_reason is None:
-            return []
-        return [self.full(totals)]
-
-    def tail(self, totals: Totals) -> list[object]:
-        return []
-
-    def full(self, totals: Totals) -> object:
-        meta = {
-            "id": totals.request_id, "finish_reason": finish_reason_info(totals),
-            "prompt_tokens": totals.num_prompt_tokens, "completion_tokens": totals.num_output_tokens,
-            "cached_tokens": totals.num_cached_tokens, "dp_rank": totals.dp_rank,
-            "e2e_latency": totals.e2e_latency_s,
-        }
-        if self.return_logprob:
-            meta.update(self._logprobs(totals))
-        return {"text": totals.text, "output_ids": list(totals.token_ids), "meta_info": meta}
-
-    def _logprobs(self, totals: Totals) -> dict:
-        outputs: list[TokenLogprobs] = totals.logprobs or []
-        found = {"output_token_logprobs": [_triples(e[:1])[0] for e in outputs]}
-        if self.top_logprobs_num:
-            found["output_top_logprobs"] = [_triples(e[1:]) for e in outputs]
-        if self.logprob_start_len >= 0:
-            found.update(self._input_logprobs(totals.prompt_logprobs or []))
-        return found
-
-    def _input_logprobs(self, prompt: list[TokenLogprobs | None]) -> dict:
-        ids = self.prompt_token_ids or []
-        tokens, tops = [], []
-        for i, entry in enumerate(prompt[self.logprob_start_len:], start=self.logprob_start_len):
-            known_id = ids[i] if i < len(ids) else None
-            tokens.append([None, known_id, None] if entry is None else _triples(entry[:1])[0])
-            tops.append(None if entry is None else _triples(entry[1:]))
-        found = {"input_token_logprobs": tokens}
-        if self.top_logprobs_num:
-            found["input_top_logprobs"] = tops
-        return found
+def token_ids_per_prompt(value: object, num_prompts: int, is_batch: bool, vocab_size: int) -> list[tuple[int, ...]]:
+    """`token_ids_logprob`: one list of ids for every prompt, or (a batch) one list per prompt."""
+    if value is None:
+        return [()] * num_prompts
+    if is_batch and isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        lists = per_prompt(value, num_prompts, "token_ids_logprob")
+    else:
+        lists = [value] * num_prompts
+    return [tuple(check_token_ids(ids, vocab_size, "token_ids_logprob")) for ids in lists]
 
 
 @dataclass(frozen=True)
@@ -150,7 +96,14 @@ class _Item:
 
     prompt: dict
     sampling: SamplingMsg
-    renderer: SGLangRenderer
+    fields: LogprobFields
+
+    def message(self, request_id: str, routing) -> GenerateMsg:
+        """The item's GenerateMsg; input logprobs need the prompt's ids back (text prompts too)."""
+        f = self.fields
+        return build_generate_msg(request_id, self.sampling, routing, **self.prompt,
+                                  return_prompt=f.return_logprob and f.start >= 0,
+                                  return_token_texts=f.return_logprob and f.return_text)
 
 
 def _items(body: SGLangBody, vocab_size: int) -> tuple[list[_Item], bool]:
@@ -159,13 +112,13 @@ def _items(body: SGLangBody, vocab_size: int) -> tuple[list[_Item], bool]:
     columns = zip(prompts, per_prompt(body.sampling_params, n, "sampling_params"),
                   per_prompt(body.return_logprob, n, "return_logprob"),
                   per_prompt(body.logprob_start_len, n, "logprob_start_len"),
-                  per_prompt(body.top_logprobs_num, n, "top_logprobs_num"))
+                  per_prompt(body.top_logprobs_num, n, "top_logprobs_num"),
+                  token_ids_per_prompt(body.token_ids_logprob, n, is_batch, vocab_size))
     items = []
-    for prompt, sp, return_logprob, start, top_n in columns:
-        start = -1 if start is None else start
-        sampling = sglang_sampling(sp, bool(return_logprob), start, top_n or 0)
-        renderer = SGLangRenderer(bool(return_logprob), start, top_n or 0, prompt.get("prompt_token_ids"))
-        items.append(_Item(prompt, sampling, renderer))
+    for prompt, sp, return_logprob, start, top_n, token_ids in columns:
+        fields = LogprobFields(bool(return_logprob), -1 if start is None else start, top_n or 0, token_ids,
+                               bool(body.return_text_in_logprobs))
+        items.append(_Item(prompt, sglang_sampling(sp, fields), fields))
     return items, is_batch
 
 
@@ -190,30 +143,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     request_ids = _request_ids(request, body.rid, len(items), is_batch)
     routing = read_routing(request, raw, state.warn_once)
     routings = routing.for_items(len(items))
-    msgs = [build_generate_msg(rid, item.sampling, r, **item.prompt) for rid, item, r in zip(request_ids, items, routings)]
+    msgs = [item.message(rid, r) for rid, item, r in zip(request_ids, items, routings)]
+    renderers = [SGLangRenderer(item.fields) for item in items]
     if not is_batch:
-        return await serve_generation(request, msgs[0], routing.routed_dp_rank, items[0].renderer,
-                                      stream=bool(body.stream))
-    renderer = SGLangBatchRenderer([item.renderer for item in items])
+        return await serve_generation(request, msgs[0], routing.routed_dp_rank, renderers[0], stream=bool(body.stream))
+    renderer = SGLangBatchRenderer(renderers)
     return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs], renderer,
                              stream=bool(body.stream), request_id=request_ids[0])
-
-
-class SGLangBatchRenderer:
-    """A batch's bodies: the list of every item's answer; streamed, each event is one item's
-    cumulative answer with its `index` (as SGLang streams batches)."""
-
-    def __init__(self, renderers: list[SGLangRenderer]):
-        self.renderers = renderers
-
-    def chunks(self, index: int, out: OutputMsg, totals: Totals) -> list[object]:
-        return [{**chunk, "index": index} for chunk in self.renderers[index].chunks(out, totals)]
-
-    def tail(self, totals: list[Totals]) -> list[object]:
-        return []
-
-    def full(self, totals: list[Totals]) -> object:
-        return [r.full(t) for r, t in zip(self.renderers, totals)]
 
 
 def add_routes(app: web.Application) -> None:

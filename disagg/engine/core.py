@@ -113,6 +113,10 @@ class EngineCore:
         for token_id in params.stop_token_ids:
             if token_id >= vocab:
                 raise InvalidRequest(f"stop token id {token_id} is out of vocabulary (vocab_size={vocab})", "stop_token_ids")
+        for token_id in params.logprob_token_ids:
+            if token_id >= vocab:
+                raise InvalidRequest(f"token id {token_id} in token_ids_logprob is out of vocabulary (vocab_size={vocab})",
+                                     "token_ids_logprob")
         num_prompt, room = len(prompt_token_ids), self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             if params.max_tokens > room:

@@ -155,3 +155,32 @@ async def test_completions_echo_of_a_text_prompt_with_max_tokens_0_is_the_prompt
     assert [(c["text"], c["finish_reason"], c["logprobs"]) for c in got["choices"]] == [("score this", "length", None)]
     assert got["usage"]["completion_tokens"] == 0
     assert [c["text"] for e in sse_events(raw)[:-1] for c in e["choices"]] == ["score this"]
+
+
+async def test_generate_token_ids_logprob_and_text_in_logprobs_in_sglangs_shapes():
+    engine = FakeEngine()
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 1, "token_ids_logprob": [9, 3], "return_text_in_logprobs": True}
+    async with api_client(engine) as client:
+        _, got = await post(client, "/generate", body)
+    [(msg, _)] = engine.requests
+    assert (msg.sampling.logprob_token_ids, msg.return_prompt, msg.return_token_texts) == ([9, 3], True, True)
+    meta = got["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 4, " w4"], [-1.0, 5, " w5"], [-1.0, 6, " w6"]]
+    assert meta["input_top_logprobs"] == [None, [[-1.0, 5, " w5"]], [[-1.0, 6, " w6"]]]
+    assert meta["input_token_ids_logprobs"] == [None, [[-9.0, 9, " w9"], [-9.0, 3, " w3"]],
+                                                [[-9.0, 9, " w9"], [-9.0, 3, " w3"]]]
+    assert meta["output_token_logprobs"] == [[-0.5, 100, " w100"], [-0.5, 101, " w101"]]
+    assert meta["output_top_logprobs"] == [[[-0.5, 100, " w100"]], [[-0.5, 101, " w101"]]]
+    assert meta["output_token_ids_logprobs"] == [[[-9.0, 9, " w9"], [-9.0, 3, " w3"]]] * 2
+
+
+async def test_generate_batch_token_ids_logprob_per_prompt():
+    engine = FakeEngine()
+    body = {"input_ids": [[4], [5]], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+            "token_ids_logprob": [[7], [8, 9]]}
+    async with api_client(engine) as client:
+        _, got = await post(client, "/generate", body)
+    assert [m.sampling.logprob_token_ids for m, _ in engine.requests] == [[7], [8, 9]]
+    assert [g["meta_info"]["output_token_ids_logprobs"] for g in got] == [
+        [[[-9.0, 7, None]]], [[[-9.0, 8, None], [-9.0, 9, None]]]]

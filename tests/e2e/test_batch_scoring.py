@@ -95,12 +95,20 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_as_hf(unified, hf_tiny):
 async def test_sglang_input_token_logprobs_equal_hf(unified, hf_tiny):
     ids = PROMPT_IDS[0]
     data = await post(unified_url(unified), "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                                                          "return_logprob": True, "logprob_start_len": 2})
+                                                          "return_logprob": True, "logprob_start_len": 2,
+                                                          "token_ids_logprob": [7, 300], "return_text_in_logprobs": True})
     meta = data["meta_info"]
     assert (data["output_ids"], meta["finish_reason"], meta["output_token_logprobs"]) == ([], {"type": "length", "length": 0}, [])
-    assert [e[1] for e in meta["input_token_logprobs"]] == ids[2:]
+    decode = build_tiny(0).tokenizer.decode
+    assert [(e[1], e[2]) for e in meta["input_token_logprobs"]] == [(t, decode([t], skip_special_tokens=False)) for t in ids[2:]]
     torch.testing.assert_close(torch.tensor([e[0] for e in meta["input_token_logprobs"]]),
                                torch.tensor(hf_prompt_logprobs(hf_tiny, ids)[1:]), atol=1e-4, rtol=0)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_tiny(torch.tensor([ids])).logits[0].float(), dim=-1)
+    asked = meta["input_token_ids_logprobs"]
+    assert [[e[1] for e in position] for position in asked] == [[7, 300]] * (len(ids) - 2)
+    torch.testing.assert_close(torch.tensor([[e[0] for e in position] for position in asked]), ref[1:-1, [7, 300]],
+                               atol=1e-4, rtol=0)
 
 
 async def test_pd_echo_prompt_logprobs_cross_over_from_the_prefill(cluster, unified):
@@ -123,7 +131,7 @@ async def test_pd_batches_through_the_router_equal_unified(cluster, unified):
     config = RouterConfig(port=0, prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),),
                           decode=(cluster.decode_url,), health_check_interval_s=0)
     generate = {"input_ids": PROMPT_IDS, "sampling_params": [{"max_new_tokens": n, **GREEDY} for n in (4, 0, 6)],
-                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "token_ids_logprob": [7]}
     completions = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 5, "echo": True, "logprobs": 1, **GREEDY}
     async with RouterServer(config) as router:
         pd_generate = await post(router.url, "/generate", generate)
@@ -138,8 +146,9 @@ async def test_pd_batches_through_the_router_equal_unified(cluster, unified):
         assert mine["input_token_logprobs"][0][0] is None
         torch.testing.assert_close(torch.tensor([e[0] for e in mine["input_token_logprobs"][1:]]),
                                    torch.tensor([e[0] for e in want["input_token_logprobs"][1:]]), atol=1e-5, rtol=0)
-        assert [[e[1] for e in top] if top else top for top in mine["input_top_logprobs"]] == \
-            [[e[1] for e in top] if top else top for top in want["input_top_logprobs"]]
+        for key in ("input_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"):
+            assert [[e[1] for e in top] if top else top for top in mine[key]] == \
+                [[e[1] for e in top] if top else top for top in want[key]]
     assert [c["text"] for c in pd_completions["choices"]] == [c["text"] for c in want_completions["choices"]]
     assert [c["logprobs"]["tokens"] for c in pd_completions["choices"]] == \
         [c["logprobs"]["tokens"] for c in want_completions["choices"]]

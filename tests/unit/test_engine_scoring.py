@@ -78,3 +78,20 @@ def test_remote_kv_admission_of_a_prompt_only_request_ends_it_with_the_remote_pr
 def test_negative_max_tokens_is_refused():
     with pytest.raises(InvalidRequest, match=r"^max_tokens must be at least 0, got -1$"):
         SamplingParams(max_tokens=-1)
+
+
+def test_logprob_token_ids_are_returned_beside_the_top_n_and_equal_hf(tiny_loaded, hf_tiny):
+    core = engine(tiny_loaded)
+    ids = core.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1,
+                            logprob_token_ids=(7, 300))
+    [out] = run(core, [ids], params)
+    ref = hf_prompt_logprobs(hf_tiny, ids + out.outputs.token_ids)
+    for i in range(1, len(ids)):
+        assert {7, 300, ids[i]} <= set(out.prompt_logprobs[i]) and len(out.prompt_logprobs[i]) <= 4
+        torch.testing.assert_close(torch.tensor([out.prompt_logprobs[i][7], out.prompt_logprobs[i][300]]),
+                                   ref[i - 1, [7, 300]], atol=1e-4, rtol=0)
+    for k, top in enumerate(out.outputs.logprobs):
+        torch.testing.assert_close(torch.tensor([top[7], top[300]]), ref[len(ids) - 1 + k, [7, 300]], atol=1e-4, rtol=0)
+    with pytest.raises(InvalidRequest, match=r"^token id 320 in token_ids_logprob is out of vocabulary \(vocab_size=320\)$"):
+        core.add_request("bad", ids, SamplingParams(logprobs=0, logprob_token_ids=(320,)))

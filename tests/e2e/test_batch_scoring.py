@@ -2,6 +2,8 @@
 requests; prompt logprobs (echo, max_tokens 0, SGLang's input_* fields) equal HF's log_softmax;
 P/D (with our router forwarding one room per prompt) equals unified."""
 
+import json
+
 import aiohttp
 import pytest
 import pytest_asyncio
@@ -153,3 +155,17 @@ async def test_pd_batches_through_the_router_equal_unified(cluster, unified):
     assert [c["logprobs"]["tokens"] for c in pd_completions["choices"]] == \
         [c["logprobs"]["tokens"] for c in want_completions["choices"]]
     assert await cluster.free_blocks() == ([96, 96], [96, 96])
+
+
+async def test_pd_streamed_batch_through_the_router_ends_as_unified(cluster, unified):
+    config = RouterConfig(port=0, prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),),
+                          decode=(cluster.decode_url,), health_check_interval_s=0)
+    body = {"text": ["Once upon", "a time there"], "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+    async with RouterServer(config) as router, aiohttp.ClientSession() as s:
+        async with s.post(router.url + "/generate", json=dict(body, stream=True)) as r:
+            raw = await r.text()
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    last = {e["index"]: e["output_ids"] for e in events}
+    want = await post(unified_url(unified), "/generate", body)
+    assert raw.rstrip().endswith("data: [DONE]")
+    assert [last[0], last[1]] == [w["output_ids"] for w in want] and all(len(ids) == 5 for ids in last.values())

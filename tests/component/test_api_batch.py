@@ -86,15 +86,29 @@ async def test_generate_max_new_tokens_0_scores_the_prompt_only():
     assert got["meta_info"]["output_token_logprobs"] == []
 
 
-async def test_a_failing_item_fails_the_batch_and_aborts_the_others():
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failing_item_fails_the_batch_and_aborts_the_others(stream):
     engine = FakeEngine(token_delay_s=0.01)
-    engine.script.error_after = 1
-    engine.script.error_status = 400
-    engine.script.error_text = "bad prompt"
+    body = {"input_ids": [[1] * 64, [2]], "rid": ["bad", "good"], "stream": stream,
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 50}]}
     async with api_client(engine) as client:
-        resp, got = await post(client, "/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 5}})
+        resp, got = await post(client, "/generate", body)
     assert resp.status == 400
-    assert got == {"error": {"message": "bad prompt", "type": "BadRequestError", "param": None, "code": None}}
+    assert got == {"error": {"message": "the prompt has 64 tokens; the context length is 64", "type": "BadRequestError",
+                             "param": "prompt", "code": None}}
+    assert engine.aborted == ["good"]
+
+
+async def test_an_item_failing_mid_stream_ends_the_batch_stream_with_one_error_event():
+    engine = FakeEngine()
+    engine.script.error_after = 2
+    body = {"text": ["a", "b"], "stream": True, "sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 1}]}
+    async with api_client(engine) as client:
+        resp, raw = await post(client, "/generate", body)
+    events = sse_events(raw)
+    assert resp.status == 200 and events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "worker failed", "type": "InternalServerError", "param": None, "code": None}}
+    assert sorted((e["index"], e["output_ids"]) for e in events[:-2]) == [(0, [100]), (0, [100, 101]), (1, [100])]
 
 
 def strip_created(body: dict) -> dict:

@@ -198,3 +198,13 @@ async def test_generate_batch_token_ids_logprob_per_prompt():
     assert [m.sampling.logprob_token_ids for m, _ in engine.requests] == [[7], [8, 9]]
     assert [g["meta_info"]["output_token_ids_logprobs"] for g in got] == [
         [[[-9.0, 7, None]]], [[[-9.0, 8, None], [-9.0, 9, None]]]]
+
+
+async def test_a_gateway_list_of_one_room_for_one_prompt_is_unwrapped():
+    """sgl-model-gateway sends bootstrap lists whenever `prompt` is an array, even of one prompt."""
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        _, got = await post(client, "/v1/completions", {"prompt": ["a"], "max_tokens": 1, "bootstrap_host": ["h"],
+                                                        "bootstrap_port": [8998], "bootstrap_room": [5]})
+    assert [c["index"] for c in got["choices"]] == [0]
+    assert [(m.bootstrap_host, m.bootstrap_port, m.bootstrap_room) for m, _ in engine.requests] == [("h", 8998, 5)]

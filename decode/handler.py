@@ -59,6 +59,13 @@ def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
     return None
 
 
+def remote_prompt_logprobs(msg: GenerateMsg, status: TransferStatusMsg) -> list[dict[int, float] | None] | None:
+    """The prompt logprobs the prefill computed, as the engine keeps them (first entry None), if asked for."""
+    if msg.sampling.prompt_logprobs is None:
+        return None
+    return [None] + [dict(entry) for entry in status.prompt_logprobs]
+
+
 class DecodeHandler(EngineHandler):
     can_sleep = False
 
@@ -92,6 +99,9 @@ class DecodeHandler(EngineHandler):
             missing = [f for f in ("bootstrap_room", "bootstrap_host", "bootstrap_port") if getattr(msg, f) is None]
             if ticket is not None:
                 missing = []
+                if msg.sampling.prompt_logprobs is not None:
+                    raise InvalidRequest("prompt logprobs are not available in the pull flow (kv_transfer_params): "
+                                         "the decode reads the prompt's KV, not its logprobs", "prompt_logprobs")
                 if not self.config.allows_bootstrap_host(ticket.host):
                     raise InvalidRequest(f"remote_host {ticket.host!r} is not allowed on this decode server "
                                          "(see its --allowed-bootstrap-hosts)", "kv_transfer_params")
@@ -211,7 +221,7 @@ class DecodeHandler(EngineHandler):
             if pending is None:
                 continue  # aborted meanwhile
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                if not self._admit(request_id, status):
+                if not self._admit(request_id, pending, status):
                     continue  # the engine ended the request meanwhile and already answered it
                 wait_s = time.monotonic() - pending.started
                 self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
@@ -221,11 +231,12 @@ class DecodeHandler(EngineHandler):
                 out += self._fail(request_id, pending, status)
         return out
 
-    def _admit(self, request_id: str, status: TransferStatusMsg) -> bool:
+    def _admit(self, request_id: str, pending: _Pending, status: TransferStatusMsg) -> bool:
         if status.first_token_id is None:  # pull flow: the last prompt token and the first output are ours
             progress = self.core.request_progress(request_id)
             return progress is not None and self.core.admit_remote_prefix(request_id, progress.num_prompt_tokens - 1)
-        return self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status))
+        return self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status),
+                                         remote_prompt_logprobs(pending.msg, status))
 
     def _ended(self, request_id: str) -> bool:
         progress = self.core.request_progress(request_id)

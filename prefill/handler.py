@@ -159,6 +159,8 @@ class PrefillHandler(EngineHandler):
                 state.error = msg.error
             elif msg.new_token_ids:
                 state.first_token = (msg.new_token_ids[0], tuple(msg.logprobs[0]) if msg.logprobs else ())
+            if msg.prompt_logprobs is not None:  # the decode answers with them (the first token has none)
+                state.prompt_logprobs = tuple(tuple(map(tuple, e)) for e in msg.prompt_logprobs[1:] if e is not None)
             if msg.finish_reason is not None:
                 state.final = msg
                 state.computed_at = time.monotonic()
@@ -273,7 +275,8 @@ class PrefillHandler(EngineHandler):
         token_id, top = state.first_token  # top: (id, logprob) pairs, the sampled token first
         self.control.send_status(TransferStatusMsg(
             room=state.room, state=TransferState.SUCCESS, first_token_id=token_id, num_bytes=state.num_bytes,
-            first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top))
+            first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top,
+            prompt_logprobs=state.prompt_logprobs))
         stats = state.stats(time.monotonic())
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),

@@ -32,6 +32,9 @@ class Totals:
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None  # when the request asked for its prompt back
+    prompt_text: str | None = None
+    token_texts: dict[int, str] = field(default_factory=dict)  # id -> text, when the request asked for them
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
@@ -69,6 +72,10 @@ class Totals:
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_text = out.prompt_token_ids, out.prompt_text
+        if out.token_texts:
+            self.token_texts.update(out.token_texts)
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.kv = out.kv or self.kv

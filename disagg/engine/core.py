@@ -113,6 +113,10 @@ class EngineCore:
         for token_id in params.stop_token_ids:
             if token_id >= vocab:
                 raise InvalidRequest(f"stop token id {token_id} is out of vocabulary (vocab_size={vocab})", "stop_token_ids")
+        for token_id in params.logprob_token_ids:
+            if token_id >= vocab:
+                raise InvalidRequest(f"token id {token_id} in token_ids_logprob is out of vocabulary (vocab_size={vocab})",
+                                     "token_ids_logprob")
         num_prompt, room = len(prompt_token_ids), self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             if params.max_tokens > room:
@@ -171,10 +175,13 @@ class EngineCore:
         self.outputs.add(request)
         return list(request.block_ids)
 
-    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None) -> bool:
-        """The prompt's KV landed in the reserved blocks; continue from the first token. False when
-        the request no longer waits for KV (it was aborted or failed meanwhile)."""
-        request = self.scheduler.admit_remote_kv(request_id, SampledToken(first_token_id, first_logprobs))
+    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None,
+                        prompt_logprobs: list[dict[int, float] | None] | None = None) -> bool:
+        """The prompt's KV landed in the reserved blocks; continue from the first token, with the
+        prompt logprobs the remote engine computed (first entry None). False when the request no
+        longer waits for KV (it was aborted or failed meanwhile)."""
+        first = SampledToken(first_token_id, first_logprobs)
+        request = self.scheduler.admit_remote_kv(request_id, first, prompt_logprobs)
         if request is None:
             return False
         params = request.sampling_params

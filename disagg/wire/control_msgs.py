@@ -70,6 +70,9 @@ class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     first_token_logprob: float | None = None
     num_bytes: int = 0
     first_token_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), the top-n asked for
+    # With SUCCESS, when asked for: per prompt token from the second on, its (token id, logprob)
+    # pairs (the actual token's and the top-n); the first prompt token has none.
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,6 +171,9 @@ def status_to_pb(status: TransferStatusMsg) -> pb.TransferStatus:
     if status.first_token_logprob is not None:
         msg.first_token_logprob = status.first_token_logprob
     msg.first_token_top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in status.first_token_top_logprobs)
+    msg.prompt_logprobs.extend(
+        pb.PromptTokenLogprobs(entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in entry])
+        for entry in status.prompt_logprobs)
     return msg
 
 
@@ -181,6 +187,7 @@ def status_from_pb(msg: pb.TransferStatus) -> TransferStatusMsg:
         first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
         num_bytes=msg.num_bytes,
         first_token_top_logprobs=tuple((x.token_id, x.logprob) for x in msg.first_token_top_logprobs),
+        prompt_logprobs=tuple(tuple((x.token_id, x.logprob) for x in entry.entries) for entry in msg.prompt_logprobs),
     )
 
 

@@ -31,6 +31,7 @@ class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     default_max_tokens: int | None = 16
+    logprob_token_ids: list[int] = []  # their logprobs too, after the top-n (SGLang's token_ids_logprob)
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):
@@ -51,6 +52,8 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     # Pull flow (vLLM's NixlConnector fields): `do_remote_decode` on the prefill leg, the prefill's
     # ticket (`do_remote_prefill`, `remote_*`) on the decode leg.
     kv_transfer_params: dict | None = None
+    return_prompt: bool = False  # the first OutputMsg carries the prompt's token ids and text (echo, scoring)
+    return_token_texts: bool = False  # OutputMsgs carry the text of every token in their logprobs
 
 
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
@@ -119,7 +122,8 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     new_text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
-    logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob), sampled first
+    # per new token: (id, logprob), sampled first, then the top-n, then SamplingMsg.logprob_token_ids
+    logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # on the first message only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -129,6 +133,9 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     error_param: str | None = None
     kv_transfer_params: dict | None = None  # pull flow, prefill: the ticket the decode reads with
     kv: KVStatsMsg | None = None  # on the prefill's final output and on the decode's first
+    prompt_token_ids: list[int] | None = None  # on the first message, when GenerateMsg.return_prompt
+    prompt_text: str | None = None  # ... the prompt detokenized (special tokens kept, as vLLM's echo)
+    token_texts: dict[int, str] | None = None  # GenerateMsg.return_token_texts: id -> text, for this message's ids
 
 
 class UtilityResultMsg(msgspec.Struct, frozen=True, tag="utility_result", omit_defaults=True):

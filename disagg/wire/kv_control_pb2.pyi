@@ -92,7 +92,7 @@ class TransferInfo(_message.Message):
     def __init__(self, room: _Optional[int] = ..., peer_name: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_dp_rank: _Optional[int] = ..., first_token_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs")
+    __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs", "prompt_logprobs")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class TransferStatus(_message.Message):
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     room: int
     state: TransferState
     reason: str
@@ -107,7 +108,14 @@ class TransferStatus(_message.Message):
     first_token_logprob: float
     num_bytes: int
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[TransferState, str]] = ..., reason: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprobs]
+    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[TransferState, str]] = ..., reason: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptTokenLogprobs(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -1,9 +1,9 @@
 """An in-process EngineClient twin for the HTTP tests, plus helpers to serve it on 127.0.0.1:0.
 
 Deterministic "model": the i-th generated token (0-based) is `FIRST_OUTPUT_ID + i`, its text is
-`" w<id>"`. It honours max_tokens ("length"), stop_token_ids and stop strings ("stop", with
-`stop_reason`), logprobs (sampled token first at -0.5, then top-n: id + k at -0.5 - k) and prompt
-logprobs. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
+`" w<id>"`. It honours max_tokens ("length"; 0: the prompt only), stop_token_ids and stop strings ("stop", with
+`stop_reason`), logprobs (sampled token first at -0.5, then top-n: id + k at -0.5 - k, then the
+logprob_token_ids at -9), prompt logprobs, the prompt back and token texts. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
 and of every message's content. Scripted behaviours: per-worker sleeping flags and
 reset_prefix_cache answers, dead workers, an error output or an exception after k tokens, a delay
 between tokens. It records every request, every aborted request and every utility call. The
@@ -18,6 +18,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp.test_utils import TestClient, TestServer
 
 from disagg.api.app import create_app
@@ -96,7 +97,7 @@ class FakeEngine:
         try:
             async for out in self._outputs(msg, dp_rank):
                 finished = out.finish_reason is not None or out.error is not None
-                yield out
+                yield fake_token_texts(msg, out)
         finally:
             if not finished:
                 self.aborted.append(rid)
@@ -112,6 +113,11 @@ class FakeEngine:
             return
         text = ""
         limit = self._max_tokens(sp, num_prompt)
+        if limit == 0:  # prompt only (scoring): its logprobs, no token
+            yield OutputMsg(rid, finish_reason="length", prompt_logprobs=self._prompt_logprobs(msg),
+                            num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens,
+                            **prompt_fields(msg))
+            return
         for i in range(limit):
             await asyncio.sleep(self.token_delay_s)
             if self._abort_flags[rid].is_set():
@@ -127,9 +133,11 @@ class FakeEngine:
             text += new_text
             yield OutputMsg(
                 rid, new_token_ids=[token_id], new_text=new_text, finish_reason=finish, stop_reason=stop_reason,
-                logprobs=[fake_logprobs(token_id, sp.logprobs)] if sp.logprobs is not None else None,
+                logprobs=[fake_logprobs(token_id, sp.logprobs, extra_ids=sp.logprob_token_ids)]
+                if sp.logprobs is not None else None,
                 prompt_logprobs=self._prompt_logprobs(msg) if i == 0 else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens, num_output_tokens=i + 1,
+                **(prompt_fields(msg) if i == 0 else {}),
             )
             if finish is not None:
                 return
@@ -173,7 +181,7 @@ class FakeEngine:
         if n is None:
             return None
         ids = msg.prompt_token_ids or [7] * prompt_length(msg)
-        return [None] + [fake_logprobs(t, n, base=-1.0) for t in ids[1:]]
+        return [None] + [fake_logprobs(t, n, -1.0, msg.sampling.logprob_token_ids) for t in ids[1:]]
 
     async def abort(self, request_id: str) -> bool:
         flag = self._abort_flags.get(request_id)
@@ -216,6 +224,15 @@ class FakeEngine:
         return all(self.alive)
 
 
+def prompt_fields(msg: GenerateMsg) -> dict:
+    """The prompt's ids and text, when the request asks for them back: ids as sent, or 7 per word;
+    the text of an id is `<id>` (a space between ids)."""
+    if not msg.return_prompt:
+        return {}
+    ids = msg.prompt_token_ids or [7] * prompt_length(msg)
+    return {"prompt_token_ids": ids, "prompt_text": " ".join(f"<{t}>" for t in ids)}
+
+
 def prompt_length(msg: GenerateMsg) -> int:
     if msg.prompt_token_ids is not None:
         return len(msg.prompt_token_ids)
@@ -239,9 +256,18 @@ def fake_tokenize(msg: TokenizeMsg) -> dict:
     return {"tokens": tokens, "token_strs": strs}
 
 
-def fake_logprobs(token_id: int, top_n: int, base: float = -0.5) -> list[tuple[int, float]]:
-    """(sampled, lp) first, then the top-n: id + k at lp - k."""
-    return [(token_id, base)] + [(token_id + k, base - k) for k in range(top_n)]
+def fake_logprobs(token_id: int, top_n: int, base: float = -0.5, extra_ids=()) -> list[tuple[int, float]]:
+    """(sampled, lp) first, then the top-n: id + k at lp - k, then each of `extra_ids` at -9."""
+    return [(token_id, base)] + [(token_id + k, base - k) for k in range(top_n)] + [(t, -9.0) for t in extra_ids]
+
+
+def fake_token_texts(msg: GenerateMsg, out: OutputMsg) -> OutputMsg:
+    """`out` with the texts of every id in its logprobs and prompt, when the request asks for them."""
+    if not msg.return_token_texts:
+        return out
+    entries = (out.logprobs or []) + [e for e in out.prompt_logprobs or [] if e is not None]
+    ids = {t for e in entries for t, _ in e} | set(out.prompt_token_ids or [])
+    return msgspec.structs.replace(out, token_texts={t: token_text(t) for t in ids})
 
 
 @contextlib.asynccontextmanager

@@ -70,13 +70,15 @@ async def test_completion_prompt_forms(prompt, field, value):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "a", "n": 2}, "n", "n must be 1, got 2: this server returns one choice per request"),
-    ({"prompt": "a", "echo": True}, "echo", "echo is not supported"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported: got 2 prompts, send one per request"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt must not be empty"),
+    ({"prompt": ["a", [1, "x"]]}, "prompt", "prompt must be a list of integer token ids"),
+    ({"prompt": ["a", "b"], "bootstrap_room": 3}, "bootstrap_room",
+     "a batch of 2 prompts needs bootstrap_room as a list of 2 rooms"),
     ({"prompt": ""}, "prompt", "prompt must not be empty"),
     ({}, "prompt", "prompt is required"),
     ({"prompt": [1, -2]}, "prompt", "token id -2 in prompt is negative"),
     ({"prompt": [1, 1000]}, "prompt", "token id 1000 in prompt is out of vocabulary (vocab_size=1000)"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens", "max_tokens must be at least 0, got -1"),
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative, got -1.0"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),

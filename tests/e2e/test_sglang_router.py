@@ -98,6 +98,10 @@ async def test_router_reads_our_get_load(router):
     """The router's /get_loads asks every worker's /get_load and sums `num_tokens` (-1 when that
     fails): idle, our prefill and decode servers hold no KV tokens."""
     async with aiohttp.ClientSession() as s:
-        async with s.get(router + "/get_loads") as r:
-            status, body = r.status, await r.json()
+        for _ in range(40):  # workers report their load every 0.5 s: earlier tests' requests fade out
+            async with s.get(router + "/get_loads") as r:
+                status, body = r.status, await r.json()
+            if sorted(w["load"] for w in body["workers"]) == [0, 0]:
+                break
+            await asyncio.sleep(0.25)
     assert (status, sorted(w["load"] for w in body["workers"])) == (200, [0, 0])

@@ -14,6 +14,7 @@ from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 POLICIES = ("round_robin", "random", "least_load")
+PROTOCOLS = ("push", "pull")
 LOG_FORMATS = ("console", "json")
 
 
@@ -75,6 +76,10 @@ class RouterConfig:
     policy: str = field(
         default="round_robin", metadata={"help": "pair selection: round_robin, random or least_load"}
     )
+    protocol: str = field(
+        default="push", metadata={"help": "P/D protocol: push (SGLang: both legs at once, bootstrap fields) or pull "
+                                          "(vLLM: the prefill first, its kv_transfer_params ticket to the decode)"}
+    )
     test_external_dp_routing: bool = field(
         default=False,
         metadata={"help": "test mode: pin random DP ranks on both legs and verify the decode's reported rank"},
@@ -107,6 +112,8 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
         for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s"):

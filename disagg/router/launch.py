@@ -15,12 +15,12 @@ import dataclasses
 import typing
 
 from disagg.cli_args import scalar_type
-from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, POLICIES, RouterConfig, parse_prefill
+from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, POLICIES, PROTOCOLS, RouterConfig, parse_prefill
 
 _SERVER_LISTS = ("prefill", "decode")
 _ALIASES = {"request_timeout_s": ("--request-timeout-secs",),  # sglang-router's spelling
             "shutdown_timeout_s": ("--shutdown-timeout",)}  # vLLM's
-_CHOICES = {"policy": POLICIES, "log_format": ("console", "json")}
+_CHOICES = {"policy": POLICIES, "log_format": ("console", "json"), "protocol": PROTOCOLS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
 """P/D dispatch of one generate request: pick a pair, add the bootstrap fields, send the same body
-to both servers at once, and answer with the decode's response (whole or streamed).
+to both servers at once, and answer with the decode's response (whole or streamed). With
+`--protocol pull` (vLLM's): the prefill first, with `kv_transfer_params.do_remote_decode`; then the
+decode, with the prefill's ticket.
 
 The first leg to fail cancels the other and its error is the answer. A prefill that fails after the
 decode's stream has started ends the stream with one error event and `data: [DONE]`. A server that
@@ -12,7 +14,7 @@ import asyncio
 import random
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import structlog
@@ -32,6 +34,7 @@ from disagg.router.workers import Health, Role, WorkerPool
 log = structlog.get_logger("disagg.router")
 DRAINING_REFUSAL = "refused a request with 503 (draining)"  # `last_error` of a server found draining that way
 # Request headers both legs receive; everything else (Host, Content-Length, ...) is the router's own.
+PULL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False}  # what vLLM's router sends the prefill
 FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, "X-Request-Id", "traceparent", "tracestate")
 
 
@@ -120,9 +123,12 @@ class Proxy:
             self._begin(plan)
             try:
                 log.debug("request routed", prefill=plan.prefill.server, decode=plan.decode.server)
+                prefill = None
+                if self._config.protocol == "pull":
+                    plan, prefill = await self._pull_ticket(plan, headers)
                 if plan.stream:
-                    return await self._stream(request, plan, headers)
-                return await self._unary(plan, headers)
+                    return await self._stream(request, plan, headers, prefill)
+                return await self._unary(plan, headers, prefill)
             finally:
                 self._end(plan)
 
@@ -137,6 +143,9 @@ class Proxy:
             p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
             expected = pick_dp_rank(await self._health.ensure_dp_size(Role.DECODE, d), self._rng)
             prefill_body, decode_body = (bodies.encode_body(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
+        elif self._config.protocol == "pull":
+            prefill_body = bodies.encode_body(dict(body, stream=False, kv_transfer_params=PULL_REQUEST))
+            decode_body = bodies.encode_body(body)
         else:
             prefill_body = decode_body = bodies.encode_body(shared)
         decode_url = self._config.decode[d]
@@ -155,8 +164,20 @@ class Proxy:
         self._pool.end(Role.PREFILL, plan.prefill.index)
         self._pool.end(Role.DECODE, plan.decode.index)
 
-    async def _unary(self, plan: Plan, headers: dict[str, str]) -> web.Response:
-        prefill = asyncio.create_task(self._legs.fetch(plan.prefill, headers))
+    async def _pull_ticket(self, plan: Plan, headers: dict[str, str]) -> tuple[Plan, asyncio.Future]:
+        """Pull flow: the prefill's answer, and the plan whose decode leg carries its ticket."""
+        answer = await self._legs.fetch(plan.prefill, headers)
+        ticket = (json_or_none(answer.body) or {}).get("kv_transfer_params")
+        if not isinstance(ticket, dict):
+            raise RouterError(502, f"prefill server {plan.prefill.server} answered without kv_transfer_params "
+                                   "(is it a prefill server that speaks the pull flow?)")
+        decode_body = dict(msgspec.json.decode(plan.decode.body), kv_transfer_params=ticket)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(answer)
+        return replace(plan, decode=replace(plan.decode, body=bodies.encode_body(decode_body))), done
+
+    async def _unary(self, plan: Plan, headers: dict[str, str], prefill: asyncio.Future | None = None) -> web.Response:
+        prefill = prefill or asyncio.create_task(self._legs.fetch(plan.prefill, headers))
         decode = asyncio.create_task(self._legs.fetch(plan.decode, headers))
         prefill_answer, decode_answer = await both_or_first_error(prefill, decode)
         body = self._decode_body(plan, prefill_answer, decode_answer)
@@ -181,8 +202,9 @@ class Proxy:
             return msgspec.json.encode(answer)
         return decode.body
 
-    async def _stream(self, request: web.Request, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
-        prefill = asyncio.create_task(self._legs.fetch(plan.prefill, headers))
+    async def _stream(self, request: web.Request, plan: Plan, headers: dict[str, str],
+                      prefill: asyncio.Future | None = None) -> web.StreamResponse:
+        prefill = prefill or asyncio.create_task(self._legs.fetch(plan.prefill, headers))
         opening = asyncio.create_task(self._legs.open_stream(plan.decode, headers))
         resp = None
         try:

@@ -97,3 +97,30 @@ async def test_a_ticket_for_released_blocks_or_an_unknown_engine_fails_cleanly(c
         "kv_transfer_params with do_remote_prefill needs remote_block_ids, remote_engine_id, remote_port, "
         "remote_request_id as the prefill returned them"), "kv_transfer_params")
     assert await idle(cluster)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_our_router_in_pull_mode_equals_unified(cluster, unified, stream):
+    import json
+
+    from disagg.router.config import PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    router = RouterServer(RouterConfig(port=0, protocol="pull", health_check_interval_s=0,
+                                       prefill=(PrefillEndpoint(cluster.prefill_url, None),), decode=(cluster.decode_url,)))
+    await router.start()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 12, **GREEDY}
+        async with cluster.session.post(f"http://127.0.0.1:{unified.port}/v1/chat/completions", json=body) as r:
+            expected = (await r.json())["choices"][0]["message"]["content"]
+        async with cluster.session.post(router.url + "/v1/chat/completions", json=dict(body, stream=stream)) as r:
+            assert r.status == 200, await r.text()
+            if stream:
+                text = "".join((c.get("delta") or {}).get("content") or "" for line in (await r.text()).splitlines()
+                               if line.startswith("data: {") for c in json.loads(line[6:])["choices"])
+            else:
+                text = (await r.json())["choices"][0]["message"]["content"]
+        assert text == expected
+        assert await idle(cluster)
+    finally:
+        await router.close()

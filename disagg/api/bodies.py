@@ -64,6 +64,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
 
 
 class OpenAIBody(SamplingFields, kw_only=True):
@@ -115,6 +118,7 @@ class SGLangSampling(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class SGLangBody(msgspec.Struct, kw_only=True):

@@ -75,15 +75,10 @@ def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
     return value
 
 
-def check_unsupported(n: int | None, presence: float | None, frequency: float | None,
-                      repetition: float | None) -> None:
-    """One choice per request, and no penalties: refuse rather than silently ignore."""
+def check_unsupported(n: int | None) -> None:
+    """One choice per request: refuse rather than silently ignore."""
     if n not in (None, 1):
         raise BadRequest(f"n must be 1, got {n}: this server returns one choice per request", "n")
-    for name, value, neutral in (("presence_penalty", presence, 0.0), ("frequency_penalty", frequency, 0.0),
-                                 ("repetition_penalty", repetition, 1.0)):
-        if value is not None and value != neutral:
-            raise BadRequest(f"{name} is not supported: got {value}, leave it at {neutral}", name)
 
 
 def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingMsg:
@@ -99,13 +94,16 @@ def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **f
 def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingMsg:
     """SamplingMsg from the fields OpenAI's and vLLM's APIs share."""
-    check_unsupported(f.n, f.presence_penalty, f.frequency_penalty, f.repetition_penalty)
+    check_unsupported(f.n)
     return make_sampling(
         max_tokens=max_tokens, default_max_tokens=default_max_tokens, min_tokens=f.min_tokens,
         temperature=f.temperature, top_p=f.top_p,
         top_k=f.top_k, min_p=f.min_p, seed=f.seed, stop=f.stop, stop_token_ids=f.stop_token_ids,
         ignore_eos=f.ignore_eos, include_stop_str_in_output=f.include_stop_str_in_output,
         skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty,
+        repetition_penalty=f.repetition_penalty, logit_bias=f.logit_bias, allowed_token_ids=f.allowed_token_ids,
+        bad_words=f.bad_words,
     )
 
 

@@ -41,7 +41,7 @@ def sglang_prompt(body: SGLangBody, vocab_size: int) -> dict:
 def sglang_sampling(body: SGLangBody) -> SamplingMsg:
     """SGLang's `sampling_params` (+ the logprob fields) as a SamplingMsg."""
     sp = body.sampling_params or SGLangSampling()
-    check_unsupported(sp.n, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+    check_unsupported(sp.n)
     top_n = body.top_logprobs_num or 0
     start = -1 if body.logprob_start_len is None else body.logprob_start_len
     wants_prompt = bool(body.return_logprob) and start >= 0
@@ -52,6 +52,8 @@ def sglang_sampling(body: SGLangBody) -> SamplingMsg:
         ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
         include_stop_str_in_output=sp.no_stop_trim,
         logprobs=top_n if body.return_logprob else None, prompt_logprobs=top_n if wants_prompt else None,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
     )
 
 

@@ -25,7 +25,10 @@ def sampling_params(msg: SamplingMsg) -> SamplingParams:
         top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=msg.logprobs,
         prompt_logprobs=msg.prompt_logprobs, skip_special_tokens=msg.skip_special_tokens,
-        default_max_tokens=msg.default_max_tokens,
+        default_max_tokens=msg.default_max_tokens, presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
+        logit_bias=msg.logit_bias, allowed_token_ids=msg.allowed_token_ids, bad_words=tuple(msg.bad_words),
+        bad_words_token_ids=tuple(tuple(w) for w in msg.bad_words_token_ids),
     )
 
 

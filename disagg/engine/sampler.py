@@ -1,4 +1,5 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turns logits into tokens: logits processors (logits_processors.py), min_tokens, greedy,
+temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Logprobs are those of the model's raw distribution (before temperature and truncation), as vLLM
 returns by default. `temperature == 0` is greedy.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from disagg.engine.logits_processors import apply_processors
 from disagg.engine.scheduler import SampledToken, ScheduledSeq
 from disagg.types import SamplingParams, TopLogprobs
 
@@ -34,7 +36,9 @@ class Sampler:
         """One token per row of `logits` ([len(seqs), vocab], float32); a row whose sampling raises
         gets the reason instead, and the other rows are sampled exactly as without it."""
         raw = logits
-        logits, failed = self._mask_early_stops(logits, seqs, eos_token_ids)
+        logits, failed = apply_processors(logits, seqs)
+        logits, early_failed = self._mask_early_stops(logits, seqs, eos_token_ids)
+        failed.update(early_failed)
         token_ids = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             if i not in failed and not seq.sampling_params.greedy:

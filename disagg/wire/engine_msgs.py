@@ -31,6 +31,13 @@ class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     default_max_tokens: int | None = 16
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):

@@ -80,8 +80,7 @@ async def test_completion_prompt_forms(prompt, field, value):
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative, got -1.0"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty",
-     "presence_penalty is not supported: got 0.5, leave it at 0.0"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
     ({"prompt": "a", "max_tokens": "abc"}, "max_tokens",
      "invalid request body: Expected `int | null`, got `str` - at `$.max_tokens`"),
 ])

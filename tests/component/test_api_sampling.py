@@ -1,0 +1,51 @@
+"""Logits-processor fields (penalties, logit_bias, bad_words, allowed_token_ids) reach the engine
+from every generate endpoint that has them upstream, and bad values are 400s naming the field."""
+
+import pytest
+from fake_engine import FakeEngine, api_client
+
+from disagg.wire.engine_msgs import SamplingMsg
+
+pytestmark = pytest.mark.timeout(30)
+PROCESSORS = {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
+              "logit_bias": {"7": 100, "9": -200}}
+VLLM_ONLY = {"bad_words": ["foo bar"], "allowed_token_ids": [7, 9, 11]}
+EXPECTED = dict(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5, logit_bias={7: 100.0, 9: -100.0})
+
+
+@pytest.mark.parametrize("path, body, expected", [
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, **PROCESSORS, **VLLM_ONLY},
+     SamplingMsg(max_tokens=2, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, **PROCESSORS, **VLLM_ONLY},
+     SamplingMsg(max_tokens=2, default_max_tokens=None, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, **PROCESSORS, **VLLM_ONLY}},
+     SamplingMsg(max_tokens=2, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, **PROCESSORS}},
+     SamplingMsg(max_tokens=2, default_max_tokens=128, **EXPECTED)),
+])
+async def test_processor_fields_reach_the_engine(path, body, expected):
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        resp = await client.post(path, json=body)
+        assert resp.status == 200, await resp.text()
+    assert engine.requests[0][0].sampling == expected
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty must be in (0, 2], got 0.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "frequency_penalty": -3}, "frequency_penalty",
+     "frequency_penalty must be in [-2, 2], got -3.0"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias",
+     "logit_bias must map non-negative token ids to finite numbers, got '-1': 1.0"),
+    ("/generate", {"text": "a", "sampling_params": {"logit_bias": {"a": 1}}}, "logit_bias",
+     "logit_bias keys must be token ids, got 'a'"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"allowed_token_ids": []}}, "allowed_token_ids",
+     "allowed_token_ids must be a non-empty list of non-negative integers"),
+])
+async def test_bad_processor_values_are_400(path, body, param, message):
+    async with api_client(FakeEngine()) as client:
+        resp = await client.post(path, json=body)
+        got = await resp.json()
+    assert resp.status == 400
+    assert got == {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}

@@ -38,6 +38,27 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+class GrammarKind(str, enum.Enum):
+    """What a structured-output spec is written in."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema (as JSON text); '{"type": "object"}' for json_object
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # EBNF/GBNF (SGLang's `ebnf`, vLLM's `grammar`) or Lark
+    CHOICE = "choice"  # a JSON list of strings: the output is one of them
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output; `param` names the request field it came from (for errors)."""
+
+    kind: GrammarKind
+    spec: str
+    param: str = "response_format"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. A temperature below 1e-5 (0 included) means greedy, as in vLLM.
@@ -71,6 +92,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] = ()  # words never generated (vLLM); the engine tokenizes them
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # set by the engine from bad_words
+    structured_output: StructuredOutput | None = None  # grammar-constrained output (disagg/engine/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,7 +175,7 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Anything beyond min_tokens that changes the logits before sampling."""
         return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words_token_ids))
+                or bool(self.bad_words_token_ids) or self.structured_output is not None)
 
 
 def _logit_bias(value: object) -> dict[int, float]:

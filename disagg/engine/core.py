@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import EngineConfig
+from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.loader import LoadedModel, load_model
 from disagg.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -71,7 +72,8 @@ class EngineCore:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = LlamaModel(self.arch, self.loaded.weights, self.dtype, config.model.device)
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -131,12 +133,15 @@ class EngineCore:
         return dataclasses.replace(params, max_tokens=room if default is None else min(default, room))
 
     def _check_processors(self, params: SamplingParams) -> SamplingParams:
-        """Refuse out-of-vocabulary ids in logit_bias / allowed_token_ids; tokenize bad_words."""
+        """Refuse out-of-vocabulary ids in logit_bias / allowed_token_ids and invalid grammars;
+        tokenize bad_words."""
         vocab = self.arch.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             for token_id in ids:
                 if token_id >= vocab:
                     raise InvalidRequest(f"token id {token_id} in {name} is out of vocabulary (vocab_size={vocab})", name)
+        if params.structured_output is not None:
+            self.grammars.grammar(params.structured_output)  # raises InvalidRequest naming the field
         if not params.bad_words or params.bad_words_token_ids:
             return params
         words = bad_words_token_ids(self.tokenizer, params.bad_words)

@@ -67,6 +67,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
+    response_format: object = None  # checked in structured.py
+    structured_outputs: object = None
 
 
 class OpenAIBody(SamplingFields, kw_only=True):
@@ -119,6 +121,9 @@ class SGLangSampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class SGLangBody(msgspec.Struct, kw_only=True):

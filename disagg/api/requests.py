@@ -16,6 +16,7 @@ from disagg.api.bodies import SamplingFields, StreamOptions
 from disagg.api.errors import BadRequest, ModelNotFound
 from disagg.api.logging import bind_request
 from disagg.api.routing import Routing
+from disagg.api.structured import from_openai
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
@@ -87,7 +88,12 @@ def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **f
     (None: the rest of the context) once it knows the prompt's length."""
     params = SamplingParams(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                             **{k: v for k, v in fields.items() if v is not None})
-    values = dataclasses.asdict(params)
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    structured = values.pop("structured_output")
+    if structured is not None:
+        values.update(structured_kind=structured.kind.value, structured_spec=structured.spec,
+                      structured_param=structured.param)
+    values["bad_words_token_ids"] = [list(w) for w in values["bad_words_token_ids"]]
     return SamplingMsg(**{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
 
 
@@ -103,7 +109,7 @@ def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_m
         skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty,
         repetition_penalty=f.repetition_penalty, logit_bias=f.logit_bias, allowed_token_ids=f.allowed_token_ids,
-        bad_words=f.bad_words,
+        bad_words=f.bad_words, structured_output=from_openai(f.response_format, f.structured_outputs),
     )
 
 

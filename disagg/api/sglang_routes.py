@@ -22,6 +22,7 @@ from disagg.api.requests import (
 from disagg.api.routing import read_routing
 from disagg.api.serving import serve_generation
 from disagg.api.state import state_of
+from disagg.api.structured import from_sglang
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default (capped by the context, never refused)
@@ -54,6 +55,7 @@ def sglang_sampling(body: SGLangBody) -> SamplingMsg:
         logprobs=top_n if body.return_logprob else None, prompt_logprobs=top_n if wants_prompt else None,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
+        structured_output=from_sglang(sp.json_schema, sp.regex, sp.ebnf),
     )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import structlog
 
 from disagg.engine.core import EngineCore
-from disagg.types import EngineSleeping, InvalidRequest, RequestOutput, SamplingParams
+from disagg.types import EngineSleeping, GrammarKind, InvalidRequest, RequestOutput, SamplingParams, StructuredOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
 
 log = structlog.get_logger(__name__)
@@ -29,6 +29,8 @@ def sampling_params(msg: SamplingMsg) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
         logit_bias=msg.logit_bias, allowed_token_ids=msg.allowed_token_ids, bad_words=tuple(msg.bad_words),
         bad_words_token_ids=tuple(tuple(w) for w in msg.bad_words_token_ids),
+        structured_output=None if msg.structured_kind is None else StructuredOutput(
+            GrammarKind(msg.structured_kind), msg.structured_spec or "", msg.structured_param or "response_format"),
     )
 
 

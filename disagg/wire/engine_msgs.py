@@ -38,6 +38,9 @@ class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
+    structured_kind: str | None = None  # disagg.types.GrammarKind value; with structured_spec
+    structured_spec: str | None = None
+    structured_param: str | None = None  # the request field it came from (for errors)
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):

@@ -1,6 +1,8 @@
 """Logits-processor fields (penalties, logit_bias, bad_words, allowed_token_ids) reach the engine
 from every generate endpoint that has them upstream, and bad values are 400s naming the field."""
 
+import json
+
 import pytest
 from fake_engine import FakeEngine, api_client
 
@@ -44,6 +46,57 @@ async def test_processor_fields_reach_the_engine(path, body, expected):
      "allowed_token_ids must be a non-empty list of non-negative integers"),
 ])
 async def test_bad_processor_values_are_400(path, body, param, message):
+    async with api_client(FakeEngine()) as client:
+        resp = await client.post(path, json=body)
+        got = await resp.json()
+    assert resp.status == 400
+    assert got == {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+CHAT = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, kind, spec, param", [
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}',
+     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     "json_schema", json.dumps(SCHEMA), "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     "json_schema", json.dumps(SCHEMA), "response_format"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a+"}}, "regex", "a+", "structured_outputs"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": ["x", "y"]}}, "choice", '["x", "y"]', "structured_outputs"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA), "structured_outputs"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"structured_outputs": {"grammar": 'root ::= "a"'}}},
+     "grammar", 'root ::= "a"', "structured_outputs"),
+    ("/generate", {"text": "a", "sampling_params": {"json_schema": json.dumps(SCHEMA)}}, "json_schema", json.dumps(SCHEMA), "json_schema"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "[0-9]+"}}, "regex", "[0-9]+", "regex"),
+    ("/generate", {"text": "a", "sampling_params": {"ebnf": 'root ::= "x"'}}, "grammar", 'root ::= "x"', "ebnf"),
+])
+async def test_structured_fields_reach_the_engine(path, body, kind, spec, param):
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        resp = await client.post(path, json=body)
+        assert resp.status == 200, await resp.text()
+    sampling = engine.requests[0][0].sampling
+    assert (sampling.structured_kind, sampling.structured_spec, sampling.structured_param) == (kind, spec, param)
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "structural_tag"}}, "response_format",
+     "response_format type 'structural_tag' is not supported: use 'text', 'json_object' or 'json_schema'"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "response_format json_schema needs json_schema.schema (a JSON schema object)"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "You can only use one kind of constraints for structured outputs ('json', 'regex', 'choice', 'grammar' or 'json_object')."),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
+     "structured_outputs.structural_tag is not supported"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "set one of response_format and structured_outputs, not both"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "ebnf",
+     "Only one of regex, json_schema, or ebnf can be set."),
+])
+async def test_bad_structured_fields_are_400(path, body, param, message):
     async with api_client(FakeEngine()) as client:
         resp = await client.post(path, json=body)
         got = await resp.json()

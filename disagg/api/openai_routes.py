@@ -19,6 +19,7 @@ from disagg.api.requests import (
 from disagg.api.routing import read_routing
 from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import ApiState, state_of
+from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the context; chat's is the rest of the context
 
@@ -92,6 +93,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, CompletionBody)
+    check_upstream(raw, OPENAI_REFUSED, CompletionBody)
     options = _common_checks(state, body)
     if body.echo:
         raise BadRequest("echo is not supported", "echo")
@@ -122,6 +124,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, ChatBody)
+    check_upstream(raw, CHAT_REFUSED, ChatBody)
     options = _common_checks(state, body)
     messages = chat_messages(body.messages)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

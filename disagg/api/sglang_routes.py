@@ -23,6 +23,7 @@ from disagg.api.routing import read_routing
 from disagg.api.serving import serve_generation
 from disagg.api.state import state_of
 from disagg.api.structured import from_sglang
+from disagg.api.upstream_fields import SGLANG_REFUSED, SGLANG_SAMPLING_REFUSED, check_upstream
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default (capped by the context, never refused)
@@ -131,6 +132,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, SGLangBody)
+    check_upstream(raw, SGLANG_REFUSED, SGLangBody, ("sampling_params", SGLANG_SAMPLING_REFUSED, SGLangSampling))
     prompt = sglang_prompt(body, state.engine.model.vocab_size)
     sampling = sglang_sampling(body)
     request_id = choose_request_id(request, body.rid, "rid", "cmpl")

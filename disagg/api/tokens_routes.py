@@ -27,6 +27,7 @@ from disagg.api.requests import (
 from disagg.api.routing import read_routing
 from disagg.api.serving import serve_generation
 from disagg.api.state import state_of
+from disagg.api.upstream_fields import TOKENS_REFUSED, VLLM_SAMPLING_REFUSED, check_upstream
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
 DEFAULT_MAX_TOKENS = 16  # vLLM SamplingParams' default (capped by the context, never refused)
@@ -92,6 +93,7 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, TokensBody)
+    check_upstream(raw, TOKENS_REFUSED, TokensBody, ("sampling_params", VLLM_SAMPLING_REFUSED, TokensSampling))
     check_model(body.model, state.engine.model.name)
     check_stream_options(body.stream, body.stream_options)
     token_ids = check_token_ids(body.token_ids, state.engine.model.vocab_size, "token_ids")

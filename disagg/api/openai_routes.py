@@ -17,7 +17,8 @@ from disagg.api.requests import (
     sampling_from_fields,
 )
 from disagg.api.routing import read_routing
-from disagg.api.serving import json_response, serve_generation
+from disagg.api.parallel import check_n, merge_openai, serve_choices
+from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
 
@@ -108,9 +109,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     routing = read_routing(request, raw, state.warn_once)
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     msg = build_generate_msg(request_id, sampling, routing, add_special_tokens=add_special, **prompt)
-    renderer = CompletionRenderer(state.engine.model.name, bool(options.include_usage),
-                                  bool(options.continuous_usage_stats))
-    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank, lambda: CompletionRenderer(
+            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),
+        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:
@@ -134,9 +136,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     routing = read_routing(request, raw, state.warn_once)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them
     msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special)
-    renderer = ChatRenderer(state.engine.model.name, bool(options.include_usage),
-                            bool(options.continuous_usage_stats))
-    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
+            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),
+        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
 
 
 async def list_models(request: web.Request) -> web.Response:

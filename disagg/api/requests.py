@@ -76,12 +76,6 @@ def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
     return value
 
 
-def check_unsupported(n: int | None) -> None:
-    """One choice per request: refuse rather than silently ignore."""
-    if n not in (None, 1):
-        raise BadRequest(f"n must be 1, got {n}: this server returns one choice per request", "n")
-
-
 def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingMsg:
     """Validate through SamplingParams and convert to the wire message. None means the default;
     `max_tokens` None means the client did not set it: the worker applies `default_max_tokens`
@@ -100,7 +94,6 @@ def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **f
 def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingMsg:
     """SamplingMsg from the fields OpenAI's and vLLM's APIs share."""
-    check_unsupported(f.n)
     return make_sampling(
         max_tokens=max_tokens, default_max_tokens=default_max_tokens, min_tokens=f.min_tokens,
         temperature=f.temperature, top_p=f.top_p,

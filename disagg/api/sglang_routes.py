@@ -14,13 +14,12 @@ from disagg.api.generation import TokenLogprobs, Totals
 from disagg.api.requests import (
     build_generate_msg,
     check_token_ids,
-    check_unsupported,
     choose_request_id,
     make_sampling,
     read_body,
 )
 from disagg.api.routing import read_routing
-from disagg.api.serving import serve_generation
+from disagg.api.parallel import check_n, merge_sglang, serve_choices
 from disagg.api.state import state_of
 from disagg.api.structured import from_sglang
 from disagg.api.upstream_fields import SGLANG_REFUSED, SGLANG_SAMPLING_REFUSED, check_upstream
@@ -43,7 +42,6 @@ def sglang_prompt(body: SGLangBody, vocab_size: int) -> dict:
 def sglang_sampling(body: SGLangBody) -> SamplingMsg:
     """SGLang's `sampling_params` (+ the logprob fields) as a SamplingMsg."""
     sp = body.sampling_params or SGLangSampling()
-    check_unsupported(sp.n)
     top_n = body.top_logprobs_num or 0
     start = -1 if body.logprob_start_len is None else body.logprob_start_len
     wants_prompt = bool(body.return_logprob) and start >= 0
@@ -139,9 +137,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     routing = read_routing(request, raw, state.warn_once)
     msg = build_generate_msg(request_id, sampling, routing, **prompt)
     start = -1 if body.logprob_start_len is None else body.logprob_start_len
-    renderer = SGLangRenderer(bool(body.return_logprob), start, body.top_logprobs_num or 0,
-                              prompt.get("prompt_token_ids"))
-    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+    n = check_n((body.sampling_params or SGLangSampling()).n)
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank, lambda: SGLangRenderer(
+            bool(body.return_logprob), start, body.top_logprobs_num or 0, prompt.get("prompt_token_ids")),
+        n=n, stream=bool(body.stream), merge=merge_sglang)
 
 
 def add_routes(app: web.Application) -> None:

@@ -25,7 +25,7 @@ from disagg.api.requests import (
     sampling_from_fields,
 )
 from disagg.api.routing import read_routing
-from disagg.api.serving import serve_generation
+from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.state import state_of
 from disagg.api.upstream_fields import TOKENS_REFUSED, VLLM_SAMPLING_REFUSED, check_upstream
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
@@ -102,8 +102,11 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     routing = read_routing(request, raw, state.warn_once)
     msg = build_generate_msg(request_id, sampling, routing, prompt_token_ids=token_ids)
     options = body.stream_options or StreamOptions()
-    renderer = TokensRenderer(bool(options.include_usage), bool(options.continuous_usage_stats))
-    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+    n = check_n((body.sampling_params or TokensSampling()).n)
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank,
+        lambda: TokensRenderer(bool(options.include_usage), bool(options.continuous_usage_stats)),
+        n=n, stream=bool(body.stream), merge=merge_openai)
 
 
 def add_routes(app: web.Application) -> None:

@@ -4,7 +4,7 @@ from every generate endpoint that has them upstream, and bad values are 400s nam
 import json
 
 import pytest
-from fake_engine import FakeEngine, api_client
+from fake_engine import FakeEngine, api_client, sse_events
 
 from disagg.wire.engine_msgs import SamplingMsg
 
@@ -102,3 +102,46 @@ async def test_bad_structured_fields_are_400(path, body, param, message):
         got = await resp.json()
     assert resp.status == 400
     assert got == {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
+
+
+async def test_n_choices_on_every_endpoint_indexed_with_children_seeded_seed_plus_i():
+    engine = FakeEngine()
+    chat = {**CHAT, "n": 3, "seed": 10}
+    async with api_client(engine) as client:
+        resp = await client.post("/v1/chat/completions", json=chat)
+        body = await resp.json()
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == body["id"]
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert [c["message"]["content"] for c in body["choices"]] == [" w100 w101"] * 3
+        assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+        sent = [(m.request_id, m.sampling.seed, rank) for m, rank in engine.requests]
+        assert sent == [(f"{i}_{body['id']}", 10 + i, 0) for i in range(3)]  # one worker: the prompt is shared
+        resp = await client.post("/generate", json={"text": "a b", "sampling_params": {"max_new_tokens": 1, "n": 2}})
+        listed = await resp.json()
+        assert [(b["text"], b["meta_info"]["completion_tokens"]) for b in listed] == [(" w100", 1)] * 2
+        resp = await client.post("/inference/v1/generate", json={"token_ids": [1], "sampling_params": {"max_tokens": 1, "n": 2}})
+        assert [(c["index"], c["token_ids"]) for c in (await resp.json())["choices"]] == [(0, [100]), (1, [100])]
+
+
+async def test_n_choices_stream_every_index_and_one_usage():
+    async with api_client(FakeEngine()) as client:
+        resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "n": 2, "stream": True,
+                                                          "stream_options": {"include_usage": True}})
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    texts = {0: "", 1: ""}
+    for event in events[:-2]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == {0: " w100 w101", 1: " w100 w101"}
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
+    assert len({e["id"] for e in events[:-1]}) == 1
+
+
+async def test_n_on_a_pd_leg_is_400():
+    async with api_client(FakeEngine()) as client:
+        resp = await client.post("/generate", json={"text": "a", "sampling_params": {"n": 2}, "bootstrap_host": "h",
+                                                    "bootstrap_port": 1, "bootstrap_room": 5})
+        got = await resp.json()
+    assert resp.status == 400 and got["error"]["param"] == "n"

@@ -68,7 +68,7 @@ async def test_generate_default_max_new_tokens_is_128_capped_by_the_context():
     ({"input_ids": [[1], [2]]}, "input_ids", "input_ids must be a list of integers (batched requests are not supported)"),
     ({"input_ids": [5000]}, "input_ids", "token id 5000 in input_ids is out of vocabulary (vocab_size=1000)"),
     ({"text": "a", "rid": ["x", "y"]}, "rid", "rid must be a non-empty string (batched requests are not supported)"),
-    ({"text": "a", "sampling_params": {"n": 2}}, "n", "n must be 1, got 2: this server returns one choice per request"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "n", "n must be between 1 and 64, got 0"),
     ({"text": "a", "sampling_params": {"max_new_tokens": "x"}}, "sampling_params.max_new_tokens",
      "invalid request body: Expected `int | null`, got `str` - at `$.sampling_params.max_new_tokens`"),
 ])

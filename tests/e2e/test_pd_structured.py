@@ -86,3 +86,31 @@ async def test_invalid_grammar_is_a_400_from_the_worker(unified):
     status, data = await post(unified.port, "/v1/completions", {"prompt": "a", "logit_bias": {"100000": 1}})
     assert (status, data["error"]["param"]) == (400, "logit_bias")
     assert data["error"]["message"] == "token id 100000 in logit_bias is out of vocabulary (vocab_size=320)"
+
+
+async def test_n_seeded_choices_equal_single_requests_seeded_seed_plus_i(unified):
+    sampling = {"max_tokens": 10, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    body = {"token_ids": list(LONG.encode()[:40]), "sampling_params": {**sampling, "n": 3}}
+    status, data = await post(unified.port, "/inference/v1/generate", body)
+    assert status == 200, data
+    choices = [c["token_ids"] for c in data["choices"]]
+    singles = []
+    for i in range(3):
+        single = {"token_ids": body["token_ids"], "sampling_params": {**sampling, "seed": 11 + i}}
+        singles.append((await post(unified.port, "/inference/v1/generate", single))[1]["choices"][0]["token_ids"])
+    assert choices == singles and len({tuple(c) for c in choices}) == 3
+    assert [c["token_ids"] for c in (await post(unified.port, "/inference/v1/generate", body))[1]["choices"]] == choices
+    assert data["usage"]["completion_tokens"] == 30 and data["usage"]["prompt_tokens"] == 40
+
+
+async def test_n_structured_choices_stream_on_generate(unified):
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 80, "temperature": 0.7, "sampling_seed": 3,
+                                                              "n": 2, "json_schema": json.dumps(FLAGS)}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{unified.port}/generate", json=body) as r:
+            raw = await r.text()
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    last = {e["index"]: e["text"] for e in events}
+    assert sorted(last) == [0, 1]
+    for text in last.values():
+        jsonschema.validate(json.loads(text), FLAGS)

@@ -73,58 +73,77 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
         return json_response(merge(bodies, totals, msg.request_id), headers=headers)
 
 
+class _Children:
+    """The children's outputs on one queue, as `(index, output)`, `(index, None)` at its end, or
+    `(index, exception)`. Child 0 runs first; the others start once its prompt is computed (its first
+    output), so they find the prompt's full blocks in the worker's prefix cache."""
+
+    def __init__(self, generations: list[Generation]):
+        self.generations = generations
+        self.queue: asyncio.Queue[tuple[int, OutputMsg | BaseException | None]] = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._feed(0))]
+
+    async def _feed(self, index: int) -> None:
+        try:
+            async for out in self.generations[index].outputs():
+                if len(self.tasks) == 1:
+                    self.tasks += [asyncio.create_task(self._feed(i)) for i in range(1, len(self.generations))]
+                await self.queue.put((index, out))
+            await self.queue.put((index, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which answers it
+            await self.queue.put((index, exc))
+
+    async def next(self) -> tuple[int, OutputMsg | None]:
+        """The next output; a child's failure is raised."""
+        index, out = await self.queue.get()
+        if isinstance(out, BaseException):
+            raise out
+        return index, out
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()  # each Generation aborts its child on the way out
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 async def _collect_all(generations: list[Generation]) -> list[Totals]:
     """Every child's totals; the first failure cancels (and so aborts) the others and is raised."""
-    tasks = [asyncio.create_task(g.collect()) for g in generations]
+    children = _Children(generations)
     try:
-        return list(await asyncio.gather(*tasks))
+        remaining = len(generations)
+        while remaining:
+            _, out = await children.next()
+            remaining -= out is None
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await children.close()
+    return [g.totals for g in generations]
 
 
 async def _stream(request: web.Request, request_id: str, generations: list[Generation], renderers: list[Renderer],
                   headers: dict[str, str]) -> web.StreamResponse:
-    queue: asyncio.Queue[tuple[int, OutputMsg | BaseException | None]] = asyncio.Queue()
-    tasks = [asyncio.create_task(_feed(i, g, queue)) for i, g in enumerate(generations)]
+    children = _Children(generations)
     try:
-        first = await queue.get()
-        if isinstance(first[1], BaseException):
-            raise first[1]  # rejected at once (bad prompt, sleeping engine): its real status
+        first = await children.next()  # a child rejected at once (bad prompt, sleeping engine): its real status
         sse = SSEWriter(headers)
         await sse.start(request)
         try:
-            await _pump(sse, request_id, generations, renderers, queue, first)
+            await _pump(sse, request_id, generations, renderers, children, first)
             await sse.done()
         except ClientGone:
             pass
         return sse.response
     finally:
-        for task in tasks:
-            task.cancel()  # each Generation aborts its child on the way out
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await children.close()
 
 
-async def _feed(index: int, generation: Generation, queue: asyncio.Queue) -> None:
-    try:
-        async for out in generation.outputs():
-            await queue.put((index, out))
-        await queue.put((index, None))
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - handed to the writer, which answers it
-        await queue.put((index, exc))
-
-
-async def _pump(sse: SSEWriter, request_id: str, generations, renderers, queue, first) -> None:
+async def _pump(sse: SSEWriter, request_id: str, generations, renderers, children: _Children, first) -> None:
     """Send each child's chunks (indexed) as they come; after the last child, one merged tail."""
     item, remaining = first, len(generations)
     try:
         while True:
             index, out = item
-            if isinstance(out, BaseException):
-                raise out
             if out is None:
                 remaining -= 1
                 if remaining == 0:
@@ -132,7 +151,7 @@ async def _pump(sse: SSEWriter, request_id: str, generations, renderers, queue, 
             else:
                 chunks = renderers[index].chunks(out, generations[index].totals)
                 await sse.send_all([indexed(c, index, request_id) for c in chunks])
-            item = await queue.get()
+            item = await children.next()
         tail = renderers[0].tail(merged_totals([g.totals for g in generations], request_id))
         await sse.send_all(tail)
     except ClientGone:

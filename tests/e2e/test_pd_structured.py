@@ -114,3 +114,14 @@ async def test_n_structured_choices_stream_on_generate(unified):
     assert sorted(last) == [0, 1]
     for text in last.values():
         jsonschema.validate(json.loads(text), FLAGS)
+
+
+async def test_n_children_share_the_prompt_through_the_prefix_cache(unified):
+    prompt = "A prompt that no other test sends, long enough for several blocks."
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 3}}
+    status, listed = await post(unified.port, "/generate", body)
+    assert status == 200, listed
+    cached = [b["meta_info"]["cached_tokens"] for b in listed]
+    num_prompt = listed[0]["meta_info"]["prompt_tokens"]
+    assert cached == [0, num_prompt - 1 - (num_prompt - 1) % 4, num_prompt - 1 - (num_prompt - 1) % 4]
+    assert len({tuple(b["output_ids"]) for b in listed}) == 1  # greedy: the same choice three times

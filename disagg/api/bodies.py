@@ -99,6 +99,7 @@ class ChatBody(OpenAIBody, kw_only=True):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
+    chat_template_kwargs: dict[str, object] | None = None
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):

@@ -30,7 +30,7 @@ OPENAI_REFUSED: Mapping[str, Neutral] = {
     "repetition_min_count": (None, 0), "mm_processor_kwargs": _EMPTY, "documents": _EMPTY, "chat_template": _EMPTY,
     "add_generation_prompt": (None, True), "continue_final_message": _OFF, "reasoning_effort": _NONE,
     "include_reasoning": (None, True), "tools": _EMPTY, "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True), "chat_template_kwargs": _EMPTY,
+    "parallel_tool_calls": (None, True),
     "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE, "service_tier": (None, "auto", "default"),
     "store": _OFF, "metadata": _EMPTY, "web_search_options": _NONE, "functions": _EMPTY, "function_call": (None, "none"),
     "verbosity": _NONE,

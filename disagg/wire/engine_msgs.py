@@ -51,6 +51,7 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: the worker applies the model's template
+    chat_template_kwargs: dict[str, object] | None = None  # extra variables of that template
     add_special_tokens: bool = True
     # P/D fields (the roles read them; a unified worker ignores them).
     bootstrap_host: str | None = None

@@ -145,3 +145,11 @@ async def test_n_on_a_pd_leg_is_400():
                                                     "bootstrap_port": 1, "bootstrap_room": 5})
         got = await resp.json()
     assert resp.status == 400 and got["error"]["param"] == "n"
+
+
+async def test_chat_template_kwargs_reach_the_worker():
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+        assert resp.status == 200
+    assert engine.requests[0][0].chat_template_kwargs == {"enable_thinking": False}

@@ -38,15 +38,15 @@ def _masks_and_bias(row: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
     params = seq.sampling_params
     if params.allowed_token_ids is not None:
         keep = torch.full_like(row, float("-inf"))
-        index = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        index = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
         keep[index] = 0.0
         row = row + keep
     for word in params.bad_words_token_ids:
         if banned_by(word, seq.output_token_ids):
             row[word[-1]] = float("-inf")
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype)
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
     return row
 
 
@@ -61,13 +61,14 @@ def banned_by(word: tuple[int, ...], output_token_ids: tuple[int, ...]) -> bool:
 def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
     """Repetition, frequency and presence penalties for a batch of rows (one per seq)."""
     num_rows, vocab = logits.shape
-    output_counts = _bin_counts([s.output_token_ids for s in seqs], num_rows, vocab)
-    prompt_seen = _bin_counts([s.prompt_token_ids for s in seqs], num_rows, vocab) > 0
+    dev = logits.device
+    output_counts = _bin_counts([s.output_token_ids for s in seqs], num_rows, vocab).to(dev)
+    prompt_seen = _bin_counts([s.prompt_token_ids for s in seqs], num_rows, vocab).to(dev) > 0
     output_seen = output_counts > 0
     params = [s.sampling_params for s in seqs]
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
     penalties = torch.where(prompt_seen | output_seen, repetition, torch.ones_like(logits))
     logits = torch.where(logits > 0, logits / penalties, logits * penalties)
     return logits - frequency * output_counts - presence * output_seen.to(logits.dtype)

@@ -78,7 +78,7 @@ class Sampler:
                 allowed = self._matcher(seqs[i]).allowed()
                 if not allowed.any():
                     raise RuntimeError("the grammar allows no token here")
-                logits[i].masked_fill_(~allowed, float("-inf"))
+                logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
             except Exception as exc:  # noqa: BLE001 - this row only
                 failed[i] = f"{type(exc).__name__}: {exc}"
         return logits, failed

@@ -18,6 +18,7 @@ import msgspec
 import structlog
 
 from decode.peers import PrefillPeers
+from decode.pull import Ticket, check_engine, ticket_of, wait_read
 from decode.resolver import QUERY, decide_prefill_dp_rank
 from disagg.config import DisaggConfig
 from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
@@ -25,6 +26,7 @@ from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
+from kvtransfer.base import PeerUnavailable, TransferFailed
 from kvtransfer.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
@@ -44,6 +46,8 @@ class _Pending:
     started: float
     room: int
     client: object = None  # the ControlClient once the TransferInfo went out
+    read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
+    lease: tuple | None = None  # pull flow: (ControlClient, remote request id) once we may hold a lease
 
 
 def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
@@ -53,6 +57,13 @@ def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
     if status.first_token_logprob is not None:
         return {status.first_token_id: status.first_token_logprob}
     return None
+
+
+def remote_prompt_logprobs(msg: GenerateMsg, status: TransferStatusMsg) -> list[dict[int, float] | None] | None:
+    """The prompt logprobs the prefill computed, as the engine keeps them (first entry None), if asked for."""
+    if msg.sampling.prompt_logprobs is None:
+        return None
+    return [None] + [dict(entry) for entry in status.prompt_logprobs]
 
 
 class DecodeHandler(EngineHandler):
@@ -68,6 +79,7 @@ class DecodeHandler(EngineHandler):
         self.queued: deque[_Queued] = deque()  # waiting for room in the KV cache, in arrival order
         self.fencing: dict[str, asyncio.Task] = {}  # ended requests waiting for their prefill's fence
         self.fenced: list[str] = []  # ... whose blocks can go back to the pool now
+        self._read_peers: dict[str, str] = {}  # pull flow: prefill agent -> backend peer we read from
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -83,12 +95,21 @@ class DecodeHandler(EngineHandler):
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         try:
+            ticket = ticket_of(msg)
             missing = [f for f in ("bootstrap_room", "bootstrap_host", "bootstrap_port") if getattr(msg, f) is None]
+            if ticket is not None:
+                missing = []
+                if msg.sampling.prompt_logprobs is not None:
+                    raise InvalidRequest("prompt logprobs are not available in the pull flow (kv_transfer_params): "
+                                         "the decode reads the prompt's KV, not its logprobs", "prompt_logprobs")
+                if not self.config.allows_bootstrap_host(ticket.host):
+                    raise InvalidRequest(f"remote_host {ticket.host!r} is not allowed on this decode server "
+                                         "(see its --allowed-bootstrap-hosts)", "kv_transfer_params")
             if missing:
                 raise InvalidRequest(
                     f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
                     "locally (send it through a P/D router)", missing[0])
-            if not self.config.allows_bootstrap_host(msg.bootstrap_host):
+            if ticket is None and not self.config.allows_bootstrap_host(msg.bootstrap_host):
                 # Refused before any connection: a request must not make the decode reach arbitrary hosts.
                 raise InvalidRequest(f"bootstrap_host {msg.bootstrap_host!r} is not allowed on this decode server "
                                      "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
@@ -140,6 +161,9 @@ class DecodeHandler(EngineHandler):
         self.wake()
 
     async def _transfer(self, msg: GenerateMsg, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
+        ticket = ticket_of(msg)
+        if ticket is not None:
+            return await self._pull(msg.request_id, ticket, blocks, num_prompt_tokens, deadline)
         host, port, room = msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room
         remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
         topology = await self.peers.topology(host, port, remaining())
@@ -151,6 +175,33 @@ class DecodeHandler(EngineHandler):
         info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(blocks),
                                dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
         return await client.send_transfer(info)
+
+    async def _pull(self, request_id: str, ticket: Ticket, blocks: list[int], num_prompt_tokens: int,
+                    deadline: float) -> TransferStatusMsg:
+        """Read the KV of every prompt token but the last from the ticket's prefill (decode/pull.py)."""
+        client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), max(deadline - time.monotonic(), 1e-3))
+        check_engine(ticket, client.remote.peer_name)
+        pending = self.pending[request_id]
+        pending.lease = (client, ticket.request_id)
+        prefill = self._read_peers.get(client.remote.peer_name)
+        if prefill is None:
+            prefill = self._read_peers[client.remote.peer_name] = self.backend.add_peer(client.remote.agent_metadata)
+        claim = await client.claim(ticket.request_id)
+        if not claim.ok:
+            raise TransferFailed(f"prefill {ticket.host}:{ticket.port} refused the claim of {ticket.request_id}: {claim.reason}")
+        num_read = min(self.core.kv.blocks_needed(num_prompt_tokens - 1), len(claim.block_ids), len(blocks))
+        num_bytes = 0
+        if num_read:
+            pending.read = self.backend.read(prefill, blocks[:num_read], list(claim.block_ids[:num_read]),
+                                             f"pull:{ticket.request_id}".encode())
+            num_bytes = pending.read.num_bytes
+            await wait_read(self.backend, pending.read, deadline)
+            pending.read = None
+        pending.lease = None
+        released = await client.release(ticket.request_id)
+        if not released.ok:
+            raise TransferFailed(f"the KV of {ticket.request_id} was not held through the read: {released.reason}")
+        return TransferStatusMsg(room=0, state=TransferState.SUCCESS, num_bytes=num_bytes)
 
     def idle_wait_s(self, default_s: float) -> float:
         return 0.002 if self.queued else default_s
@@ -170,7 +221,7 @@ class DecodeHandler(EngineHandler):
             if pending is None:
                 continue  # aborted meanwhile
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                if not self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status)):
+                if not self._admit(request_id, pending, status):
                     continue  # the engine ended the request meanwhile and already answered it
                 wait_s = time.monotonic() - pending.started
                 self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
@@ -179,6 +230,13 @@ class DecodeHandler(EngineHandler):
             else:
                 out += self._fail(request_id, pending, status)
         return out
+
+    def _admit(self, request_id: str, pending: _Pending, status: TransferStatusMsg) -> bool:
+        if status.first_token_id is None:  # pull flow: the last prompt token and the first output are ours
+            progress = self.core.request_progress(request_id)
+            return progress is not None and self.core.admit_remote_prefix(request_id, progress.num_prompt_tokens - 1)
+        return self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status),
+                                         remote_prompt_logprobs(pending.msg, status))
 
     def _ended(self, request_id: str) -> bool:
         progress = self.core.request_progress(request_id)
@@ -192,8 +250,12 @@ class DecodeHandler(EngineHandler):
         return msg if stats is None else msgspec.structs.replace(msg, kv=stats)
 
     def _fail(self, request_id: str, pending: _Pending, status) -> list[OutputMsg]:
-        reason = status.reason if isinstance(status, TransferStatusMsg) else f"{type(status).__name__}: {status}"
-        code = 400 if isinstance(status, InvalidRequest) else 503 if "lost connection" in reason else 500
+        if isinstance(status, TransferStatusMsg):
+            reason = status.reason
+        else:  # bad input reads as itself; anything else names its kind
+            reason = status.message if isinstance(status, InvalidRequest) else f"{type(status).__name__}: {status}"
+        unavailable = isinstance(status, PeerUnavailable) or "lost connection" in reason
+        code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id)
         self._end_pending(request_id, pending, reason)
@@ -217,6 +279,14 @@ class DecodeHandler(EngineHandler):
         when the prefill confirms the room is final, or after that prefill is cut off."""
         pending.task.cancel()
         self.kv_stats.pop(request_id, None)
+        if pending.read is not None:  # pull flow: our own read is what writes into the blocks
+            self.backend.abort(pending.read, reason)
+        if pending.lease is not None:  # pull flow: the prefill frees its blocks now, not at expiry
+            client, remote_request_id = pending.lease
+            client.release(remote_request_id, reason)
+        elif (ticket := ticket_of(pending.msg)) is not None:  # gave up before reaching the prefill
+            key = f"release:{request_id}"
+            self.fencing[key] = asyncio.create_task(self._release_ticket(key, ticket, reason))
         if pending.client is None:
             self.core.release(request_id)
             return
@@ -225,6 +295,16 @@ class DecodeHandler(EngineHandler):
             self.core.release(request_id)
             return
         self.fencing[request_id] = asyncio.create_task(self._await_fence(request_id, pending.client, fence))
+
+    async def _release_ticket(self, key: str, ticket: Ticket, reason: str) -> None:
+        """Pull flow: tell a ticket's prefill to free the blocks we will not read (bounded)."""
+        try:
+            client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), self.config.waiting_timeout_s)
+            await asyncio.wait_for(client.release(ticket.request_id, reason), self.config.waiting_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own then
+            log.warning("could not release a ticket's lease", request_id=ticket.request_id, error=str(exc))
+        finally:
+            self.fencing.pop(key, None)
 
     async def _await_fence(self, request_id: str, client, fence: asyncio.Future) -> None:
         try:

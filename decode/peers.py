@@ -57,6 +57,22 @@ class PrefillPeers:
                 self.clients[key] = client
         return client
 
+    async def client_at(self, host: str, port: int) -> ControlClient:
+        """Pull flow: a live control stream to the prefill worker a ticket names (`remote_host`,
+        `remote_port`: its control address), reconnecting after a loss."""
+        key = (host, port, -1)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            client = self.clients.get(key)
+            if client is None or not client.is_alive:
+                if client is not None:
+                    await client.close()
+                client = ControlClient(format_address(host, port), self.local, self.control_config,
+                                       cluster_secret=self._cluster_secret)
+                await client.connect()
+                self.clients[key] = client
+        return client
+
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()

@@ -218,6 +218,10 @@ class DisaggConfig:
         default=10.0, metadata={"help": "decode: how long an aborted room waits for the prefill to confirm it stopped "
                                         "writing before that prefill is declared lost (its blocks stay quarantined meanwhile)"}
     )
+    kv_lease_s: float = field(
+        default=30.0, metadata={"help": "prefill, pull flow: how long a finished request's blocks wait for a decode "
+                                        "to claim them (a claimed lease lasts until released or the decode is lost)"}
+    )
     registry_refresh_s: float = field(
         default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"}
     )
@@ -236,7 +240,7 @@ class DisaggConfig:
         if self.transfer_backend not in ("nixl", "tcp", "loopback"):
             raise ConfigError(f"transfer_backend must be nixl or tcp, got {self.transfer_backend!r}")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s", "transfer_timeout_s",
-                     "abort_ack_timeout_s"):
+                     "abort_ack_timeout_s", "kv_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         _check_secret("cluster_secret", self.cluster_secret)

@@ -67,6 +67,8 @@ class SamplingParams:
     vLLM's default; the HTTP endpoints pass their own) and never past the context; None there too
     means "the rest of the context". A `max_tokens` that is set must fit the context with the prompt,
     or the engine refuses the request at admission (vLLM's rule); a default never does.
+    `max_tokens=0` is a prompt-only request (scoring): the prompt is computed, its prompt logprobs
+    returned, and it finishes with LENGTH and no output token.
     """
 
     max_tokens: int | None = None
@@ -82,6 +84,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled token's)
     prompt_logprobs: int | None = None  # top-n per prompt token
+    logprob_token_ids: tuple[int, ...] = ()  # also these tokens' logprobs wherever logprobs are returned
     skip_special_tokens: bool = True
     default_max_tokens: int | None = 16  # applies when max_tokens is None; capped by the context
     # vLLM's penalties: presence and frequency count the output, repetition the prompt and output.
@@ -102,6 +105,7 @@ class SamplingParams:
             raise InvalidRequest(f"{name} must be a list", name)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
         self._normalize_processors()
         self._validate()
 
@@ -123,9 +127,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number, got {value!r}", name)
-        for name, value in (("max_tokens", self.max_tokens), ("default_max_tokens", self.default_max_tokens)):
-            if value is not None and not (_is_int(value) and value > 0):
-                raise InvalidRequest(f"{name} must be at least 1, got {value}", name)
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 0):
+            raise InvalidRequest(f"max_tokens must be at least 0, got {self.max_tokens}", "max_tokens")
+        if self.default_max_tokens is not None and not (_is_int(self.default_max_tokens) and self.default_max_tokens > 0):
+            raise InvalidRequest(f"default_max_tokens must be at least 1, got {self.default_max_tokens}", "default_max_tokens")
         bound = self.max_tokens if self.max_tokens is not None else self.default_max_tokens
         checks = [
             (_is_int(self.min_tokens) and self.min_tokens >= 0 and (bound is None or self.min_tokens <= bound),
@@ -143,6 +148,8 @@ class SamplingParams:
              "prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
+            (all(_is_int(t) and t >= 0 for t in self.logprob_token_ids), "token_ids_logprob",
+             "token_ids_logprob must be non-negative integers"),
             *self._processor_checks(),
         ]
         for ok, param, message in checks:
@@ -162,6 +169,11 @@ class SamplingParams:
              "allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative integers"),
             (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", "bad_words must be non-empty strings"),
         ]
+
+    @property
+    def prompt_only(self) -> bool:
+        """Compute the prompt (and its logprobs) without generating: `max_tokens` 0."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:
@@ -231,6 +243,7 @@ class RequestOutput:
     error: str | None = None
     num_logprobs: int | None = None  # top-n asked for per generated token (SamplingParams.logprobs)
     num_prompt_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] = ()  # SamplingParams.logprob_token_ids
 
     @property
     def finished(self) -> bool:

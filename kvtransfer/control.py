@@ -25,12 +25,15 @@ from disagg.wire import kv_control_pb2_grpc as pb_grpc
 from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof_refusal, control_reply
 from disagg.wire.control_msgs import (
     AbortMsg,
+    LeaseMsg,
+    LeaseStatusMsg,
     PeerLostMsg,
     PeerMsg,
     TransferInfoMsg,
     TransferState,
     TransferStatusMsg,
     heartbeat_ack_msg,
+    lease_status_msg,
     peer_from_pb,
     register_ack_msg,
     status_msg,
@@ -41,7 +44,7 @@ from kvtransfer.base import AuthenticationFailed, IncompatiblePeer, KVTransferEr
 __all__ = ["AuthenticationFailed", "ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer",
            "check_transfer"]
 Clock = Callable[[], float]
-ControlEvent = PeerMsg | TransferInfoMsg | AbortMsg | PeerLostMsg
+ControlEvent = PeerMsg | TransferInfoMsg | AbortMsg | LeaseMsg | PeerLostMsg
 log = structlog.get_logger("kvtransfer.control")
 
 
@@ -272,6 +275,14 @@ class ControlServer:
         session.send(status_msg(status))
         return True
 
+    def send_lease(self, peer_name: str, status: LeaseStatusMsg) -> bool:
+        """Answer a decode's claim or release (pull flow); False when its stream is gone."""
+        session = self._sessions.get(peer_name)
+        if session is None:
+            return False
+        session.send(lease_status_msg(status))
+        return True
+
     def drop_peer(self, peer_name: str, reason: str) -> bool:
         """End a decode's stream from our side (e.g. its transfers are stuck): its rooms are lost
         (PeerLostMsg), and the decode, seeing the stream end, cuts us off before reusing blocks."""
@@ -309,6 +320,13 @@ class ControlServer:
             self._on_abort(session, msg.abort.room, msg.abort.reason)
         elif kind == "heartbeat":
             session.send(heartbeat_ack_msg(msg.heartbeat.seq))
+        elif kind in ("claim", "release") and session.peer is None:
+            log.warning("lease message before RegisterPeer ignored", kind=kind)
+        elif kind == "claim":
+            self.events.put_nowait(LeaseMsg(request_id=msg.claim.request_id, peer_name=session.name))
+        elif kind == "release":
+            self.events.put_nowait(LeaseMsg(request_id=msg.release.request_id, peer_name=session.name, release=True,
+                                            reason=msg.release.reason))
         else:
             log.warning("control message without payload ignored", peer=session.name)
 

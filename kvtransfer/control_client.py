@@ -23,10 +23,14 @@ from disagg.wire import kv_control_pb2_grpc as pb_grpc
 from disagg.wire.auth import CONTROL_AUTH_KEY, NONCE_BYTES, control_proof, control_reply_matches
 from disagg.wire.control_msgs import (
     PeerMsg,
+    LeaseStatusMsg,
     TransferInfoMsg,
     TransferState,
     TransferStatusMsg,
     abort_msg,
+    claim_msg,
+    lease_status_from_pb,
+    release_msg,
     heartbeat_msg,
     peer_from_pb,
     register_msg,
@@ -64,6 +68,7 @@ class ControlClient:
         self._call = None
         self._outbox: asyncio.Queue[pb.DecodeMsg | None] = asyncio.Queue()
         self._rooms: dict[int, _Room] = {}
+        self._leases: dict[tuple[str, bool], asyncio.Future[LeaseStatusMsg]] = {}  # (request id, release)
         self._tasks: list[asyncio.Task] = []
         self._dead: str | None = "not connected"
         self._closing = False
@@ -190,6 +195,27 @@ class ControlClient:
         self._outbox.put_nowait(abort_msg(room, reason))
         return fence
 
+    def claim(self, request_id: str) -> asyncio.Future[LeaseStatusMsg]:
+        """Pull flow: hold a finished prefill request's blocks for this stream while we read them.
+        Resolves with the prefill's answer (its block ids when ok), or not ok once the stream is lost."""
+        return self._lease_call(request_id, False, claim_msg(request_id))
+
+    def release(self, request_id: str, reason: str = "read") -> asyncio.Future[LeaseStatusMsg]:
+        """Pull flow: let the prefill free the blocks. `ok` in the answer: they stayed held by our
+        claim until now, so what we read is the request's KV."""
+        return self._lease_call(request_id, True, release_msg(request_id, reason))
+
+    def _lease_call(self, request_id: str, release: bool, msg: pb.DecodeMsg) -> asyncio.Future[LeaseStatusMsg]:
+        future: asyncio.Future[LeaseStatusMsg] = asyncio.get_running_loop().create_future()
+        if self._dead is not None:
+            future.set_result(LeaseStatusMsg(request_id=request_id, ok=False, reason=self._dead, released=release))
+            return future
+        if (request_id, release) in self._leases:
+            raise ControlError(f"a {'release' if release else 'claim'} of {request_id} is already in flight")
+        self._leases[(request_id, release)] = future
+        self._outbox.put_nowait(msg)
+        return future
+
     def drop(self, detail: str) -> None:
         """Declare the prefill lost (e.g. it never acknowledged an abort): every pending room and
         fence fails, the stream ends. Make a new client to reconnect."""
@@ -210,6 +236,10 @@ class ControlClient:
             self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=reason))
             if entry.fence is not None and not entry.fence.done():
                 entry.fence.set_result(False)
+        leases, self._leases = self._leases, {}
+        for (request_id, release), future in leases.items():
+            if not future.done():
+                future.set_result(LeaseStatusMsg(request_id=request_id, ok=False, reason=reason, released=release))
 
     def _lose(self, detail: str) -> None:
         reason = f"lost connection to prefill {self.address}: {detail}"
@@ -246,6 +276,11 @@ class ControlClient:
                 self._resolve(entry, status)
                 if entry.fence is not None and not entry.fence.done():
                     entry.fence.set_result(True)
+        elif kind == "lease_status":
+            status = lease_status_from_pb(msg.lease_status)
+            future = self._leases.pop((status.request_id, status.released), None)
+            if future is not None and not future.done():
+                future.set_result(status)
         elif kind == "heartbeat_ack":
             if msg.heartbeat_ack.seq > self._heartbeat_acked:
                 self._heartbeat_acked = msg.heartbeat_ack.seq

@@ -22,13 +22,14 @@ from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import (
-    AbortMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
+    AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
 )
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from kvtransfer import KVTransferError
 from kvtransfer import TransferState as BackendState
 from kvtransfer.control import ControlServer
 from kvtransfer.endpoint import open_endpoint
+from prefill.pull import PullRequests, is_pull
 from prefill.rooms import PrefillRoom, Settling
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,7 @@ class PrefillHandler(EngineHandler):
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
+        self.pull = PullRequests(core, config.kv_lease_s)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -68,6 +70,9 @@ class PrefillHandler(EngineHandler):
             transfer_backend=self.config.transfer_backend, agent_name=self.backend.agent_name,
         )
         await self.bootstrap.register_rank(self.registration)
+        # Pull flow: what a decode needs to reach this worker and read from it (vLLM's field names).
+        self.ticket = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.backend.agent_name,
+                       "remote_host": self.config.rank_host, "remote_port": port, "tp_size": 1}
         self.refresher = asyncio.create_task(self._refresh_registration())
         log.info("prefill rank registered", control_port=port, backend=self.config.transfer_backend)
 
@@ -96,14 +101,15 @@ class PrefillHandler(EngineHandler):
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         room = msg.bootstrap_room
         try:
+            if is_pull(msg):
+                self.core.add_request(msg.request_id, self.prompt_ids(msg), self._one_token(msg), hold_blocks=True)
+                self.pull.track(msg.request_id)
+                return []
             if room is None:
                 raise InvalidRequest("a prefill request needs bootstrap_room (and bootstrap_host, bootstrap_port)", "bootstrap_room")
             if room in self.rooms:
                 raise InvalidRequest(f"bootstrap_room {room} is already in use on this prefill worker", "bootstrap_room")
-            params = sampling_params(msg.sampling)
-            # The first token obeys min_tokens as it would in one engine (no EOS or stop id first).
-            one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            self.core.add_request(msg.request_id, self.prompt_ids(msg), one_token, hold_blocks=True)
+            self.core.add_request(msg.request_id, self.prompt_ids(msg), self._one_token(msg), hold_blocks=True)
         except Exception as exc:
             if room is not None and room not in self.rooms:  # a duplicate never spoils the room in use
                 await self.room_failed(room, f"the prefill rejected the request: {exc}")
@@ -116,7 +122,15 @@ class PrefillHandler(EngineHandler):
             await self.bootstrap.register_dp_rank(room, self.dp_rank)
         return []
 
+    @staticmethod
+    def _one_token(msg: GenerateMsg):
+        params = sampling_params(msg.sampling)
+        # The first token obeys min_tokens as it would in one engine (no EOS or stop id first).
+        return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
     async def abort(self, request_id: str) -> list[OutputMsg]:
+        if self.pull.abort(request_id):
+            return self._convert(self.core.take_outputs())
         room = self.by_request.get(request_id)
         if room is not None:
             return self._fail(self.rooms[room], "aborted on the prefill side", status=499)
@@ -134,6 +148,8 @@ class PrefillHandler(EngineHandler):
         failed fails its room in the next poll (this may run in the engine-step thread)."""
         out = []
         for msg in super()._convert(outputs):
+            if self.pull.hold(msg):
+                continue
             room = self.by_request.get(msg.request_id)
             if room is None:
                 out.append(msg)
@@ -143,6 +159,8 @@ class PrefillHandler(EngineHandler):
                 state.error = msg.error
             elif msg.new_token_ids:
                 state.first_token = (msg.new_token_ids[0], tuple(msg.logprobs[0]) if msg.logprobs else ())
+            if msg.prompt_logprobs is not None:  # the decode answers with them (the first token has none)
+                state.prompt_logprobs = tuple(tuple(map(tuple, e)) for e in msg.prompt_logprobs[1:] if e is not None)
             if msg.finish_reason is not None:
                 state.final = msg
                 state.computed_at = time.monotonic()
@@ -160,7 +178,7 @@ class PrefillHandler(EngineHandler):
             out += self._advance(state, now)
         self._settle(now)
         self._expire(now)
-        return out
+        return out + self.pull.answer(now, self.ticket)
 
     def _on_event(self, event) -> list[OutputMsg]:
         if isinstance(event, PeerMsg):
@@ -176,7 +194,10 @@ class PrefillHandler(EngineHandler):
                 return self._fail(state, reason, status=499)
             self.early_infos.pop(event.room, None)
             self._status(event.room, TransferState.FAILED, reason)  # never written to
+        elif isinstance(event, LeaseMsg):
+            self.control.send_lease(event.peer_name, self.pull.on_lease(event))
         elif isinstance(event, PeerLostMsg):
+            self.pull.on_peer_lost(event.peer_name)
             self.peer_failures.pop(event.peer_name, None)
             out = []
             for room in event.rooms:
@@ -254,7 +275,8 @@ class PrefillHandler(EngineHandler):
         token_id, top = state.first_token  # top: (id, logprob) pairs, the sampled token first
         self.control.send_status(TransferStatusMsg(
             room=state.room, state=TransferState.SUCCESS, first_token_id=token_id, num_bytes=state.num_bytes,
-            first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top))
+            first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top,
+            prompt_logprobs=state.prompt_logprobs))
         stats = state.stats(time.monotonic())
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),

@@ -9,6 +9,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from disagg import __version__
 from disagg.api.bodies import decode_body
 from disagg.api.errors import ApiError, BadRequest, draining_error, error_response
 from disagg.api.serving import json_response
@@ -20,10 +21,11 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 class AbortBody(msgspec.Struct, kw_only=True):
-    """SGLang's abort body: one rid (or a list of them), or `abort_all`."""
+    """SGLang's abort body (one rid or a list of them, or `abort_all`) or vLLM's (`request_ids`)."""
 
     rid: str | list[str] | None = None
     abort_all: bool | None = None
+    request_ids: list[str] | None = None
 
 
 def _listed(down) -> str:
@@ -118,17 +120,34 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=registry.render(), headers={"Content-Type": registry.content_type})
 
 
+async def get_load(request: web.Request) -> web.Response:
+    """GET /get_load: SGLang's load report, one entry per DP worker, as sgl-model-gateway's load
+    policies read it (they sum `num_tokens`). `num_tokens` counts the KV tokens the worker holds
+    (blocks not free times the block size); `num_reqs` its running and waiting requests."""
+    return json_response([
+        {"dp_rank": s.dp_rank, "num_reqs": s.num_running + s.num_waiting, "num_waiting_reqs": s.num_waiting,
+         "num_tokens": (s.num_total_blocks - s.num_free_blocks) * s.block_size}
+        for s in state_of(request).engine.worker_states()
+    ])
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version: `{"version": ...}` (vLLM's route), the disagg package version."""
+    return json_response({"version": __version__})
+
+
 async def abort_requests(request: web.Request) -> web.Response:
-    """POST /abort_request(s): `{"rid": ...}` or `{"abort_all": true}`; answers the ids it found."""
+    """POST /abort_request(s): `{"rid": ...}`, vLLM's `{"request_ids": [...]}` or `{"abort_all": true}`;
+    answers the ids it found."""
     state = state_of(request)
     raw = await request.read()
     body = decode_body(raw, AbortBody) if raw.strip() else AbortBody()
     if body.abort_all:
         rids = list(state.inflight)
-    elif body.rid:
-        rids = [body.rid] if isinstance(body.rid, str) else body.rid
+    elif body.rid or body.request_ids:
+        rids = ([body.rid] if isinstance(body.rid, str) else body.rid or []) + (body.request_ids or [])
     else:
-        raise BadRequest("send a rid or abort_all: true", "rid")
+        raise BadRequest("send a rid, request_ids or abort_all: true", "rid")
     found = [rid for rid in rids if await state.engine.abort(rid)]
     return json_response({"aborted": found})
 
@@ -142,5 +161,7 @@ def add_routes(app: web.Application) -> None:
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, model_info)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/get_load", get_load)
+    app.router.add_get("/version", version)
     for path in ("/abort_request", "/abort_requests"):
         app.router.add_post(path, abort_requests)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from disagg.api import admin_routes, openai_routes, sglang_routes, tokens_routes, utility_routes
+from disagg.api import (
+    admin_routes,
+    openai_routes,
+    sglang_routes,
+    tokenize_routes,
+    tokens_routes,
+    utility_routes,
+)
 from disagg.api.auth import auth_middleware
 from disagg.api.errors import errors_middleware
 from disagg.api.logging import configure_logging, log_context_middleware
@@ -23,14 +30,14 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
     """The HTTP app serving `engine`. With `configure_logs`, structlog is set up for `config.log_format`."""
     if configure_logs:
         configure_logging(config.log_format)
-    metrics = ApiMetrics(engine.worker_states)
+    metrics = ApiMetrics(engine.worker_states, engine.model.name, engine.dp_size)
     middlewares = [log_context_middleware, metrics.middleware(), errors_middleware]
     keys = auth_middleware(config.api_key, config.admin_key)
     if keys is not None:
         middlewares.append(keys)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[STATE] = ApiState(config, engine, metrics)
-    for module in (openai_routes, sglang_routes, tokens_routes, admin_routes, utility_routes):
+    for module in (openai_routes, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes):
         module.add_routes(app)
     return app
 

@@ -41,9 +41,11 @@ class RoutedBody(msgspec.Struct, kw_only=True):
     routed_dp_rank: Int64 | None = None
     data_parallel_rank: Int64 | None = None  # deprecated alias of routed_dp_rank
     disagg_prefill_dp_rank: Int64 | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: Port | None = None
-    bootstrap_room: Room | None = None
+    # A batch carries one room per prompt: lists, as sgl-model-gateway sends them.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: Room | list[Room] | None = None
+    kv_transfer_params: dict | None = None  # pull flow (vLLM's NixlConnector): passed to the worker as is
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -103,9 +105,10 @@ class ChatBody(OpenAIBody, kw_only=True):
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):
-    """SGLang's `sampling_params` fields that the engine implements."""
+    """SGLang's `sampling_params` fields that the engine implements. `max_new_tokens` absent (UNSET)
+    keeps SGLang's default; `null` is the rest of the context, as SGLang's scheduler treats it."""
 
-    max_new_tokens: Int64 | None = None
+    max_new_tokens: Int64 | None | msgspec.UnsetType = msgspec.UNSET
     min_new_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -128,15 +131,18 @@ class SGLangSampling(msgspec.Struct, kw_only=True):
 
 
 class SGLangBody(msgspec.Struct, kw_only=True):
-    """SGLang's `/generate` (one request, not a batch)."""
+    """SGLang's `/generate`: one prompt, or a batch (`text` a list of strings, `input_ids` a list of
+    lists). Per-prompt fields take one value for every prompt or a list with one per prompt."""
 
     text: object = None
     input_ids: object = None
-    sampling_params: SGLangSampling | None = None
+    sampling_params: SGLangSampling | list[SGLangSampling] | None = None
     stream: bool | None = None
-    return_logprob: bool | None = None
-    logprob_start_len: Int64 | None = None
-    top_logprobs_num: Int64 | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: Int64 | list[Int64] | None = None
+    top_logprobs_num: Int64 | list[Int64] | None = None
+    return_text_in_logprobs: bool | None = None
+    token_ids_logprob: object = None  # token ids, or (a batch) one list of them per prompt
     rid: object = None
 
 

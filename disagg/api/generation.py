@@ -32,13 +32,19 @@ class Totals:
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None  # when the request asked for its prompt back
+    prompt_text: str | None = None
+    token_texts: dict[int, str] = field(default_factory=dict)  # id -> text, when the request asked for them
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    last_token_s: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)  # between outputs that carry tokens
     kv: KVStatsMsg | None = None
+    kv_transfer_params: dict | None = None  # pull flow: the prefill's ticket
 
     @property
     def e2e_latency_s(self) -> float:
@@ -52,8 +58,13 @@ class Totals:
 
     def add(self, out: OutputMsg) -> None:
         """Fold in one OutputMsg (which carries only what is new)."""
-        if self.first_token_s is None and out.new_token_ids:
-            self.first_token_s = time.perf_counter()
+        if out.new_token_ids:
+            now = time.perf_counter()
+            if self.last_token_s is None:
+                self.first_token_s = now
+            else:
+                self.inter_token_s.append(now - self.last_token_s)
+            self.last_token_s = now
         self.token_ids.extend(out.new_token_ids)
         self.text += out.new_text
         if out.logprobs is not None:
@@ -61,9 +72,14 @@ class Totals:
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_text = out.prompt_token_ids, out.prompt_text
+        if out.token_texts:
+            self.token_texts.update(out.token_texts)
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.kv = out.kv or self.kv
+        self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -134,7 +150,8 @@ class Generation:
             log.info("request stopped early", dp_rank=t.dp_rank, completion_tokens=t.num_output_tokens)
             return
         ttft_s = None if t.first_token_s is None else t.first_token_s - t.arrival_s
-        self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s)
+        self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s, dp_rank=t.dp_rank,
+                                            finish_reason=t.finish_reason, inter_token_s=t.inter_token_s)
         if t.kv is not None:
             self._state.metrics.observe_kv(t.kv)
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,

@@ -7,12 +7,13 @@ tests, never share counters.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from disagg.api.vllm_metrics import VllmMetrics
 from disagg.dp.protocol import WorkerState
 from disagg.wire.engine_msgs import KVStatsMsg
 
@@ -50,11 +51,12 @@ class _WorkerCollector:
 
 
 class ApiMetrics:
-    """The counters and histograms the front door records, plus the per-worker gauges."""
+    """The counters and histograms the front door records, plus the per-worker gauges; `vllm` holds
+    the same observations under vLLM's names and labels."""
 
     content_type = "text/plain; version=0.0.4; charset=utf-8"
 
-    def __init__(self, worker_states: Callable[[], list[WorkerState]]):
+    def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
@@ -79,10 +81,14 @@ class ApiMetrics:
         self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
                                  buckets=_LATENCY_BUCKETS_S, registry=reg)
         reg.register(_WorkerCollector(worker_states))
+        self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states)
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
-                        e2e_s: float) -> None:
-        """Record one finished generation."""
+                        e2e_s: float, *, dp_rank: int = 0, finish_reason: str = "stop",
+                        inter_token_s: Sequence[float] = ()) -> None:
+        """Record one finished generation (here and under vLLM's names)."""
+        self.vllm.observe_request(dp_rank, finish_reason, num_prompt_tokens, num_output_tokens, ttft_s,
+                                  inter_token_s, e2e_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
         self.e2e.observe(e2e_s)

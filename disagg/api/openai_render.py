@@ -65,27 +65,104 @@ class _OpenAIRenderer:
 
 
 class CompletionRenderer(_OpenAIRenderer):
-    """Bodies of /v1/completions."""
+    """Bodies of /v1/completions for one prompt (choice `index` of a batch). With `echo`, the text
+    starts with the prompt (`prompt_text`, else the worker's detokenized prompt) and the logprobs
+    with the prompt's (the first prompt token has none: null), as vLLM answers."""
 
     object_name = "text_completion"
     chunk_object = "text_completion"
 
+    def __init__(self, model: str, include_usage: bool, continuous_usage: bool, *, echo: bool = False,
+                 prompt_text: str | None = None, index: int = 0, response_id: str | None = None):
+        super().__init__(model, include_usage, continuous_usage)
+        self.echo = echo
+        self.prompt_text = prompt_text
+        self.index = index
+        self.response_id = response_id
+        self._echoed = False
+
+    def _envelope(self, totals: Totals, object_name: str, choices: list[dict]) -> dict:
+        body = super()._envelope(totals, object_name, choices)
+        return body if self.response_id is None else {**body, "id": self.response_id}
+
     def chunks(self, out: OutputMsg, totals: Totals) -> list[object]:
         if not out.new_token_ids and out.finish_reason is None:
             return []
-        offset = len(totals.text) - len(out.new_text)
-        logprobs = completion_logprobs(out.logprobs, offset) if out.logprobs is not None else None
-        return [self._chunk(totals, self._choice(out.new_text, logprobs, out.finish_reason, out.stop_reason))]
+        echo_text = self._echo_text(totals) if self.echo else ""
+        offset = len(echo_text) + len(totals.text) - len(out.new_text)
+        text, logprobs = out.new_text, completion_logprobs(out.logprobs, offset) if out.logprobs is not None else None
+        if self.echo and not self._echoed:
+            self._echoed = True
+            text, logprobs = echo_text + text, self._with_prompt_logprobs(totals, logprobs)
+        return [self._chunk(totals, self.choice(text, logprobs, out.finish_reason, out.stop_reason))]
 
     def full(self, totals: Totals) -> object:
-        logprobs = completion_logprobs(totals.logprobs, 0) if totals.logprobs is not None else None
-        choice = self._choice(totals.text, logprobs, totals.finish_reason, totals.stop_reason)
-        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage()}
+        return {**self._envelope(totals, self.object_name, [self.full_choice(totals)]), "usage": totals.usage(),
+                "kv_transfer_params": totals.kv_transfer_params}
+
+    def full_choice(self, totals: Totals) -> dict:
+        """The whole answer's choice."""
+        echo_text = self._echo_text(totals) if self.echo else ""
+        logprobs = completion_logprobs(totals.logprobs, len(echo_text)) if totals.logprobs is not None else None
+        text = echo_text + totals.text
+        if self.echo:
+            logprobs = self._with_prompt_logprobs(totals, logprobs)
+        return self.choice(text, logprobs, totals.finish_reason, totals.stop_reason)
+
+    def _echo_text(self, totals: Totals) -> str:
+        return self.prompt_text if self.prompt_text is not None else totals.prompt_text or ""
 
     @staticmethod
-    def _choice(text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+    def _with_prompt_logprobs(totals: Totals, logprobs: dict | None) -> dict | None:
+        if totals.prompt_logprobs is None:
+            return logprobs
+        prompt = prompt_completion_logprobs(totals.prompt_logprobs, totals.prompt_token_ids or [])
+        return prompt if logprobs is None else {key: prompt[key] + logprobs[key] for key in prompt}
+
+    def choice(self, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
+        """One choice, at this prompt's index."""
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
+
+
+def prompt_completion_logprobs(entries: list[TokenLogprobs | None], prompt_token_ids: list[int]) -> dict:
+    """The prompt's logprobs in the legacy shape; a token without any (the first) has null ones."""
+    ids = [prompt_token_ids[i] if e is None else e[0][0] for i, e in enumerate(entries)]
+    return {
+        "tokens": [token_label(t) for t in ids],
+        "token_logprobs": [None if e is None else e[0][1] for e in entries],
+        "top_logprobs": [None if e is None else {token_label(t): lp for t, lp in e[1:]} for e in entries],
+        "text_offset": [0] * len(entries),
+    }
+
+
+class CompletionBatchRenderer:
+    """/v1/completions with a list of prompts: one choice per prompt (its `index`), usage summed."""
+
+    def __init__(self, renderers: list[CompletionRenderer]):
+        self.renderers = renderers
+
+    def chunks(self, index: int, out: OutputMsg, totals: Totals) -> list[object]:
+        return self.renderers[index].chunks(out, totals)
+
+    def tail(self, totals: list[Totals]) -> list[object]:
+        first = self.renderers[0]
+        if not first.include_usage:
+            return []
+        return [{**first._envelope(totals[0], first.chunk_object, []), "usage": summed_usage(totals)}]
+
+    def full(self, totals: list[Totals]) -> object:
+        first = self.renderers[0]
+        choices = [r.full_choice(t) for r, t in zip(self.renderers, totals)]
+        return {**first._envelope(totals[0], first.object_name, choices), "usage": summed_usage(totals)}
+
+
+def summed_usage(totals: list[Totals]) -> dict:
+    """The usage of a batch: every prompt's counts added."""
+    usages = [t.usage() for t in totals]
+    summed = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {**summed, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class ChatRenderer(_OpenAIRenderer):
@@ -113,7 +190,8 @@ class ChatRenderer(_OpenAIRenderer):
         logprobs = chat_logprobs(totals.logprobs) if totals.logprobs is not None else None
         message = {"role": "assistant", "content": totals.text}
         choice = self._choice(message, logprobs, totals.finish_reason, totals.stop_reason, key="message")
-        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage()}
+        return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),
+                "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod
     def _choice(body: dict, logprobs: dict | None, finish_reason: str | None, stop_reason,

@@ -6,7 +6,8 @@ from aiohttp import web
 
 from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, StreamOptions, decode_body
 from disagg.api.errors import BadRequest
-from disagg.api.openai_render import ChatRenderer, CompletionRenderer
+from disagg.api.batch import serve_batch
+from disagg.api.openai_render import ChatRenderer, CompletionBatchRenderer, CompletionRenderer
 from disagg.api.requests import (
     build_generate_msg,
     check_model,
@@ -26,19 +27,23 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the co
 
 
 def completion_prompt(prompt: object, vocab_size: int) -> dict:
-    """`prompt` as a string, a list of one string, token ids, or a list of one token id list."""
+    """One prompt: a string, a list of one string, token ids, or a list of one token id list."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")
         return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest(f"batched prompts are not supported: got {len(prompt)} prompts, send one per request",
-                         "prompt")
     if prompt is None:
         raise BadRequest("prompt is required", "prompt")
     return {"prompt_token_ids": check_token_ids(prompt, vocab_size, "prompt")}
+
+
+def completion_prompts(prompt: object, vocab_size: int) -> list[dict]:
+    """Every prompt of a request: a list of strings or of token id lists is a batch (one choice each)."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return [completion_prompt(p, vocab_size) for p in prompt]
+    return [completion_prompt(prompt, vocab_size)]
 
 
 def chat_messages(messages: object) -> list[dict]:
@@ -90,29 +95,43 @@ def _common_checks(state: ApiState, body: OpenAIBody) -> StreamOptions:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/completions."""
+    """POST /v1/completions: one prompt or a list (one choice per prompt, all submitted at once).
+    `echo` returns the prompt before the completion (with `logprobs`: the prompt's too, computed
+    by the engine); `max_tokens` 0 computes the prompt only (scoring)."""
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, CompletionBody)
     check_upstream(raw, OPENAI_REFUSED, CompletionBody)
     options = _common_checks(state, body)
-    if body.echo:
-        raise BadRequest("echo is not supported", "echo")
     if body.best_of not in (None, 1):
         raise BadRequest(f"best_of must be 1, got {body.best_of}", "best_of")
     if body.suffix:
         raise BadRequest("suffix is not supported", "suffix")
-    prompt = completion_prompt(body.prompt, state.engine.model.vocab_size)
+    prompts = completion_prompts(body.prompt, state.engine.model.vocab_size)
+    echo = bool(body.echo)
     sampling = sampling_from_fields(body, max_tokens=body.max_tokens, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                    logprobs=body.logprobs)
+                                    logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo else None)
     request_id = choose_request_id(request, body.request_id, "request_id", "cmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
-    msg = build_generate_msg(request_id, sampling, routing, add_special_tokens=add_special, **prompt)
-    return await serve_choices(
-        request, msg, routing.routed_dp_rank, lambda: CompletionRenderer(
-            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),
-        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    msgs = [build_generate_msg(rid, sampling, r, add_special_tokens=add_special, return_prompt=echo, **prompt)
+            for rid, prompt, r in zip(ids, prompts, routing.for_items(len(prompts)))]
+
+    def renderer(i: int, prompt: dict) -> CompletionRenderer:
+        return CompletionRenderer(state.engine.model.name, bool(options.include_usage),
+                                  bool(options.continuous_usage_stats), echo=echo, prompt_text=prompt.get("prompt"),
+                                  index=i, response_id=request_id)
+
+    n = check_n(body.n)
+    if len(prompts) == 1:
+        return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: renderer(0, prompts[0]),
+                                   n=n, stream=bool(body.stream), merge=merge_openai)
+    if n > 1:
+        raise BadRequest("n > 1 with a list of prompts is not supported: send one prompt per request", "n")
+    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs],
+                             CompletionBatchRenderer([renderer(i, p) for i, p in enumerate(prompts)]),
+                             stream=bool(body.stream), request_id=request_id)
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

@@ -51,7 +51,7 @@ def choose_request_id(request: web.Request, body_id: object, param: str, prefix:
     """
     if body_id is not None:
         if not isinstance(body_id, str) or not body_id:
-            raise BadRequest(f"{param} must be a non-empty string (batched requests are not supported)", param)
+            raise BadRequest(f"{param} must be a non-empty string", param)
         if len(body_id) > MAX_REQUEST_ID_CHARS or any(unicodedata.category(c) == "Cc" for c in body_id):
             raise BadRequest(f"{param} must have at most {MAX_REQUEST_ID_CHARS} characters and no control "
                              "characters: it is sent back in the X-Request-Id header", param)
@@ -68,7 +68,7 @@ def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
         raise BadRequest(f"{param} must be a non-empty list of token ids", param)
     for token_id in value:
         if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise BadRequest(f"{param} must be a list of integers (batched requests are not supported)", param)
+            raise BadRequest(f"{param} must be a list of integer token ids", param)
         if token_id < 0:
             raise BadRequest(f"token id {token_id} in {param} is negative", param)
         if token_id >= vocab_size:
@@ -107,9 +107,12 @@ def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_m
 
 
 def build_generate_msg(request_id: str, sampling: SamplingMsg, routing: Routing, **prompt: object) -> GenerateMsg:
-    """The GenerateMsg: exactly one of prompt / prompt_token_ids / messages, plus the P/D fields."""
+    """The GenerateMsg: exactly one of prompt / prompt_token_ids / messages, plus the P/D fields
+    (bootstrap lists of one entry, as a gateway may send for one prompt, are unwrapped)."""
+    [routing] = routing.for_items(1)
     return GenerateMsg(
         request_id=request_id, sampling=sampling, **prompt,
         bootstrap_host=routing.bootstrap_host, bootstrap_port=routing.bootstrap_port,
         bootstrap_room=routing.bootstrap_room, disagg_prefill_dp_rank=routing.disagg_prefill_dp_rank,
+        kv_transfer_params=routing.kv_transfer_params,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -13,15 +13,39 @@ from disagg.api.errors import BadRequest
 DP_RANK_HEADER = "X-data-parallel-rank"
 
 
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
 @dataclass(frozen=True)
 class Routing:
-    """Where a request should run, and the P/D fields that travel with it to the worker."""
+    """Where a request should run, and the P/D fields that travel with it to the worker.
+
+    The bootstrap fields of a batch may be lists, one entry per prompt; `for_items` splits them.
+    """
 
     routed_dp_rank: int | None = None
     disagg_prefill_dp_rank: int | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+    kv_transfer_params: dict | None = None
+
+    def for_items(self, num_items: int) -> list[Routing]:
+        """One Routing per prompt of a request with `num_items` prompts. A list must have one entry
+        per prompt; one room cannot serve two prompts (each prompt is its own P/D transfer)."""
+        columns = {}
+        for name in BOOTSTRAP_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if len(value) != num_items:
+                    raise BadRequest(f"{name} has {len(value)} entries for {num_items} prompts: send one per prompt", name)
+                columns[name] = value
+            elif name == "bootstrap_room" and value is not None and num_items > 1:
+                raise BadRequest(f"a batch of {num_items} prompts needs bootstrap_room as a list of {num_items} rooms",
+                                 name)
+            else:
+                columns[name] = [value] * num_items
+        return [replace(self, **{name: columns[name][i] for name in BOOTSTRAP_FIELDS}) for i in range(num_items)]
 
 
 def read_routing(request: web.Request, raw: bytes, warn_once: Callable[[str, str], None]) -> Routing:
@@ -38,7 +62,8 @@ def read_routing(request: web.Request, raw: bytes, warn_once: Callable[[str, str
     header = request.headers.get(DP_RANK_HEADER)
     if header is not None:
         rank = _parse_rank_header(header)
-    return Routing(rank, body.disagg_prefill_dp_rank, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+    return Routing(rank, body.disagg_prefill_dp_rank, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
+                   body.kv_transfer_params)
 
 
 def _parse_rank_header(value: str) -> int:

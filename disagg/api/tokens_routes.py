@@ -30,7 +30,7 @@ from disagg.api.state import state_of
 from disagg.api.upstream_fields import TOKENS_REFUSED, VLLM_SAMPLING_REFUSED, check_upstream
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
-DEFAULT_MAX_TOKENS = 16  # vLLM SamplingParams' default (capped by the context, never refused)
+DEFAULT_MAX_TOKENS = None  # unset: the rest of the context, as current vLLM's tokens endpoint
 MAX_LOGPROBS = 20  # the engine's cap; -1 ("all", as in vLLM) asks for this many
 
 

@@ -60,7 +60,7 @@ PD_FIELDS = frozenset({"kv_transfer_params"})
 SGLANG_REFUSED: Mapping[str, Neutral] = {
     "session_id": _EMPTY, "input_embeds": _EMPTY, "image_data": _EMPTY, "video_data": _EMPTY, "audio_data": _EMPTY,
     "mm_hashes": _EMPTY, "mm_content_hashes": _EMPTY, "use_audio_in_video": _OFF, "video_config": _EMPTY,
-    "token_ids_logprob": _EMPTY, "return_sampling_mask": _OFF, "return_flat_raw_top_logprobs": _OFF,
+    "return_sampling_mask": _OFF, "return_flat_raw_top_logprobs": _OFF,
     "return_flat_raw_top_logprobs_b64": _OFF, "return_hidden_states": _OFF, "return_routed_experts": _OFF,
     "routed_experts_start_len": (None, 0), "return_indexer_topk": _OFF, "session_params": _EMPTY,
     "lora_path": _EMPTY, "lora_id": _EMPTY, "custom_logit_processor": _EMPTY, "positional_embed_overrides": _EMPTY,
@@ -70,7 +70,7 @@ SGLANG_REFUSED: Mapping[str, Neutral] = {
     "extra_key": _EMPTY, "modalities": _EMPTY, "return_prompt_token_ids": _OFF,
 }
 SGLANG_IGNORED = frozenset({  # router hints and logging switches, plus priority and cache_salt as OPENAI_IGNORED
-    "log_metrics", "return_text_in_logprobs", "priority", "cache_salt", "bootstrap_pair_key", "decode_tp_size",
+    "log_metrics", "priority", "cache_salt", "bootstrap_pair_key", "decode_tp_size",
     "kv_router_hint", "routing_key",
     "conversation_id", "http_worker_ipc", "no_logs", "custom_labels", "external_trace_header", "received_time",
     "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
@@ -95,8 +95,8 @@ def check_upstream(raw: bytes, refused: Mapping[str, Neutral], struct: type[msgs
     if nested is not None:
         name, nested_refused, nested_struct = nested
         inner = getattr(body, name)
-        if inner is not None and inner is not msgspec.UNSET:
-            refuse_unsupported(_set_fields(inner), nested_refused, nested_struct, prefix=f"{name}.")
+        for item in inner if isinstance(inner, list) else [] if inner is None else [inner]:
+            refuse_unsupported(_set_fields(item), nested_refused, nested_struct, prefix=f"{name}.")
 
 
 _PROBES: dict[tuple[int, int | None], type[msgspec.Struct]] = {}
@@ -109,7 +109,7 @@ def _probe(refused: Mapping[str, Neutral], nested: tuple[str, Mapping[str, Neutr
         fields = [(name, object, msgspec.UNSET) for name in refused]
         if nested is not None:
             inner = msgspec.defstruct("NestedProbe", [(n, object, msgspec.UNSET) for n in nested[1]], kw_only=True)
-            fields.append((nested[0], inner | None, None))
+            fields.append((nested[0], inner | list[inner] | None, None))  # a batch has a list
         _PROBES[key] = msgspec.defstruct("Probe", fields, kw_only=True)
     return _PROBES[key]
 

@@ -25,12 +25,9 @@ class Dispatcher:
         """An external `routed_dp_rank` wins; otherwise the method decides among live workers."""
         if routed_dp_rank is not None:
             return self.check_rank(routed_dp_rank)
-        if self.method == "follow_bootstrap_room":
-            if bootstrap_room is None:
-                raise InvalidRequest(
-                    "load_balance_method follow_bootstrap_room needs bootstrap_room in the request", "bootstrap_room"
-                )
+        if self.method == "follow_bootstrap_room" and bootstrap_room is not None:
             return bootstrap_room % self.dp_size
+        # follow_bootstrap_room without a room (a pull-flow or health request): the least loaded.
         candidates = [r for r in range(self.dp_size) if alive[r]] or list(range(self.dp_size))
         if self.method == "round_robin":
             return candidates[next(self._next) % len(candidates)]

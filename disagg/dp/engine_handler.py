@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
+from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
 from disagg.types import EngineSleeping, GrammarKind, InvalidRequest, RequestOutput, SamplingParams, StructuredOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
 
 log = structlog.get_logger(__name__)
 
-UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats")
+UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats", "tokenize", "detokenize")
 
 
 def sampling_params(msg: SamplingMsg) -> SamplingParams:
@@ -25,7 +27,8 @@ def sampling_params(msg: SamplingMsg) -> SamplingParams:
         top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=msg.logprobs,
         prompt_logprobs=msg.prompt_logprobs, skip_special_tokens=msg.skip_special_tokens,
-        default_max_tokens=msg.default_max_tokens, presence_penalty=msg.presence_penalty,
+        default_max_tokens=msg.default_max_tokens, logprob_token_ids=tuple(msg.logprob_token_ids),
+        presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
         logit_bias=msg.logit_bias, allowed_token_ids=msg.allowed_token_ids, bad_words=tuple(msg.bad_words),
         bad_words_token_ids=tuple(tuple(w) for w in msg.bad_words_token_ids),
@@ -49,11 +52,12 @@ def admission_error(request_id: str, exc: Exception) -> OutputMsg:
     return error_output(request_id, RuntimeError(f"the worker could not admit the request: {type(exc).__name__}: {exc}"))
 
 
-def _pairs(top: dict[int, float], sampled: int, num_top: int) -> list[tuple[int, float]]:
+def _pairs(top: dict[int, float], sampled: int, num_top: int, extra_ids: tuple[int, ...] = ()) -> list[tuple[int, float]]:
     """The sampled (or actual) token first, then the top `num_top` by descending logprob, which
-    include that token again when it ranks among them (as OpenAI's top_logprobs do)."""
+    include that token again when it ranks among them (as OpenAI's top_logprobs do), then the
+    `extra_ids` asked for by id. The top-n of `top` are its `num_top` largest: it holds them all."""
     ranked = sorted(top.items(), key=lambda p: -p[1])[:num_top]
-    return [(sampled, top[sampled])] + ranked
+    return [(sampled, top[sampled])] + ranked + [(t, top[t]) for t in extra_ids]
 
 
 def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
@@ -61,11 +65,11 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
     logprobs = None
     if out.outputs.logprobs is not None and new:
         tops = out.outputs.logprobs[len(out.outputs.logprobs) - len(new) :]
-        logprobs = [_pairs(top, tok, out.num_logprobs or 0) for top, tok in zip(tops, new)]
+        logprobs = [_pairs(top, tok, out.num_logprobs or 0, out.logprob_token_ids) for top, tok in zip(tops, new)]
     prompt_logprobs = None
     if first and out.prompt_logprobs is not None:
         prompt_logprobs = [
-            None if top is None else _pairs(top, tok, out.num_prompt_logprobs or 0)
+            None if top is None else _pairs(top, tok, out.num_prompt_logprobs or 0, out.logprob_token_ids)
             for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
         ]
     finish = out.outputs.finish_reason
@@ -87,6 +91,8 @@ class EngineHandler:
         self.dp_rank = dp_rank
         self.model_name = model_name
         self._started: set[str] = set()  # requests whose first OutputMsg went out
+        self._return_prompt: set[str] = set()  # requests whose first OutputMsg carries the prompt
+        self._return_texts: set[str] = set()  # requests whose OutputMsgs carry their logprob tokens' texts
         self.wake: Callable[[], None] = lambda: None  # set by the worker loop
 
     def ready_msg(self) -> ReadyMsg:
@@ -112,6 +118,21 @@ class EngineHandler:
         if msg.prompt is not None:
             return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
         raise InvalidRequest("the request has no prompt", "prompt")
+
+    def note(self, msg: GenerateMsg) -> None:
+        """Remember what a request's answers must carry, before any role's submit() runs it."""
+        if msg.return_prompt:
+            self._return_prompt.add(msg.request_id)
+        if msg.return_token_texts:
+            self._return_texts.add(msg.request_id)
+
+    def sent(self, msgs: list) -> None:
+        """Messages on their way to the front: forget what `note` kept for requests that ended
+        (whichever path answered them: the engine, an admission error, a failed transfer)."""
+        for msg in msgs:
+            if isinstance(msg, OutputMsg) and (msg.finish_reason is not None or msg.error is not None):
+                self._return_prompt.discard(msg.request_id)
+                self._return_texts.discard(msg.request_id)
 
     async def start(self) -> None:
         """Set up what the handler needs beyond the engine (the roles: transfer agents, servers)."""
@@ -161,10 +182,24 @@ class EngineHandler:
             if out.error is not None:
                 msgs.append(OutputMsg(out.request_id, finish_reason="abort", error=out.error, error_status=500))
             else:
-                msgs.append(to_output_msg(out, first))
+                msgs.append(self._with_texts(self._with_prompt(to_output_msg(out, first), out, first)))
             if out.finished:
                 self._started.discard(out.request_id)
         return msgs
+
+    def _with_texts(self, msg: OutputMsg) -> OutputMsg:
+        if msg.request_id not in self._return_texts:
+            return msg
+        entries = (msg.logprobs or []) + [e for e in msg.prompt_logprobs or [] if e is not None]
+        ids = {t for entry in entries for t, _ in entry} | set(msg.prompt_token_ids or [])
+        decode = self.core.tokenizer.decode
+        return msgspec.structs.replace(msg, token_texts={t: decode([t], skip_special_tokens=False) for t in sorted(ids)})
+
+    def _with_prompt(self, msg: OutputMsg, out: RequestOutput, first: bool) -> OutputMsg:
+        if not first or out.request_id not in self._return_prompt:
+            return msg
+        text = self.core.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return msgspec.structs.replace(msg, prompt_token_ids=list(out.prompt_token_ids), prompt_text=text)
 
     def fail_all(self, exc: Exception) -> list[OutputMsg]:
         """An engine step crashed outside any one request: end every request with the error, keep
@@ -178,6 +213,10 @@ class EngineHandler:
             raise InvalidRequest(f"unknown utility {method!r}; known: {', '.join(UTILITIES)}", "method")
         if method == "stats":
             return self.core.stats()
+        if method == "tokenize":
+            return tokenization.tokenize(self.core.tokenizer, *args)
+        if method == "detokenize":
+            return tokenization.detokenize(self.core.tokenizer, *args)
         if method == "sleep" and not self.can_sleep:
             raise InvalidRequest(
                 "sleep is not supported on prefill/decode workers: their KV cache is registered with the "

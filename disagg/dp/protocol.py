@@ -53,6 +53,7 @@ class WorkerState:
     num_outstanding_requests: int
     num_restarts: int = 0  # how many times this rank's worker was restarted after dying
     num_quarantined_blocks: int = 0  # KV blocks held until no remote write can land (fencing)
+    block_size: int = 0  # tokens per KV block (0 until the worker is ready)
 
 
 class EngineClient(Protocol):
@@ -69,8 +70,9 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> bool:
         """Abort wherever it runs; True if it was found."""
 
-    async def call_utility(self, method: str, *args) -> list[object]:
-        """Run on every worker; one result per dp_rank. Raises UtilityFailed, WorkerUnavailable."""
+    async def call_utility(self, method: str, *args, ranks: list[int] | None = None) -> list[object]:
+        """Run on every worker (or on `ranks`); one result per worker called. Raises UtilityFailed,
+        WorkerUnavailable."""
 
     def worker_states(self) -> list[WorkerState]:
         """One entry per DP worker (for /server_info, /metrics, /health)."""

@@ -107,16 +107,16 @@ async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: as
                     return
                 if msg is WAKE:
                     continue
-                _send(writer, await apply(handler, msg))
-            _send(writer, await handler.poll())
+                _send(handler, writer, await apply(handler, msg))
+            _send(handler, writer, await handler.poll())
             if handler.has_work():
                 # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
-                _send(writer, await asyncio.to_thread(step, handler))
-                _send(writer, await handler.poll())  # blocks the step just computed go out now
+                _send(handler, writer, await asyncio.to_thread(step, handler))
+                _send(handler, writer, await handler.poll())  # blocks the step just computed go out now
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
-                _send(writer, [handler.stats()])
+                _send(handler, writer, [handler.stats()])
                 last_stats = now
             await writer.drain()
     finally:
@@ -140,7 +140,8 @@ def _drain(inbox: asyncio.Queue) -> list:
     return out
 
 
-def _send(writer: asyncio.StreamWriter, msgs: list) -> None:
+def _send(handler: EngineHandler, writer: asyncio.StreamWriter, msgs: list) -> None:
+    handler.sent(msgs)
     if msgs:
         writer.write(b"".join(frame(encode(m)) for m in msgs))
 
@@ -160,6 +161,7 @@ async def apply(handler: EngineHandler, msg) -> list:
 
 async def _apply(handler: EngineHandler, msg) -> list:
     if isinstance(msg, GenerateMsg):
+        handler.note(msg)
         return await handler.submit(msg)
     if isinstance(msg, AbortMsg):
         return await handler.abort(msg.request_id)

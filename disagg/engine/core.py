@@ -116,6 +116,10 @@ class EngineCore:
         for token_id in params.stop_token_ids:
             if token_id >= vocab:
                 raise InvalidRequest(f"stop token id {token_id} is out of vocabulary (vocab_size={vocab})", "stop_token_ids")
+        for token_id in params.logprob_token_ids:
+            if token_id >= vocab:
+                raise InvalidRequest(f"token id {token_id} in token_ids_logprob is out of vocabulary (vocab_size={vocab})",
+                                     "token_ids_logprob")
         params = self._check_processors(params)
         num_prompt, room = len(prompt_token_ids), self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
@@ -192,10 +196,13 @@ class EngineCore:
         self.outputs.add(request)
         return list(request.block_ids)
 
-    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None) -> bool:
-        """The prompt's KV landed in the reserved blocks; continue from the first token. False when
-        the request no longer waits for KV (it was aborted or failed meanwhile)."""
-        request = self.scheduler.admit_remote_kv(request_id, SampledToken(first_token_id, first_logprobs))
+    def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None,
+                        prompt_logprobs: list[dict[int, float] | None] | None = None) -> bool:
+        """The prompt's KV landed in the reserved blocks; continue from the first token, with the
+        prompt logprobs the remote engine computed (first entry None). False when the request no
+        longer waits for KV (it was aborted or failed meanwhile)."""
+        first = SampledToken(first_token_id, first_logprobs)
+        request = self.scheduler.admit_remote_kv(request_id, first, prompt_logprobs)
         if request is None:
             return False
         params = request.sampling_params
@@ -203,6 +210,12 @@ class EngineCore:
             self.runner.sampler.skip_draw(request_id, params.seed, self.arch.vocab_size)
         self._collect(request)
         return True
+
+    def admit_remote_prefix(self, request_id: str, num_computed_tokens: int) -> bool:
+        """The KV of the prompt's first `num_computed_tokens` landed in the reserved blocks (pull
+        flow: this engine read it); the rest of the prompt and every output token are computed here.
+        False when the request no longer waits for KV."""
+        return self.scheduler.admit_remote_prefix(request_id, num_computed_tokens) is not None
 
     def request_progress(self, request_id: str) -> RequestProgress | None:
         request = self.scheduler.requests.get(request_id)

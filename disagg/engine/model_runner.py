@@ -138,4 +138,5 @@ class ModelRunner:
         logprobs = torch.log_softmax(logits, dim=-1)
         num = seq.sampling_params.prompt_logprobs or 0
         actual = (seq.token_ids[1:] + [seq.next_token_id])[: logits.shape[0]]
-        return [top_logprobs(logprobs[i], num, tok) for i, tok in enumerate(actual)]
+        extra = seq.sampling_params.logprob_token_ids
+        return [top_logprobs(logprobs[i], num, tok, extra) for i, tok in enumerate(actual)]

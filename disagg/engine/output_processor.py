@@ -90,6 +90,7 @@ class OutputProcessor:
             error=request.error,
             num_logprobs=request.sampling_params.logprobs,
             num_prompt_logprobs=request.sampling_params.prompt_logprobs,
+            logprob_token_ids=request.sampling_params.logprob_token_ids,
         )
 
 

@@ -15,12 +15,15 @@ from disagg.engine.scheduler import SampledToken, ScheduledSeq
 from disagg.types import SamplingParams, TopLogprobs
 
 
-def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int) -> TopLogprobs:
-    """The `num` most likely tokens' logprobs, plus `token_id`'s (the chosen or actual token)."""
+def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int, extra_ids: tuple[int, ...] = ()) -> TopLogprobs:
+    """The `num` most likely tokens' logprobs, plus `token_id`'s (the chosen or actual token) and
+    those of `extra_ids` (SGLang's token_ids_logprob)."""
     out: TopLogprobs = {}
     if num > 0:
         values, ids = logprobs.topk(num)
         out = dict(zip(ids.tolist(), values.tolist()))
+    for extra in extra_ids:
+        out[extra] = float(logprobs[extra])
     out[token_id] = float(logprobs[token_id])
     return out
 
@@ -61,7 +64,8 @@ class Sampler:
                 continue
             top = None
             if logprobs is not None and seq.sampling_params.logprobs is not None:
-                top = top_logprobs(logprobs[want.index(i)], seq.sampling_params.logprobs, token_ids[i])
+                params = seq.sampling_params
+                top = top_logprobs(logprobs[want.index(i)], params.logprobs, token_ids[i], params.logprob_token_ids)
             out.append(SampledToken(token_ids[i], top))
         return out
 

@@ -82,9 +82,11 @@ class Scheduler:
         self.remote[request.request_id] = request
         return True
 
-    def admit_remote_kv(self, request_id: str, first: SampledToken) -> Request | None:
-        """The prompt's KV is in the reserved blocks: run the request from its first token on.
-        None when the request no longer waits for KV (aborted or failed meanwhile)."""
+    def admit_remote_kv(self, request_id: str, first: SampledToken,
+                        prompt_logprobs: list[TopLogprobs | None] | None = None) -> Request | None:
+        """The prompt's KV is in the reserved blocks: run the request from its first token on (a
+        prompt-only request ends there, without it). `prompt_logprobs` are those the remote engine
+        computed. None when the request no longer waits for KV (aborted or failed meanwhile)."""
         request = self.remote.pop(request_id, None)
         if request is None:
             return None
@@ -92,7 +94,25 @@ class Scheduler:
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self.append_token(request, first)
+        if request.wants_prompt_logprobs and prompt_logprobs is not None:
+            request.prompt_logprobs = list(prompt_logprobs)
+        if request.sampling_params.prompt_only:
+            self.finish(request, FinishReason.LENGTH)
+        else:
+            self.append_token(request, first)
+        return request
+
+    def admit_remote_prefix(self, request_id: str, num_computed_tokens: int) -> Request | None:
+        """The KV of the prompt's first `num_computed_tokens` is in the reserved blocks (read from
+        another engine): compute the rest here, from the first output token on as usual."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
+        assert 0 <= num_computed_tokens < request.num_prompt_tokens, "the last prompt token is computed here"
+        request.num_computed_tokens = num_computed_tokens
+        self.kv.cache_full_blocks(request, num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
         return request
 
     # ---- schedule -----------------------------------------------------------------------------
@@ -164,7 +184,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
             block_ids=list(request.block_ids),
-            sample=end == request.num_tokens,
+            sample=end == request.num_tokens and not request.sampling_params.prompt_only,
             # Not again after a preemption: those prompt logprobs are already recorded.
             prompt_logprobs=request.wants_prompt_logprobs
             and start < request.num_prompt_tokens
@@ -189,6 +209,8 @@ class Scheduler:
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
             if seq.request_id in sampled:
                 self.append_token(request, sampled[seq.request_id])
+            elif request.sampling_params.prompt_only and request.num_computed_tokens >= request.num_prompt_tokens:
+                self.finish(request, FinishReason.LENGTH)  # scoring: the prompt is all it asked for
             touched.append(request)
         return touched
 

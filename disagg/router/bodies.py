@@ -15,6 +15,7 @@ from disagg.router.errors import BadRequest, DpRankMismatch
 from disagg.wire.errors import JSON_TOO_DEEP
 
 GENERATE_PATH = "/generate"
+COMPLETIONS_PATH = "/v1/completions"
 # Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
 PROMPT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
@@ -40,7 +41,14 @@ def is_stream(body: dict) -> bool:
 
 
 def generate_batch_size(path: str, body: dict) -> int | None:
-    """The number of prompts of a batched SGLang /generate request; None for a single prompt."""
+    """The number of prompts of a batched request (SGLang /generate with `text` or `input_ids`
+    lists, /v1/completions with a list of prompts); None for a single prompt. Each prompt of a
+    batch is its own P/D transfer: it gets its own room."""
+    if path == COMPLETIONS_PATH:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            return len(prompt)
+        return None
     if path != GENERATE_PATH:
         return None
     text = body.get("text")

@@ -70,6 +70,9 @@ class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     first_token_logprob: float | None = None
     num_bytes: int = 0
     first_token_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), the top-n asked for
+    # With SUCCESS, when asked for: per prompt token from the second on, its (token id, logprob)
+    # pairs (the actual token's and the top-n); the first prompt token has none.
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +81,26 @@ class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
     room: int
     reason: str
     peer_name: str
+
+
+class LeaseMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Pull flow, decode -> prefill (via the control server's event queue): claim the leased
+    blocks of a finished request (`release` False), or release them (`release` True)."""
+
+    request_id: str
+    peer_name: str
+    release: bool = False
+    reason: str = ""
+
+
+class LeaseStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Pull flow, prefill -> decode: the answer to a claim or a release."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    block_ids: tuple[int, ...] = ()
+    released: bool = False
 
 
 class PeerLostMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,6 +171,9 @@ def status_to_pb(status: TransferStatusMsg) -> pb.TransferStatus:
     if status.first_token_logprob is not None:
         msg.first_token_logprob = status.first_token_logprob
     msg.first_token_top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in status.first_token_top_logprobs)
+    msg.prompt_logprobs.extend(
+        pb.PromptTokenLogprobs(entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in entry])
+        for entry in status.prompt_logprobs)
     return msg
 
 
@@ -161,6 +187,7 @@ def status_from_pb(msg: pb.TransferStatus) -> TransferStatusMsg:
         first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
         num_bytes=msg.num_bytes,
         first_token_top_logprobs=tuple((x.token_id, x.logprob) for x in msg.first_token_top_logprobs),
+        prompt_logprobs=tuple(tuple((x.token_id, x.logprob) for x in entry.entries) for entry in msg.prompt_logprobs),
     )
 
 
@@ -200,3 +227,26 @@ def heartbeat_msg(seq: int) -> pb.DecodeMsg:
 def heartbeat_ack_msg(seq: int) -> pb.PrefillMsg:
     """Prefill stream answer to a heartbeat."""
     return pb.PrefillMsg(heartbeat_ack=pb.HeartbeatAck(seq=seq))
+
+
+def claim_msg(request_id: str) -> pb.DecodeMsg:
+    """Decode stream message carrying Claim (pull flow)."""
+    return pb.DecodeMsg(claim=pb.Claim(request_id=request_id))
+
+
+def release_msg(request_id: str, reason: str) -> pb.DecodeMsg:
+    """Decode stream message carrying Release (pull flow)."""
+    return pb.DecodeMsg(release=pb.Release(request_id=request_id, reason=reason))
+
+
+def lease_status_msg(status: LeaseStatusMsg) -> pb.PrefillMsg:
+    """Prefill stream message carrying LeaseStatus."""
+    return pb.PrefillMsg(lease_status=pb.LeaseStatus(
+        request_id=status.request_id, ok=status.ok, reason=status.reason, block_ids=list(status.block_ids),
+        released=status.released))
+
+
+def lease_status_from_pb(msg: pb.LeaseStatus) -> LeaseStatusMsg:
+    """protobuf -> LeaseStatusMsg."""
+    return LeaseStatusMsg(request_id=msg.request_id, ok=msg.ok, reason=msg.reason, block_ids=tuple(msg.block_ids),
+                          released=msg.released)

@@ -41,6 +41,7 @@ class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     structured_kind: str | None = None  # disagg.types.GrammarKind value; with structured_spec
     structured_spec: str | None = None
     structured_param: str | None = None  # the request field it came from (for errors)
+    logprob_token_ids: list[int] = []  # their logprobs too, after the top-n (SGLang's token_ids_logprob)
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):
@@ -59,6 +60,11 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: int | None = None
     register_room: bool = False  # prefill: tell the registry which DP rank took this room
+    # Pull flow (vLLM's NixlConnector fields): `do_remote_decode` on the prefill leg, the prefill's
+    # ticket (`do_remote_prefill`, `remote_*`) on the decode leg.
+    kv_transfer_params: dict | None = None
+    return_prompt: bool = False  # the first OutputMsg carries the prompt's token ids and text (echo, scoring)
+    return_token_texts: bool = False  # OutputMsgs carry the text of every token in their logprobs
 
 
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
@@ -73,11 +79,33 @@ class AbortMsg(msgspec.Struct, frozen=True, tag="abort"):
 
 
 class UtilityMsg(msgspec.Struct, frozen=True, tag="utility"):
-    """Call an engine utility (`is_sleeping`, `sleep`, `wake_up`, `reset_prefix_cache`, `stats`)."""
+    """Call an engine utility (`is_sleeping`, `sleep`, `wake_up`, `reset_prefix_cache`, `stats`,
+    `tokenize` with a TokenizeMsg, `detokenize` with a list of token ids)."""
 
     call_id: int
     method: str
     args: list = []
+
+
+class TokenizeMsg(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The argument of the `tokenize` utility (vLLM's /tokenize): exactly one of `prompt` and
+    `messages` (plain-string contents; the worker applies the chat template)."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResultMsg(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The answer of the `tokenize` utility; `error` (with `error_param`) when the input was refused."""
+
+    tokens: list[int] = []
+    token_strs: list[str] | None = None
+    error: str | None = None
+    error_param: str | None = None
 
 
 class ShutdownMsg(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -105,7 +133,8 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     new_text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
-    logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob), sampled first
+    # per new token: (id, logprob), sampled first, then the top-n, then SamplingMsg.logprob_token_ids
+    logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # on the first message only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -113,7 +142,11 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     error: str | None = None  # the request failed; `error_status` says how (400 bad input, 500, 503)
     error_status: int = 0
     error_param: str | None = None
+    kv_transfer_params: dict | None = None  # pull flow, prefill: the ticket the decode reads with
     kv: KVStatsMsg | None = None  # on the prefill's final output and on the decode's first
+    prompt_token_ids: list[int] | None = None  # on the first message, when GenerateMsg.return_prompt
+    prompt_text: str | None = None  # ... the prompt detokenized (special tokens kept, as vLLM's echo)
+    token_texts: dict[int, str] | None = None  # GenerateMsg.return_token_texts: id -> text, for this message's ids
 
 
 class UtilityResultMsg(msgspec.Struct, frozen=True, tag="utility_result", omit_defaults=True):

@@ -92,7 +92,7 @@ class TransferInfo(_message.Message):
     def __init__(self, room: _Optional[int] = ..., peer_name: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_dp_rank: _Optional[int] = ..., first_token_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs")
+    __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs", "prompt_logprobs")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class TransferStatus(_message.Message):
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     room: int
     state: TransferState
     reason: str
@@ -107,7 +108,14 @@ class TransferStatus(_message.Message):
     first_token_logprob: float
     num_bytes: int
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[TransferState, str]] = ..., reason: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprobs]
+    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[TransferState, str]] = ..., reason: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptTokenLogprobs(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -125,6 +133,34 @@ class Abort(_message.Message):
     reason: str
     def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class Claim(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaseStatus(_message.Message):
+    __slots__ = ("request_id", "ok", "reason", "block_ids", "released")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ok: bool
+    reason: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    released: bool
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., released: _Optional[bool] = ...) -> None: ...
+
 class Heartbeat(_message.Message):
     __slots__ = ("seq",)
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -138,23 +174,29 @@ class HeartbeatAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class DecodeMsg(_message.Message):
-    __slots__ = ("register_peer", "transfer_info", "abort", "heartbeat")
+    __slots__ = ("register_peer", "transfer_info", "abort", "heartbeat", "claim", "release")
     REGISTER_PEER_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_INFO_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     register_peer: RegisterPeer
     transfer_info: TransferInfo
     abort: Abort
     heartbeat: Heartbeat
-    def __init__(self, register_peer: _Optional[_Union[RegisterPeer, _Mapping]] = ..., transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    claim: Claim
+    release: Release
+    def __init__(self, register_peer: _Optional[_Union[RegisterPeer, _Mapping]] = ..., transfer_info: _Optional[_Union[TransferInfo, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., claim: _Optional[_Union[Claim, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class PrefillMsg(_message.Message):
-    __slots__ = ("register_ack", "status", "heartbeat_ack")
+    __slots__ = ("register_ack", "status", "heartbeat_ack", "lease_status")
     REGISTER_ACK_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_STATUS_FIELD_NUMBER: _ClassVar[int]
     register_ack: RegisterAck
     status: TransferStatus
     heartbeat_ack: HeartbeatAck
-    def __init__(self, register_ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+    lease_status: LeaseStatus
+    def __init__(self, register_ack: _Optional[_Union[RegisterAck, _Mapping]] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., lease_status: _Optional[_Union[LeaseStatus, _Mapping]] = ...) -> None: ...

@@ -1,12 +1,13 @@
 """An in-process EngineClient twin for the HTTP tests, plus helpers to serve it on 127.0.0.1:0.
 
 Deterministic "model": the i-th generated token (0-based) is `FIRST_OUTPUT_ID + i`, its text is
-`" w<id>"`. It honours max_tokens ("length"), stop_token_ids and stop strings ("stop", with
-`stop_reason`), logprobs (sampled token first at -0.5, then top-n: id + k at -0.5 - k) and prompt
-logprobs. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
+`" w<id>"`. It honours max_tokens ("length"; 0: the prompt only), stop_token_ids and stop strings ("stop", with
+`stop_reason`), logprobs (sampled token first at -0.5, then top-n: id + k at -0.5 - k, then the
+logprob_token_ids at -9), prompt logprobs, the prompt back and token texts. A prompt counts one token per token id, or one per whitespace-separated word of `prompt`
 and of every message's content. Scripted behaviours: per-worker sleeping flags and
 reset_prefix_cache answers, dead workers, an error output or an exception after k tokens, a delay
-between tokens. It records every request, every aborted request and every utility call.
+between tokens. It records every request, every aborted request and every utility call. The
+`tokenize` and `detokenize` utilities follow `fake_tokenize` and `token_text`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp.test_utils import TestClient, TestServer
 
 from disagg.api.app import create_app
 from disagg.config import ServerConfig
 from disagg.dp.protocol import ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
 from disagg.types import InvalidRequest
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, TokenizeMsg
 
 FAKE_MODEL = ModelCard(name="fake-model", max_model_len=64, vocab_size=1000)
 LONG_MODEL = ModelCard(name="fake-model", max_model_len=4096, vocab_size=1000)  # for requests that must run long
@@ -63,6 +65,7 @@ class FakeEngine:
         self.aborted: list[str] = []  # requests whose iterator was closed before they finished
         self.abort_calls: list[tuple[str, bool]] = []  # engine.abort(request_id) -> found
         self.utility_calls: list[tuple[str, tuple]] = []
+        self.utility_ranks: list[list[int] | None] = []  # the `ranks` of each utility call (None: all)
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running: dict[str, int] = {}
         self._next_rank = 0
@@ -94,7 +97,7 @@ class FakeEngine:
         try:
             async for out in self._outputs(msg, dp_rank):
                 finished = out.finish_reason is not None or out.error is not None
-                yield out
+                yield fake_token_texts(msg, out)
         finally:
             if not finished:
                 self.aborted.append(rid)
@@ -110,6 +113,11 @@ class FakeEngine:
             return
         text = ""
         limit = self._max_tokens(sp, num_prompt)
+        if limit == 0:  # prompt only (scoring): its logprobs, no token
+            yield OutputMsg(rid, finish_reason="length", prompt_logprobs=self._prompt_logprobs(msg),
+                            num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens,
+                            **prompt_fields(msg))
+            return
         for i in range(limit):
             await asyncio.sleep(self.token_delay_s)
             if self._abort_flags[rid].is_set():
@@ -125,9 +133,11 @@ class FakeEngine:
             text += new_text
             yield OutputMsg(
                 rid, new_token_ids=[token_id], new_text=new_text, finish_reason=finish, stop_reason=stop_reason,
-                logprobs=[fake_logprobs(token_id, sp.logprobs)] if sp.logprobs is not None else None,
+                logprobs=[fake_logprobs(token_id, sp.logprobs, extra_ids=sp.logprob_token_ids)]
+                if sp.logprobs is not None else None,
                 prompt_logprobs=self._prompt_logprobs(msg) if i == 0 else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens, num_output_tokens=i + 1,
+                **(prompt_fields(msg) if i == 0 else {}),
             )
             if finish is not None:
                 return
@@ -171,7 +181,7 @@ class FakeEngine:
         if n is None:
             return None
         ids = msg.prompt_token_ids or [7] * prompt_length(msg)
-        return [None] + [fake_logprobs(t, n, base=-1.0) for t in ids[1:]]
+        return [None] + [fake_logprobs(t, n, -1.0, msg.sampling.logprob_token_ids) for t in ids[1:]]
 
     async def abort(self, request_id: str) -> bool:
         flag = self._abort_flags.get(request_id)
@@ -180,12 +190,18 @@ class FakeEngine:
             flag.set()
         return flag is not None
 
-    async def call_utility(self, method: str, *args) -> list[object]:
+    async def call_utility(self, method: str, *args, ranks: list[int] | None = None) -> list[object]:
         self.utility_calls.append((method, args))
-        if not all(self.alive):
-            raise WorkerUnavailable(f"{method}: DP worker {self.alive.index(False)} is not running")
+        self.utility_ranks.append(ranks)
+        called = list(range(self.dp_size)) if ranks is None else ranks
+        if not all(self.alive[r] for r in called):
+            raise WorkerUnavailable(f"{method}: DP worker {next(r for r in called if not self.alive[r])} is not running")
         if method in self.utility_results:
             return list(self.utility_results[method])
+        if method == "tokenize":
+            return [fake_tokenize(args[0]) for _ in called]
+        if method == "detokenize":
+            return ["".join(token_text(t) for t in args[0]) for _ in called]
         if method == "is_sleeping":
             return list(self.sleeping)
         if method in ("sleep", "wake_up"):
@@ -200,12 +216,21 @@ class FakeEngine:
             WorkerState(dp_rank=r, alive=self.alive[r], ready=self.alive[r],
                         num_running=sum(1 for v in self._running.values() if v == r), num_waiting=r,
                         num_free_blocks=100 - r, num_total_blocks=128, num_outstanding_requests=0, num_restarts=r,
-                        num_quarantined_blocks=3 * r)
+                        num_quarantined_blocks=3 * r, block_size=16)
             for r in range(self.dp_size)
         ]
 
     def healthy(self) -> bool:
         return all(self.alive)
+
+
+def prompt_fields(msg: GenerateMsg) -> dict:
+    """The prompt's ids and text, when the request asks for them back: ids as sent, or 7 per word;
+    the text of an id is `<id>` (a space between ids)."""
+    if not msg.return_prompt:
+        return {}
+    ids = msg.prompt_token_ids or [7] * prompt_length(msg)
+    return {"prompt_token_ids": ids, "prompt_text": " ".join(f"<{t}>" for t in ids)}
 
 
 def prompt_length(msg: GenerateMsg) -> int:
@@ -216,9 +241,33 @@ def prompt_length(msg: GenerateMsg) -> int:
     return sum(len(str(m.get("content") or "").split()) for m in msg.messages or [])
 
 
-def fake_logprobs(token_id: int, top_n: int, base: float = -0.5) -> list[tuple[int, float]]:
-    """(sampled, lp) first, then the top-n: id + k at lp - k."""
-    return [(token_id, base)] + [(token_id + k, base - k) for k in range(top_n)]
+def fake_tokenize(msg: TokenizeMsg) -> dict:
+    """One token per whitespace-separated word, its id the word's length + 10 (BOS 1 with
+    add_special_tokens); a chat renders as `<role> content` per message, `<assistant>` last with
+    add_generation_prompt. Token strings are the words."""
+    if msg.messages is None:
+        text = msg.prompt
+    else:
+        text = " ".join(f"<{m['role']}> {m['content']}" for m in msg.messages)
+        text += " <assistant>" if msg.add_generation_prompt else ""
+    words = text.split()
+    tokens = [1] * msg.add_special_tokens + [len(w) + 10 for w in words]
+    strs = ["<s>"] * msg.add_special_tokens + words if msg.return_token_strs else None
+    return {"tokens": tokens, "token_strs": strs}
+
+
+def fake_logprobs(token_id: int, top_n: int, base: float = -0.5, extra_ids=()) -> list[tuple[int, float]]:
+    """(sampled, lp) first, then the top-n: id + k at lp - k, then each of `extra_ids` at -9."""
+    return [(token_id, base)] + [(token_id + k, base - k) for k in range(top_n)] + [(t, -9.0) for t in extra_ids]
+
+
+def fake_token_texts(msg: GenerateMsg, out: OutputMsg) -> OutputMsg:
+    """`out` with the texts of every id in its logprobs and prompt, when the request asks for them."""
+    if not msg.return_token_texts:
+        return out
+    entries = (out.logprobs or []) + [e for e in out.prompt_logprobs or [] if e is not None]
+    ids = {t for e in entries for t, _ in e} | set(out.prompt_token_ids or [])
+    return msgspec.structs.replace(out, token_texts={t: token_text(t) for t in ids})
 
 
 @contextlib.asynccontextmanager

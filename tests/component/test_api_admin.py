@@ -63,7 +63,7 @@ async def test_server_info_and_alias():
         "internal_states": [
             {"dp_rank": r, "alive": True, "ready": True, "num_running": 0, "num_waiting": r, "num_free_blocks": 100 - r,
              "num_total_blocks": 128, "num_outstanding_requests": 0, "num_restarts": r,
-             "num_quarantined_blocks": 3 * r} for r in (0, 1)],
+             "num_quarantined_blocks": 3 * r, "block_size": 16} for r in (0, 1)],
     }
 
 
@@ -122,7 +122,7 @@ async def test_abort_requests_by_rid_and_all():
         status, body = await call(client, "POST", "/abort_requests", json={"abort_all": True})
         bodies += [await resp.text() for resp in streams[1:]]
         assert await call(client, "POST", "/abort_requests", json={}) == (
-            400, error("send a rid or abort_all: true", "BadRequestError", "rid"))
+            400, error("send a rid, request_ids or abort_all: true", "BadRequestError", "rid"))
     assert (status, sorted(body["aborted"])) == (200, ["a2", "a3"])
     assert all('"finish_reason":{"type":"abort"' in b and b.endswith("data: [DONE]\n\n") for b in bodies)
     assert engine.aborted == []  # every stream ended through engine.abort, none by closing early

@@ -34,7 +34,7 @@ async def test_completion_non_stream_exact_body_and_headers():
     assert without_created(body) == {
         "id": body["id"], "object": "text_completion", "model": "fake-model", "dp_rank": 0,
         "choices": [{"index": 0, "text": " w100 w101 w102", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
-        "usage": USAGE_2_3,
+        "usage": USAGE_2_3, "kv_transfer_params": None,
     }
     msg, rank = engine.requests[0]
     assert (msg.prompt, msg.prompt_token_ids, msg.messages, rank) == ("hello world", None, None, 0)
@@ -70,13 +70,16 @@ async def test_completion_prompt_forms(prompt, field, value):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "a", "n": 65}, "n", "n must be between 1 and 64, got 65"),
-    ({"prompt": "a", "echo": True}, "echo", "echo is not supported"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported: got 2 prompts, send one per request"),
+    ({"prompt": ["a", "b"], "n": 2}, "n", "n > 1 with a list of prompts is not supported: send one prompt per request"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt must not be empty"),
+    ({"prompt": ["a", [1, "x"]]}, "prompt", "prompt must be a list of integer token ids"),
+    ({"prompt": ["a", "b"], "bootstrap_room": 3}, "bootstrap_room",
+     "a batch of 2 prompts needs bootstrap_room as a list of 2 rooms"),
     ({"prompt": ""}, "prompt", "prompt must not be empty"),
     ({}, "prompt", "prompt is required"),
     ({"prompt": [1, -2]}, "prompt", "token id -2 in prompt is negative"),
     ({"prompt": [1, 1000]}, "prompt", "token id 1000 in prompt is out of vocabulary (vocab_size=1000)"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens", "max_tokens must be at least 0, got -1"),
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative, got -1.0"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),
@@ -155,6 +158,7 @@ async def test_chat_non_stream_defaults_and_logprobs():
                           "top_logprobs": [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None}]}
                          for t in (100, 101)]}}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}},
+        "kv_transfer_params": None,
     }
     msg = engine.requests[0][0]
     assert (msg.messages, msg.sampling.max_tokens, msg.sampling.logprobs, msg.add_special_tokens) == (messages, 2, 1, False)

@@ -6,6 +6,7 @@ import json
 import pytest
 from fake_engine import FakeEngine, api_client, sse_events
 
+from disagg.api.tokens_routes import DEFAULT_MAX_TOKENS
 from disagg.wire.engine_msgs import SamplingMsg
 
 pytestmark = pytest.mark.timeout(30)
@@ -21,7 +22,7 @@ EXPECTED = dict(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalt
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, **PROCESSORS, **VLLM_ONLY},
      SamplingMsg(max_tokens=2, default_max_tokens=None, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
     ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, **PROCESSORS, **VLLM_ONLY}},
-     SamplingMsg(max_tokens=2, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+     SamplingMsg(max_tokens=2, default_max_tokens=DEFAULT_MAX_TOKENS, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
     ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, **PROCESSORS}},
      SamplingMsg(max_tokens=2, default_max_tokens=128, **EXPECTED)),
 ])

@@ -142,7 +142,7 @@ async def test_unset_max_tokens_travel_unset_with_the_endpoints_default():
             body.get("sampling_params", {}).pop("max_tokens", None)
             assert (await send(client, path, body))[0] == 200
     assert [(m.sampling.max_tokens, m.sampling.default_max_tokens) for m, _ in engine.requests] == [
-        (None, 128), (None, 16), (None, None), (None, 16)]
+        (None, 128), (None, 16), (None, None), (None, None)]
 
 
 async def test_max_tokens_past_the_context_are_400_with_vllms_message():

@@ -92,3 +92,12 @@ async def test_chat_completions(router, unified, stream):
         assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected
     else:
         assert data["choices"][0]["message"]["content"] == expected
+
+
+async def test_router_reads_our_get_load(router):
+    """The router's /get_loads asks every worker's /get_load and sums `num_tokens` (-1 when that
+    fails): idle, our prefill and decode servers hold no KV tokens."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(router + "/get_loads") as r:
+            status, body = r.status, await r.json()
+    assert (status, sorted(w["load"] for w in body["workers"])) == (200, [0, 0])

@@ -21,12 +21,13 @@ def test_least_load_picks_fewest_outstanding_tokens_lowest_rank_on_ties():
     assert d.pick(None, None, [30, 10, 5], [True, True, False]) == 1
 
 
-def test_follow_bootstrap_room_uses_room_modulo_and_needs_a_room():
+def test_follow_bootstrap_room_uses_room_modulo_else_the_least_loaded():
     d = Dispatcher("follow_bootstrap_room", 3)
     assert d.pick(None, 7, [0, 0, 0], ALIVE) == 1
     assert d.pick(None, 2**62 + 2, [0, 0, 0], ALIVE) == (2**62 + 2) % 3
-    with pytest.raises(InvalidRequest, match="^load_balance_method follow_bootstrap_room needs bootstrap_room in the request$"):
-        d.pick(None, None, [0, 0, 0], ALIVE)
+    # No room (a pull-flow request): the least loaded live worker.
+    assert d.pick(None, None, [9, 4, 7], ALIVE) == 1
+    assert d.pick(None, None, [9, 4, 7], [True, False, True]) == 2
 
 
 @pytest.mark.parametrize("rank", [-1, 3, True, "1"])

@@ -94,3 +94,26 @@ def test_seeded_request_admitted_from_remote_kv_draws_what_one_engine_draws(tiny
             tokens += out.new_token_ids
     assert tokens == one
     assert not decode.admit_remote_kv("gone", 1)
+
+
+def test_a_request_admitted_with_a_read_prefix_generates_what_one_engine_generates(tiny_loaded):
+    """Pull flow: the decode reads the KV of all prompt tokens but the last, computes that one and
+    samples the first token itself (seeded too, with no draw to skip)."""
+    prompt = engine(tiny_loaded).tokenizer.encode(PROMPTS[1])
+    one = run(engine(tiny_loaded), [prompt], SEEDED)[0].outputs.token_ids
+    prefill = engine(tiny_loaded)
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0), hold_blocks=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    decode = engine(tiny_loaded)
+    dst = decode.reserve_for_remote_kv("d", prompt, SEEDED)
+    src = prefill.request_progress("p").block_ids
+    num_read = decode.kv.blocks_needed(len(prompt) - 1)
+    decode.runner.kv_cache[dst[:num_read]] = prefill.runner.kv_cache[src[:num_read]]
+    assert decode.admit_remote_prefix("d", len(prompt) - 1)
+    tokens = []
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens += out.new_token_ids
+    assert tokens == one
+    assert decode.kv.num_free_blocks == decode.num_blocks

@@ -154,8 +154,8 @@ def test_bad_prompts_raise_typed_errors(tiny_loaded, prompt, params, message, pa
 
 
 def test_bad_sampling_params_raise_typed_errors():
-    with pytest.raises(InvalidRequest, match=r"^max_tokens must be at least 1, got 0$"):
-        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequest, match=r"^max_tokens must be at least 0, got -1$"):
+        SamplingParams(max_tokens=-1)
     with pytest.raises(InvalidRequest, match=r"^top_p must be in \(0, 1\], got 0.0$"):
         SamplingParams(top_p=0.0)
 

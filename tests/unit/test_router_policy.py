@@ -110,6 +110,10 @@ def test_batched_generate_gets_one_field_per_prompt():
     assert bodies.generate_batch_size("/generate", {"input_ids": [[1], [2], [3]]}) == 3
     assert bodies.generate_batch_size("/generate", {"input_ids": [1, 2]}) is None
     assert bodies.generate_batch_size("/v1/completions", {"text": ["a"]}) is None
+    assert bodies.generate_batch_size("/v1/completions", {"prompt": ["a", [1, 2]]}) == 2
+    assert bodies.generate_batch_size("/v1/completions", {"prompt": ["a"]}) is None  # one prompt: one room
+    assert bodies.generate_batch_size("/v1/completions", {"prompt": [1, 2]}) is None
+    assert bodies.generate_batch_size("/v1/chat/completions", {"prompt": ["a", "b"]}) is None
     with pytest.raises(BadRequest) as exc:  # no prompt means no room to draw: the client's 400
         bodies.generate_batch_size("/generate", {"text": []})
     assert (exc.value.status, exc.value.message, exc.value.param) == (

@@ -1,0 +1,102 @@
+"""The metrics under vLLM's v1 names, so dashboards and autoscalers built for vLLM read this server.
+
+Names, types and labels follow vLLM's PrometheusStatLogger: every family carries `model_name` (the
+served model) and `engine` (vLLM's engine index; here the DP rank that served the request or whose
+state the gauge reports); `vllm:request_success_total` adds `finished_reason` (stop, length, abort).
+The `disagg_*` families stay beside these; both come from the same observations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from disagg.dp.protocol import WorkerState
+
+# vLLM's buckets (v1 loggers), so quantiles computed by vLLM dashboards mean the same here.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort")
+LABELS = ["model_name", "engine"]
+
+
+class _VllmWorkerCollector:
+    """vLLM's scheduler gauges, read from the DP workers' states at scrape time."""
+
+    def __init__(self, model_name: str, worker_states: Callable[[], list[WorkerState]]):
+        self._model_name = model_name
+        self._worker_states = worker_states
+
+    def describe(self) -> list[Metric]:
+        return []  # keeps registration from calling collect() before the engine is up
+
+    def collect(self) -> Iterator[Metric]:
+        states = self._worker_states()
+        families = (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage),
+        )
+        for name, doc, value in families:
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            for s in states:
+                family.add_metric([self._model_name, str(s.dp_rank)], value(s))
+            yield family
+
+
+def kv_cache_usage(state: WorkerState) -> float:
+    """The fraction of the worker's KV blocks not free (vLLM's `1 - free / total`); 0 with no cache."""
+    if state.num_total_blocks <= 0:
+        return 0.0
+    return 1.0 - state.num_free_blocks / state.num_total_blocks
+
+
+class VllmMetrics:
+    """vLLM-named counters and histograms in `registry`, plus the per-engine gauges."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, dp_size: int,
+                 worker_states: Callable[[], list[WorkerState]]):
+        self.model_name = model_name
+        reg = registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS,
+                                         registry=reg)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       LABELS + ["finished_reason"], registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              LABELS, buckets=TTFT_BUCKETS_S, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             LABELS, buckets=ITL_BUCKETS_S, registry=reg)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", LABELS,
+                              buckets=ITL_BUCKETS_S, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             LABELS, buckets=E2E_BUCKETS_S, registry=reg)
+        reg.register(_VllmWorkerCollector(model_name, worker_states))
+        for rank in range(dp_size):  # as vLLM: every series exists from the start, at 0
+            labels = (model_name, str(rank))
+            for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e):
+                family.labels(*labels)
+            for reason in FINISHED_REASONS:
+                self.request_success.labels(*labels, reason)
+
+    def observe_request(self, dp_rank: int, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
+                        ttft_s: float | None, inter_token_s: Sequence[float], e2e_s: float) -> None:
+        """Record one finished request served by DP worker `dp_rank`."""
+        labels = (self.model_name, str(dp_rank))
+        self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(num_output_tokens)
+        self.request_success.labels(*labels, finish_reason).inc()
+        self.e2e.labels(*labels).observe(e2e_s)
+        for gap_s in inter_token_s:
+            self.itl.labels(*labels).observe(gap_s)
+        if ttft_s is not None:
+            self.ttft.labels(*labels).observe(ttft_s)
+            if num_output_tokens > 1:
+                self.tpot.labels(*labels).observe((e2e_s - ttft_s) / (num_output_tokens - 1))

@@ -1,0 +1,46 @@
+"""The `tokenize` and `detokenize` utilities a worker answers for vLLM's /tokenize and /detokenize.
+
+They run in the worker process, beside the engine's tokenizer, so the HTTP front stays free of
+tokenizers and torch. Refused input (a chat template that raises, a model without one) comes back
+as the result's `error`, for a 400; anything else raises and the utility call reports it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from disagg.engine.tokenizer import ChatTemplateError, Tokenizer
+from disagg.types import InvalidRequest
+from disagg.wire.engine_msgs import TokenizeMsg, TokenizeResultMsg
+
+
+def tokenize(tokenizer: Tokenizer, arg: object) -> dict:
+    """The token ids (and, if asked, their vocabulary strings) of a TokenizeMsg, as plain values."""
+    msg = msgspec.convert(arg, TokenizeMsg)
+    try:
+        text = msg.prompt if msg.messages is None else chat_text(tokenizer, msg)
+        if text is None:
+            raise InvalidRequest("send a prompt or messages", "prompt")
+        ids = tokenizer.encode(text, add_special_tokens=msg.add_special_tokens)
+    except InvalidRequest as exc:
+        return msgspec.to_builtins(TokenizeResultMsg(error=str(exc), error_param=exc.param))
+    strs = [tokenizer.id_to_token(i) for i in ids] if msg.return_token_strs else None
+    return msgspec.to_builtins(TokenizeResultMsg(tokens=ids, token_strs=strs))
+
+
+def chat_text(tokenizer: Tokenizer, msg: TokenizeMsg) -> str:
+    """The rendered chat. With `continue_final_message` the text ends right after the last message's
+    content (no end-of-turn), as HF's apply_chat_template does, so the model continues that message."""
+    if not msg.continue_final_message:
+        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt)
+    text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=False)
+    final = str(msg.messages[-1].get("content") or "").strip()
+    if final not in text:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the final message's "
+                                "content as given")
+    return text[: text.rindex(final) + len(final)]
+
+
+def detokenize(tokenizer: Tokenizer, token_ids: list[int]) -> str:
+    """The text of `token_ids`, special tokens kept (vLLM's /detokenize decodes them too)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=False)

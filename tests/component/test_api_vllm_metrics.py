@@ -1,0 +1,52 @@
+"""/metrics under vLLM's v1 names and labels, with exact values, against the in-process fake engine."""
+
+import re
+
+import pytest
+
+from fake_engine import FakeEngine, api_client
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    assert match, f"{name}{labels} not in metrics"
+    return float(match.group(1))
+
+
+def on(rank: int, extra: str = "") -> str:
+    """The labels as the exposition writes them (sorted by name)."""
+    return f'{{engine="{rank}"{extra},model_name="fake-model"}}'
+
+
+async def test_vllm_names_count_tokens_reasons_and_latencies_per_engine():
+    engine = FakeEngine(dp_size=2)  # round robin: requests go to ranks 0, 1, 0
+    async with api_client(engine) as client:
+        await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 4})
+        await client.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
+        await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 5, "stop_token_ids": [101]})
+        text = await (await client.get("/metrics")).text()
+    assert [sample(text, "vllm:prompt_tokens_total", on(r)) for r in (0, 1)] == [4, 1]
+    assert [sample(text, "vllm:generation_tokens_total", on(r)) for r in (0, 1)] == [6, 2]
+    assert {(r, reason): sample(text, "vllm:request_success_total", on(r, f',finished_reason="{reason}"'))
+            for r in (0, 1) for reason in ("stop", "length", "abort")} == {
+        (0, "stop"): 1, (0, "length"): 1, (0, "abort"): 0, (1, "stop"): 0, (1, "length"): 1, (1, "abort"): 0}
+    assert [sample(text, "vllm:time_to_first_token_seconds_count", on(r)) for r in (0, 1)] == [2, 1]
+    assert [sample(text, "vllm:inter_token_latency_seconds_count", on(r)) for r in (0, 1)] == [4, 1]
+    assert [sample(text, "vllm:request_time_per_output_token_seconds_count", on(r)) for r in (0, 1)] == [2, 1]
+    assert [sample(text, "vllm:e2e_request_latency_seconds_count", on(r)) for r in (0, 1)] == [2, 1]
+    assert sample(text, "disagg_prompt_tokens_total") == 5  # the disagg_* families stay
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert "# TYPE vllm:request_success_total counter" in text
+
+
+async def test_vllm_gauges_read_every_worker():
+    engine = FakeEngine(dp_size=2)  # worker r: r waiting, 100 - r of 128 blocks free
+    async with api_client(engine) as client:
+        text = await (await client.get("/metrics")).text()
+    assert [sample(text, "vllm:num_requests_running", on(r)) for r in (0, 1)] == [0, 0]
+    assert [sample(text, "vllm:num_requests_waiting", on(r)) for r in (0, 1)] == [0, 1]
+    assert [sample(text, "vllm:kv_cache_usage_perc", on(r)) for r in (0, 1)] == [28 / 128, 29 / 128]
+    assert "# TYPE vllm:kv_cache_usage_perc gauge" in text
+    assert sample(text, "vllm:generation_tokens_total", on(1)) == 0  # every series exists from the start

@@ -1,0 +1,99 @@
+"""Pull flow (vLLM's kv_transfer_params) end to end: the prefill answers with a ticket and leases
+its blocks; the decode reads them and releases the lease; outputs equal unified; every failure
+frees both sides."""
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from pd_cluster import start_pd, start_unified
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+LONG = "The quick brown fox jumps over the lazy dog, twice: " * 2
+PULL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
+async def cluster(request):
+    c = await start_pd(request.param, disagg={"kv_lease_s": 2.0})
+    yield c
+    await c.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def unified():
+    u = await start_unified()
+    yield u
+    await u.close()
+
+
+async def idle(cluster):
+    for _ in range(100):
+        stats = [await s.controller.call_utility("stats") for s in (cluster.prefill, cluster.decode)]
+        if all(w["num_free_blocks"] == w["num_total_blocks"] for side in stats for w in side):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def prefill_leg(cluster, body):
+    # What vLLM's router sends the prefill: one token, min_tokens 1, do_remote_decode.
+    status, data, _ = await cluster.post(cluster.prefill_url + "/v1/completions",
+                                         dict(body, max_tokens=1, min_tokens=1, kv_transfer_params=PULL), None)
+    assert status == 200, data
+    return data
+
+
+@pytest.mark.parametrize("prompt", ["hi", LONG], ids=["short", "long"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_pull_flow_equals_unified(cluster, unified, prompt, stream):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, **GREEDY}
+    async with cluster.session.post(f"http://127.0.0.1:{unified.port}/v1/completions", json=body) as r:
+        expected = (await r.json())["choices"][0]["text"]
+    ticket = (await prefill_leg(cluster, body))["kv_transfer_params"]
+    assert (ticket["do_remote_prefill"], ticket["remote_engine_id"].startswith("prefill-"), ticket["tp_size"]) == (True, True, 1)
+    assert ticket["remote_request_id"].startswith("cmpl-") and ticket["remote_host"] == "127.0.0.1"
+    status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions",
+                                         dict(body, kv_transfer_params=ticket, stream=stream), None)
+    assert status == 200, data
+    if stream:
+        import json
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in data.splitlines()
+                       if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    else:
+        text = data["choices"][0]["text"]
+    assert text == expected
+    assert await idle(cluster)
+
+
+async def test_an_unclaimed_lease_expires_and_frees_the_prefill(cluster):
+    await prefill_leg(cluster, {"model": "tiny", "prompt": LONG, "max_tokens": 4, **GREEDY})
+    stats = await cluster.prefill.controller.call_utility("stats")
+    assert any(w["num_free_blocks"] < w["num_total_blocks"] for w in stats)  # leased
+    assert await idle(cluster)  # kv_lease_s=2: expired
+    # A ticket for blocks already released is refused, and the decode frees what it reserved.
+
+
+async def test_a_ticket_for_released_blocks_or_an_unknown_engine_fails_cleanly(cluster):
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 4, **GREEDY}
+    ticket = (await prefill_leg(cluster, body))["kv_transfer_params"]
+    ok, data, _ = await cluster.post(cluster.decode_url + "/v1/completions", dict(body, kv_transfer_params=ticket), None)
+    assert ok == 200, data
+    status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions", dict(body, kv_transfer_params=ticket), None)
+    assert status == 500
+    assert data["error"]["message"] == (
+        f"TransferFailed: prefill 127.0.0.1:{ticket['remote_port']} refused the claim of {ticket['remote_request_id']}: "
+        f"no blocks are leased for {ticket['remote_request_id']} (expired, released or never granted)")
+    forged = dict(ticket, remote_engine_id="prefill-00000000-dp9")
+    status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions", dict(body, kv_transfer_params=forged), None)
+    assert (status, data["error"]["param"]) == (400, "kv_transfer_params")
+    assert data["error"]["message"].startswith("the ticket names prefill engine 'prefill-00000000-dp9', but 127.0.0.1:")
+    missing = {"do_remote_prefill": True, "remote_host": "127.0.0.1"}
+    status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions", dict(body, kv_transfer_params=missing), None)
+    assert (status, data["error"]["message"], data["error"]["param"]) == (400, (
+        "kv_transfer_params with do_remote_prefill needs remote_block_ids, remote_engine_id, remote_port, "
+        "remote_request_id as the prefill returned them"), "kv_transfer_params")
+    assert await idle(cluster)

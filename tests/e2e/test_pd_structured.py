@@ -1,5 +1,5 @@
-"""Structured output and logits processors through real HTTP on real engine workers: outputs parse
-against their schema, and P/D (tcp) equals unified token for token."""
+"""Structured output, logits processors and n choices through real HTTP on real engine workers:
+outputs parse against their schema, and P/D (tcp; push and pull flows) equals unified token for token."""
 
 import json
 import re
@@ -125,3 +125,22 @@ async def test_n_children_share_the_prompt_through_the_prefix_cache(unified):
     num_prompt = listed[0]["meta_info"]["prompt_tokens"]
     assert cached == [0, num_prompt - 1 - (num_prompt - 1) % 4, num_prompt - 1 - (num_prompt - 1) % 4]
     assert len({tuple(b["output_ids"]) for b in listed}) == 1  # greedy: the same choice three times
+
+
+async def test_pull_flow_structured_equals_unified(cluster, unified):
+    """vLLM's pull flow: the prefill leg (one token) and the decode leg with its ticket."""
+    pull = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+            "remote_host": None, "remote_port": None}
+    for prompt in ("hi", LONG):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 80, "temperature": 0, "structured_outputs": {"json": PERSON}}
+        status, data = await post(unified.port, "/v1/completions", body)
+        assert status == 200, data
+        expected = data["choices"][0]["text"]
+        jsonschema.validate(json.loads(expected), PERSON)
+        status, first, _ = await cluster.post(cluster.prefill_url + "/v1/completions",
+                                              dict(body, max_tokens=1, min_tokens=1, kv_transfer_params=pull), None)
+        assert status == 200, first
+        status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions",
+                                             dict(body, kv_transfer_params=first["kv_transfer_params"]), None)
+        assert status == 200, data
+        assert data["choices"][0]["text"] == expected

@@ -102,3 +102,19 @@ def test_a_refused_token_fails_only_its_matcher(tiny_loaded):
     assert matcher.allowed().nonzero().flatten().tolist() == [b]
     with pytest.raises(RuntimeError, match="the grammar refused token"):
         matcher.sync((a, a))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smollm2_fills_a_schema(smollm2_loaded):
+    from disagg.config import CacheConfig, EngineConfig, ModelConfig
+    from disagg.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=ModelConfig(dtype="float32"), cache=CacheConfig(num_blocks=128)), smollm2_loaded)
+    tokenizer = core.tokenizer
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Describe a cat called Tom, aged 3, as JSON."}])
+    schema = SCHEMAS[1]
+    [out] = run(core, [tokenizer.encode(chat, add_special_tokens=False)], structured("json_schema", json.dumps(schema)))
+    assert out.outputs.finish_reason.value == "stop"
+    jsonschema.validate(json.loads(out.outputs.text), schema)
+    assert json.loads(out.outputs.text)["name"] == "Tom"  # the real model follows the prompt inside the grammar

@@ -71,6 +71,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     response_format: object = None  # checked in structured.py
     structured_outputs: object = None
+    guided_json: object = None  # vLLM's older spellings of structured_outputs' keys
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
 
 
 class OpenAIBody(SamplingFields, kw_only=True):

@@ -102,7 +102,9 @@ def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_m
         skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty,
         repetition_penalty=f.repetition_penalty, logit_bias=f.logit_bias, allowed_token_ids=f.allowed_token_ids,
-        bad_words=f.bad_words, structured_output=from_openai(f.response_format, f.structured_outputs),
+        bad_words=f.bad_words, structured_output=from_openai(
+            f.response_format, f.structured_outputs,
+            {"json": f.guided_json, "regex": f.guided_regex, "choice": f.guided_choice, "grammar": f.guided_grammar}),
     )
 
 

@@ -22,9 +22,16 @@ _SO_NEUTRAL = {"json_object": (None, False), "disable_fallback": (None, False), 
                "_backend": (None,), "_backend_was_auto": (None, False)}
 
 
-def from_openai(response_format: object, structured_outputs: object) -> StructuredOutput | None:
-    """The constraint of an OpenAI/vLLM body (completions, chat, and vLLM's tokens endpoint)."""
-    found = [c for c in (_response_format(response_format), _structured_outputs(structured_outputs)) if c is not None]
+def from_openai(response_format: object, structured_outputs: object,
+                guided: dict[str, object] | None = None) -> StructuredOutput | None:
+    """The constraint of an OpenAI/vLLM body (completions, chat, and vLLM's tokens endpoint).
+    `guided` holds vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
+    (by their structured_outputs key), read as that `structured_outputs`."""
+    legacy = {k: v for k, v in (guided or {}).items() if v is not None}
+    if legacy and structured_outputs is not None:
+        raise BadRequest("set structured_outputs or the guided_* fields, not both", "structured_outputs")
+    found = [c for c in (_response_format(response_format), _structured_outputs(structured_outputs or legacy or None))
+             if c is not None]
     if len(found) > 1:
         raise BadRequest("set one of response_format and structured_outputs, not both", "structured_outputs")
     return found[0] if found else None

@@ -70,6 +70,9 @@ CHAT = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA), "structured_outputs"),
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"structured_outputs": {"grammar": 'root ::= "a"'}}},
      "grammar", 'root ::= "a"', "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA), "structured_outputs"),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": ["x", "y"]}, "choice", '["x", "y"]', "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a+"}, "regex", "a+", "structured_outputs"),
     ("/generate", {"text": "a", "sampling_params": {"json_schema": json.dumps(SCHEMA)}}, "json_schema", json.dumps(SCHEMA), "json_schema"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "[0-9]+"}}, "regex", "[0-9]+", "regex"),
     ("/generate", {"text": "a", "sampling_params": {"ebnf": 'root ::= "x"'}}, "grammar", 'root ::= "x"', "ebnf"),
@@ -94,6 +97,8 @@ async def test_structured_fields_reach_the_engine(path, body, kind, spec, param)
      "structured_outputs.structural_tag is not supported"),
     ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs", "set one of response_format and structured_outputs, not both"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs",
+     "set structured_outputs or the guided_* fields, not both"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "ebnf",
      "Only one of regex, json_schema, or ebnf can be set."),
 ])

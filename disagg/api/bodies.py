@@ -106,6 +106,8 @@ class ChatBody(OpenAIBody, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
     chat_template_kwargs: dict[str, object] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):

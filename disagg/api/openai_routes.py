@@ -154,8 +154,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them
+    cont = bool(body.continue_final_message)
+    generation = not cont if body.add_generation_prompt is None else body.add_generation_prompt
+    if cont and generation:
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                         "continue_final_message")
     msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special,
-                             chat_template_kwargs=body.chat_template_kwargs or None)
+                             chat_template_kwargs=body.chat_template_kwargs or None,
+                             add_generation_prompt=generation, continue_final_message=cont)
     return await serve_choices(
         request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
             state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),

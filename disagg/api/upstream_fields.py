@@ -28,7 +28,7 @@ OPENAI_REFUSED: Mapping[str, Neutral] = {
     "logits_processors": _EMPTY, "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF,
     "vllm_xargs": _EMPTY, "max_repetition_pattern_size": (None, 0), "min_repetition_pattern_size": (None, 0),
     "repetition_min_count": (None, 0), "mm_processor_kwargs": _EMPTY, "documents": _EMPTY, "chat_template": _EMPTY,
-    "add_generation_prompt": (None, True), "continue_final_message": _OFF, "reasoning_effort": _NONE,
+    "reasoning_effort": _NONE,
     "include_reasoning": (None, True), "tools": _EMPTY, "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True),
     "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE, "service_tier": (None, "auto", "default"),

@@ -112,8 +112,7 @@ class EngineHandler:
         if msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
         if msg.messages is not None:
-            text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True,
-                                                 template_kwargs=msg.chat_template_kwargs)
+            text = tokenization.chat_text(tokenizer, msg, msg.chat_template_kwargs)
             return tokenizer.encode(text, add_special_tokens=False)
         if msg.prompt is not None:
             return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)

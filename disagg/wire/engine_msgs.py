@@ -53,6 +53,8 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: the worker applies the model's template
     chat_template_kwargs: dict[str, object] | None = None  # extra variables of that template
+    add_generation_prompt: bool = True  # chat: end with the assistant turn's header
+    continue_final_message: bool = False  # chat: continue the last message instead (vLLM's)
     add_special_tokens: bool = True
     # P/D fields (the roles read them; a unified worker ignores them).
     bootstrap_host: str | None = None

@@ -159,3 +159,17 @@ async def test_chat_template_kwargs_reach_the_worker():
         resp = await client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
         assert resp.status == 200
     assert engine.requests[0][0].chat_template_kwargs == {"enable_thinking": False}
+
+
+async def test_chat_continue_final_message_and_add_generation_prompt_reach_the_worker():
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        for extra in ({}, {"continue_final_message": True}, {"add_generation_prompt": False}):
+            resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+            assert resp.status == 200
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "continue_final_message": True,
+                                                                "add_generation_prompt": True})
+        got = await resp.json()
+    assert [(m.add_generation_prompt, m.continue_final_message) for m, _ in engine.requests] == [
+        (True, False), (False, True), (False, False)]
+    assert (resp.status, got["error"]["param"]) == (400, "continue_final_message")

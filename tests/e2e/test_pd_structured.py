@@ -144,3 +144,16 @@ async def test_pull_flow_structured_equals_unified(cluster, unified):
                                              dict(body, kv_transfer_params=first["kv_transfer_params"]), None)
         assert status == 200, data
         assert data["choices"][0]["text"] == expected
+
+
+async def test_chat_continue_final_message_continues_what_tokenize_shows(unified):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello th"}]
+    chat = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "continue_final_message": True}
+    status, data = await post(unified.port, "/v1/chat/completions", chat)
+    assert status == 200, data
+    status, tokens = await post(unified.port, "/tokenize", {"messages": messages, "continue_final_message": True})
+    assert status == 200 and data["usage"]["prompt_tokens"] == tokens["count"]
+    ids = tokens["tokens"]
+    status, plain = await post(unified.port, "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                                 "ignore_eos": True})
+    assert data["choices"][0]["message"]["content"] == plain["choices"][0]["text"]

@@ -38,6 +38,27 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+class GrammarKind(str, enum.Enum):
+    """What a structured-output spec is written in."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema (as JSON text); '{"type": "object"}' for json_object
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # EBNF/GBNF (SGLang's `ebnf`, vLLM's `grammar`) or Lark
+    CHOICE = "choice"  # a JSON list of strings: the output is one of them
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output; `param` names the request field it came from (for errors)."""
+
+    kind: GrammarKind
+    spec: str
+    param: str = "response_format"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. A temperature below 1e-5 (0 included) means greedy, as in vLLM.
@@ -66,6 +87,15 @@ class SamplingParams:
     logprob_token_ids: tuple[int, ...] = ()  # also these tokens' logprobs wherever logprobs are returned
     skip_special_tokens: bool = True
     default_max_tokens: int | None = 16  # applies when max_tokens is None; capped by the context
+    # vLLM's penalties: presence and frequency count the output, repetition the prompt and output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100] as vLLM does
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # words never generated (vLLM); the engine tokenizes them
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # set by the engine from bad_words
+    structured_output: StructuredOutput | None = None  # grammar-constrained output (disagg/engine/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,7 +106,21 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
+        self._normalize_processors()
         self._validate()
+
+    def _normalize_processors(self) -> None:
+        """Lists become tuples and logit_bias keys ints (JSON sends them as strings), as vLLM reads them."""
+        for name in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise InvalidRequest(f"{name} must be a list", name)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(ids) for ids in self.bad_words_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     def _validate(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
@@ -106,10 +150,25 @@ class SamplingParams:
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
             (all(_is_int(t) and t >= 0 for t in self.logprob_token_ids), "token_ids_logprob",
              "token_ids_logprob must be non-negative integers"),
+            *self._processor_checks(),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
+
+    def _processor_checks(self) -> list[tuple[bool, str, str]]:
+        finite = [_is_number(v) for v in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)]
+        return [
+            (finite[0] and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (finite[1] and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (finite[2] and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative integers"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", "bad_words must be non-empty strings"),
+        ]
 
     @property
     def prompt_only(self) -> bool:
@@ -119,6 +178,37 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_processors(self) -> bool:
+        """Anything beyond min_tokens that changes the logits before sampling."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids) or self.structured_output is not None)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token id string -> bias) as ints -> floats clamped to [-100, 100]."""
+    if not isinstance(value, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if token_id < 0 or not _is_number(bias):
+            raise InvalidRequest(f"logit_bias must map non-negative token ids to finite numbers, got {key!r}: {bias!r}",
+                                 "logit_bias")
+        out[token_id] = min(100.0, max(-100.0, float(bias)))
+    return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_int(value: object) -> bool:

@@ -66,6 +66,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    response_format: object = None  # checked in structured.py
+    structured_outputs: object = None
+    guided_json: object = None  # vLLM's older spellings of structured_outputs' keys
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
 
 
 class OpenAIBody(SamplingFields, kw_only=True):
@@ -96,6 +105,9 @@ class ChatBody(OpenAIBody, kw_only=True):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
+    chat_template_kwargs: dict[str, object] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):
@@ -118,6 +130,10 @@ class SGLangSampling(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class SGLangBody(msgspec.Struct, kw_only=True):

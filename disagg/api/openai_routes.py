@@ -18,8 +18,10 @@ from disagg.api.requests import (
     sampling_from_fields,
 )
 from disagg.api.routing import read_routing
-from disagg.api.serving import json_response, serve_generation
+from disagg.api.parallel import check_n, merge_openai, serve_choices
+from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
+from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the context; chat's is the rest of the context
 
@@ -99,6 +101,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, CompletionBody)
+    check_upstream(raw, OPENAI_REFUSED, CompletionBody)
     options = _common_checks(state, body)
     if body.best_of not in (None, 1):
         raise BadRequest(f"best_of must be 1, got {body.best_of}", "best_of")
@@ -114,12 +117,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     msgs = [build_generate_msg(rid, sampling, r, add_special_tokens=add_special, return_prompt=echo, **prompt)
             for rid, prompt, r in zip(ids, prompts, routing.for_items(len(prompts)))]
-    renderers = [CompletionRenderer(state.engine.model.name, bool(options.include_usage),
-                                    bool(options.continuous_usage_stats), echo=echo, prompt_text=prompt.get("prompt"),
-                                    index=i, response_id=request_id) for i, prompt in enumerate(prompts)]
+
+    def renderer(i: int, prompt: dict) -> CompletionRenderer:
+        return CompletionRenderer(state.engine.model.name, bool(options.include_usage),
+                                  bool(options.continuous_usage_stats), echo=echo, prompt_text=prompt.get("prompt"),
+                                  index=i, response_id=request_id)
+
+    n = check_n(body.n)
     if len(prompts) == 1:
-        return await serve_generation(request, msgs[0], routing.routed_dp_rank, renderers[0], stream=bool(body.stream))
-    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs], CompletionBatchRenderer(renderers),
+        return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: renderer(0, prompts[0]),
+                                   n=n, stream=bool(body.stream), merge=merge_openai)
+    if n > 1:
+        raise BadRequest("n > 1 with a list of prompts is not supported: send one prompt per request", "n")
+    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs],
+                             CompletionBatchRenderer([renderer(i, p) for i, p in enumerate(prompts)]),
                              stream=bool(body.stream), request_id=request_id)
 
 
@@ -134,6 +145,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, ChatBody)
+    check_upstream(raw, CHAT_REFUSED, ChatBody)
     options = _common_checks(state, body)
     messages = chat_messages(body.messages)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -142,10 +154,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them
-    msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special)
-    renderer = ChatRenderer(state.engine.model.name, bool(options.include_usage),
-                            bool(options.continuous_usage_stats))
-    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+    cont = bool(body.continue_final_message)
+    generation = not cont if body.add_generation_prompt is None else body.add_generation_prompt
+    if cont and generation:
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                         "continue_final_message")
+    msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special,
+                             chat_template_kwargs=body.chat_template_kwargs or None,
+                             add_generation_prompt=generation, continue_final_message=cont)
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
+            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),
+        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from disagg.api.bodies import SamplingFields, StreamOptions
 from disagg.api.errors import BadRequest, ModelNotFound
 from disagg.api.logging import bind_request
 from disagg.api.routing import Routing
+from disagg.api.structured import from_openai
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
@@ -75,37 +76,35 @@ def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
     return value
 
 
-def check_unsupported(n: int | None, presence: float | None, frequency: float | None,
-                      repetition: float | None) -> None:
-    """One choice per request, and no penalties: refuse rather than silently ignore."""
-    if n not in (None, 1):
-        raise BadRequest(f"n must be 1, got {n}: this server returns one choice per request", "n")
-    for name, value, neutral in (("presence_penalty", presence, 0.0), ("frequency_penalty", frequency, 0.0),
-                                 ("repetition_penalty", repetition, 1.0)):
-        if value is not None and value != neutral:
-            raise BadRequest(f"{name} is not supported: got {value}, leave it at {neutral}", name)
-
-
 def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingMsg:
     """Validate through SamplingParams and convert to the wire message. None means the default;
     `max_tokens` None means the client did not set it: the worker applies `default_max_tokens`
     (None: the rest of the context) once it knows the prompt's length."""
     params = SamplingParams(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                             **{k: v for k, v in fields.items() if v is not None})
-    values = dataclasses.asdict(params)
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    structured = values.pop("structured_output")
+    if structured is not None:
+        values.update(structured_kind=structured.kind.value, structured_spec=structured.spec,
+                      structured_param=structured.param)
+    values["bad_words_token_ids"] = [list(w) for w in values["bad_words_token_ids"]]
     return SamplingMsg(**{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
 
 
 def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_max_tokens: int | None,
                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingMsg:
     """SamplingMsg from the fields OpenAI's and vLLM's APIs share."""
-    check_unsupported(f.n, f.presence_penalty, f.frequency_penalty, f.repetition_penalty)
     return make_sampling(
         max_tokens=max_tokens, default_max_tokens=default_max_tokens, min_tokens=f.min_tokens,
         temperature=f.temperature, top_p=f.top_p,
         top_k=f.top_k, min_p=f.min_p, seed=f.seed, stop=f.stop, stop_token_ids=f.stop_token_ids,
         ignore_eos=f.ignore_eos, include_stop_str_in_output=f.include_stop_str_in_output,
         skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty,
+        repetition_penalty=f.repetition_penalty, logit_bias=f.logit_bias, allowed_token_ids=f.allowed_token_ids,
+        bad_words=f.bad_words, structured_output=from_openai(
+            f.response_format, f.structured_outputs,
+            {"json": f.guided_json, "regex": f.guided_regex, "choice": f.guided_choice, "grammar": f.guided_grammar}),
     )
 
 

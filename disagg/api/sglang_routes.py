@@ -17,15 +17,16 @@ from disagg.api.errors import BadRequest
 from disagg.api.requests import (
     build_generate_msg,
     check_token_ids,
-    check_unsupported,
     choose_request_id,
     make_sampling,
     read_body,
 )
 from disagg.api.routing import read_routing
-from disagg.api.serving import serve_generation
+from disagg.api.parallel import check_n, merge_sglang, serve_choices
 from disagg.api.sglang_render import LogprobFields, SGLangBatchRenderer, SGLangRenderer
 from disagg.api.state import state_of
+from disagg.api.structured import from_sglang
+from disagg.api.upstream_fields import SGLANG_REFUSED, SGLANG_SAMPLING_REFUSED, check_upstream
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the field is absent (capped by the context, never refused)
@@ -68,7 +69,6 @@ def sglang_sampling(sp: SGLangSampling | None, fields: LogprobFields) -> Samplin
     computes the prompt only (with `logprob_start_len`, for its logprobs)."""
     sp = sp or SGLangSampling()
     wanted, top_n = fields.return_logprob, fields.top_n
-    check_unsupported(sp.n, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
     # Absent: SGLang's 128 (capped by the context); null: the rest of the context.
     max_new_tokens = None if sp.max_new_tokens is msgspec.UNSET else sp.max_new_tokens
     return make_sampling(
@@ -80,6 +80,9 @@ def sglang_sampling(sp: SGLangSampling | None, fields: LogprobFields) -> Samplin
         include_stop_str_in_output=sp.no_stop_trim,
         logprobs=top_n if wanted else None, prompt_logprobs=top_n if wanted and fields.start >= 0 else None,
         logprob_token_ids=list(fields.token_ids) if wanted else None,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
+        structured_output=from_sglang(sp.json_schema, sp.regex, sp.ebnf),
     )
 
 
@@ -143,14 +146,20 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, SGLangBody)
+    check_upstream(raw, SGLANG_REFUSED, SGLangBody, ("sampling_params", SGLANG_SAMPLING_REFUSED, SGLangSampling))
     items, is_batch = _items(body, state.engine.model.vocab_size)
+    counts = [check_n(sp.n if sp is not None else None)
+              for sp in per_prompt(body.sampling_params, len(items), "sampling_params")]
     request_ids = _request_ids(request, body.rid, len(items), is_batch)
     routing = read_routing(request, raw, state.warn_once)
     routings = routing.for_items(len(items))
     msgs = [item.message(rid, r) for rid, item, r in zip(request_ids, items, routings)]
     renderers = [SGLangRenderer(item.fields) for item in items]
     if not is_batch:
-        return await serve_generation(request, msgs[0], routing.routed_dp_rank, renderers[0], stream=bool(body.stream))
+        return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: SGLangRenderer(items[0].fields),
+                                   n=counts[0], stream=bool(body.stream), merge=merge_sglang)
+    if max(counts) > 1:
+        raise BadRequest("n > 1 in a batch is not supported: send one prompt per request", "n")
     renderer = SGLangBatchRenderer(renderers)
     return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs], renderer,
                              stream=bool(body.stream), request_id=request_ids[0])

@@ -25,8 +25,9 @@ from disagg.api.requests import (
     sampling_from_fields,
 )
 from disagg.api.routing import read_routing
-from disagg.api.serving import serve_generation
+from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.state import state_of
+from disagg.api.upstream_fields import TOKENS_REFUSED, VLLM_SAMPLING_REFUSED, check_upstream
 from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
 
 DEFAULT_MAX_TOKENS = None  # unset: the rest of the context, as current vLLM's tokens endpoint
@@ -92,6 +93,7 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, TokensBody)
+    check_upstream(raw, TOKENS_REFUSED, TokensBody, ("sampling_params", VLLM_SAMPLING_REFUSED, TokensSampling))
     check_model(body.model, state.engine.model.name)
     check_stream_options(body.stream, body.stream_options)
     token_ids = check_token_ids(body.token_ids, state.engine.model.vocab_size, "token_ids")
@@ -100,8 +102,11 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     routing = read_routing(request, raw, state.warn_once)
     msg = build_generate_msg(request_id, sampling, routing, prompt_token_ids=token_ids)
     options = body.stream_options or StreamOptions()
-    renderer = TokensRenderer(bool(options.include_usage), bool(options.continuous_usage_stats))
-    return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+    n = check_n((body.sampling_params or TokensSampling()).n)
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank,
+        lambda: TokensRenderer(bool(options.include_usage), bool(options.continuous_usage_stats)),
+        n=n, stream=bool(body.stream), merge=merge_openai)
 
 
 def add_routes(app: web.Application) -> None:

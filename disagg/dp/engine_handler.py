@@ -13,7 +13,7 @@ import structlog
 
 from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
-from disagg.types import EngineSleeping, InvalidRequest, RequestOutput, SamplingParams
+from disagg.types import EngineSleeping, GrammarKind, InvalidRequest, RequestOutput, SamplingParams, StructuredOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
 
 log = structlog.get_logger(__name__)
@@ -28,6 +28,12 @@ def sampling_params(msg: SamplingMsg) -> SamplingParams:
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=msg.logprobs,
         prompt_logprobs=msg.prompt_logprobs, skip_special_tokens=msg.skip_special_tokens,
         default_max_tokens=msg.default_max_tokens, logprob_token_ids=tuple(msg.logprob_token_ids),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
+        logit_bias=msg.logit_bias, allowed_token_ids=msg.allowed_token_ids, bad_words=tuple(msg.bad_words),
+        bad_words_token_ids=tuple(tuple(w) for w in msg.bad_words_token_ids),
+        structured_output=None if msg.structured_kind is None else StructuredOutput(
+            GrammarKind(msg.structured_kind), msg.structured_spec or "", msg.structured_param or "response_format"),
     )
 
 
@@ -106,7 +112,7 @@ class EngineHandler:
         if msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
         if msg.messages is not None:
-            text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True)
+            text = tokenization.chat_text(tokenizer, msg, msg.chat_template_kwargs)
             return tokenizer.encode(text, add_special_tokens=False)
         if msg.prompt is not None:
             return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)

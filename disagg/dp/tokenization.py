@@ -11,7 +11,7 @@ import msgspec
 
 from disagg.engine.tokenizer import ChatTemplateError, Tokenizer
 from disagg.types import InvalidRequest
-from disagg.wire.engine_msgs import TokenizeMsg, TokenizeResultMsg
+from disagg.wire.engine_msgs import GenerateMsg, TokenizeMsg, TokenizeResultMsg
 
 
 def tokenize(tokenizer: Tokenizer, arg: object) -> dict:
@@ -28,12 +28,15 @@ def tokenize(tokenizer: Tokenizer, arg: object) -> dict:
     return msgspec.to_builtins(TokenizeResultMsg(tokens=ids, token_strs=strs))
 
 
-def chat_text(tokenizer: Tokenizer, msg: TokenizeMsg) -> str:
-    """The rendered chat. With `continue_final_message` the text ends right after the last message's
-    content (no end-of-turn), as HF's apply_chat_template does, so the model continues that message."""
+def chat_text(tokenizer: Tokenizer, msg: TokenizeMsg | GenerateMsg, template_kwargs: dict | None = None) -> str:
+    """The rendered chat (of /tokenize's chat form or of a chat completion: both carry `messages`,
+    `add_generation_prompt` and `continue_final_message`). With `continue_final_message` the text
+    ends right after the last message's content (no end-of-turn), as HF's apply_chat_template does,
+    so the model continues that message."""
     if not msg.continue_final_message:
-        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt)
-    text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=False)
+        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt,
+                                             template_kwargs=template_kwargs)
+    text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=False, template_kwargs=template_kwargs)
     final = str(msg.messages[-1].get("content") or "").strip()
     if final not in text:
         raise ChatTemplateError("continue_final_message: the chat template does not render the final message's "

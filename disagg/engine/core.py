@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import EngineConfig
+from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.loader import LoadedModel, load_model
 from disagg.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -21,6 +22,7 @@ from disagg.engine.models.llama import LlamaModel
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
 from disagg.engine.scheduler import SampledToken, Scheduler
+from disagg.engine.tokenizer import Tokenizer
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 
 
@@ -70,7 +72,8 @@ class EngineCore:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = LlamaModel(self.arch, self.loaded.weights, self.dtype, config.model.device)
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -117,6 +120,7 @@ class EngineCore:
             if token_id >= vocab:
                 raise InvalidRequest(f"token id {token_id} in token_ids_logprob is out of vocabulary (vocab_size={vocab})",
                                      "token_ids_logprob")
+        params = self._check_processors(params)
         num_prompt, room = len(prompt_token_ids), self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             if params.max_tokens > room:
@@ -131,6 +135,23 @@ class EngineCore:
                 f"{self.max_model_len}: at most {room} tokens can be generated", "min_tokens")
         default = params.default_max_tokens
         return dataclasses.replace(params, max_tokens=room if default is None else min(default, room))
+
+    def _check_processors(self, params: SamplingParams) -> SamplingParams:
+        """Refuse out-of-vocabulary ids in logit_bias / allowed_token_ids and invalid grammars;
+        tokenize bad_words."""
+        vocab = self.arch.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            for token_id in ids:
+                if token_id >= vocab:
+                    raise InvalidRequest(f"token id {token_id} in {name} is out of vocabulary (vocab_size={vocab})", name)
+        if params.structured_output is not None:
+            self.grammars.grammar(params.structured_output)  # raises InvalidRequest naming the field
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if any(t >= vocab for word in words for t in word):
+            raise InvalidRequest(f"bad_words tokenize to ids outside the vocabulary (vocab_size={vocab})", "bad_words")
+        return dataclasses.replace(params, bad_words_token_ids=words)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if len(prompt_token_ids) == 0:
@@ -315,3 +336,16 @@ class EngineCore:
             "num_quarantined_blocks": self.scheduler.num_quarantined_blocks,
             "num_total_blocks": self.num_blocks,
         }
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad words: each word as is, and with a leading space when that makes
+    a different first token of the same length (so the word is banned mid-text too)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)

@@ -8,6 +8,7 @@ import torch
 
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillSegment
+from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.sampler import Sampler, top_logprobs
 from disagg.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from disagg.types import TopLogprobs
@@ -32,12 +33,13 @@ def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> 
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...], seed: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...], seed: int,
+                 grammars: GrammarCompiler | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, grammars)
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache()
 

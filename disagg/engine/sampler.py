@@ -1,4 +1,5 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turns logits into tokens: logits processors (logits_processors.py), min_tokens, greedy,
+temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Logprobs are those of the model's raw distribution (before temperature and truncation), as vLLM
 returns by default. `temperature == 0` is greedy.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from disagg.engine.grammar import GrammarCompiler, GrammarMatcher
+from disagg.engine.logits_processors import apply_processors
 from disagg.engine.scheduler import SampledToken, ScheduledSeq
 from disagg.types import SamplingParams, TopLogprobs
 
@@ -26,18 +29,25 @@ def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int, extra_ids: tup
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None):
         self.generator = torch.Generator().manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}
+        self.grammars = grammars
+        self.matchers: dict[str, GrammarMatcher] = {}
 
     def forget(self, request_id: str) -> None:
         self.seeded.pop(request_id, None)
+        self.matchers.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], eos_token_ids: tuple[int, ...]) -> list[SampledToken | str]:
         """One token per row of `logits` ([len(seqs), vocab], float32); a row whose sampling raises
         gets the reason instead, and the other rows are sampled exactly as without it."""
         raw = logits
-        logits, failed = self._mask_early_stops(logits, seqs, eos_token_ids)
+        logits, failed = self._mask_grammars(logits, seqs)
+        logits, more_failed = apply_processors(logits, seqs)
+        failed = more_failed | failed
+        logits, more_failed = self._mask_early_stops(logits, seqs, eos_token_ids)
+        failed = more_failed | failed
         token_ids = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             if i not in failed and not seq.sampling_params.greedy:
@@ -58,6 +68,33 @@ class Sampler:
                 top = top_logprobs(logprobs[want.index(i)], params.logprobs, token_ids[i], params.logprob_token_ids)
             out.append(SampledToken(token_ids[i], top))
         return out
+
+    def _mask_grammars(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, dict[int, str]]:
+        """Only the tokens each structured request's grammar allows next (the matcher first consumes
+        the output tokens it has not seen). Returns the masked logits and the rows that failed."""
+        rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured_output is not None]
+        failed: dict[int, str] = {}
+        if not rows:
+            return logits, failed
+        logits = logits.clone()
+        for i in rows:
+            try:
+                allowed = self._matcher(seqs[i]).allowed()
+                if not allowed.any():
+                    raise RuntimeError("the grammar allows no token here")
+                logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            except Exception as exc:  # noqa: BLE001 - this row only
+                failed[i] = f"{type(exc).__name__}: {exc}"
+        return logits, failed
+
+    def _matcher(self, seq: ScheduledSeq) -> GrammarMatcher:
+        matcher = self.matchers.get(seq.request_id)
+        if matcher is None:
+            if self.grammars is None:
+                raise RuntimeError("this engine has no grammar compiler")
+            matcher = self.matchers[seq.request_id] = self.grammars.matcher(seq.sampling_params.structured_output)
+        matcher.sync(seq.output_token_ids)
+        return matcher
 
     def _mask_early_stops(self, logits, seqs: list[ScheduledSeq], eos_token_ids) -> tuple[torch.Tensor, dict[int, str]]:
         """Before min_tokens are out, EOS and stop token ids cannot be sampled. Returns the masked

@@ -31,6 +31,10 @@ class ScheduledSeq:
     num_output_tokens: int  # outputs so far (for min_tokens)
     num_prompt_tokens: int
     next_token_id: int | None  # the known token after this chunk (prompt logprobs of a chunk's last row)
+    # The request's tokens so far, for the logits processors (penalties, bad words); empty when its
+    # sampling has none, so other requests copy nothing.
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -189,6 +193,7 @@ class Scheduler:
             num_output_tokens=len(request.output_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             next_token_id=request.all_token_ids[end] if end < request.num_tokens else None,
+            **_history(request, end == request.num_tokens),
         )
 
     # ---- update -------------------------------------------------------------------------------
@@ -292,3 +297,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _history(request: Request, sample: bool) -> dict[str, tuple[int, ...]]:
+    """The token history a sampling step's logits processors read (none when they read nothing)."""
+    params = request.sampling_params
+    if not sample or not params.has_processors:
+        return {}
+    prompt = tuple(request.prompt_token_ids) if params.has_penalties else ()
+    return {"prompt_token_ids": prompt, "output_token_ids": tuple(request.output_token_ids)}

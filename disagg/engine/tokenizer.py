@@ -128,11 +128,15 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template, as HF's `apply_chat_template(tokenize=False)`."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render `messages` with the model's chat template, as HF's `apply_chat_template(tokenize=False)`;
+        `template_kwargs` (vLLM's `chat_template_kwargs`) are extra template variables, which a
+        template that does not use them ignores; they never replace `messages` or the special tokens."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        variables: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        variables: dict[str, Any] = {**(template_kwargs or {}), "messages": messages,
+                                     "add_generation_prompt": add_generation_prompt}
         if self._bos_token_id is not None:
             variables["bos_token"] = self.backend.id_to_token(self._bos_token_id)
         if self._eos_token_ids:

@@ -31,6 +31,16 @@ class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     default_max_tokens: int | None = 16
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
+    structured_kind: str | None = None  # disagg.types.GrammarKind value; with structured_spec
+    structured_spec: str | None = None
+    structured_param: str | None = None  # the request field it came from (for errors)
     logprob_token_ids: list[int] = []  # their logprobs too, after the top-n (SGLang's token_ids_logprob)
 
 
@@ -42,6 +52,9 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: the worker applies the model's template
+    chat_template_kwargs: dict[str, object] | None = None  # extra variables of that template
+    add_generation_prompt: bool = True  # chat: end with the assistant turn's header
+    continue_final_message: bool = False  # chat: continue the last message instead (vLLM's)
     add_special_tokens: bool = True
     # P/D fields (the roles read them; a unified worker ignores them).
     bootstrap_host: str | None = None

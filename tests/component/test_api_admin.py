@@ -87,7 +87,7 @@ async def test_metrics_counts_requests_tokens_latency_and_workers():
     async with api_client(engine) as client:
         await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 4})
         await client.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
-        await client.post("/v1/completions", json={"prompt": "a", "n": 3})
+        await client.post("/v1/completions", json={"prompt": "a", "n": 0})  # a 400
         await client.get("/nope")
         resp = await client.get("/metrics")
         text = await resp.text()

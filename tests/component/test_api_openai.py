@@ -69,7 +69,8 @@ async def test_completion_prompt_forms(prompt, field, value):
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"prompt": "a", "n": 2}, "n", "n must be 1, got 2: this server returns one choice per request"),
+    ({"prompt": "a", "n": 65}, "n", "n must be between 1 and 64, got 65"),
+    ({"prompt": ["a", "b"], "n": 2}, "n", "n > 1 with a list of prompts is not supported: send one prompt per request"),
     ({"prompt": ["a", ""]}, "prompt", "prompt must not be empty"),
     ({"prompt": ["a", [1, "x"]]}, "prompt", "prompt must be a list of integer token ids"),
     ({"prompt": ["a", "b"], "bootstrap_room": 3}, "bootstrap_room",
@@ -82,8 +83,7 @@ async def test_completion_prompt_forms(prompt, field, value):
     ({"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative, got -1.0"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty",
-     "presence_penalty is not supported: got 0.5, leave it at 0.0"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
     ({"prompt": "a", "max_tokens": "abc"}, "max_tokens",
      "invalid request body: Expected `int | null`, got `str` - at `$.max_tokens`"),
 ])
@@ -179,7 +179,7 @@ async def test_chat_max_tokens_defaults_to_the_rest_of_the_context():
     ({"messages": [{"content": "x"}]}, "messages", "messages[0] must be an object with a string 'role'"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
      "top_logprobs requires logprobs to be true"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "n must be 1, got 3: this server returns one choice per request"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n", "n must be between 1 and 64, got 0"),
 ])
 async def test_chat_bad_input_is_400(body, param, message):
     async with api_client(FakeEngine()) as client:
@@ -264,7 +264,7 @@ async def test_openai_sdk_sees_typed_errors():
         with pytest.raises(openai.NotFoundError) as not_found:
             await sdk.completions.create(model="nope", prompt="hi")
         with pytest.raises(openai.BadRequestError) as bad:
-            await sdk.completions.create(model="fake-model", prompt="hi", n=2)
+            await sdk.completions.create(model="fake-model", prompt="hi", n=100)
         wrong_key = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await wrong_key.models.list()

@@ -76,7 +76,8 @@ async def test_generate_default_max_new_tokens_is_128_capped_by_the_context():
     ({"text": "a", "bootstrap_room": [5, 6]}, "bootstrap_room", "bootstrap_room has 2 entries for 1 prompts: send one per prompt"),
     ({"input_ids": [5000]}, "input_ids", "token id 5000 in input_ids is out of vocabulary (vocab_size=1000)"),
     ({"text": "a", "rid": ["x", "y"]}, "rid", "rid must be a non-empty string"),
-    ({"text": "a", "sampling_params": {"n": 2}}, "n", "n must be 1, got 2: this server returns one choice per request"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "n", "n must be between 1 and 64, got 0"),
+    ({"text": ["a", "b"], "sampling_params": {"n": 2}}, "n", "n > 1 in a batch is not supported: send one prompt per request"),
     ({"text": "a", "sampling_params": {"max_new_tokens": "x"}}, "sampling_params.max_new_tokens",
      "invalid request body: Expected `int | null`, got `str` - at `$.sampling_params.max_new_tokens`"),
 ])

@@ -95,6 +95,17 @@ def test_chat_template_errors(tiny):
         with_template(tiny, None).apply_chat_template(MESSAGES)
 
 
+def test_chat_template_kwargs_are_template_variables(tiny):
+    thinking = with_template(tiny, "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+                                   "{{ messages[0]['content'] }}{{ bos_token }}")
+    assert thinking.apply_chat_template(MESSAGES) == MESSAGES[0]["content"] + "<bos>"
+    assert thinking.apply_chat_template(MESSAGES, template_kwargs={"enable_thinking": False}) == \
+        "/no_think " + MESSAGES[0]["content"] + "<bos>"
+    # Unused keys are harmless; the request's messages and the special tokens are never replaced.
+    assert thinking.apply_chat_template(MESSAGES, template_kwargs={"other": 1, "messages": [], "bos_token": "x"}) == \
+        MESSAGES[0]["content"] + "<bos>"
+
+
 def test_chat_template_helpers_match_hf(tiny):
     template = "{{ messages | tojson }}|{{ eos_token }}{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}"
     rendered = with_template(tiny, template).apply_chat_template([{"role": "user", "content": "<b>&</b> é"}, {"role": "x"}])

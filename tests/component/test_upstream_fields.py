@@ -1,0 +1,109 @@
+"""Every request field of vLLM's and SGLang's generate APIs is honoured, refused (400 naming it) or
+listed as harmless and ignored: none is dropped silently.
+
+The field lists are copied from upstream's source: vLLM's ChatCompletionRequest
+(vllm/entrypoints/openai/chat_completion/protocol.py), CompletionRequest
+(vllm/entrypoints/openai/completion/protocol.py), GenerateRequest
+(vllm/entrypoints/serve/disagg/protocol.py) and SamplingParams (vllm/sampling_params.py); SGLang's
+GenerateReqInput (python/sglang/srt/managers/io_struct.py) and SamplingParams
+(python/sglang/srt/sampling/sampling_params.py). A field upstream adds later fails this test until
+it is classified.
+"""
+
+import pytest
+from fake_engine import FakeEngine, api_client
+
+from disagg.api import upstream_fields as uf
+from disagg.api.bodies import ChatBody, CompletionBody, RoutedBody, SGLangBody, SGLangSampling, TokensBody, TokensSampling
+
+pytestmark = pytest.mark.timeout(60)
+
+VLLM_CHAT = """messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n
+presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice reasoning_effort
+include_reasoning parallel_tool_calls user use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids
+include_stop_str_in_output ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens
+prompt_logprobs allowed_token_ids bad_words echo add_generation_prompt continue_final_message add_special_tokens
+documents chat_template chat_template_kwargs mm_processor_kwargs structured_outputs priority request_id
+logits_processors return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs
+max_repetition_pattern_size min_repetition_pattern_size repetition_min_count""".split()
+VLLM_COMPLETION = """model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed stop stream
+stream_options suffix temperature top_p user use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids
+include_stop_str_in_output ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens
+allowed_token_ids prompt_logprobs prompt_embeds add_special_tokens response_format structured_outputs priority request_id
+logits_processors return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs
+max_repetition_pattern_size min_repetition_pattern_size repetition_min_count""".split()
+VLLM_GENERATE = "request_id token_ids features sampling_params model stream stream_options cache_salt priority kv_transfer_params".split()
+VLLM_SAMPLING = """n presence_penalty frequency_penalty repetition_penalty temperature top_p top_k min_p seed stop
+stop_token_ids ignore_eos max_tokens min_tokens logprobs prompt_logprobs prompt_logprob_token_ids prompt_logprob_start
+logprob_token_ids flat_logprobs detokenize skip_special_tokens spaces_between_special_tokens include_stop_str_in_output
+output_kind stream_interval skip_clone structured_outputs logit_bias allowed_token_ids extra_args bad_words
+skip_reading_prefix_cache thinking_token_budget repetition_detection routed_experts_prompt_start
+trace_decode_token_ids""".split()
+SGLANG_GENERATE = """rid session_id text input_ids input_embeds image_data video_data audio_data mm_hashes
+mm_content_hashes use_audio_in_video video_config sampling_params return_logprob logprob_start_len top_logprobs_num
+token_ids_logprob return_sampling_mask return_text_in_logprobs return_flat_raw_top_logprobs
+return_flat_raw_top_logprobs_b64 stream log_metrics return_hidden_states return_routed_experts routed_experts_start_len
+return_indexer_topk modalities session_params lora_path lora_id custom_logit_processor positional_embed_overrides
+bootstrap_host bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size routed_dp_rank data_parallel_rank
+disagg_prefill_dp_rank kv_router_hint routing_key conversation_id http_worker_ipc background require_reasoning
+max_thinking_tokens priority extra_key no_logs custom_labels return_bytes return_entropy return_prompt_token_ids
+external_trace_header received_time need_wait_for_mm_inputs num_items_assigned encoder_urls max_dynamic_patch
+min_dynamic_patch image_max_dynamic_patch video_max_dynamic_patch images_config multi_item_delimiter_indices
+cache_salt""".split()
+SGLANG_SAMPLING = """max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty
+presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos skip_special_tokens
+spaces_between_special_tokens no_stop_trim custom_params stream_interval logit_bias sampling_seed""".split()
+
+CHAT_BASE = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+ROUTED = set(RoutedBody.__struct_fields__)
+
+# (name, upstream fields, our struct, refused table, ignored set, make a body that sets `field` to `value`)
+SURFACES = [
+    ("chat", VLLM_CHAT, ChatBody, uf.CHAT_REFUSED, uf.OPENAI_IGNORED, "/v1/chat/completions",
+     lambda f, v: {**CHAT_BASE, f: v}),
+    ("completions", VLLM_COMPLETION, CompletionBody, uf.OPENAI_REFUSED, uf.OPENAI_IGNORED, "/v1/completions",
+     lambda f, v: {"prompt": "a", "max_tokens": 2, f: v}),
+    ("tokens", VLLM_GENERATE, TokensBody, uf.TOKENS_REFUSED, uf.TOKENS_IGNORED, "/inference/v1/generate",
+     lambda f, v: {"token_ids": [1], f: v}),
+    ("tokens.sampling_params", VLLM_SAMPLING, TokensSampling, uf.VLLM_SAMPLING_REFUSED, uf.VLLM_SAMPLING_IGNORED,
+     "/inference/v1/generate", lambda f, v: {"token_ids": [1], "sampling_params": {"max_tokens": 2, f: v}}),
+    ("generate", SGLANG_GENERATE, SGLangBody, uf.SGLANG_REFUSED, uf.SGLANG_IGNORED, "/generate",
+     lambda f, v: {"text": "a", f: v}),
+    ("generate.sampling_params", SGLANG_SAMPLING, SGLangSampling, uf.SGLANG_SAMPLING_REFUSED, uf.SGLANG_SAMPLING_IGNORED,
+     "/generate", lambda f, v: {"text": "a", "sampling_params": {"max_new_tokens": 2, f: v}}),
+]
+
+
+@pytest.mark.parametrize("surface", SURFACES, ids=[s[0] for s in SURFACES])
+def test_every_upstream_field_is_classified(surface):
+    name, fields, struct, refused, ignored, _, _ = surface
+    honoured = set(struct.__struct_fields__) | (ROUTED if "." not in name else set())
+    unclassified = [f for f in fields if f not in honoured | set(refused) | ignored | uf.PD_FIELDS]
+    assert unclassified == []
+    both = [f for f in fields if f in set(struct.__struct_fields__) and (f in refused or f in ignored)]
+    assert both == []  # a field the route honours is neither refused nor ignored
+
+
+CASES = [(s[0], s[5], s[6], f, neutral) for s in SURFACES for f, neutral in s[3].items() if f in s[1]
+         and f not in s[2].__struct_fields__]
+
+
+@pytest.mark.parametrize("surface, path, make, field, neutral", CASES, ids=[f"{c[0]}.{c[3]}" for c in CASES])
+async def test_refused_fields_are_400_naming_them_and_neutral_values_pass(surface, path, make, field, neutral):
+    value = False if True in [n for n in neutral if n is True] else {"poke": 1}
+    async with api_client(FakeEngine()) as client:
+        resp = await client.post(path, json=make(field, value))
+        got = await resp.json()
+        assert resp.status == 400, got
+        assert got["error"]["param"] == field and "is not supported by this server" in got["error"]["message"]
+        resp = await client.post(path, json=make(field, neutral[-1]))
+        assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("surface", SURFACES, ids=[s[0] for s in SURFACES])
+async def test_ignored_fields_are_accepted(surface):
+    name, fields, _, _, ignored, path, make = surface
+    async with api_client(FakeEngine()) as client:
+        for field in sorted(f for f in fields if f in ignored):
+            resp = await client.post(path, json=make(field, "x"))
+            assert resp.status == 200, (field, await resp.text())

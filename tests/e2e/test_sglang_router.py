@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import socket
-import subprocess
 import sys
 
 import aiohttp
@@ -11,44 +9,22 @@ import pytest
 import pytest_asyncio
 
 from pd_cluster import start_pd, start_unified
+from router_process import router_process
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency: pip install -e '.[dev]'")
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router(tmp_path_factory):
     cluster = await start_pd("tcp")
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--prefill", cluster.prefill_url, str(cluster.prefill.bootstrap_port), "--decode", cluster.decode_url,
-           "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    log = open(tmp_path_factory.mktemp("sglang-router") / "router.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", cluster.prefill_url, str(cluster.prefill.bootstrap_port), "--decode", cluster.decode_url]
     try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(120):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
-                await asyncio.sleep(0.25)
-        yield url
+        async with router_process(args, tmp_path_factory.mktemp("sglang-router"), "sglang-router") as url:
+            yield url
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
         await cluster.close()
 
 

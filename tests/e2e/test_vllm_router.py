@@ -3,7 +3,6 @@
 
 import asyncio
 import json
-import subprocess
 import sys
 
 import aiohttp
@@ -11,7 +10,7 @@ import pytest
 import pytest_asyncio
 
 from pd_cluster import start_pd, start_unified
-from test_sglang_router import free_port
+from router_process import router_process
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 pytest.importorskip("vllm_router", reason="vllm-router is a dev dependency: pip install -e '.[dev]'")
@@ -22,28 +21,12 @@ LONG = "The quick brown fox jumps over the lazy dog, twice: " * 2
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
 async def router(request, tmp_path_factory):
     cluster = await start_pd(request.param)
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--prefill", cluster.prefill_url, "--decode", cluster.decode_url,
-           "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    log = open(tmp_path_factory.mktemp("vllm-router") / "router.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+            "--prefill", cluster.prefill_url, "--decode", cluster.decode_url]
     try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(120):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
-                await asyncio.sleep(0.25)
-        yield url, cluster
+        async with router_process(args, tmp_path_factory.mktemp("vllm-router"), "vllm-router") as url:
+            yield url, cluster
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
         await cluster.close()
 
 

@@ -74,7 +74,6 @@ async def test_an_unclaimed_lease_expires_and_frees_the_prefill(cluster):
     stats = await cluster.prefill.controller.call_utility("stats")
     assert any(w["num_free_blocks"] < w["num_total_blocks"] for w in stats)  # leased
     assert await idle(cluster)  # kv_lease_s=2: expired
-    # A ticket for blocks already released is refused, and the decode frees what it reserved.
 
 
 async def test_a_ticket_for_released_blocks_or_an_unknown_engine_fails_cleanly(cluster):

@@ -12,7 +12,7 @@ import torch
 from disagg.engine.models.tiny import build_tiny
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -24,13 +24,6 @@ def hf_tiny():
     from hf_reference import hf_model_from_loaded
 
     return hf_model_from_loaded(build_tiny(0), torch.float32)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield u
-    await u.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

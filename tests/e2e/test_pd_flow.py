@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 SHORT = "hi"  # BOS + 2 bytes: less than one 4-token block
@@ -22,13 +22,6 @@ async def cluster(request):
     c = await start_pd(request.param)
     yield c
     await c.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield u
-    await u.close()
 
 
 async def unified_post(unified, path, body):

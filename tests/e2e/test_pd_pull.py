@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -21,13 +21,6 @@ async def cluster(request):
     c = await start_pd(request.param, disagg={"kv_lease_s": 2.0})
     yield c
     await c.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield u
-    await u.close()
 
 
 async def idle(cluster):

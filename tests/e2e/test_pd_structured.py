@@ -8,7 +8,7 @@ import aiohttp
 import jsonschema
 import pytest
 import pytest_asyncio
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -24,13 +24,6 @@ async def cluster():
     c = await start_pd("tcp")
     yield c
     await c.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield u
-    await u.close()
 
 
 async def post(port, path, body):

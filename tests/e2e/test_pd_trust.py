@@ -25,7 +25,7 @@ from kvtransfer.base import KVLayout
 from kvtransfer.control import format_address
 from kvtransfer.control_client import ControlClient
 from kvtransfer.handshake import PeerInfo, encode_peer_info
-from pd_cluster import pd_config, start_decode, start_pd, start_unified
+from pd_cluster import pd_config, start_decode, start_pd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 SECRET = "e2e-cluster-secret"
@@ -40,13 +40,6 @@ async def cluster():
     c = await start_pd("tcp", cluster_secret=SECRET, decode_options={"allowed_bootstrap_hosts": ("127.0.0.1",)})
     yield c
     await c.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield u
-    await u.close()
 
 
 async def settled(cluster, expected=START) -> tuple:

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd
 from router_process import router_process
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -28,40 +28,33 @@ async def router(tmp_path_factory):
         await cluster.close()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield f"http://127.0.0.1:{u.port}"
-    await u.close()
-
-
 async def post(url: str, body: dict):
     async with aiohttp.ClientSession() as s:
         async with s.post(url, json=body) as r:
             return r.status, await (r.text() if body.get("stream") else r.json())
 
 
-async def test_generate(router, unified):
+async def test_generate(router, unified_url):
     body = {"text": "sglang router", "sampling_params": {"max_new_tokens": 8, **GREEDY}}
     status, data = await post(router + "/generate", body)
     assert status == 200, data
-    assert data["output_ids"] == (await post(unified + "/generate", body))[1]["output_ids"]
+    assert data["output_ids"] == (await post(unified_url + "/generate", body))[1]["output_ids"]
     assert len(data["output_ids"]) == 8
 
 
-async def test_completions(router, unified):
+async def test_completions(router, unified_url):
     body = {"model": "tiny", "prompt": "sglang router", "max_tokens": 8, **GREEDY}
     status, data = await post(router + "/v1/completions", body)
     assert status == 200, data
-    assert data["choices"][0]["text"] == (await post(unified + "/v1/completions", body))[1]["choices"][0]["text"]
+    assert data["choices"][0]["text"] == (await post(unified_url + "/v1/completions", body))[1]["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_completions(router, unified, stream):
+async def test_chat_completions(router, unified_url, stream):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": stream, **GREEDY}
     status, data = await post(router + "/v1/chat/completions", body)
     assert status == 200, data
-    expected = (await post(unified + "/v1/chat/completions", dict(body, stream=False)))[1]["choices"][0]["message"]["content"]
+    expected = (await post(unified_url + "/v1/chat/completions", dict(body, stream=False)))[1]["choices"][0]["message"]["content"]
     if stream:
         chunks = [json.loads(line[6:]) for line in data.splitlines() if line.startswith("data: {")]
         assert data.rstrip().endswith("data: [DONE]")

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd
 from router_process import router_process
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -28,13 +28,6 @@ async def router(request, tmp_path_factory):
             yield url, cluster
     finally:
         await cluster.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def unified():
-    u = await start_unified()
-    yield f"http://127.0.0.1:{u.port}"
-    await u.close()
 
 
 def body_for(path: str, prompt: str, stream: bool) -> dict:
@@ -60,11 +53,11 @@ async def text_of(resp: aiohttp.ClientResponse, path: str, stream: bool) -> str:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("prompt", ["hi", LONG], ids=["short", "long"])
-async def test_vllm_router_pd_equals_unified(router, unified, path, stream, prompt):
+async def test_vllm_router_pd_equals_unified(router, unified_url, path, stream, prompt):
     url, cluster = router
     body = body_for(path, prompt, stream)
     async with aiohttp.ClientSession() as s:
-        async with s.post(unified + path, json=dict(body, stream=False)) as r:
+        async with s.post(unified_url + path, json=dict(body, stream=False)) as r:
             expected = await text_of(r, path, False)
         async with s.post(url + path, json=body) as r:
             assert r.status == 200, await r.text()

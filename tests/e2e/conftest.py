@@ -1,0 +1,18 @@
+"""Fixtures the end-to-end modules share."""
+
+import pytest_asyncio
+
+from pd_cluster import start_unified
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def unified():
+    """A unified server (tiny model, dp 1): the reference every P/D answer must equal."""
+    u = await start_unified()
+    yield u
+    await u.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def unified_url(unified):
+    return f"http://127.0.0.1:{unified.port}"

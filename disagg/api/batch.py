@@ -14,12 +14,12 @@ from typing import Protocol
 import structlog
 from aiohttp import web
 
-from disagg.api.errors import BadRequest, draining_error, shutdown_error, to_api_error
+from disagg.api.errors import BadRequest, draining_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.requests import REQUEST_ID_HEADER
 from disagg.api.routing import DP_RANK_HEADER
-from disagg.api.serving import json_response
+from disagg.api.serving import end_stream_if_drained, json_response, shutdown_if_drained
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import ApiState, state_of
 from disagg.drain import Drain
@@ -60,12 +60,8 @@ async def serve_batch(request: web.Request, items: list[tuple[GenerateMsg, int |
         if stream:
             return await _stream(request, generations, renderer, headers, state)
         tasks = [asyncio.create_task(g.collect()) for g in generations]
-        try:
+        with shutdown_if_drained(state.drain):
             totals = await _all_or_first_error(tasks)
-        except asyncio.CancelledError:
-            if not state.drain.claim_abort():
-                raise
-            raise shutdown_error(state.drain) from None
         return json_response(renderer.full(totals), headers=headers)
 
 
@@ -117,21 +113,15 @@ async def _stream(request: web.Request, generations: list[Generation], renderer:
         except ClientGone:
             log.info("client disconnected mid-stream; aborting the batch")
         except asyncio.CancelledError:
-            if not state.drain.claim_abort():
-                raise
-            await _end_with_error(sse, shutdown_error(state.drain))
+            await end_stream_if_drained(sse, state.drain)
         return sse.response
     finally:
         await _cancel(tasks)
 
 
 async def _first(queue: asyncio.Queue, drain: Drain) -> tuple:
-    try:
+    with shutdown_if_drained(drain):
         return await queue.get()
-    except asyncio.CancelledError:
-        if not drain.claim_abort():
-            raise
-        raise shutdown_error(drain) from None
 
 
 async def _relay(sse: SSEWriter, renderer: BatchRenderer, generations: list[Generation], first: tuple,

@@ -21,7 +21,9 @@ from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.requests import REQUEST_ID_HEADER
 from disagg.api.routing import DP_RANK_HEADER
-from disagg.api.serving import Renderer, json_response, serve_generation
+from disagg.api.serving import (
+    Renderer, end_stream_if_drained, json_response, serve_generation, shutdown_if_drained,
+)
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
@@ -67,8 +69,9 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
         renderers = [new_renderer() for _ in range(n)]
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
         if stream:
-            return await _stream(request, msg.request_id, generations, renderers, headers)
-        totals = await _collect_all(generations)
+            return await _stream(request, msg.request_id, generations, renderers, headers, state.drain)
+        with shutdown_if_drained(state.drain):
+            totals = await _collect_all(generations)
         bodies = [r.full(t) for r, t in zip(renderers, totals)]
         return json_response(merge(bodies, totals, msg.request_id), headers=headers)
 
@@ -122,10 +125,11 @@ async def _collect_all(generations: list[Generation]) -> list[Totals]:
 
 
 async def _stream(request: web.Request, request_id: str, generations: list[Generation], renderers: list[Renderer],
-                  headers: dict[str, str]) -> web.StreamResponse:
+                  headers: dict[str, str], drain) -> web.StreamResponse:
     children = _Children(generations)
     try:
-        first = await children.next()  # a child rejected at once (bad prompt, sleeping engine): its real status
+        with shutdown_if_drained(drain):
+            first = await children.next()  # a child rejected at once (bad prompt, sleeping engine): its real status
         sse = SSEWriter(headers)
         await sse.start(request)
         try:
@@ -133,6 +137,8 @@ async def _stream(request: web.Request, request_id: str, generations: list[Gener
             await sse.done()
         except ClientGone:
             pass
+        except asyncio.CancelledError:
+            await end_stream_if_drained(sse, drain)
         return sse.response
     finally:
         await children.close()

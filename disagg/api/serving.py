@@ -8,7 +8,7 @@ same on every generate endpoint.
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from typing import Protocol
 
 import msgspec
@@ -64,13 +64,28 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
         if stream:
             return await _stream(request, generation, renderer, headers, state.drain)
-        try:
+        with shutdown_if_drained(state.drain):
             totals = await generation.collect()
-        except asyncio.CancelledError:
-            if not state.drain.claim_abort():
-                raise
-            raise shutdown_error(state.drain) from None
         return json_response(renderer.full(totals), headers=headers)
+
+
+@contextmanager
+def shutdown_if_drained(drain: Drain):
+    """Before any byte went out: a cancellation the drain caused becomes its 503 shutdown error."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not drain.claim_abort():
+            raise
+        raise shutdown_error(drain) from None
+
+
+async def end_stream_if_drained(sse: SSEWriter, drain: Drain) -> None:
+    """Mid-stream, in an `except CancelledError`: the drain's error event ends the stream, or the
+    cancellation (not the drain's) goes on."""
+    if not drain.claim_abort():
+        raise  # the CancelledError being handled: not the drain's
+    await _end_with_error(sse, shutdown_error(drain))
 
 
 async def _stream(request: web.Request, generation: Generation, renderer: Renderer,
@@ -78,12 +93,8 @@ async def _stream(request: web.Request, generation: Generation, renderer: Render
     async with aclosing(generation.outputs()) as outputs:
         # Wait for the first output before sending headers: a request the worker rejects at once
         # (bad prompt, sleeping engine) gets its real HTTP status instead of a 200 stream.
-        try:
+        with shutdown_if_drained(drain):
             first = await anext(outputs, None)
-        except asyncio.CancelledError:
-            if not drain.claim_abort():
-                raise
-            raise shutdown_error(drain) from None
         sse = SSEWriter(headers)
         try:
             await sse.start(request)
@@ -92,9 +103,7 @@ async def _stream(request: web.Request, generation: Generation, renderer: Render
         except ClientGone:
             log.info("client disconnected mid-stream; aborting the request")
         except asyncio.CancelledError:
-            if not drain.claim_abort():
-                raise
-            await _end_with_error(sse, shutdown_error(drain))
+            await end_stream_if_drained(sse, drain)
     return sse.response
 
 

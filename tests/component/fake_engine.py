@@ -288,3 +288,11 @@ def sse_events(raw: str) -> list[object]:
         data = block[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+async def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    """Poll `predicate` until it holds; fails the test past `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

@@ -6,7 +6,7 @@ import contextlib
 
 import aiohttp
 import pytest
-from fake_engine import FIRST_OUTPUT_ID, FakeEngine, sse_events
+from fake_engine import FIRST_OUTPUT_ID, FakeEngine, sse_events, wait_for
 
 from disagg.api.app import create_app, start_server
 from disagg.api.state import STATE
@@ -96,8 +96,26 @@ async def test_a_stream_aborted_before_its_first_token_gets_a_503_answer():
     async with serving(engine) as (base, drain, session):
         stream = asyncio.create_task(post_json(session, base + "/generate", {
             "text": "a", "rid": "slow", "stream": True, "sampling_params": {"max_new_tokens": 4}}))
-        while drain.num_in_flight == 0:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: drain.num_in_flight == 1)
         assert await drain.run(0.1) == 1
         assert await stream == (503, shut_down("0.1"))  # a JSON answer (resp.json() checks), not a stream
     assert engine.aborted == ["slow"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_n_choices_aborted_by_the_drain_get_the_shutdown_error(stream):
+    engine = FakeEngine(dp_size=1, token_delay_s=0.05)
+    async with serving(engine) as (base, drain, session):
+        body = {"prompt": "a", "max_tokens": 60, "n": 2, "stream": stream, "request_id": "two"}
+        if stream:
+            async with session.post(base + "/v1/completions", json=body) as resp:
+                first = await resp.content.readuntil(b"\n\n")
+                assert await drain.run(0.2) == 1
+                *_, error, done = sse_events((first + await resp.read()).decode())
+            assert (resp.status, error, done) == (200, shut_down("0.2"), "[DONE]")
+        else:
+            answer = asyncio.create_task(post_json(session, base + "/v1/completions", body))
+            await wait_for(lambda: len(engine.requests) == 2)
+            assert await drain.run(0.2) == 1
+            assert await answer == (503, shut_down("0.2"))
+    assert sorted(engine.aborted) == ["0_two", "1_two"]

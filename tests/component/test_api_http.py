@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 import structlog
 from aiohttp import web
-from fake_engine import FakeEngine, LONG_MODEL, api_client, sse_events
+from fake_engine import FakeEngine, LONG_MODEL, api_client, sse_events, wait_for
 
 from disagg.api.app import create_app, start_server
 from disagg.api.logging import configure_logging
@@ -160,13 +160,6 @@ async def test_request_ids():
         resp, body = await post(client, "/generate", {**ENDPOINTS["/generate"], "rid": "dup"})
         assert (resp.status, body) == (400, error("request id 'dup' is already in use", param="request_id"))
         running.close()
-
-
-async def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("handler_cancellation", [True, False])

@@ -161,8 +161,10 @@ async def test_a_non_http_banner_never_reaches_the_error():
     server = await asyncio.start_server(banner, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server, BootstrapClient("127.0.0.1", port, FAST) as client:
-        with pytest.raises(BootstrapUnavailable) as info:
+        # The deadline ends either in a backoff (the last attempt's garbage answer) or mid-attempt
+        # (a timeout), depending on the machine's load; the banner's text never appears either way.
+        with pytest.raises((BootstrapUnavailable, BootstrapTimeout)) as info:
             await client.get_topology(deadline_s=0.2)
     text = str(info.value)
     assert text.startswith(f"bootstrap server http://127.0.0.1:{port}: GET /route got no answer within 0.2 s")
-    assert text.endswith("; last: ClientResponseError)") and INTERNAL not in text
+    assert text.endswith(("; last: ClientResponseError)", "; last: request timed out)")) and INTERNAL not in text

@@ -47,6 +47,7 @@ class _Pending:
     room: int
     client: object = None  # the ControlClient once the TransferInfo went out
     read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
+    read_peer: str = ""  # ... and the backend peer it reads from
     lease: tuple | None = None  # pull flow: (ControlClient, remote request id) once we may hold a lease
 
 
@@ -79,7 +80,7 @@ class DecodeHandler(EngineHandler):
         self.queued: deque[_Queued] = deque()  # waiting for room in the KV cache, in arrival order
         self.fencing: dict[str, asyncio.Task] = {}  # ended requests waiting for their prefill's fence
         self.fenced: list[str] = []  # ... whose blocks can go back to the pool now
-        self._read_peers: dict[str, str] = {}  # pull flow: prefill agent -> backend peer we read from
+        self._read_peers: dict[str, tuple] = {}  # pull flow: prefill agent -> (its ControlClient, backend peer)
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -114,7 +115,6 @@ class DecodeHandler(EngineHandler):
                 raise InvalidRequest(f"bootstrap_host {msg.bootstrap_host!r} is not allowed on this decode server "
                                      "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
             prompt_ids = self.prompt_ids(msg)
-            self.core.validate_prompt(prompt_ids)
         except Exception as exc:
             return [error_output(msg.request_id, exc)]
         self.queued.append(_Queued(msg, prompt_ids, time.monotonic()))
@@ -183,15 +183,14 @@ class DecodeHandler(EngineHandler):
         check_engine(ticket, client.remote.peer_name)
         pending = self.pending[request_id]
         pending.lease = (client, ticket.request_id)
-        prefill = self._read_peers.get(client.remote.peer_name)
-        if prefill is None:
-            prefill = self._read_peers[client.remote.peer_name] = self.backend.add_peer(client.remote.agent_metadata)
+        prefill = await self._read_peer(client)
         claim = await client.claim(ticket.request_id)
         if not claim.ok:
             raise TransferFailed(f"prefill {ticket.host}:{ticket.port} refused the claim of {ticket.request_id}: {claim.reason}")
         num_read = min(self.core.kv.blocks_needed(num_prompt_tokens - 1), len(claim.block_ids), len(blocks))
         num_bytes = 0
         if num_read:
+            pending.read_peer = prefill
             pending.read = self.backend.read(prefill, blocks[:num_read], list(claim.block_ids[:num_read]),
                                              f"pull:{ticket.request_id}".encode())
             num_bytes = pending.read.num_bytes
@@ -202,6 +201,19 @@ class DecodeHandler(EngineHandler):
         if not released.ok:
             raise TransferFailed(f"the KV of {ticket.request_id} was not held through the read: {released.reason}")
         return TransferStatusMsg(room=0, state=TransferState.SUCCESS, num_bytes=num_bytes)
+
+    async def _read_peer(self, client) -> str:
+        """The backend peer to READ from a prefill, added once per incarnation; peers of prefills whose
+        stream is gone (lost, restarted under a new name) are removed first, so none piles up."""
+        for name, (old, peer) in list(self._read_peers.items()):
+            if not old.is_alive:
+                del self._read_peers[name]
+                await asyncio.to_thread(self.backend.remove_peer, peer)
+        entry = self._read_peers.get(client.remote.peer_name)
+        if entry is None:  # a tcp connect and handshake: off the loop
+            peer = await asyncio.to_thread(self.backend.add_peer, client.remote.agent_metadata)
+            entry = self._read_peers[client.remote.peer_name] = (client, peer)
+        return entry[1]
 
     def idle_wait_s(self, default_s: float) -> float:
         return 0.002 if self.queued else default_s
@@ -281,12 +293,16 @@ class DecodeHandler(EngineHandler):
         self.kv_stats.pop(request_id, None)
         if pending.read is not None:  # pull flow: our own read is what writes into the blocks
             self.backend.abort(pending.read, reason)
+            key = f"read:{request_id}"
+            self.fencing[key] = asyncio.create_task(self._cut_read(key, request_id, pending.read_peer))
         if pending.lease is not None:  # pull flow: the prefill frees its blocks now, not at expiry
             client, remote_request_id = pending.lease
             client.release(remote_request_id, reason)
         elif (ticket := ticket_of(pending.msg)) is not None:  # gave up before reaching the prefill
             key = f"release:{request_id}"
             self.fencing[key] = asyncio.create_task(self._release_ticket(key, ticket, reason))
+        if pending.read is not None:
+            return  # released once the read is cut off (_cut_read)
         if pending.client is None:
             self.core.release(request_id)
             return
@@ -295,6 +311,20 @@ class DecodeHandler(EngineHandler):
             self.core.release(request_id)
             return
         self.fencing[request_id] = asyncio.create_task(self._await_fence(request_id, pending.client, fence))
+
+    async def _cut_read(self, key: str, request_id: str, peer: str) -> None:
+        """An aborted READ may be mid-copy (cancelling is best effort): drop that prefill's backend
+        peer (tcp: close its connection and join its threads) before the blocks go back. Other reads
+        from that prefill fail with it; the next one adds the peer again."""
+        try:
+            for name, (_, known) in list(self._read_peers.items()):
+                if known == peer:
+                    del self._read_peers[name]
+            await asyncio.to_thread(self.backend.remove_peer, peer)
+        finally:
+            self.fencing.pop(key, None)
+            self.fenced.append(request_id)
+            self.wake()
 
     async def _release_ticket(self, key: str, ticket: Ticket, reason: str) -> None:
         """Pull flow: tell a ticket's prefill to free the blocks we will not read (bounded)."""

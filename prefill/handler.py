@@ -172,7 +172,11 @@ class PrefillHandler(EngineHandler):
         out: list[OutputMsg] = []
         self.backend.notifications()  # push flow tracks completion by handle: drop tags, never let them pile up
         while not self.control.events.empty():
-            out += self._on_event(self.control.events.get_nowait())
+            event = self.control.events.get_nowait()
+            if isinstance(event, PeerMsg):
+                await self._add_peer(event)
+            else:
+                out += self._on_event(event)
         now = time.monotonic()
         for state in list(self.rooms.values()):
             out += self._advance(state, now)
@@ -181,9 +185,7 @@ class PrefillHandler(EngineHandler):
         return out + self.pull.answer(now, self.ticket)
 
     def _on_event(self, event) -> list[OutputMsg]:
-        if isinstance(event, PeerMsg):
-            self._add_peer(event)
-        elif isinstance(event, TransferInfoMsg):
+        if isinstance(event, TransferInfoMsg):
             self._on_transfer_info(event)
         elif isinstance(event, AbortMsg):
             # Every abort is answered with a final status once nothing can be written any more:
@@ -193,7 +195,8 @@ class PrefillHandler(EngineHandler):
             if state is not None:
                 return self._fail(state, reason, status=499)
             self.early_infos.pop(event.room, None)
-            self._status(event.room, TransferState.FAILED, reason)  # never written to
+            if not any(entry.room == event.room for entry in self.settling):  # else _settle answers, once settled
+                self._status(event.room, TransferState.FAILED, reason)  # never written to
         elif isinstance(event, LeaseMsg):
             self.control.send_lease(event.peer_name, self.pull.on_lease(event))
         elif isinstance(event, PeerLostMsg):
@@ -209,11 +212,12 @@ class PrefillHandler(EngineHandler):
             return out
         return []
 
-    def _add_peer(self, peer: PeerMsg) -> None:
+    async def _add_peer(self, peer: PeerMsg) -> None:
         """Load a registered decode's transfer metadata. A decode we cannot reach (or that refuses our
         cluster secret) fails its own rooms with the reason; it never takes this worker down."""
         try:
-            self.peers[peer.peer_name] = self.backend.add_peer(peer.agent_metadata)
+            # A tcp connect and handshake: off the loop, so control streams keep moving meanwhile.
+            self.peers[peer.peer_name] = await asyncio.to_thread(self.backend.add_peer, peer.agent_metadata)
             self.peer_failures.pop(peer.peer_name, None)
         except KVTransferError as exc:
             log.warning("decode peer not added", peer=peer.peer_name, reason=str(exc))

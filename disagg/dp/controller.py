@@ -224,6 +224,8 @@ class DPController:
         await asyncio.sleep(delay_s)
         if self._closing:
             return
+        if dead.process.is_alive():  # it closed its connection but runs on: never two workers on one rank
+            dead.process.kill()
         await asyncio.to_thread(dead.process.join, 5)  # reap it
         worker = _Worker(dead.rank, self._spawn(dead.rank), dead.num_restarts + 1, dead.down_reason)
         worker.num_quick_deaths = quick
@@ -299,5 +301,7 @@ def _estimate_tokens(msg: GenerateMsg, max_model_len: int) -> int:
         prompt = len(msg.prompt_token_ids)
     else:
         prompt = len(msg.prompt or "") // 4 + sum(len(str(m.get("content", ""))) for m in msg.messages or []) // 4
-    limit = msg.sampling.max_tokens or msg.sampling.default_max_tokens or max_model_len  # unset: up to the context
+    sampling = msg.sampling
+    # 0 is a prompt-only request; unset is the endpoint's default, else up to the context.
+    limit = sampling.max_tokens if sampling.max_tokens is not None else sampling.default_max_tokens or max_model_len
     return prompt + limit

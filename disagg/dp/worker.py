@@ -23,7 +23,7 @@ from disagg.config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
-    AbortMsg, GenerateMsg, OutputMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
+    AbortMsg, GenerateMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
     encode,
 )
 
@@ -152,10 +152,11 @@ async def apply(handler: EngineHandler, msg) -> list:
     try:
         return await _apply(handler, msg)
     except Exception as exc:  # noqa: BLE001 - the handlers answer their own errors; this is the backstop
-        log.exception("applying a message failed", message=type(msg).__name__)
         if isinstance(msg, GenerateMsg):
-            return [OutputMsg(msg.request_id, finish_reason="abort", error_status=500,
-                              error=f"the worker could not admit the request: {type(exc).__name__}: {exc}")]
+            from disagg.dp.engine_handler import admission_error  # torch: the worker process only
+
+            return [admission_error(msg.request_id, exc)]
+        log.exception("applying a message failed", message=type(msg).__name__)
         return []
 
 

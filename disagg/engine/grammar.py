@@ -8,6 +8,8 @@ remote prefill sampled (P/D), or tokens recomputed after a preemption.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from functools import cached_property
 from types import ModuleType
 
@@ -57,12 +59,17 @@ class GrammarMatcher:
         return bits.flatten()[: self._vocab_size].bool()
 
 
+GRAMMAR_CACHE_SIZE = 64  # distinct grammars kept compiled per worker
+
+
 class GrammarCompiler:
     """Turns a request's StructuredOutput into llguidance grammars and matchers for one tokenizer."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's rows (may exceed the tokenizer's entries)
+        # Admission, a role's check and the first sample all need the grammar: compile it once.
+        self._grammars: OrderedDict[StructuredOutput, str] = OrderedDict()
 
     @cached_property
     def _lltokenizer(self) -> object:
@@ -71,7 +78,17 @@ class GrammarCompiler:
         return _llguidance().LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
 
     def grammar(self, structured: StructuredOutput) -> str:
-        """The llguidance grammar of `structured`; InvalidRequest (naming its field) when it is invalid."""
+        """The llguidance grammar of `structured` (cached); InvalidRequest (naming its field) when invalid."""
+        if structured in self._grammars:
+            self._grammars.move_to_end(structured)
+            return self._grammars[structured]
+        grammar = self._compile(structured)
+        self._grammars[structured] = grammar
+        if len(self._grammars) > GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def _compile(self, structured: StructuredOutput) -> str:
         llg = _llguidance()
         try:
             if structured.kind is GrammarKind.JSON_SCHEMA:

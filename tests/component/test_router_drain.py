@@ -12,6 +12,7 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from fake_engine import wait_for
 from test_router import SSE_CHUNKS, FakeServer, cluster, get, json_answer, post, sleep_then, sse_answer
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -121,8 +122,7 @@ async def test_the_router_timeout_aborts_streams_and_unary_requests_and_cancels_
         async with router.http.post(router.url + "/generate", json={"text": "s", "stream": True}) as resp:
             first = await resp.content.readuntil(b"\n\n")
             unary = asyncio.create_task(post(router, "/generate", {"text": "u"}))
-            while router.drain.num_in_flight < 2:
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: router.drain.num_in_flight == 2)
             assert await router.drain.run(0.2) == 2
             rest = await resp.read()
         status, _, raw = await unary

@@ -94,9 +94,11 @@ async def test_prefill_stopped_past_the_decode_deadline_then_resumed_never_write
             assert await wait_gauges([cluster.decode], [idle[1]]) == [idle[1]]
         finally:
             os.kill(worker, signal.SIGCONT)
-        # Resumed, the prefill finds its decode gone: its own request fails, nothing is written.
+        # Resumed, the prefill finds its decode gone, either on the control stream or because the write
+        # it posted first meets the connection the decode cut: its own request fails, nothing lands.
         status, data, _ = await asyncio.wait_for(prefill_leg, 15)
-        assert status == 500 and data["error"]["message"].startswith("lost decode decode-"), data
+        assert status == 500, data
+        assert data["error"]["message"].startswith(("lost decode decode-", "KV transfer failed: connection to peer 'decode-")), data
         assert await same_worker_outputs(cluster, PROMPTS, 200) == expected
         assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
     finally:

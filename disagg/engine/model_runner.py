@@ -128,11 +128,9 @@ class ModelRunner:
     def _decode_group(self, decodes: list[ScheduledSeq]) -> DecodeGroup:
         max_blocks = max(len(s.block_ids) for s in decodes)
         table = [s.block_ids + [s.block_ids[0]] * (max_blocks - len(s.block_ids)) for s in decodes]
-        lengths = torch.tensor([s.start_pos + 1 for s in decodes])
-        span = torch.arange(max_blocks * self.block_size)
-        mask = (span[None, :] >= lengths[:, None])[:, None, None, :]
         dev = self.model.device
-        return DecodeGroup(len(decodes), torch.tensor(table, device=dev), mask.to(dev))
+        lengths = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
+        return DecodeGroup(len(decodes), torch.tensor(table, device=dev), lengths)
 
     def _prompt_logprobs(self, seq: ScheduledSeq, logits: torch.Tensor) -> list[TopLogprobs]:
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine.models.arch import LlamaArch
+from disagg.ops import load_ops
 from disagg.ops.linear import linear
+from disagg.ops.reference import rope_cos_sin
 
 
 @dataclass
@@ -23,7 +25,7 @@ class DecodeGroup:
 
     num_tokens: int  # rows [0, num_tokens) of the flat batch
     block_tables: torch.Tensor  # [n, max_blocks] long (padded with a valid block id)
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: True where NOT attended (padding)
+    context_lens: torch.Tensor  # [n] long: tokens each row attends to, its new one included
 
 
 @dataclass
@@ -66,7 +68,8 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward pass. `kv_cache` is [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
 
-    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
+    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 kernels: str = "auto"):
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -76,7 +79,9 @@ class LlamaModel:
         head = weights.get("lm_head.weight")
         self.lm_head = self.embed if arch.tie_word_embeddings or head is None else self._w(head)
         self.inv_freq = rope_inv_freq(arch).to(self.device)
+        self._cos_sin = rope_cos_sin(self.inv_freq, min(arch.max_position_embeddings, 4096))
         self.scale = arch.head_dim**-0.5
+        self.ops = load_ops(kernels, device)
 
     def _w(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -99,33 +104,35 @@ class LlamaModel:
             out["k_norm"] = self._w(w[a + "k_norm.weight"])
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
-        return weight * x32.to(x.dtype)
-
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+    def cos_sin(self, num_positions: int) -> torch.Tensor:
+        """The RoPE table covering positions [0, num_positions), grown by doubling as contexts get longer."""
+        if self._cos_sin.shape[0] < num_positions:
+            size = min(max(num_positions, 2 * self._cos_sin.shape[0]), max(self.arch.max_position_embeddings, num_positions))
+            self._cos_sin = rope_cos_sin(self.inv_freq, size)
+        return self._cos_sin
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run the batch, write its KV into the cache, return float32 logits of `logit_rows`."""
-        x = F.embedding(batch.token_ids, self.embed)
-        cos, sin = self.rope_tables(batch.positions)
+        ops, eps = self.ops, self.arch.rms_norm_eps
+        cos_sin = self.cos_sin(int(batch.positions.max()) + 1)
+        residual = F.embedding(batch.token_ids, self.embed)
+        h = ops.rms_norm(residual, self.layers[0]["in_norm"], eps)
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(layer, self.rms_norm(x, layer["in_norm"]), cos, sin, batch, kv_cache[:, i])
-            x = x + self.mlp(layer, self.rms_norm(x, layer["post_norm"]))
-        x = self.rms_norm(x[batch.logit_rows], self.norm)
-        return linear(x, self.lm_head).float()
+            if i:
+                h = ops.add_rms_norm(x, residual, layer["in_norm"], eps)  # residual += the last MLP's output
+            x = self.attention(layer, h, cos_sin, batch, kv_cache[:, i])
+            h = ops.add_rms_norm(x, residual, layer["post_norm"], eps)
+            x = self.mlp(layer, h)
+        residual.add_(x)
+        h = ops.rms_norm(residual[batch.logit_rows], self.norm, eps)
+        return linear(h, self.lm_head).float()
 
     def mlp(self, layer: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, layer["down"])
+        return linear(self.ops.silu_and_mul(linear(h, layer["gate_up"])), layer["down"])
 
-    def attention(self, layer, h, cos, sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        arch = self.arch
+    def attention(self, layer, h, cos_sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        arch, ops = self.arch, self.ops
         num_q = arch.num_heads * arch.head_dim
         num_kv = arch.num_kv_heads * arch.head_dim
         qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
@@ -133,33 +140,22 @@ class LlamaModel:
         k = qkv[:, num_q : num_q + num_kv].view(-1, arch.num_kv_heads, arch.head_dim)
         v = qkv[:, num_q + num_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
         if arch.qk_norm:
-            q = self.rms_norm(q, layer["q_norm"])
-            k = self.rms_norm(k, layer["k_norm"])
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q = ops.rms_norm(q, layer["q_norm"], arch.rms_norm_eps)
+            k = ops.rms_norm(k, layer["k_norm"], arch.rms_norm_eps)
         k_cache, v_cache = cache[:, 0], cache[:, 1]  # [num_blocks, block_size, kv_heads, head_dim]
-        k_cache[batch.slot_blocks, batch.slot_offsets] = k
-        v_cache[batch.slot_blocks, batch.slot_offsets] = v
+        ops.rope_and_cache(q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets)
+        group = batch.decode
+        if group is not None and not batch.prefills:
+            out = ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale)
+            return linear(out.view(-1, num_q), layer["o"])
         out = torch.empty_like(q)
-        if batch.decode is not None:
-            n = batch.decode.num_tokens
-            out[:n] = self._decode_attention(q[:n], k_cache, v_cache, batch.decode)
+        if group is not None:
+            n = group.num_tokens
+            out[:n] = ops.paged_decode_attention(q[:n], k_cache, v_cache, group.block_tables, group.context_lens, self.scale)
         for seg in batch.prefills:
             rows = slice(seg.row_start, seg.row_end)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
         return linear(out.view(-1, num_q), layer["o"])
-
-    def _decode_attention(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        # Plain batched matmuls: for one query token, CPU SDPA kernels cost far more than the math.
-        n = q.shape[0]
-        kv_heads, dim = self.arch.num_kv_heads, self.arch.head_dim
-        keys = gather_blocks(k_cache, group.block_tables).view(n, -1, kv_heads, dim).transpose(1, 2).contiguous()
-        values = gather_blocks(v_cache, group.block_tables).view(n, -1, kv_heads, dim).transpose(1, 2).contiguous()
-        q = q.view(n, kv_heads, -1, dim)  # query heads grouped by their KV head
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [n, kv, group, L]
-        scores.masked_fill_(group.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(n, -1, dim)
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, seg: PrefillSegment) -> torch.Tensor:
         num_new = q.shape[0]
@@ -167,8 +163,8 @@ class LlamaModel:
             keys, values, mask, causal = k, v, None, True
         else:
             ctx = seg.start_pos + num_new
-            keys = gather_blocks(k_cache, seg.block_ids).flatten(0, 1)[:ctx]
-            values = gather_blocks(v_cache, seg.block_ids).flatten(0, 1)[:ctx]
+            keys = self.ops.gather_blocks(k_cache, seg.block_ids).flatten(0, 1)[:ctx]
+            values = self.ops.gather_blocks(v_cache, seg.block_ids).flatten(0, 1)[:ctx]
             rows = torch.arange(num_new, device=q.device)[:, None] + seg.start_pos
             mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
         out = F.scaled_dot_product_attention(
@@ -176,13 +172,3 @@ class LlamaModel:
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(0, 1)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy the given blocks out of one layer's strided cache view (index_select is the fast path)."""
-    return cache.index_select(0, block_ids.reshape(-1))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

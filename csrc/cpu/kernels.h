@@ -1,0 +1,254 @@
+// Kernel bodies, compiled once per instruction set: kernels_<isa>.cpp sets `#pragma GCC target`,
+// defines DISAGG_ISA (the namespace) and includes this file. Loops are written for the
+// auto-vectoriser (`omp simd`); no headers with inline functions may be included here, so that
+// no AVX-512 copy of a shared inline function can leak into the rest of the library.
+//
+// Numerics follow the pure-torch ops in disagg/ops/reference.py: products and sums are rounded to
+// the model dtype where torch would round them (so bfloat16 results match it), float32 math
+// otherwise; the build uses -ffp-contract=off so that no multiply-add is fused behind our back.
+
+#include <cstdint>
+
+#include "table.h"
+
+namespace disagg {
+namespace DISAGG_ISA {
+namespace {
+
+using bf16 = uint16_t;
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+// Round to nearest even, as torch does (a NaN becomes the canonical quiet NaN).
+inline bf16 to_bf16(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // a select, not a branch
+}
+
+template <typename T> inline T from_f32(float f);
+template <> inline float from_f32<float>(float f) { return f; }
+template <> inline bf16 from_f32<bf16>(float f) { return to_bf16(f); }
+
+// f rounded to T and back: what storing a float32 result in a T tensor does.
+template <typename T> inline float round_to(float f) { return to_f32(from_f32<T>(f)); }
+
+// exp to ~2 ulp (Cephes' polynomial): 0 below -87, inf above 88. Plain arithmetic and selects on
+// the result, so that loops over it vectorise (a clamp of x itself keeps GCC from vectorising).
+inline float exp_approx(float x) {
+  const float t = x * 1.44269504088896341f + 0.5f;
+  const float truncated = static_cast<float>(static_cast<int32_t>(t));
+  const float fn = truncated - (truncated > t ? 1.0f : 0.0f);  // floor(t)
+  const int32_t n = static_cast<int32_t>(fn);
+  float r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r * r + r + 1.0f) * __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
+  const float low = x < -87.0f ? 0.0f : y;
+  return x > 88.0f ? __builtin_inff() : low;
+}
+
+// Below this many elements of work a parallel region costs more than it saves.
+constexpr int64_t kParallelElems = 1 << 15;
+
+#if defined(__FMA__)
+inline float fma32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+inline float fma32(float a, float b, float c) { return a * b + c; }
+#endif
+
+// ---- paged decode attention ----------------------------------------------------------------
+
+// One (request, KV head): the group of query heads that share it, over the request's blocks.
+template <typename T>
+void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+                  const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
+                  float scale, float* scores) {
+  // Pass 1: scores[g][t] = round(q_g . k_t) * scale, as matmul in T then .float() * scale.
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const T* qg = q + g * head_dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot = fma32(to_f32(qg[d]), to_f32(kt[d]), dot);
+      scores[g * ctx + t] = round_to<T>(dot) * scale;
+    }
+  }
+  // Pass 2: softmax per query head; probabilities rounded to T as `.to(values.dtype)` does.
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * ctx;
+    float m = s[0];
+    for (int64_t t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < ctx; ++t) {
+      s[t] = exp_approx(s[t] - m);
+      sum += s[t];
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < ctx; ++t) s[t] = round_to<T>(s[t] * inv);
+  }
+  // Pass 3: out_g = sum_t p[g][t] v_t, accumulated in float32 (after the scores in the scratch).
+  float* acc = scores + group * ctx;
+  for (int64_t i = 0; i < group * head_dim; ++i) acc[i] = 0.0f;
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float p = scores[g * ctx + t];
+      float* a = acc + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] = fma32(p, to_f32(vt[d]), a[d]);
+    }
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = from_f32<T>(acc[i]);
+}
+
+template <typename T>
+void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
+                              int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                              float* scratch, int64_t scratch_stride) {
+  const int64_t group = num_heads / num_kv_heads;
+#pragma omp parallel for collapse(2) schedule(static) if (n * num_kv_heads > 1 && n * num_heads * head_dim * 8 >= kParallelElems)
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t offset = (i * num_heads + h * group) * head_dim;
+      attend_group<T>(static_cast<T*>(out) + offset, static_cast<const T*>(q) + offset,
+                      static_cast<const T*>(k.data) + h * k.head_stride,
+                      static_cast<const T*>(v.data) + h * v.head_stride, k, v, block_tables + i * max_blocks,
+                      context_lens[i], group, head_dim, block_size, scale,
+                      scratch + (i * num_kv_heads + h) * scratch_stride);
+    }
+  }
+}
+
+// ---- RMSNorm (with the residual add folded in) ----------------------------------------------
+
+template <typename T>
+void rms_norm_t(void* out_, const void* x_, void* residual_, const void* weight_, int64_t rows, int64_t dim,
+                float eps) {
+  T* out = static_cast<T*>(out_);
+  const T* x = static_cast<const T*>(x_);
+  T* residual = static_cast<T*>(residual_);
+  const T* w = static_cast<const T*>(weight_);
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    T* src = residual ? residual + r * dim : const_cast<T*>(xr);
+    if (residual) {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) src[d] = from_f32<T>(to_f32(src[d]) + to_f32(xr[d]));
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < dim; ++d) ss += to_f32(src[d]) * to_f32(src[d]);
+    const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(dim) + eps);
+    T* o = out + r * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) o[d] = from_f32<T>(to_f32(w[d]) * round_to<T>(to_f32(src[d]) * inv));
+  }
+}
+
+// ---- RoPE (rotate-half) and the KV cache write ----------------------------------------------
+
+template <typename T>
+inline void rotate_head(T* x, const float* cos_sin, int64_t half) {
+  const float* c = cos_sin;
+  const float* s = cos_sin + half;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
+    const float cj = round_to<T>(c[j]), sj = round_to<T>(s[j]);
+    x[j] = from_f32<T>(round_to<T>(x1 * cj) + round_to<T>(-x2 * sj));
+    x[j + half] = from_f32<T>(round_to<T>(x2 * cj) + round_to<T>(x1 * sj));
+  }
+}
+
+template <typename T>
+void rope_and_cache_t(void* q_, int64_t q_stride, void* k_, int64_t k_stride, const void* v_, int64_t v_stride,
+                      const int64_t* positions, const float* cos_sin, CacheView kc, CacheView vc,
+                      const int64_t* slot_blocks, const int64_t* slot_offsets, int64_t num_tokens, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * head_dim >= kParallelElems)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* cs = cos_sin + positions[t] * head_dim;
+    T* q = static_cast<T*>(q_) + t * q_stride;
+    for (int64_t h = 0; h < num_heads; ++h) rotate_head<T>(q + h * head_dim, cs, half);
+    T* k = static_cast<T*>(k_) + t * k_stride;
+    const T* v = static_cast<const T*>(v_) + t * v_stride;
+    T* kd = static_cast<T*>(kc.data) + slot_blocks[t] * kc.block_stride + slot_offsets[t] * kc.token_stride;
+    T* vd = static_cast<T*>(vc.data) + slot_blocks[t] * vc.block_stride + slot_offsets[t] * vc.token_stride;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      rotate_head<T>(k + h * head_dim, cs, half);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        kd[h * kc.head_stride + d] = k[h * head_dim + d];
+        vd[h * vc.head_stride + d] = v[h * head_dim + d];
+      }
+    }
+  }
+}
+
+// ---- SiLU and multiply --------------------------------------------------------------------
+
+template <typename T>
+inline void silu_mul_row(T* __restrict o, const T* __restrict gate, const T* __restrict up, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) {
+    const float g = to_f32(gate[d]);
+    o[d] = from_f32<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * to_f32(up[d]));
+  }
+}
+
+template <typename T>
+void silu_and_mul_t(void* out_, const void* x_, int64_t rows, int64_t dim) {
+  T* out = static_cast<T*>(out_);
+  const T* x = static_cast<const T*>(x_);
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    silu_mul_row<T>(out + r * dim, x + r * 2 * dim, x + r * 2 * dim + dim, dim);
+  }
+}
+
+// ---- the table ------------------------------------------------------------------------------
+
+void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
+                            int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, DType dtype,
+                            float* scratch, int64_t scratch_stride) {
+  auto fn = dtype == DType::kFloat32 ? paged_decode_attention_t<float> : paged_decode_attention_t<bf16>;
+  fn(out, q, k, v, block_tables, max_blocks, context_lens, n, num_heads, num_kv_heads, head_dim, block_size, scale,
+     scratch, scratch_stride);
+}
+
+void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim, float eps,
+              DType dtype) {
+  auto fn = dtype == DType::kFloat32 ? rms_norm_t<float> : rms_norm_t<bf16>;
+  fn(out, x, residual, weight, rows, dim, eps);
+}
+
+void rope_and_cache(void* q, int64_t q_stride, void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                    const int64_t* positions, const float* cos_sin, CacheView kc, CacheView vc,
+                    const int64_t* slot_blocks, const int64_t* slot_offsets, int64_t num_tokens, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, DType dtype) {
+  auto fn = dtype == DType::kFloat32 ? rope_and_cache_t<float> : rope_and_cache_t<bf16>;
+  fn(q, q_stride, k, k_stride, v, v_stride, positions, cos_sin, kc, vc, slot_blocks, slot_offsets, num_tokens,
+     num_heads, num_kv_heads, head_dim);
+}
+
+void silu_and_mul(void* out, const void* x, int64_t rows, int64_t dim, DType dtype) {
+  auto fn = dtype == DType::kFloat32 ? silu_and_mul_t<float> : silu_and_mul_t<bf16>;
+  fn(out, x, rows, dim);
+}
+
+}  // namespace
+}  // namespace DISAGG_ISA
+}  // namespace disagg

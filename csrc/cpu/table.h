@@ -1,0 +1,50 @@
+// The CPU kernels' entry points, one table per instruction set (kernels_<isa>.cpp fill them).
+//
+// Plain pointers and sizes only: the kernel translation units are compiled for different
+// instruction sets and must not share inline functions with the rest of the library, so they
+// include no torch headers. ops.cpp checks shapes and picks the table the CPU supports.
+#pragma once
+
+#include <cstdint>
+
+namespace disagg {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// One layer's view of the block-contiguous KV cache: element strides of [block, token, head].
+struct CacheView {
+  void* data;
+  int64_t block_stride;
+  int64_t token_stride;
+  int64_t head_stride;
+};
+
+struct KernelTable {
+  const char* isa;
+  // out[n, num_heads, head_dim] = softmax(q k^T * scale) v over each row's first context_lens[i]
+  // tokens, read in place from the blocks in block_tables[i] (num_heads % num_kv_heads == 0).
+  // scratch: n * num_kv_heads slices of scratch_stride floats, scratch_stride >=
+  // (num_heads / num_kv_heads) * (max(context_lens) + head_dim).
+  void (*paged_decode_attention)(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
+                                 int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, DType dtype,
+                                 float* scratch, int64_t scratch_stride);
+  // residual (if not null) += x, rounded to dtype; out = weight * round(norm(residual or x)).
+  void (*rms_norm)(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim,
+                   float eps, DType dtype);
+  // Rotate-half RoPE of q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] in place (row
+  // strides given), cos/sin from cos_sin[position] ([max_pos, head_dim]: cos half, then sin half),
+  // then k and v [T, num_kv_heads, head_dim] written to slot (slot_blocks[t], slot_offsets[t]).
+  void (*rope_and_cache)(void* q, int64_t q_stride, void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                         const int64_t* positions, const float* cos_sin, CacheView k_cache, CacheView v_cache,
+                         const int64_t* slot_blocks, const int64_t* slot_offsets, int64_t num_tokens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, DType dtype);
+  // out[T, d] = silu(x[:, :d]) * x[:, d:] for x [T, 2d].
+  void (*silu_and_mul)(void* out, const void* x, int64_t rows, int64_t dim, DType dtype);
+};
+
+KernelTable kernels_base();
+KernelTable kernels_avx2();
+KernelTable kernels_avx512();
+
+}  // namespace disagg

@@ -1,0 +1,81 @@
+"""The pure-torch twin of every csrc kernel: the fallback, and what tests/unit/test_ops.py compares against.
+
+Each op rounds where the model's original torch code rounds (bfloat16 products and sums), so that
+the engine's greedy outputs match HF transformers token for token on this path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """The forward pass's fused ops, written with plain torch calls (any device)."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x in place; returns rms_norm(residual)."""
+        residual.add_(x)
+        return TorchOps.rms_norm(residual, weight, eps)
+
+    @staticmethod
+    def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
+        """Rotate-half RoPE of q and k in place ([T, heads, head_dim]); write k and v into the caches' slots."""
+        half = q.shape[-1] // 2
+        table = cos_sin[positions]
+        cos = torch.cat((table[:, :half], table[:, :half]), dim=-1).to(q.dtype)[:, None, :]
+        sin = torch.cat((table[:, half:], table[:, half:]), dim=-1).to(q.dtype)[:, None, :]
+        q.copy_(q * cos + rotate_half(q) * sin)
+        k.copy_(k * cos + rotate_half(k) * sin)
+        k_cache[slot_blocks, slot_offsets] = k
+        v_cache[slot_blocks, slot_offsets] = v
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+        """q [n, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; one query token per row."""
+        # Plain batched matmuls over gathered blocks: for one query token, CPU SDPA costs far more than the math.
+        n, _, dim = q.shape
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        keys = k_cache.index_select(0, block_tables.reshape(-1)).view(n, -1, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, block_tables.reshape(-1)).view(n, -1, kv_heads, dim).transpose(1, 2)
+        q = q.reshape(n, kv_heads, -1, dim)  # query heads grouped by their KV head
+        scores = torch.matmul(q, keys.contiguous().transpose(-1, -2)).float() * scale  # [n, kv, group, L]
+        span = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+        scores.masked_fill_((span[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values.contiguous()).view(n, -1, dim)
+
+    @staticmethod
+    def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """A packed copy of the given blocks (dimension 0) of a strided cache view."""
+        return cache.index_select(0, block_ids.reshape(-1))
+
+    @staticmethod
+    def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """cache[block_ids[i]] = src[i]."""
+        cache.index_copy_(0, block_ids.reshape(-1), src)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """[num_positions, head_dim] float32: cos(p * inv_freq) then sin(p * inv_freq) for each position p."""
+    freqs = torch.arange(num_positions, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()

@@ -1,0 +1,147 @@
+"""csrc kernels against their pure-torch twins (disagg/ops/reference.py), on every instruction set this CPU runs.
+
+Exact where the op only moves bytes (cache writes, block gather/scatter); float32 within a few ulp
+and bfloat16 within one rounding step elsewhere (the kernels sum in a different order than torch).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from disagg.ops import KernelsUnavailable, csrc_status, load_ops
+from disagg.ops.reference import TorchOps, rope_cos_sin
+
+REF = TorchOps()
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+
+
+def _isas() -> list[str]:
+    if csrc_status() is not None:
+        return []
+    return [isa for isa in ("base", "avx2", "avx512") if _supported(isa)]
+
+
+def _supported(isa: str) -> bool:
+    try:
+        torch.ops.disagg.set_isa(isa)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.fixture(params=_isas() or ["unbuilt"])
+def csrc(request):
+    if request.param == "unbuilt":
+        pytest.fail(f"csrc kernels unavailable although a compiler is installed: {csrc_status()}")
+    best = torch.ops.disagg.isa()
+    torch.ops.disagg.set_isa(request.param)
+    yield load_ops("csrc")
+    torch.ops.disagg.set_isa(best)
+
+
+def test_the_kernels_build_wherever_a_compiler_is_installed():
+    assert shutil.which("g++") or shutil.which("c++"), "this suite expects a C++ compiler (see README)"
+    assert csrc_status() is None
+    assert load_ops("auto").name == f"csrc-{torch.ops.disagg.isa()}"
+    assert load_ops("torch").name == "torch"
+
+
+def test_an_unknown_choice_and_a_cuda_device_are_refused():
+    with pytest.raises(ValueError, match="kernels must be one of auto, csrc, torch, got 'fast'"):
+        load_ops("fast")
+    with pytest.raises(KernelsUnavailable, match="csrc kernels are built for the CPU only"):
+        load_ops("csrc", "cuda")
+    assert load_ops("auto", "cuda").name == "torch"
+
+
+def _cache(num_blocks, block_size, kv_heads, dim, dtype, gen, layers=3):
+    full = torch.randn(num_blocks, layers, 2, block_size, kv_heads, dim, generator=gen).to(dtype)
+    return full, full[:, 1, 0], full[:, 1, 1]  # a middle layer's strided K and V views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 5), (6, 1, 16, 32)])
+def test_paged_decode_attention(csrc, dtype, heads, kv_heads, dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + block_size)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size + 2, 7])
+    max_blocks = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    _, k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    got = csrc.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    want = REF.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    assert got.dtype == dtype and got.shape == (len(lens), heads, dim)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_paged_decode_attention_refuses_a_context_past_its_blocks(csrc):
+    _, k_cache, v_cache = _cache(4, 16, 1, 16, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="context length 33 of row 0 does not fit its 2 blocks"):
+        csrc.paged_decode_attention(torch.zeros(1, 1, 16), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
+    with pytest.raises(RuntimeError, match=r"block id 4 out of range \[0, 4\)"):
+        csrc.paged_decode_attention(torch.zeros(1, 1, 16), k_cache, v_cache, torch.tensor([[4]]), torch.tensor([3]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (33, 100)])
+def test_rms_norm_and_its_residual_add(csrc, dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, dim, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(dim, generator=gen).to(dtype)
+    torch.testing.assert_close(csrc.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5), **TOL[dtype])
+    ours, theirs = residual.clone(), residual.clone()
+    got = csrc.add_rms_norm(x, ours, weight, 1e-5)
+    want = REF.add_rms_norm(x, theirs, weight, 1e-5)
+    assert torch.equal(ours, theirs)  # one rounded add, as torch does it
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (2, 1, 8, 3)])
+def test_rope_and_cache_write(csrc, dtype, heads, kv_heads, dim, block_size):
+    gen = torch.Generator().manual_seed(dim)
+    num_tokens = 11
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos_sin = rope_cos_sin(inv_freq, 300)
+    positions = torch.randint(0, 300, (num_tokens,), generator=gen)
+    slot_blocks = torch.randperm(6, generator=gen).repeat(2)[:num_tokens]
+    slot_offsets = torch.randint(0, block_size, (num_tokens,), generator=gen)
+    results = []
+    for ops in (csrc, REF):
+        buf = qkv.clone()
+        q = buf[:, : heads * dim].view(-1, heads, dim)
+        k = buf[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+        v = buf[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+        full, k_cache, v_cache = _cache(6, block_size, kv_heads, dim, dtype, torch.Generator().manual_seed(1))
+        ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_blocks, slot_offsets)
+        results.append((buf, full))
+    (buf, full), (ref_buf, ref_full) = results
+    # Each rotated element is rounded exactly where torch rounds it, so the two agree bit for bit.
+    assert torch.equal(buf, ref_buf)
+    assert torch.equal(full, ref_full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(csrc, dtype):
+    x = (torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    torch.testing.assert_close(csrc.silu_and_mul(x), REF.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_gather_and_scatter_move_exact_bytes(csrc, dtype):
+    full, k_cache, _ = _cache(9, 4, 2, 8, dtype, torch.Generator().manual_seed(5))
+    ids = torch.tensor([7, 0, 3])
+    assert torch.equal(csrc.gather_blocks(k_cache, ids), REF.gather_blocks(k_cache, ids))
+    assert torch.equal(csrc.gather_blocks(full, ids), full[[7, 0, 3]])
+    src = torch.randn(3, *full.shape[1:]).to(dtype)
+    ours, theirs = full.clone(), full.clone()
+    csrc.scatter_blocks(ours, ids, src)
+    REF.scatter_blocks(theirs, ids, src)
+    assert torch.equal(ours, theirs)
+    with pytest.raises(RuntimeError, match=r"block id 9 out of range \[0, 9\)"):
+        csrc.gather_blocks(full, torch.tensor([9]))

@@ -84,7 +84,7 @@ class Discovery:
 
     async def close(self) -> None:
         """Stop watching; idempotent. Servers already in the pool stay as they are."""
-        tasks, self._tasks = self._tasks, set()
+        tasks, self._tasks = list(self._tasks), set()
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -97,7 +97,7 @@ class Discovery:
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._tasks.discard(done))
 
     async def _run(self, role: Role, selector: str) -> None:
         tracker = PodTracker(with_bootstrap_port=role is Role.PREFILL)
@@ -114,6 +114,10 @@ class Discovery:
                 wait_s = backoff.next_s()
                 log.warning("pod list/watch failed; retrying", role=str(role), error=f"{type(exc).__name__}: {exc}",
                             retry_in_s=wait_s)
+                await asyncio.sleep(wait_s)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end discovery: log it, back off, list again
+                wait_s = backoff.next_s()
+                log.error("pod discovery failed unexpectedly; retrying", role=str(role), retry_in_s=wait_s, exc_info=exc)
                 await asyncio.sleep(wait_s)
 
     def _call(self, selector: str, timeout_s: float, **params):
@@ -165,7 +169,7 @@ class Discovery:
             return version
         pod = self._view(obj)
         tracker.apply(EventType(kind), pod)
-        log.debug("pod event", role=str(role), event=kind, pod=pod.key, ready=pod.ready, terminating=pod.terminating)
+        log.debug("pod event", role=str(role), change=kind, pod=pod.key, ready=pod.ready, terminating=pod.terminating)
         self._sync(role, tracker)
         return version
 

@@ -121,8 +121,9 @@ def test_front_door_imports_without_torch():
         "    try: importlib.import_module(name)\n"
         "    except ModuleNotFoundError as e:\n"
         "        if e.name != name: raise\n"
-        "print('torch' in sys.modules)\n"
+        "import disagg.router.app, disagg.router.launch\n"
+        "print('torch' in sys.modules, 'kubernetes_asyncio' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"  # discovery's client loads only with --service-discovery

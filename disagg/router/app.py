@@ -25,6 +25,7 @@ from aiohttp import web
 
 from disagg.drain import Drain
 from disagg.router.config import RouterConfig
+from disagg.router.discovery import Discovery
 from disagg.router.errors import NoHealthyServer, RouterDraining, RouterError
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegClient, leg_errors
@@ -55,9 +56,10 @@ class Router:
         self.health: HealthChecker | None = None
         self.proxy: Proxy | None = None
         self.legs: LegClient | None = None
+        self.discovery: Discovery | None = None
 
     async def start(self) -> None:
-        """Open the session, run the first health checks, start the checker loop."""
+        """Open the session, run the first health checks, start the checker loop (and discovery)."""
         cfg = self.config
         connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
@@ -67,9 +69,15 @@ class Router:
         self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits,
                            self.drain)
         await self.health.start()
+        if cfg.discovery is not None:
+            self.discovery = Discovery(cfg.discovery, self.pool, self.health)
+            await self.discovery.start()
 
     async def close(self) -> None:
-        """Stop health checks and close every connection; idempotent."""
+        """Stop discovery and health checks and close every connection; idempotent."""
+        discovery, self.discovery = self.discovery, None
+        if discovery is not None:
+            await discovery.close()
         if self.health is not None:
             await self.health.close()
         session, self.session = self.session, None
@@ -146,7 +154,7 @@ async def list_models(request: web.Request) -> web.Response:
     index = router.pool.first_eligible(Role.DECODE)
     if index is None:
         raise NoHealthyServer("decode")
-    status, content_type, body = await _get(router, Role.DECODE, router.config.decode[index], "/v1/models",
+    status, content_type, body = await _get(router, Role.DECODE, router.pool.info(Role.DECODE, index).url, "/v1/models",
                                             _authorization(request))
     return web.Response(body=body, status=status, headers={"Content-Type": content_type})
 

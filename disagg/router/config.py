@@ -7,7 +7,7 @@ tests build the same values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, check_shutdown_timeout
@@ -65,6 +65,80 @@ def parse_prefill(values: list[str]) -> PrefillEndpoint:
     return PrefillEndpoint(values[0], port)
 
 
+def _flag(name: str, help_text: str) -> dict:
+    return {"flag": name, "help": help_text}
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """`--service-discovery`: the router finds its servers by watching pods through the Kubernetes API.
+
+    Flag names are sglang-router's (`metadata["flag"]`). A pod is a server once it is Ready, not
+    terminating and answers the router's own `GET /health`; its HTTP port is its container port
+    named `http`, else `port`; its bootstrap port is the `bootstrap_port_annotation` annotation,
+    else its container port named `bootstrap`, else 8998.
+    """
+
+    prefill_selector: tuple[str, ...] = field(
+        default=(), metadata=_flag("--prefill-selector", "label selector of prefill pods: key=value [key=value ...]"))
+    decode_selector: tuple[str, ...] = field(
+        default=(), metadata=_flag("--decode-selector", "label selector of decode pods: key=value [key=value ...]"))
+    namespace: str | None = field(
+        default=None, metadata=_flag("--service-discovery-namespace",
+                                     "namespace to watch (default: every namespace, which needs cluster-wide rights)"))
+    kubeconfig: str | None = field(
+        default=None, metadata=_flag("--kubeconfig", "kubeconfig file to reach the API server from outside a pod "
+                                                     "(default: the pod's service account, else $KUBECONFIG)"))
+    port: int = field(default=80, metadata=_flag("--service-discovery-port",
+                                                 "HTTP port of a pod that names no container port 'http'"))
+    bootstrap_port_annotation: str = field(
+        default="sglang.ai/bootstrap-port",
+        metadata=_flag("--bootstrap-port-annotation", "pod annotation holding a prefill's bootstrap port"))
+    watch_timeout_s: float = field(
+        default=300.0, metadata=_flag("--service-discovery-watch-timeout-s",
+                                      "the API server ends each watch after this long; it is then resumed"))
+    api_timeout_s: float = field(
+        default=30.0, metadata=_flag("--service-discovery-api-timeout-s", "limit of one list call to the API server"))
+    backoff_s: float = field(
+        default=0.5, metadata=_flag("--service-discovery-backoff-s", "first wait before a failed list/watch is retried"))
+    max_backoff_s: float = field(
+        default=30.0, metadata=_flag("--service-discovery-max-backoff-s", "the retry wait doubles up to this"))
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_selector", "decode_selector"):
+            items = tuple(getattr(self, name))
+            object.__setattr__(self, name, items)
+            if not items:
+                raise ConfigError(f"service discovery needs {_flag_of(name)} (key=value ...)")
+            for item in items:
+                key, sep, _value = item.partition("=")
+                if not sep or not key.strip():
+                    raise ConfigError(f"{_flag_of(name)} takes key=value items, got {item!r}")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--service-discovery-port must be in [1, 65535], got {self.port}")
+        if not self.bootstrap_port_annotation:
+            raise ConfigError("--bootstrap-port-annotation must not be empty")
+        for name in ("watch_timeout_s", "api_timeout_s", "backoff_s", "max_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_flag_of(name)} must be positive, got {getattr(self, name)}")
+        if self.max_backoff_s < self.backoff_s:
+            raise ConfigError("--service-discovery-max-backoff-s must be at least --service-discovery-backoff-s")
+
+    @property
+    def prefill_label_selector(self) -> str:
+        """The API's `labelSelector` of prefill pods: `a=b,c=d`."""
+        return ",".join(item.strip() for item in self.prefill_selector)
+
+    @property
+    def decode_label_selector(self) -> str:
+        """The API's `labelSelector` of decode pods."""
+        return ",".join(item.strip() for item in self.decode_selector)
+
+
+def _flag_of(name: str) -> str:
+    return next(f.metadata["flag"] for f in fields(DiscoveryConfig) if f.name == name)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """`disagg router`: one HTTP front that pairs a prefill and a decode server per request."""
@@ -100,14 +174,18 @@ class RouterConfig:
         default=None, repr=False,
         metadata={"help": "require 'Authorization: Bearer KEY' from clients (not on /health, /metrics); the header "
                           "goes on to both servers, so start them with the same --api-key"})
+    discovery: DiscoveryConfig | None = field(
+        default=None, metadata={"help": "find the servers through the Kubernetes API instead of --prefill/--decode"})
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty (leave it unset to turn it off)")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(_check_url(u, "--decode") for u in self.decode))
-        if not self.prefill or not self.decode:
-            raise ConfigError("the router needs at least one --prefill and one --decode server")
+        if self.discovery is not None and (self.prefill or self.decode):
+            raise ConfigError("--service-discovery finds the servers itself: give no --prefill or --decode")
+        if self.discovery is None and (not self.prefill or not self.decode):
+            raise ConfigError("the router needs at least one --prefill and one --decode server (or --service-discovery)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.policy not in POLICIES:

@@ -94,8 +94,9 @@ class HealthChecker:
                 await task
 
     async def check_all(self) -> None:
-        """Check every server of both roles concurrently."""
-        checks = [self._check(role, i) for role in Role for i in range(self._pool.size(role))]
+        """Check every server of both roles that admits requests, concurrently."""
+        checks = [self.check(info.role, info.index) for role in Role for info in self._pool.infos(role)
+                  if info.admitting]
         await asyncio.gather(*checks)
 
     async def ensure_dp_size(self, role: Role, index: int) -> int:
@@ -113,14 +114,20 @@ class HealthChecker:
             await asyncio.sleep(self._config.health_check_interval_s)
             await self.check_all()
 
-    async def _check(self, role: Role, index: int) -> None:
+    async def check(self, role: Role, index: int) -> Health | None:
+        """Probe one server now and record the outcome; None if it was forgotten meanwhile."""
+        if not self._pool.contains(role, index):
+            return None
         url = self._pool.info(role, index).url
         error = await probe_health(self._session, url, self._config.health_check_timeout_s)
         health = Health.HEALTHY if error is None else Health.UNHEALTHY
         previous = self._pool.set_health(role, index, health, error)
+        if previous is None:
+            return None
         if health is not previous:
             report = log.info if health is Health.HEALTHY else log.warning
             report("server health changed", role=str(role), url=url, health=str(health), reason=error)
         if health is Health.HEALTHY and self._config.test_external_dp_routing:
-            with contextlib.suppress(RouterError):  # read lazily per request instead
+            with contextlib.suppress(RouterError, KeyError):  # read lazily per request instead
                 await self.ensure_dp_size(role, index)
+        return health

@@ -4,7 +4,8 @@
         --decode http://d1:30002 --decode http://d2:30002 --policy round_robin
 
 Scalar options come from RouterConfig's fields and help text; `--prefill URL [BOOTSTRAP_PORT]` and
-`--decode URL` repeat. `--pd-disaggregation` and `--request-timeout-secs` are accepted so that
+`--decode URL` repeat. `--service-discovery --prefill-selector app=prefill --decode-selector app=decode`
+finds the servers through the Kubernetes API instead (DiscoveryConfig, sglang-router's flag names). `--pd-disaggregation` and `--request-timeout-secs` are accepted so that
 sglang-router command lines work unchanged.
 """
 
@@ -15,9 +16,11 @@ import dataclasses
 import typing
 
 from disagg.cli_args import scalar_type
-from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, POLICIES, PROTOCOLS, RouterConfig, parse_prefill
+from disagg.router.config import (
+    DEFAULT_BOOTSTRAP_PORT, POLICIES, PROTOCOLS, DiscoveryConfig, RouterConfig, parse_prefill,
+)
 
-_SERVER_LISTS = ("prefill", "decode")
+_SERVER_LISTS = ("prefill", "decode", "discovery")  # not scalars: built by hand below
 _ALIASES = {"request_timeout_s": ("--request-timeout-secs",),  # sglang-router's spelling
             "shutdown_timeout_s": ("--shutdown-timeout",)}  # vLLM's
 _CHOICES = {"policy": POLICIES, "log_format": ("console", "json"), "protocol": PROTOCOLS}
@@ -33,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a decode server; repeat")
     parser.add_argument("--pd-disaggregation", action="store_true",
                         help="accepted for sglang-router compatibility (this router always disaggregates)")
+    add_discovery_arguments(parser.add_argument_group("service discovery (Kubernetes)"))
     hints = typing.get_type_hints(RouterConfig)
     for f in dataclasses.fields(RouterConfig):
         if f.name in _SERVER_LISTS:
@@ -47,17 +51,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 choices=_CHOICES.get(f.name), help=f"{help_text} (default: {f.default})")
 
 
+def add_discovery_arguments(group) -> None:
+    """`--service-discovery` and DiscoveryConfig's options, under sglang-router's flag names."""
+    group.add_argument("--service-discovery", action="store_true",
+                       help="find prefill and decode servers by watching pods through the Kubernetes API "
+                            "(needs the extra k8s)")
+    hints = typing.get_type_hints(DiscoveryConfig)
+    for f in dataclasses.fields(DiscoveryConfig):
+        dest = "discovery_" + f.name
+        if typing.get_origin(hints[f.name]) is tuple:
+            group.add_argument(f.metadata["flag"], dest=dest, nargs="+", default=[], metavar="KEY=VALUE",
+                               help=f.metadata["help"])
+        else:
+            shown = "" if f.default is None else f" (default: {f.default})"
+            group.add_argument(f.metadata["flag"], dest=dest, type=scalar_type(hints[f.name]), default=f.default,
+                               metavar=f.name.upper(), help=f.metadata["help"] + shown)
+
+
+def _selector_items(values: list[str]) -> tuple[str, ...]:
+    """`a=b c=d` given as one argument (a YAML list item) or as several."""
+    return tuple(item for value in values for item in value.split())
+
+
+def discovery_from_args(args: argparse.Namespace) -> DiscoveryConfig | None:
+    """DiscoveryConfig when `--service-discovery` is given, else None (its options are then ignored)."""
+    if not getattr(args, "service_discovery", False):
+        return None
+    values = {f.name: getattr(args, "discovery_" + f.name) for f in dataclasses.fields(DiscoveryConfig)}
+    for name in ("prefill_selector", "decode_selector"):
+        values[name] = _selector_items(values[name])
+    return DiscoveryConfig(**values)
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """RouterConfig from parsed options; ConfigError names the bad value."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)
               if f.name not in _SERVER_LISTS and hasattr(args, f.name)}
     prefill = tuple(parse_prefill(list(v)) for v in args.prefill or ())
     decode = tuple(v[0] for v in args.decode or ())
-    return RouterConfig(prefill=prefill, decode=decode, **values)
+    return RouterConfig(prefill=prefill, decode=decode, discovery=discovery_from_args(args), **values)
 
 
 def main(args: argparse.Namespace) -> int:
     """`disagg router`: build the config and serve until interrupted; returns the exit code."""
+    config = config_from_args(args)
+    if config.discovery is not None:
+        from disagg.router.discovery import load_client
+
+        load_client()  # a missing extra is a clear error before anything starts
     from disagg.router.server import run  # aiohttp loads only when the router really runs
 
-    return run(config_from_args(args))
+    return run(config)

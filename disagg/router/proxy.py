@@ -22,7 +22,7 @@ from aiohttp import web
 
 from disagg.drain import Drain
 from disagg.router import bodies
-from disagg.router.config import RouterConfig
+from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.errors import RequestShutDown, RouterError, ServerDraining
 from disagg.router.health import HealthChecker
 from disagg.router.legs import (
@@ -120,7 +120,6 @@ class Proxy:
     async def _serve_plan(self, request: web.Request, path: str, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
         room = plan.room if isinstance(plan.room, int) else plan.room[0]
         with structlog.contextvars.bound_contextvars(bootstrap_room=room, path=path):
-            self._begin(plan)
             try:
                 log.debug("request routed", prefill=plan.prefill.server, decode=plan.decode.server)
                 prefill = None
@@ -133,9 +132,23 @@ class Proxy:
                 self._end(plan)
 
     async def plan(self, path: str, body: dict) -> Plan:
-        """Pick the pair, draw the room, and build each leg's body."""
-        p, d = self._picker.pick_pair(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE))
-        endpoint = self._config.prefill[p]
+        """Pick the pair, draw the room, and build each leg's body. The pair counts as busy from the
+        pick on (the caller ends it), so discovery cannot forget a server this request will use."""
+        p_pos, d_pos = self._picker.pick_pair(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE))
+        p, d = self._pool.ids(Role.PREFILL)[p_pos], self._pool.ids(Role.DECODE)[d_pos]
+        self._pool.begin(Role.PREFILL, p)
+        self._pool.begin(Role.DECODE, d)
+        try:
+            return await self._plan_pair(path, body, p, d)
+        except BaseException:
+            self._pool.end(Role.PREFILL, p)
+            self._pool.end(Role.DECODE, d)
+            raise
+
+    async def _plan_pair(self, path: str, body: dict, p: int, d: int) -> Plan:
+        prefill = self._pool.info(Role.PREFILL, p)
+        decode_url = self._pool.info(Role.DECODE, d).url
+        endpoint = PrefillEndpoint(prefill.url, prefill.bootstrap_port)
         room = draw_rooms(bodies.generate_batch_size(path, body), self._randbits)
         shared = bodies.with_bootstrap(body, bodies.Bootstrap(endpoint.bootstrap_host, endpoint.bootstrap_port, room))
         expected = None
@@ -148,17 +161,12 @@ class Proxy:
             decode_body = bodies.encode_body(body)
         else:
             prefill_body = decode_body = bodies.encode_body(shared)
-        decode_url = self._config.decode[d]
         return Plan(
             prefill=Leg(Role.PREFILL, p, endpoint.url, endpoint.url + path, prefill_body),
             decode=Leg(Role.DECODE, d, decode_url, decode_url + path, decode_body),
             room=room, stream=bodies.is_stream(body), merge_logprobs=bodies.wants_prompt_logprobs(path, body),
             expected_decode_rank=expected,
         )
-
-    def _begin(self, plan: Plan) -> None:
-        self._pool.begin(Role.PREFILL, plan.prefill.index)
-        self._pool.begin(Role.DECODE, plan.decode.index)
 
     def _end(self, plan: Plan) -> None:
         self._pool.end(Role.PREFILL, plan.prefill.index)

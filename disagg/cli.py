@@ -96,7 +96,15 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=2, help="best of N runs")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--kernels", default="torch,auto",
+                        help="comma-separated kernel choices to compare (torch: pure-torch ops; auto: csrc where built)")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
+    parser.add_argument("--peers", nargs="+", default=[], metavar="NAME=URL",
+                        help="servers started by the user (vLLM CPU, llama.cpp, disagg) to drive through one streaming client")
+    parser.add_argument("--peer-input-len", type=int, default=250, help="prompt tokens (about) for --peers")
+    parser.add_argument("--peer-output-len", type=int, default=64, help="output tokens for --peers")
+    parser.add_argument("--peer-sequential", type=int, default=8, help="one-stream requests per peer")
+    parser.add_argument("--peer-streams", type=int, default=16, help="concurrent streams per peer")
     parser.add_argument("--out", default=None, help="write results as JSON here")
 
 

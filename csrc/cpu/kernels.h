@@ -65,9 +65,25 @@ inline float fma32(float a, float b, float c) { return a * b + c; }
 
 // ---- paged decode attention ----------------------------------------------------------------
 
-// One (request, KV head): the group of query heads that share it, over the request's blocks.
+// Softmax over scores[0, ctx) in place, probabilities rounded to T as `.to(values.dtype)` does.
 template <typename T>
-void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+inline void softmax_row(float* s, int64_t ctx) {
+  float m = s[0];
+  for (int64_t t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < ctx; ++t) {
+    s[t] = exp_approx(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < ctx; ++t) s[t] = round_to<T>(s[t] * inv);
+}
+
+// One (request, KV head), any group and head size: the group of query heads that share it, over the request's blocks.
+template <typename T>
+void attend_group_any(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
                   const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
                   float scale, float* scores) {
   // Pass 1: scores[g][t] = round(q_g . k_t) * scale, as matmul in T then .float() * scale.
@@ -81,21 +97,8 @@ void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheVie
       scores[g * ctx + t] = round_to<T>(dot) * scale;
     }
   }
-  // Pass 2: softmax per query head; probabilities rounded to T as `.to(values.dtype)` does.
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * ctx;
-    float m = s[0];
-    for (int64_t t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = exp_approx(s[t] - m);
-      sum += s[t];
-    }
-    float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) s[t] = round_to<T>(s[t] * inv);
-  }
+  // Pass 2: softmax per query head.
+  for (int64_t g = 0; g < group; ++g) softmax_row<T>(scores + g * ctx, ctx);
   // Pass 3: out_g = sum_t p[g][t] v_t, accumulated in float32 (after the scores in the scratch).
   float* acc = scores + group * ctx;
   for (int64_t i = 0; i < group * head_dim; ++i) acc[i] = 0.0f;
@@ -109,6 +112,54 @@ void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheVie
     }
   }
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = from_f32<T>(acc[i]);
+}
+
+// attend_group_any with the group size and head size known at compile time: the query rows and
+// the accumulators stay in registers and every loop over the head unrolls.
+template <typename T, int G, int D>
+void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+                        const int64_t* blocks, int64_t ctx, int64_t block_size, float scale, float* scores) {
+  float qf[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qf[g][d] = to_f32(q[g * D + d]);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
+    float kf[D];
+    for (int d = 0; d < D; ++d) kf[d] = to_f32(kt[d]);
+    for (int g = 0; g < G; ++g) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < D; ++d) dot = fma32(qf[g][d], kf[d], dot);
+      scores[g * ctx + t] = round_to<T>(dot) * scale;
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * ctx, ctx);
+  float acc[G][D] = {};
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
+    float vf[D];
+    for (int d = 0; d < D; ++d) vf[d] = to_f32(vt[d]);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * ctx + t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] = fma32(p, vf[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) out[g * D + d] = from_f32<T>(acc[g][d]);
+}
+
+template <typename T>
+void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+                  const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
+                  float scale, float* scores) {
+#define DISAGG_FIXED(G, D)                                                                         \
+  if (group == G && head_dim == D)                                                                 \
+    return attend_group_fixed<T, G, D>(out, q, k_base, v_base, k, v, blocks, ctx, block_size, scale, scores);
+  DISAGG_FIXED(1, 64) DISAGG_FIXED(2, 64) DISAGG_FIXED(3, 64) DISAGG_FIXED(4, 64) DISAGG_FIXED(8, 64)
+  DISAGG_FIXED(1, 128) DISAGG_FIXED(2, 128) DISAGG_FIXED(4, 128) DISAGG_FIXED(8, 128)
+#undef DISAGG_FIXED
+  attend_group_any<T>(out, q, k_base, v_base, k, v, blocks, ctx, group, head_dim, block_size, scale, scores);
 }
 
 template <typename T>

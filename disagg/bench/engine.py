@@ -2,12 +2,16 @@
 
 Both run in the same process on the same weights and threads, one after the other, so the ratios
 hold even on a noisy shared machine. HF transformers is a dev dependency: `pip install transformers`.
+Each run prints the CPU's flags, the kernels chosen, and memcpy GB/s measured in the same run, from
+which batch-1 decode's weight-streaming bound follows (every weight is read once per step).
+`--peers NAME=URL ...` then drives servers the user started (disagg/bench/peers.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,6 +27,7 @@ from disagg.types import SamplingParams
 @dataclass
 class Result:
     dtype: str
+    kernels: str
     batch: int
     ours_prefill_tps: float
     ours_decode_tps: float
@@ -84,30 +89,107 @@ def profile_decode(engine: EngineCore, batch: list[list[int]], num_steps: int = 
 
 
 def run(args: argparse.Namespace) -> int:
+    print(machine_line(), flush=True)
     loaded = load_model(ModelConfig(model=args.model))
-    results = []
+    memcpy_gbps, read_gbps = measure_memory_gbps()
+    results, bounds = [], {}
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        config = EngineConfig(
-            model=ModelConfig(model=args.model, dtype=dtype_name),
-            cache=CacheConfig(kv_cache_memory_mib=256),
-            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
-        )
-        engine = EngineCore(config, loaded)
         hf = None if args.no_hf else hf_model_from_loaded(loaded, dtype)
-        for b in map(int, args.batches.split(",")):
-            batch = prompts(b, args.input_len, loaded.arch.vocab_size)
-            ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
-            ref = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
-            results.append(Result(dtype_name, b, *ours, *ref))
-            print(_row(results[-1]), flush=True)
-            if args.profile:
-                print(f"decode profile, {dtype_name}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
+        hf_results: dict[int, tuple[float, float]] = {}
+        bounds[dtype_name] = weight_bytes(loaded.arch, dtype)
+        for kernels in args.kernels.split(","):
+            engine = EngineCore(engine_config(args.model, dtype_name, kernels), loaded)
+            kernels_name = engine.runner.model.ops.name
+            for b in map(int, args.batches.split(",")):
+                batch = prompts(b, args.input_len, loaded.arch.vocab_size)
+                ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
+                if b not in hf_results:
+                    hf_results[b] = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
+                results.append(Result(dtype_name, kernels_name, b, *ours, *hf_results[b]))
+                print(_row(results[-1]), flush=True)
+                if args.profile:
+                    print(f"decode profile, {dtype_name}, {kernels_name}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
+    print(bound_lines(results, bounds, memcpy_gbps, read_gbps))
+    report = {"machine": machine_line(), "memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps,
+              "engine": [asdict(r) for r in results]}
+    if args.peers:
+        from disagg.bench.peers import format_table, run_peers
+
+        peers = run_peers(args.peers, args.peer_input_len, args.peer_output_len, args.peer_sequential, args.peer_streams)
+        print(format_table(peers, args.peer_streams))
+        report["peers"] = [asdict(p) for p in peers]
     if args.out:
         with open(args.out, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
+
+
+def engine_config(model: str, dtype: str, kernels: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, kernels=kernels),
+        cache=CacheConfig(kv_cache_memory_mib=256),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+    )
+
+
+def machine_line() -> str:
+    """CPU model, the flags that decide the kernels and dtype, cores and torch threads."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    shown = " ".join(flag for flag in wanted if flag in flags) or "none of avx2/avx512/amx"
+    return (f"CPU: {model}; flags: {shown}; {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+            f"torch {torch.__version__}")
+
+
+def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple[float, float]:
+    """(memcpy GB/s: bytes copied per second; read GB/s: bytes summed per second), best of `repeat`,
+    on a buffer far larger than the caches, with the engine's threads."""
+    src = torch.ones(size_bytes // 4)
+    dst = torch.empty_like(src)
+    copy_best = read_best = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy_best = max(copy_best, size_bytes / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        src.sum()
+        read_best = max(read_best, size_bytes / (time.perf_counter() - start) / 1e9)
+    return copy_best, read_best
+
+
+def weight_bytes(arch, dtype: torch.dtype) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices and the LM head (not the embedding)."""
+    h, kv = arch.hidden_size, arch.num_kv_heads * arch.head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * arch.intermediate_size
+    elems = arch.num_layers * per_layer + arch.vocab_size * h
+    return elems * torch.empty((), dtype=dtype).element_size()
+
+
+def bound_lines(results: list[Result], weight_bytes_of: dict[str, int], memcpy_gbps: float, read_gbps: float) -> str:
+    """Batch-1 decode against the weight-streaming bound: GB/s over the weight bytes each step reads."""
+    lines = [f"memory in this run: memcpy {memcpy_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s; "
+             "batch-1 decode bound = GB/s / weight bytes per step"]
+    for r in results:
+        if r.batch == 1:
+            size = weight_bytes_of[r.dtype]
+            copy_bound, read_bound = memcpy_gbps * 1e9 / size, read_gbps * 1e9 / size
+            lines.append(f"- {r.dtype}, {r.kernels} ({size / 2**20:.0f} MiB of weights): {r.ours_decode_tps:.1f} tok/s = "
+                         f"{r.ours_decode_tps / copy_bound:.0%} of the memcpy bound ({copy_bound:.1f} tok/s), "
+                         f"{r.ours_decode_tps / read_bound:.0%} of the read bound ({read_bound:.1f} tok/s)")
+    return "\n".join(lines)
 
 
 def _best(fn, repeat: int) -> tuple[float, float]:
@@ -117,7 +199,7 @@ def _best(fn, repeat: int) -> tuple[float, float]:
 
 def _row(r: Result) -> str:
     return (
-        f"| {r.dtype} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
+        f"| {r.dtype} | {r.kernels} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
         f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x | {r.ours_decode_tps:.1f} | {r.hf_decode_tps:.1f} | "
         f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x |"
     )
@@ -126,7 +208,7 @@ def _row(r: Result) -> str:
 def table(results: list[Result], args: argparse.Namespace) -> str:
     head = (
         f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads\n\n"
-        "| dtype | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio | decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
-        "|---|---|---|---|---|---|---|---|"
+        "| dtype | kernels | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio | decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head] + [_row(r) for r in results])

@@ -61,7 +61,8 @@ class PrefillHandler(EngineHandler):
         secret = self.config.cluster_secret
         self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
                                             dataclasses.asdict(self.core.cache_spec()), secret)
-        self.control = ControlServer(local, self.control_config, cluster_secret=secret)
+        # A control event (a claim, a release, a TransferInfo) ends the worker's idle wait at once.
+        self.control = ControlServer(local, self.control_config, cluster_secret=secret, on_event=lambda: self.wake())
         port = await self.control.start(self.config.rank_host, 0)
         self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret)
         self.registration = RankRegistrationMsg(

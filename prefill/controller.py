@@ -9,7 +9,7 @@ import msgspec
 from disagg.config import DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import HandlerSpec
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg
 from prefill.dispatch import plan_room
 
 
@@ -25,8 +25,23 @@ class PrefillController(DPController):
             self.broadcast_room_failure(msg.bootstrap_room, plan.conflict)
             yield OutputMsg(msg.request_id, finish_reason="abort", error=plan.conflict, error_status=400, error_param="routed_dp_rank")
             return
+        if msg.bootstrap_room is not None and self.dp_size > 1:
+            self.announce_room(msg.bootstrap_room, dp_rank)
         async for out in super().generate(msgspec.structs.replace(msg, register_room=plan.register), dp_rank):
             yield out
+
+    def announce_room(self, room: int, dp_rank: int) -> None:
+        """Every other worker learns where the room went, so a decode told the wrong rank (its
+        disagg_prefill_dp_rank) is answered at once instead of at its bootstrap deadline."""
+        for worker in self.workers:
+            if worker.rank != dp_rank and worker.alive and worker.writer is not None:
+                worker.send(RoomPlacedMsg(room, dp_rank))
+
+    def _on_message(self, worker, msg) -> None:
+        if isinstance(msg, RoomMisroutedMsg):  # the rank holding the room stops waiting for its decode
+            self.broadcast_room_failure(msg.bootstrap_room, msg.reason)
+        else:
+            super()._on_message(worker, msg)
 
     def broadcast_room_failure(self, room: int, reason: str) -> None:
         """Whichever worker the decode asks about this room answers with the failure at once."""

@@ -95,6 +95,12 @@ class PrefillHandler(EngineHandler):
         await self.bootstrap.close()
         self.backend.close()
 
+    def utility(self, method: str, args: list) -> object:
+        result = super().utility(method, args)
+        if method == "stats":  # a drain waits for the tickets it issued (PrefillController.settle)
+            result = dict(result, num_leases=len(self.pull.leases.leases))
+        return result
+
     def idle_wait_s(self, default_s: float) -> float:
         return BUSY_WAIT_S if self.rooms or self.early_infos else default_s
 

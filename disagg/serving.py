@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -104,11 +105,14 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
 
 
 async def drain_server(running: RunningServer, timeout_s: float, hurry: asyncio.Event | None = None) -> None:
-    """Health red and new requests refused; in-flight requests get `timeout_s`, then are aborted."""
+    """Health red and new requests refused; in-flight requests get `timeout_s`, then are aborted; what
+    is left of `timeout_s` goes to work the workers keep past their answers (a prefill's leases)."""
     mode = running.controller.server.disaggregation_mode
     log.info("draining", mode=mode, in_flight=running.drain.num_in_flight, shutdown_timeout_s=timeout_s)
+    started = time.monotonic()
     aborted = await running.drain.run(timeout_s, hurry)
-    log.info("drained", mode=mode, aborted=aborted)
+    left = await running.controller.settle(max(timeout_s - (time.monotonic() - started), 0.0), hurry)
+    log.info("drained", mode=mode, aborted=aborted, leases_left=left)
 
 
 def run(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig()) -> int:

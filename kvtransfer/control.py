@@ -126,23 +126,30 @@ class ControlServer:
 
     `local` describes this worker (its layout is what decode layouts are checked against). Events
     for the prefill role arrive on `events`: PeerMsg (a decode registered: add it to the transfer
-    backend), TransferInfoMsg (valid destination blocks for a room), AbortMsg, PeerLostMsg.
+    backend), TransferInfoMsg (valid destination blocks for a room), AbortMsg, PeerLostMsg, LeaseMsg;
+    `on_event` (if given) is called after each one is queued, so an idle role wakes at once.
     """
 
     def __init__(self, local: PeerMsg, config: ControlConfig = ControlConfig(), clock: Clock = time.monotonic, *,
-                 cluster_secret: str | None = None):
+                 cluster_secret: str | None = None, on_event: Callable[[], None] | None = None):
         self.local = local
         self.config = config
         self._clock = clock
         self._cluster_secret = cluster_secret  # None: every stream is accepted (as without a secret upstream)
         self._watchdog: asyncio.Task | None = None
         self.events: asyncio.Queue[ControlEvent] = asyncio.Queue()
+        self._on_event = on_event
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._streams: set[_Session] = set()
         self._sessions: dict[str, _Session] = {}
         self._rooms: dict[int, tuple[_Session, TransferInfoMsg]] = {}
         self._aborting: set[int] = set()  # rooms the decode aborted, until the role's final status
+
+    def _emit(self, event: ControlEvent) -> None:
+        self.events.put_nowait(event)
+        if self._on_event is not None:
+            self._on_event()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on host:port (0: a free port); returns the actual port."""
@@ -279,9 +286,9 @@ class ControlServer:
         elif kind in ("claim", "release") and session.peer is None:
             log.warning("lease message before RegisterPeer ignored", kind=kind)
         elif kind == "claim":
-            self.events.put_nowait(LeaseMsg(request_id=msg.claim.request_id, peer_name=session.name))
+            self._emit(LeaseMsg(request_id=msg.claim.request_id, peer_name=session.name))
         elif kind == "release":
-            self.events.put_nowait(LeaseMsg(request_id=msg.release.request_id, peer_name=session.name, release=True,
+            self._emit(LeaseMsg(request_id=msg.release.request_id, peer_name=session.name, release=True,
                                             reason=msg.release.reason))
         else:
             log.warning("control message without payload ignored", peer=session.name)
@@ -303,7 +310,7 @@ class ControlServer:
         session.peer = peer
         self._sessions[peer.peer_name] = session
         session.send(register_ack_msg(True, peer=self.local))
-        self.events.put_nowait(peer)
+        self._emit(peer)
         log.info("peer registered", peer=peer.peer_name, backend=peer.transfer_backend)
 
     def _transfer_rejection(self, session: _Session, info: TransferInfoMsg) -> str | None:
@@ -328,7 +335,7 @@ class ControlServer:
             return  # the same TransferInfo again (a retry): already handed over
         self._rooms[info.room] = (session, info)
         session.rooms.add(info.room)
-        self.events.put_nowait(info)
+        self._emit(info)
 
     def _on_abort(self, session: _Session, room: int, reason: str) -> None:
         entry = self._rooms.get(room)
@@ -344,7 +351,7 @@ class ControlServer:
         # The room stays active until the prefill role sends its final status: that status is the
         # acknowledgement the decode waits for before it reuses the destination blocks.
         self._aborting.add(room)
-        self.events.put_nowait(AbortMsg(room=room, reason=reason, peer_name=session.name))
+        self._emit(AbortMsg(room=room, reason=reason, peer_name=session.name))
 
     def _drop_session(self, session: _Session, reason: str) -> None:
         if session.peer is None or self._sessions.get(session.peer.peer_name) is not session:
@@ -355,5 +362,5 @@ class ControlServer:
             del self._rooms[room]
             self._aborting.discard(room)
         session.rooms.clear()
-        self.events.put_nowait(PeerLostMsg(peer_name=session.peer.peer_name, reason=reason, rooms=rooms))
+        self._emit(PeerLostMsg(peer_name=session.peer.peer_name, reason=reason, rooms=rooms))
         log.info("peer lost", peer=session.peer.peer_name, reason=reason, rooms=len(rooms))

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
+import structlog
 
 from disagg.config import DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import HandlerSpec
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg
 from prefill.dispatch import plan_room
+
+log = structlog.get_logger(__name__)
+LEASE_POLL_S = 0.05
 
 
 class PrefillController(DPController):
@@ -25,8 +31,45 @@ class PrefillController(DPController):
             self.broadcast_room_failure(msg.bootstrap_room, plan.conflict)
             yield OutputMsg(msg.request_id, finish_reason="abort", error=plan.conflict, error_status=400, error_param="routed_dp_rank")
             return
+        if msg.bootstrap_room is not None and self.dp_size > 1:
+            self.announce_room(msg.bootstrap_room, dp_rank)
         async for out in super().generate(msgspec.structs.replace(msg, register_room=plan.register), dp_rank):
             yield out
+
+    async def settle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Keep serving the reads of tickets already issued until no worker holds a lease (released,
+        expired or its decode lost), `timeout_s` passed or `hurry` is set; how many were left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = await self.num_leases()
+            if left == 0 or time.monotonic() >= deadline or (hurry is not None and hurry.is_set()):
+                return left
+            await asyncio.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+    async def num_leases(self) -> int:
+        """Leases held by the live workers (a dead worker's went with it)."""
+        ranks = [w.rank for w in self.workers if w.available]
+        if not ranks:
+            return 0
+        try:
+            stats = await self.call_utility("stats", ranks=ranks, timeout_s=2.0)
+        except Exception as exc:  # noqa: BLE001 - a drain never fails on a worker that stopped answering
+            log.warning("could not count the leases", error=f"{type(exc).__name__}: {exc}")
+            return 0
+        return sum(s["num_leases"] for s in stats)
+
+    def announce_room(self, room: int, dp_rank: int) -> None:
+        """Every other worker learns where the room went, so a decode told the wrong rank (its
+        disagg_prefill_dp_rank) is answered at once instead of at its bootstrap deadline."""
+        for worker in self.workers:
+            if worker.rank != dp_rank and worker.alive and worker.writer is not None:
+                worker.send(RoomPlacedMsg(room, dp_rank))
+
+    def _on_message(self, worker, msg) -> None:
+        if isinstance(msg, RoomMisroutedMsg):  # the rank holding the room stops waiting for its decode
+            self.broadcast_room_failure(msg.bootstrap_room, msg.reason)
+        else:
+            super()._on_message(worker, msg)
 
     def broadcast_room_failure(self, room: int, reason: str) -> None:
         """Whichever worker the decode asks about this room answers with the failure at once."""

@@ -24,7 +24,7 @@ from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import (
     AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
 )
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
 from kvtransfer import TransferState as BackendState
 from kvtransfer.control import ControlServer
@@ -50,6 +50,7 @@ class PrefillHandler(EngineHandler):
         self.by_request: dict[str, int] = {}
         self.early_infos: dict[int, tuple[TransferInfoMsg, float]] = {}  # TransferInfo before the request
         self.failed_rooms: dict[int, tuple[str, float]] = {}
+        self.elsewhere: dict[int, tuple[int, float]] = {}  # rooms the front placed on another rank: rank, expiry
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
@@ -61,7 +62,8 @@ class PrefillHandler(EngineHandler):
         secret = self.config.cluster_secret
         self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
                                             dataclasses.asdict(self.core.cache_spec()), secret)
-        self.control = ControlServer(local, self.control_config, cluster_secret=secret)
+        # A control event (a claim, a release, a TransferInfo) ends the worker's idle wait at once.
+        self.control = ControlServer(local, self.control_config, cluster_secret=secret, on_event=lambda: self.wake())
         port = await self.control.start(self.config.rank_host, 0)
         self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret)
         self.registration = RankRegistrationMsg(
@@ -93,6 +95,12 @@ class PrefillHandler(EngineHandler):
         await self.bootstrap.close()
         self.backend.close()
 
+    def utility(self, method: str, args: list) -> object:
+        result = super().utility(method, args)
+        if method == "stats":  # a drain waits for the tickets it issued (PrefillController.settle)
+            result = dict(result, num_leases=len(self.pull.leases.leases))
+        return result
+
     def idle_wait_s(self, default_s: float) -> float:
         return BUSY_WAIT_S if self.rooms or self.early_infos else default_s
 
@@ -114,6 +122,8 @@ class PrefillHandler(EngineHandler):
             if room is not None and room not in self.rooms:  # a duplicate never spoils the room in use
                 await self.room_failed(room, f"the prefill rejected the request: {exc}")
             return [error_output(msg.request_id, exc)]
+        self.failed_rooms.pop(room, None)  # a room dispatched here now is served here (a router's retry)
+        self.elsewhere.pop(room, None)
         self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s)
         self.by_request[msg.request_id] = room
         if room in self.early_infos:
@@ -137,11 +147,31 @@ class PrefillHandler(EngineHandler):
         return await super().abort(request_id)
 
     async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
+        if room in self.rooms:  # its decode went to another rank: no destination will come here
+            return self._fail(self.rooms[room], reason)
         self.failed_rooms[room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
         if room in self.early_infos:
             self.early_infos.pop(room)
             self._status(room, TransferState.FAILED, reason)
         return []
+
+    def room_placed(self, room: int, dp_rank: int) -> list:
+        self.failed_rooms.pop(room, None)  # an earlier verdict on this room is superseded by its new dispatch
+        self.elsewhere[room] = (dp_rank, time.monotonic() + self.config.bootstrap_timeout_s)
+        if room in self.early_infos:  # the decode came here before the front placed the room
+            del self.early_infos[room]
+            return self._misrouted(room)
+        return []
+
+    def _misrouted(self, room: int) -> list:
+        """Answer a decode that asked this rank for a room another rank holds; the front then fails
+        the room there too (RoomMisroutedMsg), so neither side waits for its deadline."""
+        reason = (f"bootstrap_room {room} was dispatched to prefill DP rank {self.elsewhere[room][0]}, but the decode "
+                  f"asked prefill DP rank {self.dp_rank} for its KV: disagg_prefill_dp_rank must name the rank the "
+                  "prefill request went to")
+        log.warning("misrouted decode", bootstrap_room=room, reason=reason)
+        self._status(room, TransferState.FAILED, reason)
+        return [RoomMisroutedMsg(room, reason)]
 
     def _convert(self, outputs) -> list[OutputMsg]:
         """Answers of P/D requests are held until their KV is delivered; a request the engine
@@ -186,8 +216,8 @@ class PrefillHandler(EngineHandler):
 
     def _on_event(self, event) -> list[OutputMsg]:
         if isinstance(event, TransferInfoMsg):
-            self._on_transfer_info(event)
-        elif isinstance(event, AbortMsg):
+            return self._on_transfer_info(event)
+        if isinstance(event, AbortMsg):
             # Every abort is answered with a final status once nothing can be written any more:
             # the decode keeps the room's blocks quarantined until then.
             state = self.rooms.get(event.room)
@@ -224,13 +254,16 @@ class PrefillHandler(EngineHandler):
             self.peers.pop(peer.peer_name, None)
             self.peer_failures[peer.peer_name] = str(exc)
 
-    def _on_transfer_info(self, info: TransferInfoMsg) -> None:
+    def _on_transfer_info(self, info: TransferInfoMsg) -> list:
         if info.room in self.failed_rooms:
             self._status(info.room, TransferState.FAILED, self.failed_rooms[info.room][0])
         elif info.room in self.rooms:
             self._attach(info)
+        elif info.room in self.elsewhere:
+            return self._misrouted(info.room)
         else:
             self.early_infos[info.room] = (info, time.monotonic() + self.config.bootstrap_timeout_s)
+        return []
 
     def _attach(self, info: TransferInfoMsg) -> None:
         state = self.rooms[info.room]
@@ -339,6 +372,7 @@ class PrefillHandler(EngineHandler):
             if now > deadline:
                 del self.early_infos[room]
                 self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")
-        for room, (_, deadline) in list(self.failed_rooms.items()):
-            if now > deadline:
-                del self.failed_rooms[room]
+        for table in (self.failed_rooms, self.elsewhere):
+            for room, (_, deadline) in list(table.items()):
+                if now > deadline:
+                    del table[room]

@@ -281,6 +281,12 @@ class DPController:
         done = await asyncio.wait_for(asyncio.gather(*futures), timeout=timeout_s)
         return check_results(method, done)
 
+    async def settle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Drain, once no HTTP request is in flight: wait up to `timeout_s` (less if `hurry` is set)
+        for work the workers keep past their answers. Returns how much of it was left (roles
+        override it: the prefill's leases); none here."""
+        return 0
+
     def worker_states(self) -> list[WorkerState]:
         return [
             WorkerState(

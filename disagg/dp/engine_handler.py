@@ -147,6 +147,10 @@ class EngineHandler:
         """Advance background work between engine steps (the roles: KV transfers)."""
         return []
 
+    def room_placed(self, room: int, dp_rank: int) -> list:
+        """The front dispatched a room to another rank (the prefill role answers a misrouted decode)."""
+        return []
+
     async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
         """The front says a bootstrap room will not be served (the prefill role answers its decode)."""
         return []

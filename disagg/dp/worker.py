@@ -23,7 +23,7 @@ from disagg.config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
-    AbortMsg, GenerateMsg, RoomFailedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
+    AbortMsg, GenerateMsg, RoomFailedMsg, RoomPlacedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
     encode,
 )
 
@@ -168,6 +168,8 @@ async def _apply(handler: EngineHandler, msg) -> list:
         return await handler.abort(msg.request_id)
     if isinstance(msg, RoomFailedMsg):
         return await handler.room_failed(msg.bootstrap_room, msg.reason)
+    if isinstance(msg, RoomPlacedMsg):
+        return handler.room_placed(msg.bootstrap_room, msg.dp_rank)
     if isinstance(msg, UtilityMsg):
         try:
             return [UtilityResultMsg(msg.call_id, result=handler.utility(msg.method, msg.args))]

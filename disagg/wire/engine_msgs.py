@@ -76,6 +76,14 @@ class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
     reason: str
 
 
+class RoomPlacedMsg(msgspec.Struct, frozen=True, tag="room_placed"):
+    """Prefill front -> every other worker: this room was dispatched to `dp_rank`. A decode that
+    reaches another rank for it was misrouted (its disagg_prefill_dp_rank) and is answered at once."""
+
+    bootstrap_room: int
+    dp_rank: int
+
+
 class AbortMsg(msgspec.Struct, frozen=True, tag="abort"):
     request_id: str
 
@@ -114,7 +122,7 @@ class ShutdownMsg(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-ToWorker = GenerateMsg | AbortMsg | UtilityMsg | ShutdownMsg | RoomFailedMsg
+ToWorker = GenerateMsg | AbortMsg | UtilityMsg | ShutdownMsg | RoomFailedMsg | RoomPlacedMsg
 
 
 class KVStatsMsg(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -178,7 +186,15 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     num_quarantined_blocks: int = 0  # blocks a remote writer may still write (not free, not in use)
 
 
-FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg
+class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):
+    """Prefill worker -> front: a decode asked this worker for a room another rank holds (it was told
+    so by RoomPlacedMsg); the front fails the room on the rank that holds it, with `reason`."""
+
+    bootstrap_room: int
+    reason: str
+
+
+FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg | RoomMisroutedMsg
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

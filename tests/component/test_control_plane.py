@@ -18,6 +18,7 @@ from disagg.wire import kv_control_pb2_grpc as pb_grpc
 from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof
 from disagg.wire.control_msgs import (
     AbortMsg,
+    LeaseMsg,
     KVLayoutMsg,
     PeerLostMsg,
     PeerMsg,
@@ -373,3 +374,18 @@ def test_regenerating_the_proto_reproduces_the_committed_files(tmp_path):
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv_control_pb2.py", "kv_control_pb2.pyi", "kv_control_pb2_grpc.py"]
     assert gen.differences(tmp_path) == []
+
+
+async def test_every_queued_event_calls_on_event_once():
+    # The prefill role idles between engine steps; on_event is how a claim or a release wakes it.
+    woken = []
+    async with ControlServer(PREFILL, FAST, on_event=lambda: woken.append(server.events.qsize())) as server:
+        async with ControlClient(f"127.0.0.1:{server.port}", DECODE, FAST) as cli:
+            claim = asyncio.ensure_future(cli.claim("req-1"))
+            for _ in range(100):
+                if len(woken) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert woken == [1, 2]  # the peer, then the claim: each already queued when on_event ran
+            assert [await server.events.get() for _ in range(2)][1] == LeaseMsg(request_id="req-1", peer_name="decode-0")
+            claim.cancel()

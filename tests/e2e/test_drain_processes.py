@@ -178,3 +178,49 @@ async def test_disagg_serve_drains_the_router_before_prefill_and_decode_then_exi
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     stream = events(first + rest)
     assert (completion_tokens(stream), stream[-1]) == ((400, "length"), "[DONE]")
+
+
+async def pull_ticket(http: aiohttp.ClientSession, prefill_url: str, body: dict) -> dict:
+    """The prefill leg of the pull flow: its one-token answer carries the ticket (a lease on its blocks)."""
+    async with http.post(prefill_url + "/v1/completions",
+                         json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})) as resp:
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["kv_transfer_params"]
+
+
+async def test_a_draining_prefill_serves_the_read_of_a_ticket_it_issued_then_exits_0():
+    (prefill, prefill_url, _), (decode, decode_url, _) = await asyncio.gather(
+        start("prefill", "--model", "tiny", "--port", "0", "--bootstrap-port", "0", "--transfer-backend", "tcp",
+              "--shutdown-timeout-s", "30"),
+        start("decode", "--model", "tiny", "--port", "0", "--transfer-backend", "tcp"))
+    body = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 8, **GREEDY}
+    async with running(prefill, decode), aiohttp.ClientSession() as http:
+        ticket = await pull_ticket(http, prefill_url, body)
+        prefill.send_signal(signal.SIGTERM)
+        assert await wait_until_draining(http, prefill_url) == (503, REFUSED)
+        await asyncio.sleep(0.5)
+        assert prefill.returncode is None  # no request in flight, but a lease out: still serving reads
+        async with http.post(decode_url + "/v1/completions", json=dict(body, kv_transfer_params=ticket)) as resp:
+            answer = resp.status, await resp.json()
+        released = time.monotonic()
+        assert await asyncio.wait_for(prefill.wait(), 30) == 0
+        exited_s = time.monotonic() - released
+        decode.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(decode.wait(), 30) == 0
+    assert (answer[0], answer[1]["usage"]["completion_tokens"], answer[1]["choices"][0]["finish_reason"]) == (200, 8, "length")
+    assert exited_s < 2  # the release ended the wait, not the 30 s timeout
+
+
+@pytest.mark.parametrize("lease_s, timeout_s", [(2.5, 30.0), (30.0, 2.5)], ids=["lease-expires", "shutdown-timeout"])
+async def test_a_draining_prefill_waits_for_an_unclaimed_lease_until_it_expires_or_the_timeout(lease_s, timeout_s):
+    prefill, prefill_url, _ = await start("prefill", "--model", "tiny", "--port", "0", "--bootstrap-port", "0",
+                                          "--transfer-backend", "tcp", "--kv-lease-s", str(lease_s),
+                                          "--shutdown-timeout-s", str(timeout_s))
+    body = {"model": "tiny", "prompt": "hello there", **GREEDY}
+    async with running(prefill), aiohttp.ClientSession() as http:
+        await pull_ticket(http, prefill_url, body)
+        prefill.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert await asyncio.wait_for(prefill.wait(), 30) == 0
+        exited_s = time.monotonic() - signalled
+    assert 2.5 <= exited_s < 5.0, exited_s  # the 2.5 s lease or timeout, then closing the workers (< 2 s without a lease)

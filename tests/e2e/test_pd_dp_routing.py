@@ -87,6 +87,27 @@ async def test_conflict_fails_fast_on_both_servers_with_the_message(cluster):
     assert await cluster.free_blocks() == ([96, 96], [96, 96])
 
 
+@pytest.mark.parametrize("p", [0, 1])
+async def test_a_decode_told_the_wrong_prefill_rank_fails_fast_on_both_servers(cluster, expected, p):
+    # sgl-model-gateway's shapes: routed_dp_rank on the prefill leg, disagg_prefill_dp_rank on the decode's,
+    # here naming the other rank. The rank asked answers the decode at once; the front fails the room on p.
+    # room_with_parity(0) is the room the conflict test failed on every rank: a new dispatch supersedes that.
+    pd = cluster.pd_body(BODY, room_with_parity(p))
+    start = time.monotonic()
+    (ps, pdata, _), (ds, ddata, _) = await cluster.post_both(
+        "/generate", dict(pd, routed_dp_rank=p), dict(pd, routed_dp_rank=0, disagg_prefill_dp_rank=1 - p))
+    elapsed = time.monotonic() - start
+    message = (f"bootstrap_room {pd['bootstrap_room']} was dispatched to prefill DP rank {p}, but the decode asked "
+               f"prefill DP rank {1 - p} for its KV: disagg_prefill_dp_rank must name the rank the prefill request went to")
+    assert (ps, pdata["error"]["message"]) == (500, message)
+    assert (ds, ddata["error"]["message"]) == (500, message)
+    assert elapsed < 5  # the bootstrap deadline is 30 s here
+    assert await cluster.free_blocks() == ([96, 96], [96, 96])
+    (ps, _, _), (ds, ddata, _) = await cluster.post_both(  # the same room, routed right: served
+        "/generate", dict(pd, routed_dp_rank=p), dict(pd, routed_dp_rank=0, disagg_prefill_dp_rank=p))
+    assert (ps, ds, ddata["output_ids"]) == (200, 200, expected)
+
+
 async def test_flag_resolves_the_rank_through_the_registry(expected):
     forced = await start_pd("tcp", force_query=True)
     try:

@@ -4,12 +4,12 @@ NoBadWordsLogitsProcessor; presence/frequency/bias/allowed ids by a reference Lo
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from disagg.engine.core import bad_words_token_ids
 from disagg.engine.logits_processors import apply_processors, banned_by
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.types import InvalidRequest, SamplingParams
+from hf_reference import hf_greedy_processed
 from test_engine_tiny import engine, hf_greedy, run  # noqa: F401 - the fixture too
 from test_engine_tiny import hf_tiny  # noqa: F401
 
@@ -72,39 +72,8 @@ def test_out_of_vocabulary_ids_are_refused_at_admission(tiny_loaded):
         assert info.value.message == f"token id {vocab} in {param} is out of vocabulary (vocab_size={vocab})"
 
 
-class VllmReference(LogitsProcessor):
-    """vLLM's allowed ids, logit bias, presence and frequency penalties for a batch of one."""
-
-    def __init__(self, params: SamplingParams, num_prompt: int, stage: str):
-        self.params, self.num_prompt, self.stage = params, num_prompt, stage
-
-    def __call__(self, input_ids, scores):
-        p, scores = self.params, scores.clone()
-        if self.stage == "before":
-            if p.allowed_token_ids is not None:
-                keep = torch.full_like(scores, float("-inf"))
-                keep[:, list(p.allowed_token_ids)] = 0.0
-                scores = scores + keep
-            for token_id, bias in (p.logit_bias or {}).items():
-                scores[:, token_id] += bias
-            return scores
-        for token_id in input_ids[0, self.num_prompt:].tolist():
-            scores[:, token_id] -= p.frequency_penalty
-        for token_id in set(input_ids[0, self.num_prompt:].tolist()):
-            scores[:, token_id] -= p.presence_penalty
-        return scores
-
-
 def hf_processed(hf, prompt_ids, params):
-    processors = [VllmReference(params, len(prompt_ids), "before")]
-    if params.bad_words_token_ids:
-        processors.insert(0, NoBadWordsLogitsProcessor([list(w) for w in params.bad_words_token_ids], eos_token_id=None))
-    if params.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
-    processors.append(VllmReference(params, len(prompt_ids), "after"))
-    out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0,
-                      logits_processor=LogitsProcessorList(processors))
-    return out[0, len(prompt_ids):].tolist()
+    return hf_greedy_processed(hf, prompt_ids, params, N)
 
 
 def test_greedy_with_processors_equals_hf(tiny_loaded, hf_tiny):  # noqa: F811

@@ -101,6 +101,7 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
     parser.add_argument("--peers", nargs="+", default=[], metavar="NAME=URL",
                         help="servers started by the user (vLLM CPU, llama.cpp, disagg) to drive through one streaming client")
+    parser.add_argument("--skip-engine", action="store_true", help="only drive the --peers")
     parser.add_argument("--peer-input-len", type=int, default=250, help="prompt tokens (about) for --peers")
     parser.add_argument("--peer-output-len", type=int, default=64, help="output tokens for --peers")
     parser.add_argument("--peer-sequential", type=int, default=8, help="one-stream requests per peer")

@@ -90,6 +90,20 @@ def profile_decode(engine: EngineCore, batch: list[list[int]], num_steps: int = 
 
 def run(args: argparse.Namespace) -> int:
     print(machine_line(), flush=True)
+    report = run_engine(args) if not args.skip_engine else {"machine": machine_line()}
+    if args.peers:
+        from disagg.bench.peers import format_table, run_peers
+
+        peers = run_peers(args.peers, args.peer_input_len, args.peer_output_len, args.peer_sequential, args.peer_streams)
+        print(format_table(peers, args.peer_streams))
+        report["peers"] = [asdict(p) for p in peers]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def run_engine(args: argparse.Namespace) -> dict:
     loaded = load_model(ModelConfig(model=args.model))
     memcpy_gbps, read_gbps = measure_memory_gbps()
     results, bounds = [], {}
@@ -112,18 +126,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"decode profile, {dtype_name}, {kernels_name}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
     print(bound_lines(results, bounds, memcpy_gbps, read_gbps))
-    report = {"machine": machine_line(), "memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps,
-              "engine": [asdict(r) for r in results]}
-    if args.peers:
-        from disagg.bench.peers import format_table, run_peers
-
-        peers = run_peers(args.peers, args.peer_input_len, args.peer_output_len, args.peer_sequential, args.peer_streams)
-        print(format_table(peers, args.peer_streams))
-        report["peers"] = [asdict(p) for p in peers]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    return {"machine": machine_line(), "memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps,
+            "engine": [asdict(r) for r in results]}
 
 
 def engine_config(model: str, dtype: str, kernels: str) -> EngineConfig:

@@ -1,0 +1,80 @@
+"""`disagg bench engine --peers`: the streaming client against a scripted OpenAI-style server on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp import web
+
+from disagg.bench.peers import format_table, measure, text_prompt
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def scripted_server(fail_every: int = 0) -> tuple[web.Application, list[dict]]:
+    bodies: list[dict] = []
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": "peer-model", "object": "model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        bodies.append(body)
+        if fail_every and len(bodies) % fail_every == 0:
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await resp.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": body["max_tokens"]}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app, bodies
+
+
+async def test_a_peer_gets_one_stream_then_many_and_every_request_is_counted():
+    app, bodies = scripted_server()
+    runner, url = await start(app)
+    try:
+        result = await measure("peer", url, input_len=40, output_len=6, num_sequential=3, streams=4)
+    finally:
+        await runner.cleanup()
+    # A warm-up, 3 sequential, then 2 x 4 concurrent: all the same greedy streaming body shape.
+    assert len(bodies) == 1 + 3 + 8
+    assert {b["model"] for b in bodies} == {"peer-model"}
+    assert all(b["stream"] and b["max_tokens"] == 6 and b["temperature"] == 0 and b["ignore_eos"] for b in bodies)
+    assert len({b["prompt"] for b in bodies}) == 12  # no two prompts alike: no prefix-cache hits between them
+    assert (result.num_requests, result.num_failed) == (11, 0)
+    assert result.output_tok_s > 0 and result.ttft_p50_ms >= 0 and result.tpot_p50_ms >= 0
+    assert "| peer |" in format_table([result], 4) and "| 0 of 11 |" in format_table([result], 4)
+
+
+async def test_failed_requests_are_counted_not_hidden():
+    app, bodies = scripted_server(fail_every=2)
+    runner, url = await start(app)
+    try:
+        result = await measure("flaky", url, input_len=40, output_len=3, num_sequential=4, streams=2)
+    finally:
+        await runner.cleanup()
+    assert len(bodies) == 1 + 4 + 4
+    # Requests 2, 4, 6 and 8 of the server failed; the warm-up was request 1.
+    assert (result.num_requests, result.num_failed) == (8, 4)
+
+
+def test_text_prompts_are_deterministic_and_about_the_asked_length():
+    assert text_prompt(3, 250) == text_prompt(3, 250) != text_prompt(4, 250)
+    assert text_prompt(3, 250).startswith("Story 3: ")
+    assert len(text_prompt(3, 250).split()) == 2 + int(250 / 1.3)

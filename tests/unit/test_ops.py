@@ -57,6 +57,28 @@ def test_an_unknown_choice_and_a_cuda_device_are_refused():
     assert load_ops("auto", "cuda").name == "torch"
 
 
+def test_an_unbuilt_library_falls_back_to_torch_and_says_why_once(monkeypatch, tmp_path):
+    from disagg.ops import build, loader
+
+    missing = tmp_path / "disagg_ops.so"
+    monkeypatch.setattr(build, "library_path", lambda: missing)
+    loader.csrc_status.cache_clear()
+    loader._log_fallback_once.cache_clear()
+    try:
+        why = f"csrc kernels not built ({missing} is missing; `make install` or `python -m disagg.ops` builds them)"
+        assert csrc_status() == why
+        with pytest.raises(KernelsUnavailable) as err:
+            load_ops("csrc")
+        assert str(err.value) == why
+        assert load_ops("auto").name == load_ops("auto").name == "torch"
+        assert loader._log_fallback_once.cache_info().misses == 1  # logged once, however often it is asked
+    finally:
+        monkeypatch.undo()
+        loader.csrc_status.cache_clear()
+        loader._log_fallback_once.cache_clear()
+    assert csrc_status() is None
+
+
 def _cache(num_blocks, block_size, kv_heads, dim, dtype, gen, layers=3):
     full = torch.randn(num_blocks, layers, 2, block_size, kv_heads, dim, generator=gen).to(dtype)
     return full, full[:, 1, 0], full[:, 1, 1]  # a middle layer's strided K and V views

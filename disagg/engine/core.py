@@ -34,6 +34,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def dtype_reason(name: str, device: str) -> str:
+    """Why `resolve_dtype` chose what it did, for the ready line."""
+    if name != "auto":
+        return "set by --dtype"
+    if device.startswith("cuda"):
+        return "auto: CUDA"
+    return "auto: native bf16 (AVX512_BF16)" if torch.cpu._is_avx512_bf16_supported() else "auto: no native bf16 on this CPU"
+
+
 @dataclass(frozen=True)
 class RequestProgress:
     """How far a request is: its blocks, computed tokens, whether it finished (the P/D roles read it)."""
@@ -71,7 +80,9 @@ class EngineCore:
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        model = LlamaModel(self.arch, self.loaded.weights, self.dtype, config.model.device)
+        model = self._build_model()
+        self.engine_summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason(config.model.dtype, config.model.device)}), "
+                               f"quantization {config.model.quantization}: {model.matmul_weights}")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
@@ -80,6 +91,10 @@ class EngineCore:
         self.sleep_level = 0
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
+
+    def _build_model(self) -> LlamaModel:
+        model = self.config.model
+        return LlamaModel(self.arch, self.loaded.weights, self.dtype, model.device, model.quantization, self.loaded.quantized)
 
     def _blocks_that_fit(self) -> int:
         per_block = kv_bytes_per_block(self.arch, self.block_size, self.dtype)
@@ -320,7 +335,7 @@ class EngineCore:
             return
         if self.runner.model is None:
             self.loaded = load_model(self.config.model)
-            self.runner.model = LlamaModel(self.arch, self.loaded.weights, self.dtype, self.config.model.device)
+            self.runner.model = self._build_model()
         self.runner.allocate_kv_cache()
         self.kv.reset()
         self.sleep_level = 0

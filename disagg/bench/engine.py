@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from disagg.cli_args import comma_list
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
@@ -23,6 +24,7 @@ from disagg.types import SamplingParams
 @dataclass
 class Result:
     dtype: str
+    quantization: str
     batch: int
     ours_prefill_tps: float
     ours_decode_tps: float
@@ -84,30 +86,42 @@ def profile_decode(engine: EngineCore, batch: list[list[int]], num_steps: int = 
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_model(ModelConfig(model=args.model))
+    quantizations = comma_list(args.quantization)
+    dense = load_model(ModelConfig(model=args.model))
+    loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q == "gguf" else dense for q in quantizations}
     results = []
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        config = EngineConfig(
-            model=ModelConfig(model=args.model, dtype=dtype_name),
-            cache=CacheConfig(kv_cache_memory_mib=256),
-            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
-        )
-        engine = EngineCore(config, loaded)
-        hf = None if args.no_hf else hf_model_from_loaded(loaded, dtype)
+        engines = {q: EngineCore(engine_config(args.model, dtype_name, q), loads[q]) for q in quantizations}
+        for q, engine in engines.items():
+            print(f"{q}: {engine.engine_summary}", flush=True)
+        hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
         for b in map(int, args.batches.split(",")):
-            batch = prompts(b, args.input_len, loaded.arch.vocab_size)
-            ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
+            batch = prompts(b, args.input_len, dense.arch.vocab_size)
             ref = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
-            results.append(Result(dtype_name, b, *ours, *ref))
-            print(_row(results[-1]), flush=True)
-            if args.profile:
-                print(f"decode profile, {dtype_name}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
+            for q, engine in engines.items():
+                ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
+                results.append(Result(dtype_name, q, b, *ours, *ref))
+                print(_row(results[-1]), flush=True)
+                if args.profile:
+                    print(f"decode profile, {dtype_name} {q}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
     if args.out:
         with open(args.out, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
     return 0
+
+
+def engine_config(model: str, dtype: str, quantization: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
+        cache=CacheConfig(kv_cache_memory_mib=256),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+    )
+
+
+def cpu_flags() -> str:
+    """What decides the kernels: torch's CPU dispatch level and native bf16 support."""
+    return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}"
 
 
 def _best(fn, repeat: int) -> tuple[float, float]:
@@ -117,7 +131,7 @@ def _best(fn, repeat: int) -> tuple[float, float]:
 
 def _row(r: Result) -> str:
     return (
-        f"| {r.dtype} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
+        f"| {r.dtype} | {r.quantization} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
         f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x | {r.ours_decode_tps:.1f} | {r.hf_decode_tps:.1f} | "
         f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x |"
     )
@@ -125,8 +139,9 @@ def _row(r: Result) -> str:
 
 def table(results: list[Result], args: argparse.Namespace) -> str:
     head = (
-        f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads\n\n"
-        "| dtype | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio | decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
-        "|---|---|---|---|---|---|---|---|"
+        f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads, "
+        f"{cpu_flags()}; HF runs dense weights in the row's dtype\n\n"
+        "| dtype | quantization | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio | decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head] + [_row(r) for r in results])

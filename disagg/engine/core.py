@@ -81,7 +81,9 @@ class EngineCore:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
-        self.engine_summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason(config.model.dtype, config.model.device)}), "
+        why = dtype_reason(config.model.dtype, config.model.device)
+        # For the ready line and /server_info: what runs the model and why.
+        self.engine_summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({why}), "
                                f"quantization {config.model.quantization}: {model.matmul_weights}")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)

@@ -51,6 +51,12 @@ async def test_openai_sdk_streams_a_chat_completion(server):
     await client.close()
 
 
+async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server):
+    async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
+        info = await r.json()
+    assert info["engine"] == "dtype float32 (set by --dtype), quantization none: 9 float32 dense (F.linear)"
+
+
 async def test_client_disconnect_mid_stream_frees_its_blocks(server):
     async with aiohttp.ClientSession() as s:
         for _ in range(40):

@@ -69,7 +69,8 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, p
     signals.install()
     name = prefill.controller.model.name
     say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
-    say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend})")
+    say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend}); "
+        f"{prefill.controller.model.engine_summary}")
     say(f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")
     await signals.requested.wait()

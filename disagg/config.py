@@ -18,6 +18,8 @@ class ConfigError(ValueError):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "csrc", "torch")
+# none: dense weights in the model dtype; int8/int4: quantize on load; gguf: keep a GGUF's own blocks.
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,11 @@ class ModelConfig:
     dtype: str = field(
         default="auto",
         metadata={"help": "auto (bfloat16 where the CPU supports it, never float16 on CPU), float32, bfloat16"},
+    )
+    quantization: str = field(
+        default="none",
+        metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
+                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8); CPU only"},
     )
     device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
     kernels: str = field(
@@ -50,6 +57,11 @@ class ModelConfig:
             raise ConfigError("dtype float16 is not supported on CPU; use bfloat16 or float32")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ConfigError(f"quantization {self.quantization!r} runs on CPU only (torch's int4/int8 CPU kernels); "
+                              f"use quantization none on {self.device}")
 
 
 @dataclass(frozen=True)

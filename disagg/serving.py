@@ -93,7 +93,8 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     signals.install()
     url = f"http://{server.host}:{running.port}"
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
-    say(f"ready: {url} mode={server.disaggregation_mode} model={running.controller.model.name} dp_size={server.dp_size}{extra}")
+    card = running.controller.model
+    say(f"ready: {url} mode={server.disaggregation_mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")
     if server.disaggregation_mode == "null":
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{running.controller.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from disagg.cli_args import comma_list
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
@@ -28,6 +29,7 @@ from disagg.types import SamplingParams
 class Result:
     dtype: str
     kernels: str
+    quantization: str
     batch: int
     ours_prefill_tps: float
     ours_decode_tps: float
@@ -104,35 +106,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_engine(args: argparse.Namespace) -> dict:
-    loaded = load_model(ModelConfig(model=args.model))
+    """Every (kernels, quantization) form of the engine beside dense HF, per dtype and batch size."""
+    quantizations = comma_list(args.quantization)
+    dense = load_model(ModelConfig(model=args.model))
+    loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q == "gguf" else dense for q in quantizations}
     memcpy_gbps, read_gbps = measure_memory_gbps()
-    results, bounds = [], {}
+    results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        hf = None if args.no_hf else hf_model_from_loaded(loaded, dtype)
+        hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
         hf_results: dict[int, tuple[float, float]] = {}
-        bounds[dtype_name] = weight_bytes(loaded.arch, dtype)
-        for kernels in args.kernels.split(","):
-            engine = EngineCore(engine_config(args.model, dtype_name, kernels), loaded)
-            kernels_name = engine.runner.model.ops.name
-            for b in map(int, args.batches.split(",")):
-                batch = prompts(b, args.input_len, loaded.arch.vocab_size)
-                ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
-                if b not in hf_results:
-                    hf_results[b] = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
-                results.append(Result(dtype_name, kernels_name, b, *ours, *hf_results[b]))
-                print(_row(results[-1]), flush=True)
-                if args.profile:
-                    print(f"decode profile, {dtype_name}, {kernels_name}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
+        for kernels in comma_list(args.kernels):
+            for q in quantizations:
+                engine = EngineCore(engine_config(args.model, dtype_name, kernels, q), loads[q])
+                name = engine.runner.model.ops.name
+                sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
+                print(f"{dtype_name}, {name}, {q}: {engine.engine_summary}", flush=True)
+                for b in map(int, args.batches.split(",")):
+                    batch = prompts(b, args.input_len, dense.arch.vocab_size)
+                    ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
+                    if b not in hf_results:
+                        hf_results[b] = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
+                    results.append(Result(dtype_name, name, q, b, *ours, *hf_results[b]))
+                    print(_row(results[-1]), flush=True)
+                    if args.profile:
+                        print(f"decode profile, {dtype_name}, {name}, {q}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
-    print(bound_lines(results, bounds, memcpy_gbps, read_gbps))
+    print(bound_lines(results, sizes, memcpy_gbps, read_gbps))
     return {"machine": machine_line(), "memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps,
             "engine": [asdict(r) for r in results]}
 
 
-def engine_config(model: str, dtype: str, kernels: str) -> EngineConfig:
+def engine_config(model: str, dtype: str, kernels: str, quantization: str) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, kernels=kernels),
+        model=ModelConfig(model=model, dtype=dtype, kernels=kernels, quantization=quantization),
         cache=CacheConfig(kv_cache_memory_mib=256),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
     )
@@ -174,23 +180,16 @@ def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple
     return copy_best, read_best
 
 
-def weight_bytes(arch, dtype: torch.dtype) -> int:
-    """Bytes of weights one decode step reads: every layer's matrices and the LM head (not the embedding)."""
-    h, kv = arch.hidden_size, arch.num_kv_heads * arch.head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * arch.intermediate_size
-    elems = arch.num_layers * per_layer + arch.vocab_size * h
-    return elems * torch.empty((), dtype=dtype).element_size()
-
-
-def bound_lines(results: list[Result], weight_bytes_of: dict[str, int], memcpy_gbps: float, read_gbps: float) -> str:
+def bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, str, str], int], memcpy_gbps: float,
+                read_gbps: float) -> str:
     """Batch-1 decode against the weight-streaming bound: GB/s over the weight bytes each step reads."""
     lines = [f"memory in this run: memcpy {memcpy_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s; "
              "batch-1 decode bound = GB/s / weight bytes per step"]
     for r in results:
         if r.batch == 1:
-            size = weight_bytes_of[r.dtype]
+            size = weight_bytes_of[(r.dtype, r.kernels, r.quantization)]
             copy_bound, read_bound = memcpy_gbps * 1e9 / size, read_gbps * 1e9 / size
-            lines.append(f"- {r.dtype}, {r.kernels} ({size / 2**20:.0f} MiB of weights): {r.ours_decode_tps:.1f} tok/s = "
+            lines.append(f"- {r.dtype}, {r.kernels}, {r.quantization} ({size / 2**20:.0f} MiB of weights): {r.ours_decode_tps:.1f} tok/s = "
                          f"{r.ours_decode_tps / copy_bound:.0%} of the memcpy bound ({copy_bound:.1f} tok/s), "
                          f"{r.ours_decode_tps / read_bound:.0%} of the read bound ({read_bound:.1f} tok/s)")
     return "\n".join(lines)
@@ -203,7 +202,7 @@ def _best(fn, repeat: int) -> tuple[float, float]:
 
 def _row(r: Result) -> str:
     return (
-        f"| {r.dtype} | {r.kernels} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
+        f"| {r.dtype} | {r.kernels} | {r.quantization} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
         f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x | {r.ours_decode_tps:.1f} | {r.hf_decode_tps:.1f} | "
         f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x |"
     )
@@ -211,8 +210,10 @@ def _row(r: Result) -> str:
 
 def table(results: list[Result], args: argparse.Namespace) -> str:
     head = (
-        f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads\n\n"
-        "| dtype | kernels | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio | decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads; "
+        "HF runs dense weights in the row's dtype\n\n"
+        "| dtype | kernels | quantization | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio "
+        "| decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head] + [_row(r) for r in results])

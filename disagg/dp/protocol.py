@@ -39,6 +39,7 @@ class ModelCard:
     name: str
     max_model_len: int
     vocab_size: int
+    engine_summary: str = ""  # dtype and matmul kernels the workers chose, and why
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.tokenizer import Tokenizer
+from disagg.ops import csrc_status
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 
 
@@ -32,6 +33,24 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         bf16 = device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
     return getattr(torch, name)
+
+
+def dtype_reason(name: str, device: str) -> str:
+    """Why `resolve_dtype` chose what it did, for the ready line."""
+    if name != "auto":
+        return "set by --dtype"
+    if device.startswith("cuda"):
+        return "auto: CUDA"
+    return "auto: native bf16 (AVX512_BF16)" if torch.cpu._is_avx512_bf16_supported() else "auto: no native bf16 on this CPU"
+
+
+def kernels_reason(asked: str, chosen: str) -> str:
+    """Why the forward pass runs `chosen` ops, for the ready line."""
+    if asked != "auto":
+        return "set by --kernels"
+    if chosen != "torch":
+        return f"auto: csrc built, this CPU runs its {chosen.removeprefix('csrc-')} code"
+    return f"auto: {csrc_status() or 'csrc runs on the CPU only'}"
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,11 @@ class EngineCore:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
+        why = dtype_reason(config.model.dtype, config.model.device)
+        # For the ready line and /server_info: what runs the model and why.
+        self.engine_summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({why}), "
+                               f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
+                               f"quantization {config.model.quantization}: {model.matmul_weights}")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
@@ -82,8 +106,9 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
 
     def _build_model(self) -> LlamaModel:
-        m = self.config.model
-        return LlamaModel(self.arch, self.loaded.weights, self.dtype, m.device, m.kernels)
+        model = self.config.model
+        return LlamaModel(self.arch, self.loaded.weights, self.dtype, model.device, model.quantization,
+                          self.loaded.quantized, model.kernels)
 
     def _blocks_that_fit(self) -> int:
         per_block = kv_bytes_per_block(self.arch, self.block_size, self.dtype)

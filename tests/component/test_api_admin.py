@@ -59,7 +59,7 @@ async def test_server_info_and_alias():
     assert status == 200
     assert info == {
         "model_path": "fake-model", "served_model_name": "fake-model", "max_model_len": 64, "vocab_size": 1000,
-        "dp_size": 2, "load_balance_method": "follow_bootstrap_room", "disaggregation_mode": "prefill",
+        "engine": "", "dp_size": 2, "load_balance_method": "follow_bootstrap_room", "disaggregation_mode": "prefill",
         "internal_states": [
             {"dp_rank": r, "alive": True, "ready": True, "num_running": 0, "num_waiting": r, "num_free_blocks": 100 - r,
              "num_total_blocks": 128, "num_outstanding_requests": 0, "num_restarts": r,

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import DisaggConfig, ServerConfig
+from disagg.ops import load_ops
 from disagg.serving import start_server
 from pd_cluster import TINY
 
@@ -49,6 +50,14 @@ async def test_openai_sdk_streams_a_chat_completion(server):
     assert "".join(pieces) == full.choices[0].message.content
     assert usage.completion_tokens == full.usage.completion_tokens
     await client.close()
+
+
+async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server):
+    async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
+        info = await r.json()
+    isa = load_ops("csrc").name.removeprefix("csrc-")
+    assert info["engine"] == (f"dtype float32 (set by --dtype), kernels csrc-{isa} (auto: csrc built, this CPU runs its "
+                              f"{isa} code), quantization none: 9 float32 dense (F.linear)")
 
 
 async def test_client_disconnect_mid_stream_frees_its_blocks(server):

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from disagg.bench.engine import Result, bound_lines, machine_line, weight_bytes
-from disagg.engine.models.arch import LlamaArch
-
-SMOLLM2 = LlamaArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                    num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+from disagg.bench.engine import Result, bound_lines, machine_line
+from disagg.engine.models.llama import LlamaModel
 
 
-def test_weight_bytes_count_every_matrix_and_the_head_once():
+@pytest.mark.slow
+def test_weight_bytes_count_every_matrix_and_the_head_once(smollm2_loaded):
+    model = LlamaModel(smollm2_loaded.arch, smollm2_loaded.weights, torch.float32, "cpu")
     # Per layer: q,k,v (576 x 960) + o (576 x 576) + gate, up, down (3 x 576 x 1536); then the 49152 x 576 head.
-    assert weight_bytes(SMOLLM2, torch.float32) == (30 * 3_538_944 + 28_311_552) * 4 == 537_919_488
-    assert weight_bytes(SMOLLM2, torch.bfloat16) == 268_959_744
+    assert model.weight_bytes() == (30 * 3_538_944 + 28_311_552) * 4 == 537_919_488
+    assert LlamaModel(smollm2_loaded.arch, smollm2_loaded.weights, torch.bfloat16, "cpu").weight_bytes() == 268_959_744
 
 
 def test_bound_lines_state_the_fraction_of_both_bounds():
-    results = [Result("float32", "csrc-avx2", 1, 300.0, 30.0, 250.0, 20.0), Result("float32", "torch", 16, 1, 1, 1, 1)]
-    text = bound_lines(results, {"float32": 537_919_488}, memcpy_gbps=16.0, read_gbps=32.0)
+    results = [Result("float32", "csrc-avx2", "none", 1, 300.0, 30.0, 250.0, 20.0),
+               Result("float32", "torch", "none", 16, 1, 1, 1, 1)]
+    text = bound_lines(results, {("float32", "csrc-avx2", "none"): 537_919_488}, memcpy_gbps=16.0, read_gbps=32.0)
     assert text.splitlines() == [
         "memory in this run: memcpy 16.0 GB/s, read 32.0 GB/s; batch-1 decode bound = GB/s / weight bytes per step",
-        "- float32, csrc-avx2 (513 MiB of weights): 30.0 tok/s = 101% of the memcpy bound (29.7 tok/s), "
+        "- float32, csrc-avx2, none (513 MiB of weights): 30.0 tok/s = 101% of the memcpy bound (29.7 tok/s), "
         "50% of the read bound (59.5 tok/s)",
     ]
 

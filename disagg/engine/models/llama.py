@@ -8,14 +8,17 @@ model dtype, rotate-half RoPE) so greedy outputs match it token for token.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from disagg.engine.models.arch import LlamaArch
+from disagg.engine.models.linear_weights import describe_weights, linear_weight
 from disagg.ops import load_ops
-from disagg.ops.linear import linear
+from disagg.ops.linear import PackedWeight, linear
+from disagg.ops.quant import QuantizedWeight
 from disagg.ops.reference import rope_cos_sin
 
 
@@ -49,6 +52,9 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
 
 
+_LINEARS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer (dense or PackedWeight)
+
+
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     dim = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -68,34 +74,50 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward pass. `kv_cache` is [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
 
-    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+    def __init__(self, arch: LlamaArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 quantization: str = "none", quantized: Mapping[str, QuantizedWeight] | None = None,
                  kernels: str = "auto"):
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
-        self.layers = [self._layer_weights(weights, i) for i in range(arch.num_layers)]
+        self.quantization = quantization
+        source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
+        self.layers = [self._layer_weights(source, i) for i in range(arch.num_layers)]
         self.embed = self._w(weights["model.embed_tokens.weight"])
         self.norm = self._w(weights["model.norm.weight"])
-        head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings or head is None else self._w(head)
+        head = source.get("lm_head.weight")  # None: tied to the embedding
+        if head is None and quantization == "none":
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._linear([weights["model.embed_tokens.weight"] if head is None else head])
         self.inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos_sin = rope_cos_sin(self.inv_freq, min(arch.max_position_embeddings, 4096))
         self.scale = arch.head_dim**-0.5
         self.ops = load_ops(kernels, device)
+        linears = [layer[k] for layer in self.layers for k in _LINEARS]
+        self.matmul_weights = describe_weights([*linears, self.lm_head])  # for the ready line
 
     def _w(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    def weight_bytes(self) -> int:
+        """Bytes of the matmul weights one decode step reads (every layer's and the LM head; not the embedding)."""
+        linears = [layer[k] for layer in self.layers for k in _LINEARS] + [self.lm_head]
+        return sum(w.packed.nbytes + w.scales.nbytes if isinstance(w, PackedWeight) else w.nbytes for w in linears)
+
+    def _linear(self, parts: list) -> torch.Tensor | PackedWeight:
+        return linear_weight(parts, self.quantization, self.dtype, self.device)
+
+    def _layer_weights(self, w: Mapping, i: int) -> dict:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         out = {
             "in_norm": self._w(w[p + "input_layernorm.weight"]),
             "post_norm": self._w(w[p + "post_attention_layernorm.weight"]),
-            "qkv": self._w(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
-            "o": self._w(w[a + "o_proj.weight"]),
-            "gate_up": self._w(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            "down": self._w(w[p + "mlp.down_proj.weight"]),
+            "qkv": self._linear([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+            "o": self._linear([w[a + "o_proj.weight"]]),
+            "gate_up": self._linear([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            "down": self._linear([w[p + "mlp.down_proj.weight"]]),
         }
         if self.arch.attention_bias:
             out["qkv_bias"] = self._w(torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))

@@ -1,0 +1,52 @@
+"""Which form each matmul weight takes (`ModelConfig.quantization`), and a one-line account of it.
+
+- none: dense in the model dtype (F.linear), as the HF reference computes.
+- int8 / int4: dense float32 weights quantized on load (per-channel int8; asymmetric int4 in
+  groups of 32 columns), run by torch's packed CPU kernels.
+- gguf: the GGUF's own Q4_0/Q4_1 blocks as int4 (the same q and scales), Q8_0 as int8
+  (requantized per channel: torch's int8 kernel has one scale per row); other types dense.
+A weight whose input width does not split into int4 groups stays dense.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from disagg.ops.linear import PackedWeight, prepare_weight
+from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
+
+Part = torch.Tensor | QuantizedWeight
+
+
+def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | PackedWeight:
+    """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
+        return prepare_weight(concat_rows(list(parts)), device)
+    dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
+    dense = dense[0] if len(dense) == 1 else torch.cat(dense)
+    if quantization == "int8":
+        return prepare_weight(quantize_int8(dense), device)
+    if quantization == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
+        return prepare_weight(quantize_int4(dense), device)
+    return dense.to(device=device, dtype=dtype).contiguous()
+
+
+def _fusable(parts: Sequence[QuantizedWeight]) -> bool:
+    first = parts[0]
+    return all((p.kind, p.group_size, p.in_features) == (first.kind, first.group_size, first.in_features) for p in parts)
+
+
+def describe_weights(weights: Iterable[torch.Tensor | PackedWeight]) -> str:
+    """'7 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), 1 float32 dense (F.linear)': what runs each matmul."""
+    counts = Counter(_describe(w) for w in weights)
+    return ", ".join(f"{n} {what}" for what, n in counts.items())
+
+
+def _describe(w: torch.Tensor | PackedWeight) -> str:
+    if isinstance(w, PackedWeight):
+        layout = f"int4 g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
+        return f"{w.source} as {layout} ({w.kernel})"
+    return f"{str(w.dtype).removeprefix('torch.')} dense (F.linear)"

@@ -114,6 +114,20 @@ void attend_group_any(T* out, const T* q, const T* k_base, const T* v_base, Cach
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = from_f32<T>(acc[i]);
 }
 
+// Rows are read in block order, but blocks sit anywhere in the cache: fetch a few tokens ahead
+// (a cold decode step reads every layer's KV from memory: 16 tokens ahead took batch-16 attention
+// from 570 to 261 us per layer call on SmolLM2 shapes, float32).
+constexpr int64_t kPrefetchTokens = 16;
+
+template <typename T, int D>
+inline void prefetch_row(const T* base, CacheView c, const int64_t* blocks, int64_t t, int64_t ctx,
+                         int64_t block_size) {
+  if (t >= ctx) return;
+  const char* row = reinterpret_cast<const char*>(base + blocks[t / block_size] * c.block_stride +
+                                                  (t % block_size) * c.token_stride);
+  for (int64_t line = 0; line < static_cast<int64_t>(D * sizeof(T)); line += 64) __builtin_prefetch(row + line);
+}
+
 // attend_group_any with the group size and head size known at compile time: the query rows and
 // the accumulators stay in registers and every loop over the head unrolls.
 template <typename T, int G, int D>
@@ -124,6 +138,7 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
     for (int d = 0; d < D; ++d) qf[g][d] = to_f32(q[g * D + d]);
   for (int64_t t = 0; t < ctx; ++t) {
     const T* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
+    prefetch_row<T, D>(k_base, k, blocks, t + kPrefetchTokens, ctx, block_size);
     float kf[D];
     for (int d = 0; d < D; ++d) kf[d] = to_f32(kt[d]);
     for (int g = 0; g < G; ++g) {
@@ -135,8 +150,10 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
   }
   for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * ctx, ctx);
   float acc[G][D] = {};
+  for (int64_t t = 0; t < kPrefetchTokens; ++t) prefetch_row<T, D>(v_base, v, blocks, t, ctx, block_size);
   for (int64_t t = 0; t < ctx; ++t) {
     const T* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
+    prefetch_row<T, D>(v_base, v, blocks, t + kPrefetchTokens, ctx, block_size);
     float vf[D];
     for (int d = 0; d < D; ++d) vf[d] = to_f32(vt[d]);
     for (int g = 0; g < G; ++g) {

@@ -57,7 +57,7 @@ async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server
         info = await r.json()
     isa = load_ops("csrc").name.removeprefix("csrc-")
     assert info["engine"] == (f"dtype float32 (set by --dtype), kernels csrc-{isa} (auto: csrc built, this CPU runs its "
-                              f"{isa} code), quantization none: 9 float32 dense (F.linear)")
+                              f"{isa} code), quantization none: 9 float32 dense (oneDNN packed)")
 
 
 async def test_client_disconnect_mid_stream_frees_its_blocks(server):

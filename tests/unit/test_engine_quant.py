@@ -15,8 +15,8 @@ PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_lo
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}
 
 
-def engine(loaded, quantization="none", dtype="float32", model="tiny"):
-    config = EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
+def engine(loaded, quantization="none", dtype="float32", model="tiny", kernels="auto"):
+    config = EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization, kernels=kernels),
                           cache=CacheConfig(num_blocks=128, block_size=4))
     return EngineCore(config, loaded)
 
@@ -75,7 +75,9 @@ def auto_kernels() -> str:
 
 def test_engine_summary_says_dtype_and_kernels(tiny_loaded):
     assert engine(tiny_loaded).engine_summary == (
-        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense (F.linear)")
+        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense (oneDNN packed)")
+    assert engine(tiny_loaded, kernels="torch").engine_summary == (
+        "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear)")
     assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
         f"dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: "
         "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)")

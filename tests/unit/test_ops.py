@@ -167,3 +167,26 @@ def test_block_gather_and_scatter_move_exact_bytes(csrc, dtype):
     assert torch.equal(ours, theirs)
     with pytest.raises(RuntimeError, match=r"block id 9 out of range \[0, 9\)"):
         csrc.gather_blocks(full, torch.tensor([9]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 16, 33])
+def test_onednn_packed_linear_equals_f_linear(dtype, rows):
+    from disagg.ops.linear import OnednnWeight, linear, pack_dense
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(77, 96, generator=gen).to(dtype)
+    bias = torch.randn(77, generator=gen).to(dtype)
+    x = torch.randn(2, rows, 96, generator=gen).to(dtype)  # leading dimensions are kept
+    packed = pack_dense(w)
+    assert isinstance(packed, OnednnWeight) and (packed.out_features, packed.in_features) == (77, 96)
+    got = linear(x, packed, bias)
+    assert got.shape == (2, rows, 77) and got.dtype == dtype
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), **TOL[dtype])
+
+
+def test_weights_that_onednn_does_not_take_stay_dense():
+    from disagg.ops.linear import pack_dense
+
+    w = torch.randn(4, 8, dtype=torch.float64)
+    assert pack_dense(w) is w

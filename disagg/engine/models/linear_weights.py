@@ -1,6 +1,7 @@
 """Which form each matmul weight takes (`ModelConfig.quantization`), and a one-line account of it.
 
-- none: dense in the model dtype (F.linear), as the HF reference computes.
+- none: dense in the model dtype: reordered for oneDNN's linear on CPU (`packed`, the default with
+  csrc/auto kernels), or F.linear as the HF reference computes (`--kernels torch`).
 - int8 / int4: dense float32 weights quantized on load (per-channel int8; asymmetric int4 in
   groups of 32 columns), run by torch's packed CPU kernels.
 - gguf: the GGUF's own Q4_0/Q4_1 blocks as int4 (the same q and scales), Q8_0 as int8
@@ -15,14 +16,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import PackedWeight, prepare_weight
+from disagg.ops.linear import OnednnWeight, PackedWeight, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
 
 
-def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | PackedWeight:
-    """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up)."""
+def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device,
+                  packed: bool = False) -> torch.Tensor | PackedWeight | OnednnWeight:
+    """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up);
+    `packed`: a dense result goes to oneDNN's layout where the device has it."""
     if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
         return prepare_weight(concat_rows(list(parts)), device)
     dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
@@ -31,7 +34,8 @@ def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, 
         return prepare_weight(quantize_int8(dense), device)
     if quantization == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
         return prepare_weight(quantize_int4(dense), device)
-    return dense.to(device=device, dtype=dtype).contiguous()
+    dense = dense.to(device=device, dtype=dtype).contiguous()
+    return pack_dense(dense) if packed else dense
 
 
 def _fusable(parts: Sequence[QuantizedWeight]) -> bool:
@@ -39,13 +43,15 @@ def _fusable(parts: Sequence[QuantizedWeight]) -> bool:
     return all((p.kind, p.group_size, p.in_features) == (first.kind, first.group_size, first.in_features) for p in parts)
 
 
-def describe_weights(weights: Iterable[torch.Tensor | PackedWeight]) -> str:
+def describe_weights(weights: Iterable[torch.Tensor | PackedWeight | OnednnWeight]) -> str:
     """'7 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), 1 float32 dense (F.linear)': what runs each matmul."""
     counts = Counter(_describe(w) for w in weights)
     return ", ".join(f"{n} {what}" for what, n in counts.items())
 
 
-def _describe(w: torch.Tensor | PackedWeight) -> str:
+def _describe(w: torch.Tensor | PackedWeight | OnednnWeight) -> str:
+    if isinstance(w, OnednnWeight):
+        return f"{str(w.dtype).removeprefix('torch.')} dense ({w.kernel})"
     if isinstance(w, PackedWeight):
         layout = f"int4 g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
         return f"{w.source} as {layout} ({w.kernel})"

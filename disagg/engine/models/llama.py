@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.models.linear_weights import describe_weights, linear_weight
 from disagg.ops import load_ops
-from disagg.ops.linear import PackedWeight, linear
+from disagg.ops.linear import OnednnWeight, PackedWeight, linear
 from disagg.ops.quant import QuantizedWeight
 from disagg.ops.reference import rope_cos_sin
 
@@ -81,19 +81,20 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantization = quantization
+        self.ops = load_ops(kernels, device)
+        self.packed = self.ops.name != "torch"  # the reference path keeps F.linear, as HF computes
         source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
         self.layers = [self._layer_weights(source, i) for i in range(arch.num_layers)]
         self.embed = self._w(weights["model.embed_tokens.weight"])
         self.norm = self._w(weights["model.norm.weight"])
         head = source.get("lm_head.weight")  # None: tied to the embedding
-        if head is None and quantization == "none":
+        if head is None and quantization == "none" and not self.packed:
             self.lm_head = self.embed
         else:
             self.lm_head = self._linear([weights["model.embed_tokens.weight"] if head is None else head])
         self.inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos_sin = rope_cos_sin(self.inv_freq, min(arch.max_position_embeddings, 4096))
         self.scale = arch.head_dim**-0.5
-        self.ops = load_ops(kernels, device)
         linears = [layer[k] for layer in self.layers for k in _LINEARS]
         self.matmul_weights = describe_weights([*linears, self.lm_head])  # for the ready line
 
@@ -103,10 +104,10 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes of the matmul weights one decode step reads (every layer's and the LM head; not the embedding)."""
         linears = [layer[k] for layer in self.layers for k in _LINEARS] + [self.lm_head]
-        return sum(w.packed.nbytes + w.scales.nbytes if isinstance(w, PackedWeight) else w.nbytes for w in linears)
+        return sum(_nbytes(w) for w in linears)
 
     def _linear(self, parts: list) -> torch.Tensor | PackedWeight:
-        return linear_weight(parts, self.quantization, self.dtype, self.device)
+        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed)
 
     def _layer_weights(self, w: Mapping, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -194,3 +195,9 @@ class LlamaModel:
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(0, 1)
+
+
+def _nbytes(w: torch.Tensor | PackedWeight | OnednnWeight) -> int:
+    if isinstance(w, PackedWeight):
+        return w.packed.nbytes + w.scales.nbytes
+    return w.packed.nbytes if isinstance(w, OnednnWeight) else w.nbytes

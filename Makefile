@@ -16,7 +16,7 @@ $(BIN)/disagg: pyproject.toml constraints.txt
 # The csrc/ kernels, compiled with the system compiler (incremental). Without a compiler the
 # engine runs its pure-torch ops and says so once in its log.
 ops: $(BIN)/disagg
-	$(BIN)/python -m disagg.ops || echo "csrc kernels not built: the engine will use its pure-torch ops"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m disagg.ops || echo "csrc kernels not built: the engine will use its pure-torch ops"
 
 install: $(BIN)/disagg ops
 

@@ -160,6 +160,8 @@ def check_shutdown_timeout(value: float) -> None:
     """ConfigError unless `value` (shutdown_timeout_s of a server or the router) is >= 0."""
     if value < 0:
         raise ConfigError(f"shutdown_timeout_s must be >= 0, got {value}")
+
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 

@@ -6,7 +6,7 @@ one engine step, send the outputs; report load twice a second. The engine step r
 while the loop awaits it: only the loop's I/O (sockets, gRPC streams, queued events) goes on
 meanwhile; every handler method is still called from the loop, one at a time.
 
-All torch work (loading, warm-up, every step) runs on one thread, `engine_thread`. OpenMP keeps a
+All torch work (loading, warm-up, every step, utility calls) runs on one thread, `engine_thread`. OpenMP keeps a
 team of threads per thread that opens parallel regions; once a second team exists there are more
 OpenMP threads than cores, libgomp stops spinning between regions, and every region pays a wake-up
 (a batch-1 SmolLM2 token took 12 ms served against 6.2 ms in the engine alone, on 2 cores).

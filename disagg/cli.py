@@ -101,7 +101,9 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="torch,auto",
                         help="comma-separated kernel choices to compare (torch: pure-torch ops; auto: csrc where built)")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
-    parser.add_argument("--peers", nargs="+", default=[], metavar="NAME=URL",
+    from disagg.bench.peers import peer_spec
+
+    parser.add_argument("--peers", nargs="+", default=[], metavar="NAME=URL", type=peer_spec,
                         help="servers started by the user (vLLM CPU, llama.cpp, disagg) to drive through one streaming client")
     parser.add_argument("--skip-engine", action="store_true", help="only drive the --peers")
     parser.add_argument("--peer-input-len", type=int, default=250, help="prompt tokens (about) for --peers")

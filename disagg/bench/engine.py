@@ -91,8 +91,9 @@ def profile_decode(engine: EngineCore, batch: list[list[int]], num_steps: int = 
 
 
 def run(args: argparse.Namespace) -> int:
-    print(machine_line(), flush=True)
-    report = run_engine(args) if not args.skip_engine else {"machine": machine_line()}
+    machine = machine_line()
+    print(machine, flush=True)
+    report = {"machine": machine, **({} if args.skip_engine else run_engine(args))}
     if args.peers:
         from disagg.bench.peers import format_table, run_peers
 
@@ -132,8 +133,7 @@ def run_engine(args: argparse.Namespace) -> dict:
                         print(f"decode profile, {dtype_name}, {name}, {q}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
     print(bound_lines(results, sizes, memcpy_gbps, read_gbps))
-    return {"machine": machine_line(), "memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps,
-            "engine": [asdict(r) for r in results]}
+    return {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "engine": [asdict(r) for r in results]}
 
 
 def engine_config(model: str, dtype: str, kernels: str, quantization: str) -> EngineConfig:

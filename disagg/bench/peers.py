@@ -8,6 +8,7 @@ time (TTFT and TPOT medians), then `--peer-streams` concurrent streams (output t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import statistics
@@ -68,13 +69,19 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def run_peers(peers: list[str], input_len: int, output_len: int, num_sequential: int, streams: int) -> list[PeerResult]:
-    """Measure each `NAME=URL` in turn (never at the same time: they share the machine)."""
+def peer_spec(spec: str) -> tuple[str, str]:
+    """`NAME=URL` (an argparse type): (name, url); a malformed one is a usage error naming it."""
+    name, sep, url = spec.partition("=")
+    if not name or not sep or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"--peers takes NAME=http(s)://HOST:PORT, got {spec!r}")
+    return name, url
+
+
+def run_peers(peers: list[tuple[str, str]], input_len: int, output_len: int, num_sequential: int,
+              streams: int) -> list[PeerResult]:
+    """Measure each (name, url) in turn (never at the same time: they share the machine)."""
     results = []
-    for spec in peers:
-        name, sep, url = spec.partition("=")
-        if not sep or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--peers takes NAME=URL, got {spec!r}")
+    for name, url in peers:
         results.append(asyncio.run(measure(name, url, input_len, output_len, num_sequential, streams)))
         print(format_row(results[-1], streams), flush=True)
     return results

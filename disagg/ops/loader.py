@@ -20,18 +20,19 @@ class KernelsUnavailable(RuntimeError):
 
 
 class CsrcOps:
-    """The same ops as TorchOps, run by the csrc library (CPU tensors of float32 or bfloat16)."""
+    """The same ops as TorchOps, run by the csrc library (CPU tensors of float32 or bfloat16).
+    The attributes are the torch.ops.disagg overloads themselves: no Python layer on the hot path."""
 
     def __init__(self) -> None:
-        self.name = f"csrc-{torch.ops.disagg.isa()}"
-
-    rms_norm = staticmethod(lambda x, weight, eps: torch.ops.disagg.rms_norm(x, weight, eps))
-    add_rms_norm = staticmethod(lambda x, residual, weight, eps: torch.ops.disagg.add_rms_norm(x, residual, weight, eps))
-    rope_and_cache = staticmethod(lambda *args: torch.ops.disagg.rope_and_cache(*args))
-    silu_and_mul = staticmethod(lambda x: torch.ops.disagg.silu_and_mul(x))
-    paged_decode_attention = staticmethod(lambda *args: torch.ops.disagg.paged_decode_attention(*args))
-    gather_blocks = staticmethod(lambda cache, block_ids: torch.ops.disagg.gather_blocks(cache, block_ids))
-    scatter_blocks = staticmethod(lambda cache, block_ids, src: torch.ops.disagg.scatter_blocks(cache, block_ids, src))
+        ops = torch.ops.disagg
+        self.name = f"csrc-{ops.isa()}"
+        self.rms_norm = ops.rms_norm
+        self.add_rms_norm = ops.add_rms_norm
+        self.rope_and_cache = ops.rope_and_cache
+        self.silu_and_mul = ops.silu_and_mul
+        self.paged_decode_attention = ops.paged_decode_attention
+        self.gather_blocks = ops.gather_blocks
+        self.scatter_blocks = ops.scatter_blocks
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -12,12 +13,17 @@ from disagg.bench.peers import format_table, measure, text_prompt
 pytestmark = pytest.mark.timeout(60)
 
 
-async def start(app: web.Application) -> tuple[web.AppRunner, str]:
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    """`app` on a loopback port; yields its base URL, always cleaned up."""
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 def scripted_server(fail_every: int = 0) -> tuple[web.Application, list[dict]]:
@@ -47,11 +53,8 @@ def scripted_server(fail_every: int = 0) -> tuple[web.Application, list[dict]]:
 
 async def test_a_peer_gets_one_stream_then_many_and_every_request_is_counted():
     app, bodies = scripted_server()
-    runner, url = await start(app)
-    try:
+    async with serving(app) as url:
         result = await measure("peer", url, input_len=40, output_len=6, num_sequential=3, streams=4)
-    finally:
-        await runner.cleanup()
     # A warm-up, 3 sequential, then 2 x 4 concurrent: all the same greedy streaming body shape.
     assert len(bodies) == 1 + 3 + 8
     assert {b["model"] for b in bodies} == {"peer-model"}
@@ -64,14 +67,22 @@ async def test_a_peer_gets_one_stream_then_many_and_every_request_is_counted():
 
 async def test_failed_requests_are_counted_not_hidden():
     app, bodies = scripted_server(fail_every=2)
-    runner, url = await start(app)
-    try:
+    async with serving(app) as url:
         result = await measure("flaky", url, input_len=40, output_len=3, num_sequential=4, streams=2)
-    finally:
-        await runner.cleanup()
     assert len(bodies) == 1 + 4 + 4
     # Requests 2, 4, 6 and 8 of the server failed; the warm-up was request 1.
     assert (result.num_requests, result.num_failed) == (8, 4)
+
+
+def test_a_malformed_peer_is_a_usage_error_naming_it(capsys):
+    from disagg.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "engine", "--peers", "a=http://h:1", "b=https://h:2"]).peers == [
+        ("a", "http://h:1"), ("b", "https://h:2")]
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "engine", "--peers", "localhost:8000"])
+    assert exit_info.value.code == 2
+    assert "--peers takes NAME=http(s)://HOST:PORT, got 'localhost:8000'" in capsys.readouterr().err
 
 
 def test_text_prompts_are_deterministic_and_about_the_asked_length():

@@ -12,6 +12,7 @@ from disagg.dp.protocol import UtilityFailed, WorkerUnavailable
 from disagg.engine.core import EngineCore
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from engine_runs import run_requests
 
 pytestmark = pytest.mark.timeout(120)
 ENGINE = EngineConfig(model=ModelConfig(model="tiny", dtype="float32"), cache=CacheConfig(num_blocks=64, block_size=4))
@@ -33,11 +34,7 @@ async def collect(c, msg, rank):
 
 def expected_tokens(prompt: str) -> list[int]:
     core = EngineCore(ENGINE)
-    core.add_request("x", core.tokenizer.encode(prompt), GREEDY_PARAMS)
-    final = None
-    while core.has_unfinished():
-        final = next((o for o in core.step() if o.finished), final)
-    return final.outputs.token_ids
+    return run_requests(core, [(core.tokenizer.encode(prompt), GREEDY_PARAMS)])[0].outputs.token_ids
 
 
 async def test_each_rank_serves_the_same_greedy_tokens(controller):

@@ -11,6 +11,7 @@ from disagg.dp.worker import apply
 from disagg.engine.core import EngineCore
 from disagg.types import SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams
 from disagg.wire.engine_msgs import AbortMsg, GenerateMsg, OutputMsg, SamplingMsg
+from engine_runs import run_requests
 
 CONTEXT = 512  # the tiny model's max_position_embeddings
 VLLM_CONTEXT_MESSAGE = (
@@ -26,12 +27,7 @@ def core(tiny_loaded):
 
 
 def generate(core, prompt, params) -> list[int]:
-    core.add_request("r", prompt, params)
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                return out.outputs.token_ids
-    raise AssertionError("no final output")
+    return run_requests(core, [(prompt, params)])[0].outputs.token_ids
 
 
 # ---- SamplingParams --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from disagg.engine.request import Request
 from disagg.types import FinishReason, SamplingParams
 
+from engine_runs import finish
 from test_engine_tiny import GREEDY, PROMPTS, engine, run
 
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
@@ -28,11 +29,7 @@ def run_with_poison(core, prompts, params, poison):
         core.add_request(rid, core.tokenizer.encode(p), params)
         ids.append(rid)
     add_unchecked(core, "poison", *poison)
-    final = {}
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = finish(core)
     return [final[i] for i in ids], final["poison"]
 
 

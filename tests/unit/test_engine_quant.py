@@ -10,6 +10,7 @@ from disagg.engine.core import EngineCore
 from disagg.engine.loader import load_model
 from disagg.ops import load_ops, quant
 from disagg.types import SamplingParams
+from engine_runs import run_requests
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}
@@ -22,12 +23,7 @@ def engine(loaded, quantization="none", dtype="float32", model="tiny", kernels="
 
 
 def run_all(core, prompts, params=PARAMS):
-    for i, ids in enumerate(prompts):
-        core.add_request(str(i), ids, params)
-    final = {}
-    while core.has_unfinished():
-        final.update({o.request_id: o for o in core.step() if o.finished})
-    return [final[str(i)] for i in range(len(prompts))]
+    return run_requests(core, [(ids, params) for ids in prompts])
 
 
 def prompt_logprob_errors(outs, refs, prompts) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from disagg.types import FinishReason, InvalidRequest, SamplingParams
+from engine_runs import finish
 from test_engine_tiny import GREEDY, engine, run
 
 SCORE = SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=2)
@@ -46,9 +47,7 @@ def test_prompt_only_requests_batch_with_generating_ones_without_changing_them(t
     for i, prompt in enumerate(ids):
         core.add_request(f"gen-{i}", prompt, GREEDY)
         core.add_request(f"score-{i}", prompt, SCORE)
-    final = {}
-    while core.has_unfinished():
-        final.update({o.request_id: o for o in core.step() if o.finished})
+    final = finish(core)
     assert [final[f"gen-{i}"].outputs.token_ids for i in range(3)] == alone
     assert [len(final[f"score-{i}"].outputs.token_ids) for i in range(3)] == [0, 0, 0]
     assert [len(final[f"score-{i}"].prompt_logprobs) for i in range(3)] == [len(p) for p in ids]

@@ -6,6 +6,7 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.types import SamplingParams
+from engine_runs import run_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -16,12 +17,7 @@ def prompts(tokenizer):
 
 
 def run_all(core, prompt_ids, params):
-    for i, ids in enumerate(prompt_ids):
-        core.add_request(str(i), ids, params)
-    final = {}
-    while core.has_unfinished():
-        final.update({o.request_id: o for o in core.step() if o.finished})
-    return [final[str(i)] for i in range(len(prompt_ids))]
+    return run_requests(core, [(ids, params) for ids in prompt_ids])
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from disagg.engine.core import EngineCore
 from disagg.engine.llm import LLM
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, SamplingParams
+from engine_runs import run_requests
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "0123456789", "Paged attention!"]
@@ -22,17 +23,7 @@ def engine(loaded, num_blocks=256, block_size=4, budget=512, max_seqs=32, cachin
 
 
 def run(core, prompts, params=GREEDY):
-    ids = []
-    for p in prompts:
-        rid = core.new_request_id()
-        core.add_request(rid, core.tokenizer.encode(p) if isinstance(p, str) else p, params)
-        ids.append(rid)
-    final = {}
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[i] for i in ids]
+    return run_requests(core, [(core.tokenizer.encode(p) if isinstance(p, str) else p, params) for p in prompts])
 
 
 @pytest.fixture(scope="module")

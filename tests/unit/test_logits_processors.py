@@ -12,6 +12,7 @@ from disagg.types import InvalidRequest, SamplingParams
 from hf_reference import hf_greedy_processed
 from test_engine_tiny import engine, hf_greedy, run  # noqa: F401 - the fixture too
 from test_engine_tiny import hf_tiny  # noqa: F401
+from engine_runs import run_requests
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 N = 24
@@ -116,14 +117,4 @@ def two_token_word(tokenizer, output):
 
 
 def run_mixed(core, prompt_ids, params_list):
-    ids = []
-    for params in params_list:
-        rid = core.new_request_id()
-        core.add_request(rid, prompt_ids, params)
-        ids.append(rid)
-    final = {}
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[i] for i in ids]
+    return run_requests(core, [(prompt_ids, params) for params in params_list])

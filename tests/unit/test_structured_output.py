@@ -9,6 +9,7 @@ import pytest
 from disagg.engine.grammar import GrammarMatcher
 from disagg.types import GrammarKind, InvalidRequest, SamplingParams, StructuredOutput
 from test_engine_tiny import engine, run
+from engine_runs import run_requests
 
 SCHEMAS = [
     {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "additionalProperties": False},
@@ -68,16 +69,11 @@ def test_structured_and_free_requests_share_a_batch(tiny_loaded):
     core = engine(tiny_loaded)
     free = run(core, ["Hello, world"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs.token_ids
     schema = SCHEMAS[1]
-    ids = []
-    for params in (structured("json_schema", json.dumps(schema)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
-        rid = core.new_request_id()
-        core.add_request(rid, core.tokenizer.encode("Hello, world"), params)
-        ids.append(rid)
-    final = {}
-    while core.has_unfinished():
-        final.update({o.request_id: o for o in core.step() if o.finished})
-    jsonschema.validate(json.loads(final[ids[0]].outputs.text), schema)
-    assert final[ids[1]].outputs.token_ids == free
+    prompt = core.tokenizer.encode("Hello, world")
+    shaped, plain = run_requests(core, [(prompt, structured("json_schema", json.dumps(schema))),
+                                        (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))])
+    jsonschema.validate(json.loads(shaped.outputs.text), schema)
+    assert plain.outputs.token_ids == free
     assert core.runner.sampler.matchers == {}  # forgotten when the request ended
 
 

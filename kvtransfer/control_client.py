@@ -53,6 +53,13 @@ class _Room:
         self.fence: asyncio.Future[bool] | None = None  # set by abort(): resolved by the prefill's final status
 
 
+# Codes of a failed connect attempt that are retried until connect_timeout_s: the stream was torn
+# down (INTERNAL, UNKNOWN: seen when the prefill's refusal raced our first write) or not up yet.
+RETRYABLE_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE)
+CONNECT_RETRY_FIRST_S = 0.05
+CONNECT_RETRY_MAX_S = 1.0
+
+
 class ControlClient:
     """Control-plane stream from this decode worker (`local`) to the prefill worker at `address`."""
 
@@ -99,22 +106,27 @@ class ControlClient:
             raise ControlError("control client already connected")
         limit_s = self.config.connect_timeout_s
         deadline = self._clock() + limit_s
-        proof = None if self._cluster_secret is None else control_proof(self._cluster_secret, time.time(),
-                                                                        os.urandom(NONCE_BYTES))
-        self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options(self.config))
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), limit_s)
-            metadata = None if proof is None else ((CONTROL_AUTH_KEY, proof),)
-            self._call = pb_grpc.KVControlStub(self._channel).Connect(self._requests(), metadata=metadata)
-            self._outbox.put_nowait(register_msg(self.local))
-            first = await asyncio.wait_for(self._call.read(), max(deadline - self._clock(), 1e-3))
-            reply = dict(await self._call.initial_metadata() or ()).get(CONTROL_AUTH_KEY)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
-            await self.close()
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNAUTHENTICATED:
-                raise AuthenticationFailed(f"prefill {self.address} refused the control stream: {exc.details()}") from None
-            detail = "timed out" if isinstance(exc, asyncio.TimeoutError) else exc.code().name
-            raise PeerUnavailable(f"cannot reach prefill {self.address} within {limit_s:g} s ({detail})") from None
+        backoff_s = CONNECT_RETRY_FIRST_S
+        while True:
+            proof = None if self._cluster_secret is None else control_proof(self._cluster_secret, time.time(),
+                                                                            os.urandom(NONCE_BYTES))
+            try:
+                first, reply = await self._open_stream(proof, deadline)
+                break
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
+                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                if code in RETRYABLE_CODES and self._clock() + backoff_s < deadline:
+                    # A stream torn down under us (e.g. while the prefill refused it) says nothing
+                    # about the prefill yet: try again until the deadline.
+                    await self._drop_attempt()
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(2 * backoff_s, CONNECT_RETRY_MAX_S)
+                    continue
+                await self.close()
+                if code is grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthenticationFailed(f"prefill {self.address} refused the control stream: {exc.details()}") from None
+                detail = "timed out" if code is None else code.name
+                raise PeerUnavailable(f"cannot reach prefill {self.address} within {limit_s:g} s ({detail})") from None
         if proof is not None and not control_reply_matches(self._cluster_secret, proof, reply):
             await self.close()
             raise AuthenticationFailed(f"prefill {self.address} did not prove it holds the cluster secret "
@@ -130,6 +142,25 @@ class ControlClient:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
         log.info("control stream open", prefill=self.address, peer=self.remote.peer_name)
         return self.remote
+
+    async def _open_stream(self, proof: str | None, deadline: float):
+        """One attempt: a channel, the stream, our registration; (the first reply, the prefill's auth reply)."""
+        self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options(self.config))
+        self._outbox = asyncio.Queue()  # a fresh request stream per attempt
+        await asyncio.wait_for(self._channel.channel_ready(), max(deadline - self._clock(), 1e-3))
+        metadata = None if proof is None else ((CONTROL_AUTH_KEY, proof),)
+        self._call = pb_grpc.KVControlStub(self._channel).Connect(self._requests(), metadata=metadata)
+        self._outbox.put_nowait(register_msg(self.local))
+        first = await asyncio.wait_for(self._call.read(), max(deadline - self._clock(), 1e-3))
+        reply = dict(await self._call.initial_metadata() or ()).get(CONTROL_AUTH_KEY)
+        return first, reply
+
+    async def _drop_attempt(self) -> None:
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        await self._channel.close()
+        self._channel = self._call = None
 
     async def close(self) -> None:
         """End the stream; pending rooms fail with "control client closed". Idempotent."""

@@ -389,3 +389,53 @@ async def test_every_queued_event_calls_on_event_once():
             assert woken == [1, 2]  # the peer, then the claim: each already queued when on_event ran
             assert [await server.events.get() for _ in range(2)][1] == LeaseMsg(request_id="req-1", peer_name="decode-0")
             claim.cancel()
+
+
+class _ScriptedControl(pb_grpc.KVControlServicer):
+    """Ends each Connect with the next (code, details) of `script`, as a prefill's stream could end."""
+
+    def __init__(self, script: list[tuple[grpc.StatusCode, str]]):
+        self.script = script
+        self.num_calls = 0
+
+    async def Connect(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        code, details = self.script[min(self.num_calls, len(self.script) - 1)]
+        self.num_calls += 1
+        await context.abort(code, details)
+        yield  # unreachable: makes this a stream handler
+
+
+async def scripted_control(script):
+    servicer = _ScriptedControl(script)
+    server = grpc.aio.server()
+    pb_grpc.add_KVControlServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port, servicer
+
+
+async def test_a_stream_torn_down_under_the_client_is_retried_and_the_refusal_then_named():
+    """The prefill's refusal can race the decode's first write and reach it as INTERNAL: connect tries
+    again within its deadline and reports the refusal, not an unreachable prefill."""
+    server, port, servicer = await scripted_control(
+        [(grpc.StatusCode.INTERNAL, "RST_STREAM"), (grpc.StatusCode.UNAUTHENTICATED, MISMATCH)])
+    try:
+        with pytest.raises(AuthenticationFailed) as exc:
+            await ControlClient(f"127.0.0.1:{port}", DECODE, FAST, cluster_secret="other-secret").connect()
+        assert str(exc.value) == f"prefill 127.0.0.1:{port} refused the control stream: {MISMATCH}"
+        assert servicer.num_calls == 2
+    finally:
+        await server.stop(None)
+
+
+async def test_a_stream_that_keeps_failing_is_unavailable_at_the_deadline():
+    server, port, servicer = await scripted_control([(grpc.StatusCode.INTERNAL, "RST_STREAM")])
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable) as exc:
+            await ControlClient(f"127.0.0.1:{port}", DECODE, FAST).connect()
+        assert str(exc.value) == f"cannot reach prefill 127.0.0.1:{port} within 2 s (INTERNAL)"
+        assert 1.0 <= time.monotonic() - started < 3.0  # retried with backoff up to connect_timeout_s (2 s)
+        assert servicer.num_calls >= 4  # 0.05, 0.1, 0.2, 0.4, 0.8 s apart
+    finally:
+        await server.stop(None)

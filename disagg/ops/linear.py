@@ -5,19 +5,52 @@ that multiplies it. Each kernel sits behind one function (`int4_matmul`, `int8_m
 kernel can take its place. Today they are torch's own CPU ops, fed bfloat16 activations: with
 float32 activations the same ops fall back to scalar code that is 30-50x slower (measured on
 SmolLM2's shapes), so x is cast to bfloat16 for the product and the result back to x's dtype.
+
+Those ops stream few bytes, which wins at a few rows (decode), but they compute slower than a dense
+bfloat16 GEMM: at 256 rows torch's int4 kernel takes 1.8x as long. So a `PackedWeight` may also
+carry a `DenseRoute`: from `DENSE_FROM_ROWS` rows (a prefill) the weight is dequantized into a
+bfloat16 scratch (csrc's `dequantize`) and multiplied densely. Only on CPUs with native bfloat16.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from disagg.ops.quant import QuantizedWeight, QuantKind, integer_values, to_per_channel_int8
+from disagg.ops.quant import QuantizedWeight, QuantKind, gguf_order, integer_values, to_per_channel_int8
 
 ACTIVATION_DTYPE = torch.bfloat16
 _INT4_ROW_MULTIPLE = 16  # torch's int4 packing wants the output dimension in multiples of 16
+# From this many rows a quantized weight is dequantized and multiplied densely (measured on SmolLM2's
+# layer shapes, bfloat16, 2 threads: torch's int4 kernel against dequantize + F.linear takes 0.88x as
+# long at 64 rows, 1.15x at 96, 1.33x at 128, 1.84x at 256; docs/benchmarks.md).
+DENSE_FROM_ROWS = 96
+
+Dequantize = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DenseRoute:
+    """What a dequantize kernel needs to rebuild a quantized weight densely: `qweight` in its layout
+    (INT4: GGUF's nibble order, INT8: int8 values), float32 `scales` (and `mins`) per group."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group_size: int
+    dequantize: Dequantize
+
+    def weight(self) -> torch.Tensor:
+        return self.dequantize(self.qweight, self.scales, self.mins, self.group_size, ACTIVATION_DTYPE)
+
+
+def dense_route_available() -> bool:
+    """Whether a dense bfloat16 GEMM is fast here: a CPU with native bfloat16 (elsewhere it is emulated)."""
+    return torch.cpu._is_avx512_bf16_supported()
 
 
 @dataclass(frozen=True)
@@ -37,10 +70,12 @@ class PackedWeight:
     packed: torch.Tensor
     scales: torch.Tensor
     source: str
+    dense: DenseRoute | None = None  # from DENSE_FROM_ROWS rows: dequantize, then a dense GEMM
 
     @property
     def kernel(self) -> str:
-        return f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
+        kernel = f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
+        return kernel if self.dense is None else f"{kernel}; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM"
 
 
 @dataclass(frozen=True)
@@ -71,11 +106,21 @@ def pack_dense(w: torch.Tensor) -> torch.Tensor | OnednnWeight:
     return OnednnWeight(packed, w.shape[0], w.shape[1], w.dtype)
 
 
-def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu") -> PackedWeight:
-    """The kernel-ready form of `w` (CPU only: torch's int4/int8 packed CPU ops)."""
+def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu",
+                   dequantize: Dequantize | None = None) -> PackedWeight:
+    """The kernel-ready form of `w` (CPU only: torch's int4/int8 packed CPU ops); with `dequantize`
+    (an ops' `dequantize`), also the route that multiplies it densely from DENSE_FROM_ROWS rows."""
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantized weights run on CPU only, not on {device}")
-    return _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(to_per_channel_int8(w))
+    packed = _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(to_per_channel_int8(w))
+    if dequantize is None:
+        return packed
+    if w.kind is QuantKind.INT4:
+        route = DenseRoute(gguf_order(w), w.scales.contiguous(), w.mins.contiguous(), w.group_size, dequantize)
+    else:  # the per-channel values the int8 kernel multiplies (its scales are rounded to bfloat16)
+        per_channel = to_per_channel_int8(w)
+        route = DenseRoute(packed.packed, per_channel.scales.contiguous(), None, w.in_features, dequantize)
+    return dataclasses.replace(packed, dense=route)
 
 
 def _prepare_int4(w: QuantizedWeight) -> PackedWeight:
@@ -102,8 +147,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | OnednnWeight,
         return onednn_matmul(x, weight, bias)
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
-    matmul = int4_matmul if weight.kind is QuantKind.INT4 else int8_matmul
-    out = matmul(x.reshape(-1, weight.in_features), weight).view(*x.shape[:-1], weight.out_features)
+    rows = x.reshape(-1, weight.in_features)
+    if weight.dense is not None and rows.shape[0] >= DENSE_FROM_ROWS:
+        out = F.linear(rows.to(ACTIVATION_DTYPE), weight.dense.weight()).to(x.dtype)
+    else:
+        out = (int4_matmul if weight.kind is QuantKind.INT4 else int8_matmul)(rows, weight)
+    out = out.view(*x.shape[:-1], weight.out_features)
     return out if bias is None else out + bias
 
 

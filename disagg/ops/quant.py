@@ -57,6 +57,14 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
+def gguf_order(w: QuantizedWeight) -> torch.Tensor:
+    """An INT4 weight's q values as uint8 [N, K/2] in GGUF's nibble order: byte j of each group holds
+    its column j (low nibble) and column j + group/2 (high), the layout the dequantize kernels read."""
+    n, g = w.out_features, w.group_size
+    q = integer_values(w).view(n, -1, 2, g // 2)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, -1)
+
+
 def integer_values(w: QuantizedWeight) -> torch.Tensor:
     """The weight's q values as an [N, K] integer tensor (uint8 for INT4, int8 for INT8)."""
     return unpack_nibbles(w.qweight) if w.kind is QuantKind.INT4 else w.qweight

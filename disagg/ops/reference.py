@@ -60,6 +60,23 @@ class TorchOps:
         return torch.matmul(probs, values.contiguous()).view(n, -1, dim)
 
     @staticmethod
+    def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """A dense [N, K] weight in `dtype`: `scale * q (+ min)` per group in float32, then rounded
+        (quant.dequantize's math). int4: uint8 [N, K/2] in GGUF's nibble order (quant.gguf_order),
+        with mins; int8: int8 [N, K] values, no mins."""
+        n = qweight.shape[0]
+        if qweight.dtype == torch.uint8:
+            halves = qweight.view(n, -1, group_size // 2)
+            q = torch.cat([halves & 0x0F, halves >> 4], dim=-1)
+        else:
+            q = qweight.view(n, -1, group_size)
+        out = scales[..., None] * q.to(torch.float32)
+        if mins is not None:
+            out = out + mins[..., None]
+        return out.view(n, -1).to(dtype)
+
+    @staticmethod
     def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """A packed copy of the given blocks (dimension 0) of a strided cache view."""
         return cache.index_select(0, block_ids.reshape(-1))

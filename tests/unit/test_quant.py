@@ -10,8 +10,9 @@ from gguf.quants import quantize as gguf_quantize
 from disagg.config import ConfigError, ModelConfig
 from disagg.engine.loader import load_model
 from disagg.ops import quant
-from disagg.ops.linear import PackedWeight, linear, prepare_weight
+from disagg.ops.linear import DENSE_FROM_ROWS, PackedWeight, linear, prepare_weight
 from disagg.ops.quant import QuantKind
+from disagg.ops.reference import TorchOps
 
 # torch's kernels take bfloat16 activations and scales and round each dequantized weight and the
 # output to bfloat16: every output is within 2^-7 of sum_k |x_k| |w_nk| of the float32
@@ -125,6 +126,36 @@ def test_linear_matches_dequantize_then_matmul(kind, n, k, dtype):
         assert (out.shape, out.dtype) == ((m, n), dtype)
         error = (out.float() - x.float() @ dense.t()).abs()
         assert (error <= KERNEL_TOLERANCE * (x.float().abs() @ dense.abs().t())).all()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_many_rows_take_the_dense_route_and_few_the_packed_kernel(kind):
+    qw = random_weight(kind, 77, 96, seed=9)
+    plain, routed = prepare_weight(qw), prepare_weight(qw, dequantize=TorchOps.dequantize)
+    assert plain.dense is None and routed.dense is not None
+    assert routed.kernel == f"torch {kind}pack, bfloat16 activations; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM"
+    dense = quant.dequantize(qw)  # quantize_int8 is per channel already: both routes hold these values
+    assert torch.equal(routed.dense.weight(), dense.to(torch.bfloat16))
+    for m in (1, DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 200):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+        got = linear(x, routed)
+        if m >= DENSE_FROM_ROWS:
+            assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float())
+        else:
+            assert torch.equal(got, linear(x, plain))
+        error = (got - x @ dense.t()).abs()
+        assert (error <= KERNEL_TOLERANCE * (x.abs() @ dense.abs().t())).all()
+
+
+def test_gguf_order_puts_a_groups_two_halves_in_low_and_high_nibbles():
+    blocks = gguf_blocks(GGMLQuantizationType.Q4_1, 2, 64, seed=3)
+    qw = quant.from_gguf_q4_1(torch.from_numpy(blocks).reshape(-1), 2, 64)
+    # the file's own bytes: 20-byte blocks, fp16 d and m, then 16 bytes of nibbles
+    file_nibbles = torch.from_numpy(blocks.reshape(2, 2, 20)[..., 4:].copy()).reshape(2, 32)
+    assert torch.equal(quant.gguf_order(qw), file_nibbles)
+    q = quant.quantize_int4(torch.randn(3, 16), group_size=8)
+    values = quant.integer_values(q)
+    assert quant.gguf_order(q)[0, :4].tolist() == (values[0, :4] | (values[0, 4:8] << 4)).tolist()
 
 
 def test_linear_adds_bias_and_keeps_leading_dimensions():

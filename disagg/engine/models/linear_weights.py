@@ -16,24 +16,25 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import OnednnWeight, PackedWeight, pack_dense, prepare_weight
+from disagg.ops.linear import Dequantize, OnednnWeight, PackedWeight, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
 
 
 def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device,
-                  packed: bool = False) -> torch.Tensor | PackedWeight | OnednnWeight:
+                  packed: bool = False, dequantize: Dequantize | None = None) -> torch.Tensor | PackedWeight | OnednnWeight:
     """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up);
-    `packed`: a dense result goes to oneDNN's layout where the device has it."""
+    `packed`: a dense result goes to oneDNN's layout where the device has it; `dequantize`: a
+    quantized one also gets the dense route for many rows (disagg.ops.linear.DenseRoute)."""
     if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
-        return prepare_weight(concat_rows(list(parts)), device)
+        return prepare_weight(concat_rows(list(parts)), device, dequantize)
     dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
     dense = dense[0] if len(dense) == 1 else torch.cat(dense)
     if quantization == "int8":
-        return prepare_weight(quantize_int8(dense), device)
+        return prepare_weight(quantize_int8(dense), device, dequantize)
     if quantization == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
-        return prepare_weight(quantize_int4(dense), device)
+        return prepare_weight(quantize_int4(dense), device, dequantize)
     dense = dense.to(device=device, dtype=dtype).contiguous()
     return pack_dense(dense) if packed else dense
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -201,10 +202,12 @@ def _best(fn, repeat: int) -> tuple[float, float]:
 
 
 def _row(r: Result) -> str:
+    hf_ran = not math.isnan(r.hf_prefill_tps)  # --no-hf: its cells say "-", not nan
+    hf_prefill, prefill_ratio = (f"{r.hf_prefill_tps:.0f}", f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x") if hf_ran else ("-", "-")
+    hf_decode, decode_ratio = (f"{r.hf_decode_tps:.1f}", f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x") if hf_ran else ("-", "-")
     return (
-        f"| {r.dtype} | {r.kernels} | {r.quantization} | {r.batch} | {r.ours_prefill_tps:.0f} | {r.hf_prefill_tps:.0f} | "
-        f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x | {r.ours_decode_tps:.1f} | {r.hf_decode_tps:.1f} | "
-        f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x |"
+        f"| {r.dtype} | {r.kernels} | {r.quantization} | {r.batch} | {r.ours_prefill_tps:.0f} | {hf_prefill} | "
+        f"{prefill_ratio} | {r.ours_decode_tps:.1f} | {hf_decode} | {decode_ratio} |"
     )
 
 

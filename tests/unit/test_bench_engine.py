@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
-from disagg.bench.engine import Result, bound_lines, machine_line
+from disagg.bench.engine import Result, bound_lines, machine_line, table
 from disagg.engine.models.llama import LlamaModel
 
 
@@ -32,3 +34,12 @@ def test_the_machine_line_names_the_flags_and_threads():
     line = machine_line()
     assert line.startswith("CPU: ") and f"{torch.get_num_threads()} torch threads" in line
     assert "flags: " in line
+
+
+def test_the_table_gives_ratios_and_dashes_where_hf_did_not_run():
+    nan = float("nan")
+    results = [Result("float32", "csrc-avx512", "gguf", 16, 1744.0, 509.3, 872.0, 166.0),
+               Result("bfloat16", "csrc-avx512", "gguf", 1, 1564.0, 144.1, nan, nan)]
+    rows = table(results, argparse.Namespace(input_len=256, output_len=32)).splitlines()[-2:]
+    assert rows == ["| float32 | csrc-avx512 | gguf | 16 | 1744 | 872 | 2.00x | 509.3 | 166.0 | 3.07x |",
+                    "| bfloat16 | csrc-avx512 | gguf | 1 | 1564 | - | - | 144.1 | - | - |"]

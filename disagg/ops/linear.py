@@ -35,17 +35,36 @@ Dequantize = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, t
 
 @dataclass(frozen=True)
 class DenseRoute:
-    """What a dequantize kernel needs to rebuild a quantized weight densely: `qweight` in its layout
-    (INT4: GGUF's nibble order, INT8: int8 values), float32 `scales` (and `mins`) per group."""
+    """How a quantized weight multiplies densely from `from_rows` rows: a dequantize kernel rebuilds it
+    per call from `qweight` in its layout (INT4: GGUF's nibble order, INT8: int8 values) and float32
+    `scales` (and `mins`) per group, or a `resident` dense copy is kept (`keep_resident`)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     group_size: int
     dequantize: Dequantize
+    from_rows: int = DENSE_FROM_ROWS
+    resident: OnednnWeight | torch.Tensor | None = None
 
     def weight(self) -> torch.Tensor:
         return self.dequantize(self.qweight, self.scales, self.mins, self.group_size, ACTIVATION_DTYPE)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] @ weight.T in ACTIVATION_DTYPE."""
+        x = rows.to(ACTIVATION_DTYPE)
+        if self.resident is None:
+            return F.linear(x, self.weight())
+        return linear(x, self.resident)
+
+    def keep_resident(self, from_rows: int) -> DenseRoute:
+        """This route with a dense copy made once (oneDNN's layout where torch has it), used from `from_rows`."""
+        return dataclasses.replace(self, resident=pack_dense(self.weight()), from_rows=from_rows)
+
+    @property
+    def description(self) -> str:
+        how = "a resident bfloat16 copy" if self.resident is not None else "dequantized to a dense GEMM"
+        return f"from {self.from_rows} rows {how}"
 
 
 def dense_route_available() -> bool:
@@ -75,7 +94,7 @@ class PackedWeight:
     @property
     def kernel(self) -> str:
         kernel = f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
-        return kernel if self.dense is None else f"{kernel}; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM"
+        return kernel if self.dense is None else f"{kernel}; {self.dense.description}"
 
 
 @dataclass(frozen=True)
@@ -148,8 +167,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | OnednnWeight,
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, weight.in_features)
-    if weight.dense is not None and rows.shape[0] >= DENSE_FROM_ROWS:
-        out = F.linear(rows.to(ACTIVATION_DTYPE), weight.dense.weight()).to(x.dtype)
+    if weight.dense is not None and rows.shape[0] >= weight.dense.from_rows:
+        out = weight.dense.matmul(rows).to(x.dtype)
     else:
         out = (int4_matmul if weight.kind is QuantKind.INT4 else int8_matmul)(rows, weight)
     out = out.view(*x.shape[:-1], weight.out_features)

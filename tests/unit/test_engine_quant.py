@@ -8,6 +8,7 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.loader import load_model
+from disagg.engine.models.llama import HEAD_DENSE_FROM_ROWS
 from disagg.ops import load_ops, quant
 from disagg.ops.linear import DENSE_FROM_ROWS, dense_route_available
 from disagg.types import SamplingParams
@@ -90,10 +91,13 @@ def test_engine_summary_says_dtype_and_kernels(tiny_loaded):
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense (oneDNN packed)")
     assert engine(tiny_loaded, kernels="torch").engine_summary == (
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear)")
-    route = f"; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM" if dense_route_available() else ""
+    int4 = "quantized on load as int4 g32 (torch int4pack, bfloat16 activations"
+    expected = f"9 {int4})"
+    if dense_route_available():  # the layers dequantize for many rows; the head keeps a bf16 copy
+        expected = (f"8 {int4}; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM), "
+                    f"1 {int4}; from {HEAD_DENSE_FROM_ROWS} rows a resident bfloat16 copy)")
     assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
-        f"dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: "
-        f"9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations{route})")
+        f"dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}")
     assert engine(tiny_loaded, "int4", "bfloat16", kernels="torch").engine_summary == (
         "dtype bfloat16 (set by --dtype), kernels torch (set by --kernels), quantization int4: "
         "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)")
@@ -128,10 +132,11 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", chat)]
     gguf = engine(smollm2_gguf, "gguf", model="smollm2-135m")
     route = f"; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM" if dense_route_available() else ""
+    head = f"; from {HEAD_DENSE_FROM_ROWS} rows a resident bfloat16 copy" if dense_route_available() else ""
     assert gguf.engine_summary == (
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: "
         f"120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations{route}), "
-        f"1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations{route})")
+        f"1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations{head})")
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors(outs, refs, prompts)

@@ -1,5 +1,7 @@
 """Quantized weights: exact integer packing, GGUF blocks kept bit-exactly, `linear` against the reference."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from gguf.quants import quantize as gguf_quantize
 from disagg.config import ConfigError, ModelConfig
 from disagg.engine.loader import load_model
 from disagg.ops import quant
-from disagg.ops.linear import DENSE_FROM_ROWS, PackedWeight, linear, prepare_weight
+from disagg.ops.linear import DENSE_FROM_ROWS, PackedWeight, linear, pack_dense, prepare_weight
 from disagg.ops.quant import QuantKind
 from disagg.ops.reference import TorchOps
 
@@ -145,6 +147,18 @@ def test_many_rows_take_the_dense_route_and_few_the_packed_kernel(kind):
             assert torch.equal(got, linear(x, plain))
         error = (got - x @ dense.t()).abs()
         assert (error <= KERNEL_TOLERANCE * (x.abs() @ dense.abs().t())).all()
+
+
+def test_a_resident_route_keeps_one_dense_copy_and_uses_it_from_its_rows():
+    qw = random_weight("int8", 77, 96, seed=10)
+    routed = prepare_weight(qw, dequantize=TorchOps.dequantize)
+    kept = dataclasses.replace(routed, dense=routed.dense.keep_resident(from_rows=8))
+    assert kept.kernel == "torch int8pack, bfloat16 activations; from 8 rows a resident bfloat16 copy"
+    dense = quant.dequantize(qw).bfloat16()
+    for m in (7, 8, 200):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+        expected = linear(x.bfloat16(), pack_dense(dense)).float() if m >= 8 else linear(x, routed)
+        assert torch.equal(linear(x, kept), expected)
 
 
 def test_gguf_order_puts_a_groups_two_halves_in_low_and_high_nibbles():

@@ -50,3 +50,10 @@ def hf_model_from_loaded(loaded: LoadedModel, dtype: torch.dtype = torch.float32
     if loaded.arch.tie_word_embeddings:
         model.tie_weights()
     return model.to(dtype).eval()
+
+
+def save_hf_folder(loaded: LoadedModel, folder: str, max_shard_size: str | None = None) -> None:
+    """Write `loaded` as an HF folder: config.json, *.safetensors, generation_config.json, tokenizer files."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf_model_from_loaded(loaded).save_pretrained(folder, **kwargs)
+    loaded.tokenizer.save(folder)

@@ -89,7 +89,7 @@ class PackedWeight:
     packed: torch.Tensor
     scales: torch.Tensor
     source: str
-    dense: DenseRoute | None = None  # from DENSE_FROM_ROWS rows: dequantize, then a dense GEMM
+    dense: DenseRoute | None = None  # from its `from_rows` rows: multiply densely instead
 
     @property
     def kernel(self) -> str:
@@ -131,14 +131,15 @@ def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu",
     (an ops' `dequantize`), also the route that multiplies it densely from DENSE_FROM_ROWS rows."""
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantized weights run on CPU only, not on {device}")
-    packed = _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(to_per_channel_int8(w))
+    if w.kind is QuantKind.INT8:
+        w = to_per_channel_int8(w)
+    packed = _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(w)
     if dequantize is None:
         return packed
     if w.kind is QuantKind.INT4:
         route = DenseRoute(gguf_order(w), w.scales.contiguous(), w.mins.contiguous(), w.group_size, dequantize)
     else:  # the per-channel values the int8 kernel multiplies (its scales are rounded to bfloat16)
-        per_channel = to_per_channel_int8(w)
-        route = DenseRoute(packed.packed, per_channel.scales.contiguous(), None, w.in_features, dequantize)
+        route = DenseRoute(packed.packed, w.scales.contiguous(), None, w.in_features, dequantize)
     return dataclasses.replace(packed, dense=route)
 
 

@@ -53,10 +53,10 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
 
 
-_LINEARS = ("qkv", "o", "gate_up", "down")
+_LINEARS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer (dense or PackedWeight)
 # A quantized LM head multiplies a resident bfloat16 copy from this many rows (SmolLM2's 49152 x 576
 # head, 2 threads: torch's int8 kernel 0.94 / 2.23 / 4.33 ms at 4 / 8 / 16 rows, the copy 1.04 / 1.31 / 1.83).
-HEAD_DENSE_FROM_ROWS = 8  # the matmul weights of a layer (dense or PackedWeight)
+HEAD_DENSE_FROM_ROWS = 8
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:

@@ -7,6 +7,7 @@ the control streams prove it (and check the prefill proves it back)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from bootstrap.client import BootstrapClient
 from disagg.config import ControlConfig
@@ -43,32 +44,29 @@ class PrefillPeers:
 
         Push flow: the prefill writes into our blocks, so it loads our metadata (sent at
         registration); we need none of its own."""
-        key = (host, port, dp_rank)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            client = self.clients.get(key)
-            if client is None or not client.is_alive:
-                if client is not None:
-                    await client.close()
-                address = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
-                client = ControlClient(format_address(address.rank_ip, address.rank_port), self.local, self.control_config,
-                                       cluster_secret=self._cluster_secret)
-                await client.connect()
-                self.clients[key] = client
-        return client
+        async def address() -> str:
+            found = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
+            return format_address(found.rank_ip, found.rank_port)
+
+        return await self._live_client((host, port, dp_rank), address)
 
     async def client_at(self, host: str, port: int) -> ControlClient:
         """Pull flow: a live control stream to the prefill worker a ticket names (`remote_host`,
         `remote_port`: its control address), reconnecting after a loss."""
-        key = (host, port, -1)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
+        async def address() -> str:
+            return format_address(host, port)
+
+        return await self._live_client((host, port, -1), address)
+
+    async def _live_client(self, key: tuple[str, int, int], address: Callable[[], Awaitable[str]]) -> ControlClient:
+        """The client cached under `key`, or, when it is missing or dead, a new one connected to
+        `await address()` (one connect at a time per key)."""
+        async with self._locks.setdefault(key, asyncio.Lock()):
             client = self.clients.get(key)
             if client is None or not client.is_alive:
                 if client is not None:
                     await client.close()
-                client = ControlClient(format_address(host, port), self.local, self.control_config,
-                                       cluster_secret=self._cluster_secret)
+                client = ControlClient(await address(), self.local, self.control_config, cluster_secret=self._cluster_secret)
                 await client.connect()
                 self.clients[key] = client
         return client

@@ -296,3 +296,18 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def bad_request(message: str, param: str | None = None) -> dict:
+    """The OpenAI-shaped body of a 400: what every endpoint answers to bad input."""
+    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
+
+
+async def open_generate_streams(client: TestClient, rids: tuple[str, ...], max_new_tokens: int = 500) -> list:
+    """One streaming /generate per rid, each read up to its first event (so every one is running)."""
+    streams = [await client.post("/generate", json={"text": "a", "rid": rid, "stream": True,
+                                                    "sampling_params": {"max_new_tokens": max_new_tokens}})
+               for rid in rids]
+    for resp in streams:
+        await resp.content.readuntil(b"\n\n")
+    return streams

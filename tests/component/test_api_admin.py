@@ -4,7 +4,7 @@ import asyncio
 import re
 
 import pytest
-from fake_engine import FakeEngine, LONG_MODEL, api_client
+from fake_engine import FakeEngine, LONG_MODEL, api_client, open_generate_streams
 
 from disagg.dp.protocol import UtilityFailed
 
@@ -111,11 +111,7 @@ async def test_metrics_counts_requests_tokens_latency_and_workers():
 async def test_abort_requests_by_rid_and_all():
     engine = FakeEngine(dp_size=2, model=LONG_MODEL, token_delay_s=0.02)
     async with api_client(engine) as client:
-        streams = [await client.post("/generate", json={"text": "a", "rid": rid, "stream": True,
-                                                         "sampling_params": {"max_new_tokens": 500}})
-                   for rid in ("a1", "a2", "a3")]
-        for resp in streams:
-            await resp.content.readuntil(b"\n\n")
+        streams = await open_generate_streams(client, ("a1", "a2", "a3"))
         assert await call(client, "POST", "/abort_request", json={"rid": "a1"}) == (200, {"aborted": ["a1"]})
         bodies = [await streams[0].text()]
         assert await call(client, "POST", "/abort_requests", json={"rid": "missing"}) == (200, {"aborted": []})

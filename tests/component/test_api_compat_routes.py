@@ -2,7 +2,7 @@
 
 import pytest
 
-from fake_engine import LONG_MODEL, FakeEngine, api_client
+from fake_engine import LONG_MODEL, FakeEngine, api_client, open_generate_streams
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -26,9 +26,7 @@ async def test_get_load_has_one_entry_per_dp_worker_in_sglangs_shape():
 async def test_get_load_counts_running_requests():
     engine = FakeEngine(dp_size=1, model=LONG_MODEL, token_delay_s=0.02)
     async with api_client(engine) as client:
-        resp = await client.post("/generate", json={"text": "a", "rid": "busy", "stream": True,
-                                                    "sampling_params": {"max_new_tokens": 500}})
-        await resp.content.readuntil(b"\n\n")
+        [resp] = await open_generate_streams(client, ("busy",))
         status, body = await call(client, "GET", "/get_load")
         await call(client, "POST", "/abort_requests", json={"rid": "busy"})
         await resp.text()
@@ -43,11 +41,7 @@ async def test_version_is_the_package_version():
 async def test_abort_requests_takes_vllms_request_ids():
     engine = FakeEngine(dp_size=2, model=LONG_MODEL, token_delay_s=0.02)
     async with api_client(engine) as client:
-        streams = [await client.post("/generate", json={"text": "a", "rid": rid, "stream": True,
-                                                         "sampling_params": {"max_new_tokens": 500}})
-                   for rid in ("v1", "v2", "v3")]
-        for resp in streams:
-            await resp.content.readuntil(b"\n\n")
+        streams = await open_generate_streams(client, ("v1", "v2", "v3"))
         first = await call(client, "POST", "/abort_requests", json={"request_ids": ["v1", "v3", "gone"]})
         both = await call(client, "POST", "/abort_requests", json={"rid": "v2", "request_ids": ["nope"]})
         bodies = [await resp.text() for resp in streams]

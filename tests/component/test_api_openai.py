@@ -4,7 +4,7 @@ import re
 
 import openai
 import pytest
-from fake_engine import FakeEngine, api_client, sse_events
+from fake_engine import FakeEngine, api_client, bad_request, sse_events
 
 from disagg.wire.engine_msgs import SamplingMsg
 
@@ -91,7 +91,7 @@ async def test_completion_bad_input_is_400(body, param, message):
     async with api_client(FakeEngine()) as client:
         resp, got = await post(client, "/v1/completions", body)
     assert resp.status == 400
-    assert got == {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
+    assert got == bad_request(message, param)
 
 
 async def test_unknown_model_is_404_model_not_found():

@@ -1,7 +1,7 @@
 """SGLang-native POST /generate over real HTTP against the fake engine."""
 
 import pytest
-from fake_engine import FakeEngine, api_client, sse_events
+from fake_engine import FakeEngine, api_client, bad_request, sse_events
 
 from disagg.wire.engine_msgs import SamplingMsg
 
@@ -85,7 +85,7 @@ async def test_generate_bad_input_is_400(body, param, message):
     async with api_client(FakeEngine()) as client:
         resp, got = await post(client, body)
     assert resp.status == 400
-    assert got == {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
+    assert got == bad_request(message, param)
 
 
 async def test_generate_stream_is_cumulative_then_done():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fake_engine import FakeEngine, api_client
+from fake_engine import FakeEngine, api_client, bad_request
 
 from disagg.wire.engine_msgs import TokenizeMsg
 
@@ -13,9 +13,6 @@ async def call(client, path, body):
     resp = await client.post(path, json=body)
     return resp.status, await resp.json()
 
-
-def error(message, param):
-    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
 
 
 async def test_tokenize_a_prompt_with_vllms_fields_on_one_ready_worker():
@@ -58,7 +55,7 @@ async def test_tokenize_chat_defaults_as_vllm():
 async def test_tokenize_refuses_bad_bodies(body, message, param):
     engine = FakeEngine()
     async with api_client(engine) as client:
-        assert await call(client, "/tokenize", body) == (400, error(message, param))
+        assert await call(client, "/tokenize", body) == (400, bad_request(message, param))
     assert engine.utility_calls == []
 
 
@@ -69,7 +66,7 @@ async def test_tokenize_errors_from_the_worker_and_unknown_models():
     async with api_client(engine) as client:
         refused = await call(client, "/tokenize", {"messages": [{"role": "user", "content": "a"}]})
         unknown = await call(client, "/tokenize", {"model": "other", "prompt": "a"})
-    assert refused == (400, error("this model has no chat template; send a plain prompt instead", "messages"))
+    assert refused == (400, bad_request("this model has no chat template; send a plain prompt instead", "messages"))
     assert unknown[0] == 404 and unknown[1]["error"]["code"] == "model_not_found"
 
 
@@ -90,7 +87,7 @@ async def test_detokenize():
         out = await call(client, "/detokenize", {"tokens": [5, 1000]})
     assert text == (200, {"prompt": " w5 w7"})
     assert empty == (200, {"prompt": ""})
-    assert missing == (400, error("tokens is required: a list of token ids", "tokens"))
-    assert out == (400, error("token id 1000 in tokens is out of vocabulary (vocab_size=1000)", "tokens"))
+    assert missing == (400, bad_request("tokens is required: a list of token ids", "tokens"))
+    assert out == (400, bad_request("token id 1000 in tokens is out of vocabulary (vocab_size=1000)", "tokens"))
     assert engine.utility_calls == [("detokenize", ([5, 7],)), ("detokenize", ([],))]
     assert engine.utility_ranks == [[0], [0]]

@@ -2,7 +2,7 @@
 past 64 bits, seeds, request ids, JSON nested too deeply. Real HTTP against the fake engine."""
 
 import pytest
-from fake_engine import FakeEngine, api_client
+from fake_engine import FakeEngine, api_client, bad_request
 
 pytestmark = pytest.mark.timeout(30)
 DEEP = b"[" * 100_000 + b"]" * 100_000  # what a user sent; the decoder recursed until Python stopped it
@@ -13,9 +13,6 @@ GENERATE = {
     "/inference/v1/generate": {"token_ids": [1], "sampling_params": {"max_tokens": 1}},
 }
 
-
-def error(message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": None}}
 
 
 async def send(client, path: str, body=None, data: bytes | None = None):
@@ -57,7 +54,7 @@ async def test_chat_content_parts_reach_the_worker_as_one_string(content, text):
 async def test_chat_content_parts_that_are_not_text_are_400(content, param, message):
     engine = FakeEngine()
     async with api_client(engine) as client:
-        assert await send(client, "/v1/chat/completions", chat(content)) == (400, error(message, param))
+        assert await send(client, "/v1/chat/completions", chat(content)) == (400, bad_request(message, param))
     assert engine.requests == []
 
 
@@ -69,7 +66,7 @@ async def test_json_nested_too_deeply_is_400(path, field):
     engine = FakeEngine()
     async with api_client(engine) as client:
         status, body = await send(client, path, data=b'{"' + field + b'": ' + DEEP + b"}")
-    assert (status, body) == (400, error("malformed JSON body: it is nested too deeply"))
+    assert (status, body) == (400, bad_request("malformed JSON body: it is nested too deeply"))
     assert engine.requests == [] and engine.utility_calls == []
 
 
@@ -101,7 +98,7 @@ async def test_integers_past_64_bits_and_out_of_range_fields_are_400(path, body,
     engine = FakeEngine()
     async with api_client(engine) as client:
         raw = isinstance(body, bytes)
-        assert await send(client, path, None if raw else body, body if raw else None) == (400, error(message, param))
+        assert await send(client, path, None if raw else body, body if raw else None) == (400, bad_request(message, param))
     assert engine.requests == []
 
 
@@ -116,7 +113,7 @@ SEED_RANGE = "an integer between -9223372036854775808 and 9223372036854775807 (6
 ])
 async def test_seeds_outside_64_bits_are_400_with_the_range(path, body, got):
     async with api_client(FakeEngine()) as client:
-        assert await send(client, path, body) == (400, error(f"seed must be {SEED_RANGE}, got {got}", "seed"))
+        assert await send(client, path, body) == (400, bad_request(f"seed must be {SEED_RANGE}, got {got}", "seed"))
 
 
 @pytest.mark.parametrize("field, value, param", [
@@ -126,7 +123,7 @@ async def test_request_ids_that_cannot_go_back_in_a_header_are_400(field, value,
     engine = FakeEngine()
     async with api_client(engine) as client:
         status, body = await send(client, "/v1/completions", {"prompt": "a", "max_tokens": 1, field: value})
-        assert (status, body) == (400, error(
+        assert (status, body) == (400, bad_request(
             "request_id must have at most 256 characters and no control characters: it is sent back in the "
             "X-Request-Id header", param))
         status, body = await send(client, "/generate", {"text": "a", "rid": "é-\u2028-" + "y" * 250})
@@ -149,6 +146,6 @@ async def test_max_tokens_past_the_context_are_400_with_vllms_message():
     engine = FakeEngine()  # context 64
     async with api_client(engine) as client:
         status, body = await send(client, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 62})
-    assert (status, body) == (400, error(
+    assert (status, body) == (400, bad_request(
         "This model's maximum context length is 64 tokens. However, you requested 65 tokens (3 in the messages, 62 in "
         "the completion). Please reduce the length of the messages or completion.", "max_tokens"))

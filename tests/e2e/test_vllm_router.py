@@ -4,10 +4,10 @@ DP mode (`--intra-node-data-parallel-size 2`) it picks a DP rank on each server 
 `X-data-parallel-rank`, and our answers name the decode rank it chose."""
 
 import asyncio
+import contextlib
 import json
-import sys
-
 import re
+import sys
 
 import aiohttp
 import pytest
@@ -22,16 +22,23 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 LONG = "The quick brown fox jumps over the lazy dog, twice: " * 2
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
-async def router(request, tmp_path_factory):
-    cluster = await start_pd(request.param)
-    args = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+@contextlib.asynccontextmanager
+async def _vllm_router(backend: str, log_dir, *options: str):
+    """A P/D cluster on `backend` behind the real vllm-router in P/D mode with `options`: yields (url, cluster)."""
+    cluster = await start_pd(backend)
+    args = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", *options,
             "--prefill", cluster.prefill_url, "--decode", cluster.decode_url]
     try:
-        async with router_process(args, tmp_path_factory.mktemp("vllm-router"), "vllm-router") as url:
+        async with router_process(args, log_dir, "vllm-router") as url:
             yield url, cluster
     finally:
         await cluster.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
+async def router(request, tmp_path_factory):
+    async with _vllm_router(request.param, tmp_path_factory.mktemp("vllm-router")) as pair:
+        yield pair
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
@@ -39,15 +46,9 @@ async def dp_router(request, tmp_path_factory):
     """DP mode: the router reads each server's engine count from /metrics (`engine` labels: 2), then
     sends `X-data-parallel-rank` on both legs; round_robin makes consecutive requests alternate ranks.
     It insists on an --api-key in this mode (sent to /v1/*/render only; our servers run without one)."""
-    cluster = await start_pd(request.param)
-    args = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--policy", "round_robin",
-            "--intra-node-data-parallel-size", "2", "--api-key", "router-only-key",
-            "--prefill", cluster.prefill_url, "--decode", cluster.decode_url]
-    try:
-        async with router_process(args, tmp_path_factory.mktemp("vllm-router-dp"), "vllm-router") as url:
-            yield url, cluster
-    finally:
-        await cluster.close()
+    async with _vllm_router(request.param, tmp_path_factory.mktemp("vllm-router-dp"), "--policy", "round_robin",
+                            "--intra-node-data-parallel-size", "2", "--api-key", "router-only-key") as pair:
+        yield pair
 
 
 def body_for(path: str, prompt: str, stream: bool) -> dict:

@@ -7,6 +7,8 @@
 // the model dtype where torch would round them (so bfloat16 results match it), float32 math
 // otherwise; the build uses -ffp-contract=off so that no multiply-add is fused behind our back.
 
+#include <omp.h>
+
 #include <cstdint>
 
 #include "table.h"
@@ -63,140 +65,7 @@ inline float fma32(float a, float b, float c) { return __builtin_fmaf(a, b, c); 
 inline float fma32(float a, float b, float c) { return a * b + c; }
 #endif
 
-// ---- paged decode attention ----------------------------------------------------------------
-
-// Softmax over scores[0, ctx) in place, probabilities rounded to T as `.to(values.dtype)` does.
-template <typename T>
-inline void softmax_row(float* s, int64_t ctx) {
-  float m = s[0];
-  for (int64_t t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < ctx; ++t) {
-    s[t] = exp_approx(s[t] - m);
-    sum += s[t];
-  }
-  const float inv = 1.0f / sum;
-#pragma omp simd
-  for (int64_t t = 0; t < ctx; ++t) s[t] = round_to<T>(s[t] * inv);
-}
-
-// One (request, KV head), any group and head size: the group of query heads that share it, over the request's blocks.
-template <typename T>
-void attend_group_any(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
-                  const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
-                  float scale, float* scores) {
-  // Pass 1: scores[g][t] = round(q_g . k_t) * scale, as matmul in T then .float() * scale.
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const T* qg = q + g * head_dim;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot = fma32(to_f32(qg[d]), to_f32(kt[d]), dot);
-      scores[g * ctx + t] = round_to<T>(dot) * scale;
-    }
-  }
-  // Pass 2: softmax per query head.
-  for (int64_t g = 0; g < group; ++g) softmax_row<T>(scores + g * ctx, ctx);
-  // Pass 3: out_g = sum_t p[g][t] v_t, accumulated in float32 (after the scores in the scratch).
-  float* acc = scores + group * ctx;
-  for (int64_t i = 0; i < group * head_dim; ++i) acc[i] = 0.0f;
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      float p = scores[g * ctx + t];
-      float* a = acc + g * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] = fma32(p, to_f32(vt[d]), a[d]);
-    }
-  }
-  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = from_f32<T>(acc[i]);
-}
-
-// Rows are read in block order, but blocks sit anywhere in the cache: fetch a few tokens ahead
-// (a cold decode step reads every layer's KV from memory: 16 tokens ahead took batch-16 attention
-// from 570 to 261 us per layer call on SmolLM2 shapes, float32).
-constexpr int64_t kPrefetchTokens = 16;
-
-template <typename T, int D>
-inline void prefetch_row(const T* base, CacheView c, const int64_t* blocks, int64_t t, int64_t ctx,
-                         int64_t block_size) {
-  if (t >= ctx) return;
-  const char* row = reinterpret_cast<const char*>(base + blocks[t / block_size] * c.block_stride +
-                                                  (t % block_size) * c.token_stride);
-  for (int64_t line = 0; line < static_cast<int64_t>(D * sizeof(T)); line += 64) __builtin_prefetch(row + line);
-}
-
-// attend_group_any with the group size and head size known at compile time: the query rows and
-// the accumulators stay in registers and every loop over the head unrolls.
-template <typename T, int G, int D>
-void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
-                        const int64_t* blocks, int64_t ctx, int64_t block_size, float scale, float* scores) {
-  float qf[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) qf[g][d] = to_f32(q[g * D + d]);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
-    prefetch_row<T, D>(k_base, k, blocks, t + kPrefetchTokens, ctx, block_size);
-    float kf[D];
-    for (int d = 0; d < D; ++d) kf[d] = to_f32(kt[d]);
-    for (int g = 0; g < G; ++g) {
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < D; ++d) dot = fma32(qf[g][d], kf[d], dot);
-      scores[g * ctx + t] = round_to<T>(dot) * scale;
-    }
-  }
-  for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * ctx, ctx);
-  float acc[G][D] = {};
-  for (int64_t t = 0; t < kPrefetchTokens; ++t) prefetch_row<T, D>(v_base, v, blocks, t, ctx, block_size);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
-    prefetch_row<T, D>(v_base, v, blocks, t + kPrefetchTokens, ctx, block_size);
-    float vf[D];
-    for (int d = 0; d < D; ++d) vf[d] = to_f32(vt[d]);
-    for (int g = 0; g < G; ++g) {
-      const float p = scores[g * ctx + t];
-#pragma omp simd
-      for (int d = 0; d < D; ++d) acc[g][d] = fma32(p, vf[d], acc[g][d]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) out[g * D + d] = from_f32<T>(acc[g][d]);
-}
-
-template <typename T>
-void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
-                  const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
-                  float scale, float* scores) {
-#define DISAGG_FIXED(G, D)                                                                         \
-  if (group == G && head_dim == D)                                                                 \
-    return attend_group_fixed<T, G, D>(out, q, k_base, v_base, k, v, blocks, ctx, block_size, scale, scores);
-  DISAGG_FIXED(1, 64) DISAGG_FIXED(2, 64) DISAGG_FIXED(3, 64) DISAGG_FIXED(4, 64) DISAGG_FIXED(8, 64)
-  DISAGG_FIXED(1, 128) DISAGG_FIXED(2, 128) DISAGG_FIXED(4, 128) DISAGG_FIXED(8, 128)
-#undef DISAGG_FIXED
-  attend_group_any<T>(out, q, k_base, v_base, k, v, blocks, ctx, group, head_dim, block_size, scale, scores);
-}
-
-template <typename T>
-void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
-                              int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                              float* scratch, int64_t scratch_stride) {
-  const int64_t group = num_heads / num_kv_heads;
-#pragma omp parallel for collapse(2) schedule(static) if (n * num_kv_heads > 1 && n * num_heads * head_dim * 8 >= kParallelElems)
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t offset = (i * num_heads + h * group) * head_dim;
-      attend_group<T>(static_cast<T*>(out) + offset, static_cast<const T*>(q) + offset,
-                      static_cast<const T*>(k.data) + h * k.head_stride,
-                      static_cast<const T*>(v.data) + h * v.head_stride, k, v, block_tables + i * max_blocks,
-                      context_lens[i], group, head_dim, block_size, scale,
-                      scratch + (i * num_kv_heads + h) * scratch_stride);
-    }
-  }
-}
+#include "attention.h"  // paged decode attention, causal softmax
 
 // ---- RMSNorm (with the residual add folded in) ----------------------------------------------
 
@@ -351,6 +220,12 @@ void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, 
   auto fn = dtype == DType::kFloat32 ? paged_decode_attention_t<float> : paged_decode_attention_t<bf16>;
   fn(out, q, k, v, block_tables, max_blocks, context_lens, n, num_heads, num_kv_heads, head_dim, block_size, scale,
      scratch, scratch_stride);
+}
+
+void causal_softmax(void* scores, int64_t heads, int64_t n, int64_t ctx, int64_t first_pos, float scale,
+                    DType dtype, float* scratch) {
+  auto fn = dtype == DType::kFloat32 ? causal_softmax_t<float> : causal_softmax_t<bf16>;
+  fn(scores, heads, n, ctx, first_pos, scale, scratch);
 }
 
 void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim, float eps,

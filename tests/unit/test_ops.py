@@ -88,7 +88,7 @@ def _cache(num_blocks, block_size, kv_heads, dim, dtype, gen, layers=3):
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 5), (6, 1, 16, 32)])
 def test_paged_decode_attention(csrc, dtype, heads, kv_heads, dim, block_size):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
-    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size + 2, 7])
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size + 2, 7, 41])  # 41: tiles of 16 and a tail
     max_blocks = int((lens.max() + block_size - 1) // block_size)
     num_blocks = len(lens) * max_blocks + 3
     _, k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, gen)
@@ -106,6 +106,30 @@ def test_paged_decode_attention_refuses_a_context_past_its_blocks(csrc):
         csrc.paged_decode_attention(torch.zeros(1, 1, 16), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
     with pytest.raises(RuntimeError, match=r"block id 4 out of range \[0, 4\)"):
         csrc.paged_decode_attention(torch.zeros(1, 1, 16), k_cache, v_cache, torch.tensor([[4]]), torch.tensor([3]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,n,ctx,first_pos", [(9, 7, 7, 0), (3, 5, 45, 40), (2, 33, 20, 0), (4, 300, 300, 0)])
+def test_causal_softmax(csrc, dtype, heads, n, ctx, first_pos):
+    gen = torch.Generator().manual_seed(n * 1000 + ctx)
+    scores = (torch.randn(heads, n, ctx, generator=gen) * 40).to(dtype)
+    want = REF.causal_softmax(scores.clone(), first_pos, 0.125)
+    got = scores.clone()
+    assert csrc.causal_softmax(got, first_pos, 0.125).data_ptr() == got.data_ptr()  # in place
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    seen = (torch.arange(n)[:, None] + first_pos + 1).clamp(max=ctx)
+    hidden = torch.arange(ctx)[None, :] >= seen
+    assert int(got[:, hidden].count_nonzero()) == 0  # exactly 0 past each row
+    assert got.float().sum(-1).sub(1).abs().max() < (1e-5 if dtype == torch.float32 else 0.04)
+
+
+def test_causal_softmax_refuses_what_it_cannot_read(csrc):
+    with pytest.raises(RuntimeError, match=r"scores must be a contiguous \[heads, n, ctx\] tensor"):
+        csrc.causal_softmax(torch.zeros(4, 3, 2).transpose(1, 2), 0, 1.0)
+    with pytest.raises(RuntimeError, match="first_pos must be at least 0, got -1"):
+        csrc.causal_softmax(torch.zeros(1, 2, 2), -1, 1.0)
+    with pytest.raises(RuntimeError, match="scale must be positive, got -0.5"):
+        csrc.causal_softmax(torch.zeros(1, 2, 2), 0, -0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

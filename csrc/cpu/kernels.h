@@ -7,8 +7,6 @@
 // the model dtype where torch would round them (so bfloat16 results match it), float32 math
 // otherwise; the build uses -ffp-contract=off so that no multiply-add is fused behind our back.
 
-#include <omp.h>
-
 #include <cstdint>
 
 #include "table.h"
@@ -65,7 +63,7 @@ inline float fma32(float a, float b, float c) { return __builtin_fmaf(a, b, c); 
 inline float fma32(float a, float b, float c) { return a * b + c; }
 #endif
 
-#include "attention.h"  // paged decode attention, causal softmax
+#include "attention.h"  // paged decode attention
 
 // ---- RMSNorm (with the residual add folded in) ----------------------------------------------
 
@@ -220,12 +218,6 @@ void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, 
   auto fn = dtype == DType::kFloat32 ? paged_decode_attention_t<float> : paged_decode_attention_t<bf16>;
   fn(out, q, k, v, block_tables, max_blocks, context_lens, n, num_heads, num_kv_heads, head_dim, block_size, scale,
      scratch, scratch_stride);
-}
-
-void causal_softmax(void* scores, int64_t heads, int64_t n, int64_t ctx, int64_t first_pos, float scale,
-                    DType dtype, float* scratch) {
-  auto fn = dtype == DType::kFloat32 ? causal_softmax_t<float> : causal_softmax_t<bf16>;
-  fn(scores, heads, n, ctx, first_pos, scale, scratch);
 }
 
 void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim, float eps,

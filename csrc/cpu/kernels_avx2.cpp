@@ -6,7 +6,7 @@
 namespace disagg {
 
 KernelTable kernels_avx2() {
-  return {"avx2", avx2::paged_decode_attention, avx2::causal_softmax, avx2::rms_norm,
+  return {"avx2", avx2::paged_decode_attention, avx2::rms_norm,
           avx2::rope_and_cache, avx2::silu_and_mul, avx2::dequantize};
 }
 

@@ -6,7 +6,7 @@
 namespace disagg {
 
 KernelTable kernels_avx512() {
-  return {"avx512", avx512::paged_decode_attention, avx512::causal_softmax, avx512::rms_norm,
+  return {"avx512", avx512::paged_decode_attention, avx512::rms_norm,
           avx512::rope_and_cache, avx512::silu_and_mul, avx512::dequantize};
 }
 

@@ -6,7 +6,7 @@
 namespace disagg {
 
 KernelTable kernels_base() {
-  return {"base", base::paged_decode_attention, base::causal_softmax, base::rms_norm,
+  return {"base", base::paged_decode_attention, base::rms_norm,
           base::rope_and_cache, base::silu_and_mul, base::dequantize};
 }
 

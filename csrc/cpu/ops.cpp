@@ -6,8 +6,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <omp.h>
-
 #include <cstring>
 #include <string>
 #include <vector>
@@ -106,21 +104,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
                                  num_kv_heads, head_dim, block_size, static_cast<float>(scale), dtype,
                                  scratch.data_ptr<float>(), stride);
   return out;
-}
-
-// Prefill attention's softmax over bmm scores [heads, n, ctx], in place (the kernel says the mask).
-at::Tensor& causal_softmax(at::Tensor& scores, int64_t first_pos, double scale) {
-  check_cpu(scores, "scores");
-  const DType dtype = dtype_of(scores);
-  TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous(), "scores must be a contiguous [heads, n, ctx] tensor");
-  TORCH_CHECK(first_pos >= 0, "first_pos must be at least 0, got ", first_pos);
-  TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
-  if (scores.numel() == 0) return scores;
-  const int64_t ctx = scores.size(2);
-  at::Tensor scratch = at::empty({omp_get_max_threads() * (ctx + 16)}, scores.options().dtype(at::kFloat));
-  table().causal_softmax(scores.data_ptr(), scores.size(0), scores.size(1), ctx, first_pos,
-                         static_cast<float>(scale), dtype, scratch.data_ptr<float>());
-  return scores;
 }
 
 at::Tensor norm_impl(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
@@ -294,7 +277,6 @@ TORCH_LIBRARY(disagg, m) {
   m.def("isa() -> str", &disagg::isa);
   m.def("set_isa(str name) -> ()", &disagg::set_isa);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
-  m.def("causal_softmax(Tensor(a!) scores, int first_pos, float scale) -> Tensor(a!)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
@@ -306,7 +288,6 @@ TORCH_LIBRARY(disagg, m) {
 
 TORCH_LIBRARY_IMPL(disagg, CPU, m) {
   m.impl("paged_decode_attention", &disagg::paged_decode_attention);
-  m.impl("causal_softmax", &disagg::causal_softmax);
   m.impl("rms_norm", &disagg::rms_norm);
   m.impl("add_rms_norm", &disagg::add_rms_norm);
   m.impl("rope_and_cache", &disagg::rope_and_cache);

@@ -29,11 +29,6 @@ struct KernelTable {
                                  int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, DType dtype,
                                  float* scratch, int64_t scratch_stride);
-  // scores [heads * n, ctx] in place: row r of each head's n sees keys [0, first_pos + r]; their
-  // softmax(score * scale) in float32, rounded to dtype; the keys past the row become 0. scratch:
-  // ctx + 16 floats for each OpenMP thread (omp_get_max_threads()).
-  void (*causal_softmax)(void* scores, int64_t heads, int64_t n, int64_t ctx, int64_t first_pos, float scale,
-                         DType dtype, float* scratch);
   // residual (if not null) += x, rounded to dtype; out = weight * round(norm(residual or x)).
   void (*rms_norm)(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim,
                    float eps, DType dtype);

@@ -30,7 +30,6 @@ class CsrcOps:
         self.rope_and_cache = ops.rope_and_cache
         self.silu_and_mul = ops.silu_and_mul
         self.paged_decode_attention = ops.paged_decode_attention
-        self.causal_softmax = ops.causal_softmax
         self.dequantize = ops.dequantize
         self.gather_blocks = ops.gather_blocks
         self.scatter_blocks = ops.scatter_blocks

@@ -60,16 +60,6 @@ class TorchOps:
         return torch.matmul(probs, values.contiguous()).view(n, -1, dim)
 
     @staticmethod
-    def causal_softmax(scores: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
-        """scores [heads, n, ctx] in place: row r sees keys [0, first_pos + r]; softmax(score * scale)
-        over those in float32, rounded to the scores' dtype; the keys past the row become 0."""
-        n, ctx = scores.shape[1:]
-        rows = torch.arange(n, device=scores.device)[:, None] + first_pos
-        hidden = torch.arange(ctx, device=scores.device)[None, :] > rows
-        probs = torch.softmax((scores.float() * scale).masked_fill_(hidden, float("-inf")), dim=-1)
-        return scores.copy_(probs)
-
-    @staticmethod
     def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                    dtype: torch.dtype) -> torch.Tensor:
         """A dense [N, K] weight in `dtype`: `scale * q (+ min)` per group in float32, then rounded

@@ -109,30 +109,6 @@ def test_paged_decode_attention_refuses_a_context_past_its_blocks(csrc):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,n,ctx,first_pos", [(9, 7, 7, 0), (3, 5, 45, 40), (2, 33, 20, 0), (4, 300, 300, 0)])
-def test_causal_softmax(csrc, dtype, heads, n, ctx, first_pos):
-    gen = torch.Generator().manual_seed(n * 1000 + ctx)
-    scores = (torch.randn(heads, n, ctx, generator=gen) * 40).to(dtype)
-    want = REF.causal_softmax(scores.clone(), first_pos, 0.125)
-    got = scores.clone()
-    assert csrc.causal_softmax(got, first_pos, 0.125).data_ptr() == got.data_ptr()  # in place
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    seen = (torch.arange(n)[:, None] + first_pos + 1).clamp(max=ctx)
-    hidden = torch.arange(ctx)[None, :] >= seen
-    assert int(got[:, hidden].count_nonzero()) == 0  # exactly 0 past each row
-    assert got.float().sum(-1).sub(1).abs().max() < (1e-5 if dtype == torch.float32 else 0.04)
-
-
-def test_causal_softmax_refuses_what_it_cannot_read(csrc):
-    with pytest.raises(RuntimeError, match=r"scores must be a contiguous \[heads, n, ctx\] tensor"):
-        csrc.causal_softmax(torch.zeros(4, 3, 2).transpose(1, 2), 0, 1.0)
-    with pytest.raises(RuntimeError, match="first_pos must be at least 0, got -1"):
-        csrc.causal_softmax(torch.zeros(1, 2, 2), -1, 1.0)
-    with pytest.raises(RuntimeError, match="scale must be positive, got -0.5"):
-        csrc.causal_softmax(torch.zeros(1, 2, 2), 0, -0.5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (33, 100)])
 def test_rms_norm_and_its_residual_add(csrc, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows)

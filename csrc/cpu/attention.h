@@ -1,7 +1,6 @@
 // Attention kernels, a fragment of kernels.h: included there inside namespace disagg::DISAGG_ISA
 // (anonymous), after the shared helpers (to_f32, from_f32, round_to, exp_approx, fma32), so that it
-// is compiled once per instruction set like the rest. It includes nothing itself (kernels.h brings
-// omp.h, which declares functions only).
+// is compiled once per instruction set like the rest. It includes nothing itself.
 
 // ---- paged decode attention ----------------------------------------------------------------
 
@@ -116,7 +115,8 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load_f32x16(q + g * D + c * kLanes);
   // Scores a tile of kLanes tokens at a time: each dot stays a vector of partial sums until one
-  // transpose_sum reduces the tile's (a horizontal sum per dot was latency-bound: 3x slower).
+  // transpose_sum reduces the tile's (a horizontal sum per dot was latency-bound: a batch-16
+  // bfloat16 layer call at 280 tokens took 297 us, now 127).
   for (int64_t t0 = 0; t0 < ctx; t0 += kLanes) {
     const int64_t tile = ctx - t0 < kLanes ? ctx - t0 : kLanes;
     f32x16 partial[G][kLanes];

@@ -3,7 +3,9 @@
 A thin adapter around pods.py (the policy). Per role: list the pods matching the selector, then
 watch from the list's resourceVersion; every event goes through `PodTracker` and `reconcile`, and
 the actions are applied to the `WorkerPool`. A server is added PENDING and gets requests only after
-the router's own `GET /health` succeeds. Errors re-list after a backoff; 410 Gone re-lists at once.
+the router's own `GET /health` succeeds. Errors re-list after a backoff that doubles while failures
+come in a row (a watch that runs to its end resets it); a 410 Gone after a healthy watch re-lists
+at once, 410s in a row back off like any failure.
 Every call has a deadline: a list `api_timeout_s`, a watch `watch_timeout_s` (server side) plus
 `api_timeout_s` (client side).
 
@@ -19,10 +21,10 @@ import json
 import aiohttp
 import structlog
 
-from disagg.config import ConfigError
+from disagg.config import ConfigError, RetryConfig
 from disagg.router.config import DiscoveryConfig
 from disagg.router.health import HealthChecker
-from disagg.router.pods import Action, ActionKind, Backoff, EventType, Member, PodTracker, pod_view, reconcile
+from disagg.router.pods import Action, ActionKind, EventType, Member, PodTracker, pod_view, reconcile
 from disagg.router.workers import Role, WorkerPool
 
 log = structlog.get_logger("disagg.router")
@@ -36,6 +38,15 @@ class DiscoveryError(Exception):
 
 class WatchExpired(DiscoveryError):
     """410 Gone: the resourceVersion is too old; the pods must be listed again."""
+
+
+EXPECTED_ERRORS = (DiscoveryError, aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+
+
+def retry_wait_s(retry: RetryConfig, failures: int, expired: bool) -> float:
+    """The wait before listing again after `failures` failures in a row (this one not counted): none
+    for a first 410 (a watch's history ran out, nothing is wrong), else the doubling backoff."""
+    return 0.0 if expired and failures == 0 else retry.backoff_s(failures)
 
 
 def load_client():
@@ -101,23 +112,25 @@ class Discovery:
 
     async def _run(self, role: Role, selector: str) -> None:
         tracker = PodTracker(with_bootstrap_port=role is Role.PREFILL)
-        backoff = Backoff(self._config.backoff_s, self._config.max_backoff_s)
+        retry = RetryConfig(self._config.backoff_s, self._config.max_backoff_s)
+        failures = 0  # in a row; a watch that runs to its end resets it
         while True:
             try:
                 version = await self._list(role, selector, tracker)
-                backoff.reset()
                 while True:
                     version = await self._watch(role, selector, tracker, version)
-            except WatchExpired:
-                log.info("pod watch expired (410 Gone); listing again", role=str(role))
-            except (DiscoveryError, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                wait_s = backoff.next_s()
-                log.warning("pod list/watch failed; retrying", role=str(role), error=f"{type(exc).__name__}: {exc}",
-                            retry_in_s=wait_s)
-                await asyncio.sleep(wait_s)
-            except Exception as exc:  # noqa: BLE001 - a bug must not end discovery: log it, back off, list again
-                wait_s = backoff.next_s()
-                log.error("pod discovery failed unexpectedly; retrying", role=str(role), retry_in_s=wait_s, exc_info=exc)
+                    failures = 0
+            except Exception as exc:  # noqa: BLE001 - a bug must not end discovery either: log it, back off, list again
+                wait_s = retry_wait_s(retry, failures, expired=isinstance(exc, WatchExpired))
+                failures += 1
+                if isinstance(exc, WatchExpired):
+                    log.info("pod watch expired (410 Gone); listing again", role=str(role), retry_in_s=wait_s)
+                elif isinstance(exc, EXPECTED_ERRORS):
+                    log.warning("pod list/watch failed; retrying", role=str(role),
+                                error=f"{type(exc).__name__}: {exc}", retry_in_s=wait_s)
+                else:
+                    log.error("pod discovery failed unexpectedly; retrying", role=str(role), retry_in_s=wait_s,
+                              exc_info=exc)
                 await asyncio.sleep(wait_s)
 
     def _call(self, selector: str, timeout_s: float, **params):
@@ -145,7 +158,7 @@ class Discovery:
         """Follow one watch until the server ends it; the last resourceVersion seen."""
         cfg = self._config
         resp = await self._call(selector, cfg.watch_timeout_s + cfg.api_timeout_s, watch=True, resource_version=version,
-                                allow_watch_bookmarks=True, timeout_seconds=int(cfg.watch_timeout_s))
+                                allow_watch_bookmarks=True, timeout_seconds=max(1, round(cfg.watch_timeout_s)))
         try:
             if resp.status == 410:
                 raise WatchExpired(f"watch of {role} pods from resourceVersion {version}: 410 Gone")

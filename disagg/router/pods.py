@@ -156,20 +156,3 @@ def reconcile(wanted: Mapping[str, Endpoint], members: Sequence[Member]) -> list
         else:
             actions.append(Action(ActionKind.ADD, url, endpoint.bootstrap_port))
     return actions
-
-
-class Backoff:
-    """Waits between retries of a failed list or watch: `first_s`, doubling up to `max_s`."""
-
-    def __init__(self, first_s: float, max_s: float):
-        self._first_s, self._max_s = first_s, max_s
-        self._next_s = first_s
-
-    def next_s(self) -> float:
-        """The wait before the next retry (and the one after doubles)."""
-        wait, self._next_s = self._next_s, min(self._next_s * 2, self._max_s)
-        return wait
-
-    def reset(self) -> None:
-        """A list succeeded: the next failure waits `first_s` again."""
-        self._next_s = self._first_s

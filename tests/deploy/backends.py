@@ -84,14 +84,13 @@ def members(router: RouterServer, role: Role) -> list[tuple[str, str, bool, int]
     return [(i.url, i.health.value, i.admitting, i.in_flight) for i in router.router.pool.infos(role)]
 
 
-async def wait_until(predicate, timeout_s: float = FOLLOW_BOUND_S) -> float:
-    """Poll until `predicate()` holds; the seconds it took. Fails past `timeout_s`."""
+async def wait_until(predicate, timeout_s: float = FOLLOW_BOUND_S) -> None:
+    """Poll until `predicate()` holds; fails past `timeout_s`."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     while not predicate():
         assert loop.time() - start < timeout_s, f"not within {timeout_s} s"
         await asyncio.sleep(0.01)
-    return loop.time() - start
 
 
 async def generate(session: aiohttp.ClientSession, router: RouterServer) -> tuple[int, dict]:

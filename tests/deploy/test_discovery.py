@@ -46,9 +46,8 @@ async def test_a_terminating_pod_is_drained_and_its_request_in_flight_finishes(k
         await wait_until(lambda: d0.started == 1)
         kube.put(ready_pod("d1", d1.port, DECODE_LABELS))
         kube.put(ready_pod("d0", d0.port, DECODE_LABELS, deleting=True))
-        took_s = await wait_until(lambda: members(router, Role.DECODE) == [
+        await wait_until(lambda: members(router, Role.DECODE) == [  # within FOLLOW_BOUND_S
             (d0.url, "healthy", False, 1), (d1.url, "healthy", True, 0)])
-        assert took_s < 1.5
         assert await generate(http, router) == (200, {"server": "d1"})
         assert await in_flight == (200, {"server": "d0"})
         assert members(router, Role.DECODE) == [(d1.url, "healthy", True, 0)]  # forgotten once idle

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.config import ConfigError
+from disagg.config import ConfigError, RetryConfig
+from disagg.router.discovery import retry_wait_s
 from disagg.router.config import DiscoveryConfig, PrefillEndpoint, RouterConfig
 from disagg.router.policy import ServerLoad
 from disagg.router.pods import (
-    Action, ActionKind, Backoff, Endpoint, EventType, Member, PodTracker, PodView, pod_view, reconcile,
+    Action, ActionKind, Endpoint, EventType, Member, PodTracker, PodView, pod_view, reconcile,
 )
 from disagg.router.workers import Health, Role, WorkerPool
 
@@ -102,11 +103,11 @@ def test_pool_readmits_a_draining_server_only_after_a_new_check():
     assert pool.loads(Role.PREFILL) == [ServerLoad(True, 0)]
 
 
-def test_backoff_doubles_up_to_its_limit_and_resets():
-    backoff = Backoff(0.5, 3.0)
-    assert [backoff.next_s() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
-    backoff.reset()
-    assert backoff.next_s() == 0.5
+def test_retries_back_off_while_failures_come_in_a_row():
+    retry = RetryConfig(0.5, 3.0)
+    assert [retry_wait_s(retry, n, expired=False) for n in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    # A 410 after a healthy watch lists again at once; a 410 that follows failures waits like them.
+    assert [retry_wait_s(retry, n, expired=True) for n in range(3)] == [0.0, 1.0, 2.0]
 
 
 def test_discovery_config_checks_its_values():

@@ -17,6 +17,7 @@ from prefill.dispatch import plan_room
 
 log = structlog.get_logger(__name__)
 LEASE_POLL_S = 0.05
+LEASE_COUNT_TIMEOUT_S = 2.0  # one count of the leases; settle's deadline caps it
 
 
 class PrefillController(DPController):
@@ -40,22 +41,26 @@ class PrefillController(DPController):
         """Keep serving the reads of tickets already issued until no worker holds a lease (released,
         expired or its decode lost), `timeout_s` passed or `hurry` is set; how many were left."""
         deadline = time.monotonic() + timeout_s
+        left = 0  # the last count a worker gave; an unanswered count is not a settled drain
         while True:
-            left = await self.num_leases()
-            if left == 0 or time.monotonic() >= deadline or (hurry is not None and hurry.is_set()):
+            count_timeout_s = min(LEASE_COUNT_TIMEOUT_S, max(deadline - time.monotonic(), 0.01))
+            counted = await self.num_leases(count_timeout_s)
+            left = left if counted is None else counted
+            if counted == 0 or time.monotonic() >= deadline or (hurry is not None and hurry.is_set()):
                 return left
             await asyncio.sleep(min(LEASE_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
-    async def num_leases(self) -> int:
-        """Leases held by the live workers (a dead worker's went with it)."""
+    async def num_leases(self, timeout_s: float = LEASE_COUNT_TIMEOUT_S) -> int | None:
+        """Leases held by the live workers (a dead worker's went with it); None when one did not answer
+        in `timeout_s` (busy in a long step, say): the caller asks again."""
         ranks = [w.rank for w in self.workers if w.available]
         if not ranks:
             return 0
         try:
-            stats = await self.call_utility("stats", ranks=ranks, timeout_s=2.0)
+            stats = await self.call_utility("stats", ranks=ranks, timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a drain never fails on a worker that stopped answering
             log.warning("could not count the leases", error=f"{type(exc).__name__}: {exc}")
-            return 0
+            return None
         return sum(s["num_leases"] for s in stats)
 
     def announce_room(self, room: int, dp_rank: int) -> None:

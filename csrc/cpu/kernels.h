@@ -1,4 +1,4 @@
-// Kernel bodies, compiled once per instruction set: kernels_<isa>.cpp sets `#pragma GCC target`,
+// Kernel bodies and their table, compiled once per instruction set: kernels_<isa>.cpp sets `#pragma GCC target`,
 // defines DISAGG_ISA (the namespace) and includes this file. Loops are written for the
 // auto-vectoriser (`omp simd`); no headers with inline functions may be included here, so that
 // no AVX-512 copy of a shared inline function can leak into the rest of the library.
@@ -253,4 +253,15 @@ void dequantize(void* out, const void* q, int bits, const float* scales, const f
 
 }  // namespace
 }  // namespace DISAGG_ISA
+
+// The table of this instruction set's kernels: kernels_<isa>() (table.h declares all three).
+#define DISAGG_PASTE2(a, b) a##b
+#define DISAGG_PASTE(a, b) DISAGG_PASTE2(a, b)
+#define DISAGG_STRING2(x) #x
+#define DISAGG_STRING(x) DISAGG_STRING2(x)
+KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
+  return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::rms_norm,
+          DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul, DISAGG_ISA::dequantize};
+}
+
 }  // namespace disagg

@@ -2,13 +2,13 @@
 
 The only loader of csrc/ (DESIGN.md section 2). `load_ops(kernels, device)` returns an object with
 the fused ops (`rms_norm`, `add_rms_norm`, `rope_and_cache`, `silu_and_mul`,
-`paged_decode_attention`, `gather_blocks`, `scatter_blocks`) and a `name` for logs and the ready
+`paged_decode_attention`, `dequantize`, `gather_blocks`, `scatter_blocks`) and a `name` for logs and the ready
 line. Every op has a pure-torch twin in `disagg.ops.reference`; tests/unit/test_ops.py checks that
 the two agree.
 """
 
 from __future__ import annotations
 
-from disagg.ops.loader import KERNEL_CHOICES, KernelsUnavailable, csrc_status, load_ops
+from disagg.ops.loader import KernelsUnavailable, csrc_status, load_ops
 
-__all__ = ["KERNEL_CHOICES", "KernelsUnavailable", "csrc_status", "load_ops"]
+__all__ = ["KernelsUnavailable", "csrc_status", "load_ops"]

@@ -64,6 +64,7 @@ inline float fma32(float a, float b, float c) { return a * b + c; }
 #endif
 
 #include "attention.h"  // paged decode attention
+#include "quant_matmul.h"  // quantized weights x int8 activations
 
 // ---- RMSNorm (with the residual add folded in) ----------------------------------------------
 
@@ -251,6 +252,19 @@ void dequantize(void* out, const void* q, int bits, const float* scales, const f
   }
 }
 
+void quantize_q8(int8_t* q, float* d, float* s, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                 DType dtype) {
+  auto fn = dtype == DType::kFloat32 ? quantize_q8_t<float> : quantize_q8_t<bf16>;
+  fn(q, d, s, x, rows, cols, x_stride);
+}
+
+void quant_matmul(void* out, const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const float* ws,
+                  int64_t rows, int64_t n, int64_t k, int bits, DType dtype) {
+  auto fn = dtype == DType::kFloat32 ? (bits == 4 ? quant_matmul_t<float, 4> : quant_matmul_t<float, 8>)
+                                     : (bits == 4 ? quant_matmul_t<bf16, 4> : quant_matmul_t<bf16, 8>);
+  fn(out, xq, xd, xs, w, ws, rows, n, k);
+}
+
 }  // namespace
 }  // namespace DISAGG_ISA
 
@@ -261,7 +275,8 @@ void dequantize(void* out, const void* q, int bits, const float* scales, const f
 #define DISAGG_STRING(x) DISAGG_STRING2(x)
 KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
   return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::rms_norm,
-          DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul, DISAGG_ISA::dequantize};
+          DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul, DISAGG_ISA::dequantize,
+          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul};
 }
 
 }  // namespace disagg

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "table.h"
@@ -19,7 +20,8 @@ bool cpu_has(const char* isa) {
   __builtin_cpu_init();
   if (std::strcmp(isa, "avx512") == 0) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
   }
   if (std::strcmp(isa, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return std::strcmp(isa, "base") == 0;
@@ -221,6 +223,53 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
   return out;
 }
 
+// x [rows, k] to int8 in blocks of 32: (q int8 [rows, k], d and s float32 [rows, k / 32]); table.h says how.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x_in) {
+  check_cpu(x_in, "x");
+  const DType dtype = dtype_of(x_in);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 32 == 0, "x must be [rows, k] with k a multiple of 32, got ",
+              x_in.sizes());
+  at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({rows, k / 32}, x.options().dtype(at::kFloat));
+  at::Tensor s = at::empty({rows, k / 32}, x.options().dtype(at::kFloat));
+  table().quantize_q8(q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), x.data_ptr(), rows, k, k, dtype);
+  return {q, d, s};
+}
+
+// x [rows, k] @ a weight of n output rows and `bits` (4 or 8) packed in tiles of 16 (quant_matmul.h)
+// → [rows, n] in x's dtype.
+at::Tensor quant_matmul(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales, int64_t n,
+                        int64_t bits) {
+  check_cpu(x_in, "x");
+  check_cpu(weight, "weight");
+  check_cpu(scales, "scales");
+  const DType dtype = dtype_of(x_in);
+  TORCH_CHECK(bits == 4 || bits == 8, "weights of 4 or 8 bits, not ", bits);
+  const int64_t block_bytes = 16 * 32 * bits / 8;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(2) == block_bytes &&
+              weight.is_contiguous(), "weight must be contiguous uint8 [tiles, k / 32, ", block_bytes, "]");
+  const int64_t tiles = weight.size(0), k = weight.size(1) * 32;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "], got ", x_in.sizes());
+  TORCH_CHECK(n > (tiles - 1) * 16 && n <= tiles * 16, n, " output rows do not fill ", tiles, " tiles of 16");
+  const std::vector<int64_t> scale_shape = {tiles, k / 32, 2, 16};
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == scale_shape,
+              "scales must be contiguous float32 [", tiles, ", ", k / 32, ", 2, 16]");
+  at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor ds = at::empty({2, rows, k / 32}, x.options().dtype(at::kFloat));
+  float* d = ds.data_ptr<float>();
+  float* s = d + rows * (k / 32);
+  table().quantize_q8(q.data_ptr<int8_t>(), d, s, x.data_ptr(), rows, k, k, dtype);
+  table().quant_matmul(out.data_ptr(), q.data_ptr<int8_t>(), d, s, weight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                       rows, n, k, static_cast<int>(bits), dtype);
+  return out;
+}
+
 // Blocks of `cache` (dimension 0; everything inside a block contiguous) to and from a packed tensor.
 int64_t block_bytes(const at::Tensor& cache) {
   TORCH_CHECK(cache.dim() >= 2 && cache.select(0, 0).is_contiguous(), "cache blocks must be contiguous inside");
@@ -282,6 +331,8 @@ TORCH_LIBRARY(disagg, m) {
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
+  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_matmul(Tensor x, Tensor weight, Tensor scales, int n, int bits) -> Tensor");
   m.def("gather_blocks(Tensor cache, Tensor block_ids) -> Tensor");
   m.def("scatter_blocks(Tensor(a!) cache, Tensor block_ids, Tensor src) -> ()");
 }
@@ -293,6 +344,8 @@ TORCH_LIBRARY_IMPL(disagg, CPU, m) {
   m.impl("rope_and_cache", &disagg::rope_and_cache);
   m.impl("silu_and_mul", &disagg::silu_and_mul);
   m.impl("dequantize", &disagg::dequantize);
+  m.impl("quantize_q8", &disagg::quantize_q8);
+  m.impl("quant_matmul", &disagg::quant_matmul);
   m.impl("gather_blocks", &disagg::gather_blocks);
   m.impl("scatter_blocks", &disagg::scatter_blocks);
 }

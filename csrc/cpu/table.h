@@ -47,6 +47,15 @@ struct KernelTable {
   // scales (and mins) float32 [rows, cols / group].
   void (*dequantize)(void* out, const void* q, int bits, const float* scales, const float* mins, int64_t rows,
                      int64_t cols, int64_t group, DType dtype);
+  // Activations x [rows, cols] (row stride x_stride) to int8 in blocks of 32: q int8 [rows, cols],
+  // d and s float32 [rows, cols / 32] with d = max|x| / 127, q = rint(x * (1 / d)) (0 where d = 0)
+  // and s = d * sum(q) per block.
+  void (*quantize_q8)(int8_t* q, float* d, float* s, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
+                      DType dtype);
+  // out[rows, n] = x [rows, k] (as quantize_q8 left it) times a weight [n, k] of `bits` (4 or 8)
+  // packed in tiles of 16 rows (quant_matmul.h gives the layout), rounded to dtype.
+  void (*quant_matmul)(void* out, const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                       const float* ws, int64_t rows, int64_t n, int64_t k, int bits, DType dtype);
 };
 
 KernelTable kernels_base();

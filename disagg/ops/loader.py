@@ -14,6 +14,12 @@ from disagg.ops.reference import TorchOps
 log = structlog.get_logger(__name__)
 
 
+# Where models run quantized weights on csrc's quant_matmul rather than torch's kernels. It runs on
+# every build, but beats torch's int4 kernel only with AVX512-VNNI (the avx512 build: 2.2x at 16
+# rows); its AVX2 and base builds are 5-10x slower than torch's.
+QUANT_MATMUL_ISAS = ("avx512",)
+
+
 class KernelsUnavailable(RuntimeError):
     """`kernels=csrc` was asked for and the library cannot be loaded (the message says why)."""
 
@@ -31,6 +37,9 @@ class CsrcOps:
         self.silu_and_mul = ops.silu_and_mul
         self.paged_decode_attention = ops.paged_decode_attention
         self.dequantize = ops.dequantize
+        self.quantize_q8 = ops.quantize_q8
+        self.quant_matmul = ops.quant_matmul
+        self.quant_matmul_preferred = ops.isa() in QUANT_MATMUL_ISAS
         self.gather_blocks = ops.gather_blocks
         self.scatter_blocks = ops.scatter_blocks
 

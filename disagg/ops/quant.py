@@ -13,9 +13,11 @@ import enum
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 GGUF_GROUP_SIZE = 32  # Q4_0, Q4_1 and Q8_0 blocks hold 32 values of one row
 INT4_GROUP_SIZE = 32  # quantize-on-load int4: the same group as the GGUF blocks
+QUANT_BLOCK = 32  # csrc quant_matmul: one scale per 32 values of an activation row and of a weight row
 
 
 class QuantKind(enum.Enum):
@@ -63,6 +65,42 @@ def gguf_order(w: QuantizedWeight) -> torch.Tensor:
     n, g = w.out_features, w.group_size
     q = integer_values(w).view(n, -1, 2, g // 2)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, -1)
+
+
+def pack_blocks(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` in the layout of csrc's quant_matmul (csrc/cpu/quant_matmul.h): (packed uint8 [tiles, K / 32,
+    16 * 32 * bits / 8], scales float32 [tiles, K / 32, 2, 16] of d then m), rows in tiles of 16
+    (zero-padded), one d and m per block of 32 columns. INT4: 4 chunks of 64 bytes per block, byte
+    4i + j of chunk c holding column 8c + j of row i (low nibble) and column 8c + 4 + j (high). INT8:
+    8 chunks, byte 4i + j of chunk c holding column 4c + j plus 128, and m = -128 d."""
+    if w.group_size % QUANT_BLOCK:
+        raise ValueError(f"groups of {w.group_size} columns do not split into blocks of {QUANT_BLOCK}")
+    n, k = w.shape
+    d = w.scales.repeat_interleave(w.group_size // QUANT_BLOCK, dim=1)
+    if w.kind is QuantKind.INT4:
+        m = w.mins.repeat_interleave(w.group_size // QUANT_BLOCK, dim=1)
+        q = F.pad(integer_values(w), (0, 0, 0, -n % 16)).view(-1, 16, k // 32, 4, 2, 4)  # [tile, i, block, c, half, j]
+        packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256)
+    else:
+        m = -128 * d
+        q = F.pad((w.qweight.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, -n % 16)).view(-1, 16, k // 32, 8, 4)
+        packed = q.permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 512)  # [tile, block, c, i, j]
+    scales = F.pad(torch.stack([d, m], dim=1), (0, 0, 0, 0, 0, -n % 16))  # [N, 2, blocks]
+    scales = scales.view(-1, 16, 2, k // 32).permute(0, 3, 2, 1)
+    return packed.contiguous(), scales.to(torch.float32).contiguous()
+
+
+def unpack_blocks(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_blocks' inverse, padding rows included: (q uint8 [tiles * 16, K] as the kernel multiplies it
+    (INT8: the value + 128), d and m float32 [tiles * 16, K / 32])."""
+    tiles, blocks, nbytes = packed.shape
+    if nbytes == 256:
+        chunks = packed.view(tiles, blocks, 4, 16, 4)  # [tile, block, c, i, j]
+        q = torch.stack([chunks & 0x0F, chunks >> 4], dim=-2).permute(0, 3, 1, 2, 4, 5)  # [tile, i, block, c, half, j]
+    else:
+        q = packed.view(tiles, blocks, 8, 16, 4).permute(0, 3, 1, 2, 4)
+    d, m = scales.permute(0, 3, 2, 1).reshape(tiles * 16, 2, blocks).unbind(dim=1)
+    return q.reshape(tiles * 16, blocks * 32), d.contiguous(), m.contiguous()
 
 
 def integer_values(w: QuantizedWeight) -> torch.Tensor:

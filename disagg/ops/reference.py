@@ -9,11 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from disagg.ops.quant import unpack_blocks
+
 
 class TorchOps:
     """The forward pass's fused ops, written with plain torch calls (any device)."""
 
     name = "torch"
+    quant_matmul_preferred = False  # its twin below is for tests: models keep torch's kernels here
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,6 +78,33 @@ class TorchOps:
         if mins is not None:
             out = out + mins[..., None]
         return out.view(n, -1).to(dtype)
+
+    @staticmethod
+    def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [rows, k] to int8 in blocks of 32 values: q int8 [rows, k], and float32 [rows, k / 32] d
+        (max|x| / 127) and s (d * the block's sum of q), with q = round(x * (1 / d)), 0 where d = 0."""
+        rows = x.shape[0]
+        blocks = x.float().view(rows, -1, 32)
+        d = blocks.abs().amax(dim=-1) / 127
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(blocks * inv[..., None])
+        return q.to(torch.int8).view(rows, -1), d, d * q.sum(dim=-1)
+
+    @staticmethod
+    def quant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        """x [rows, k] @ a weight [n, k] of `bits` (quant.pack_blocks' layout) → [rows, n] in x's dtype, with
+        x rounded by quantize_q8: per block b, acc += float(sum(q * qx)) * (d * dx), then acc += m * sx."""
+        assert weight.shape[2] == 16 * 32 * bits // 8, "the weight's blocks are not of this many bits"
+        q, dx, sx = TorchOps.quantize_q8(x)
+        values, d, m = unpack_blocks(weight, scales)
+        rows, blocks = dx.shape
+        qx = q.view(rows, blocks, 32).transpose(0, 1).to(torch.int64)  # [blocks, rows, 32]
+        isum = torch.bmm(qx, values.view(-1, blocks, 32).transpose(0, 1).transpose(1, 2).to(torch.int64))
+        acc = torch.zeros(rows, values.shape[0])
+        for b in range(blocks):  # in order, one rounding per op, as the kernel sums
+            acc = acc + isum[b].to(torch.float32) * (d[None, :, b] * dx[:, b, None])
+            acc = acc + m[None, :, b] * sx[:, b, None]
+        return acc[:, :n].to(x.dtype)
 
     @staticmethod
     def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

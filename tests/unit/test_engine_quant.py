@@ -1,4 +1,10 @@
-"""The engine on quantized weights: quantize-on-load (tiny model) and a GGUF's own blocks (SmolLM2)."""
+"""The engine on quantized weights: quantize-on-load (tiny model) and a GGUF's own blocks (SmolLM2).
+
+Each test runs both routes a CPU may take (the `route` fixture): csrc's quant_matmul (int8
+activations in blocks of 32; chosen on AVX512-VNNI, forced here on any build, where it computes the
+same bits) and torch's packed kernels (bfloat16 activations; with the dense route for many rows
+where bfloat16 is native).
+"""
 
 import dataclasses
 
@@ -9,13 +15,19 @@ from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.loader import load_model
 from disagg.engine.models.llama import HEAD_DENSE_FROM_ROWS
-from disagg.ops import load_ops, quant
+from disagg.ops import load_ops, loader, quant
 from disagg.ops.linear import DENSE_FROM_ROWS, dense_route_available
 from disagg.types import SamplingParams
 from engine_runs import run_requests
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}
+
+
+@pytest.fixture(params=["quant_matmul", "torch"])
+def route(request, monkeypatch):
+    monkeypatch.setattr(loader, "QUANT_MATMUL_ISAS", ("base", "avx2", "avx512") if request.param == "quant_matmul" else ())
+    return request.param
 
 
 def engine(loaded, quantization="none", dtype="float32", model="tiny", kernels="auto"):
@@ -45,35 +57,44 @@ def dequantized_copy(loaded, quantization):
     return dataclasses.replace(loaded, weights=weights)
 
 
+# The largest prompt-logprob error against the dense float32 engine on the quantize-then-dequantize
+# weights: the activations' rounding is all that differs, to int8 blocks or to bfloat16. Measured on
+# the short prompts / the long one: quant_matmul int8 0.176 / 0.160, int4 0.078 / 0.125; torch int8
+# 0.048 / 0.088, int4 0.066 / 0.069.
+DEQUANTIZED_BOUND = {("quant_matmul", "int8"): 0.25, ("quant_matmul", "int4"): 0.2, ("torch", "int8"): 0.1,
+                     ("torch", "int4"): 0.1}
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_engine_computes_with_the_dequantized_weights(tiny_loaded, quantization):
-    """Against the dense float32 engine on the quantize-then-dequantize weights, the only difference left
-    is the kernels' bfloat16 activations: prompt logprobs within 0.1 (measured at most 0.049 int8, 0.063 int4)."""
+def test_quantized_engine_computes_with_the_dequantized_weights(tiny_loaded, quantization, route):
     prompts = tiny_prompts(tiny_loaded.tokenizer)
     outs = run_all(engine(tiny_loaded, quantization), prompts)
     refs = run_all(engine(dequantized_copy(tiny_loaded, quantization)), prompts)
-    assert prompt_logprob_errors(outs, refs, prompts).max() <= 0.1
+    assert prompt_logprob_errors(outs, refs, prompts).max() <= DEQUANTIZED_BOUND[route, quantization]
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_a_long_prompt_on_the_dense_route_computes_with_the_dequantized_weights(tiny_loaded, quantization):
-    """A prompt of 2 x DENSE_FROM_ROWS tokens prefills on the dense route where this CPU has one (its
-    weights dequantized to bfloat16, then F.linear), else on torch's packed kernels: the same bound as
-    above holds against the dense float32 engine (measured at most 0.062 int8, 0.055 int4)."""
+def test_a_long_prompt_computes_with_the_dequantized_weights(tiny_loaded, quantization, route):
+    """A prompt of 2 x DENSE_FROM_ROWS tokens: quant_matmul takes every row count; torch's route
+    prefills on the dense route where this CPU has one (the weights dequantized to bfloat16, then
+    F.linear), else on torch's packed kernels."""
     core = engine(tiny_loaded, quantization)
-    assert (core.runner.model.layers[0]["qkv"].dense is not None) == dense_route_available()
+    qkv = core.runner.model.layers[0]["qkv"]
+    assert (qkv.quant_matmul is not None) == (route == "quant_matmul")
+    assert (qkv.dense is not None) == (route == "torch" and dense_route_available())
     text = " ".join(str(i) for i in range(DENSE_FROM_ROWS))
     prompts = [tiny_loaded.tokenizer.encode(text)[: 2 * DENSE_FROM_ROWS]]
     assert len(prompts[0]) == 2 * DENSE_FROM_ROWS
     outs = run_all(core, prompts)
     refs = run_all(engine(dequantized_copy(tiny_loaded, quantization)), prompts)
-    assert prompt_logprob_errors(outs, refs, prompts).max() <= 0.1
+    assert prompt_logprob_errors(outs, refs, prompts).max() <= DEQUANTIZED_BOUND[route, quantization]
 
 
 @pytest.mark.parametrize("quantization, mean_error", [("int8", 0.1), ("int4", 0.75)])
-def test_quantized_engine_stays_near_the_dense_one(tiny_loaded, quantization, mean_error):
+def test_quantized_engine_stays_near_the_dense_one(tiny_loaded, quantization, mean_error, route):
     """The tiny model's wide random weights are the worst case for 4 bits: against the dense engine the mean
-    prompt-logprob error measured 0.028-0.049 (int8) and 0.28-0.53 (int4) per prompt."""
+    prompt-logprob error measured 0.026-0.055 (int8) and 0.28-0.53 (int4) per prompt on torch's route,
+    0.035-0.078 (int8) and 0.27-0.53 (int4) on quant_matmul."""
     prompts = tiny_prompts(tiny_loaded.tokenizer)
     for dtype in ("float32", "bfloat16"):
         outs = run_all(engine(tiny_loaded, quantization, dtype), prompts)
@@ -86,14 +107,16 @@ def auto_kernels() -> str:
     return f"kernels csrc-{isa} (auto: csrc built, this CPU runs its {isa} code)"
 
 
-def test_engine_summary_says_dtype_and_kernels(tiny_loaded):
+def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
     assert engine(tiny_loaded).engine_summary == (
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense (oneDNN packed)")
     assert engine(tiny_loaded, kernels="torch").engine_summary == (
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear)")
     int4 = "quantized on load as int4 g32 (torch int4pack, bfloat16 activations"
     expected = f"9 {int4})"
-    if dense_route_available():  # the layers dequantize for many rows; the head keeps a bf16 copy
+    if route == "quant_matmul":
+        expected = "9 quantized on load as int4 g32 (csrc quant_matmul, int8 activations in blocks of 32)"
+    elif dense_route_available():  # the layers dequantize for many rows; the head keeps a bf16 copy
         expected = (f"8 {int4}; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM), "
                     f"1 {int4}; from {HEAD_DENSE_FROM_ROWS} rows a resident bfloat16 copy)")
     assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
@@ -121,37 +144,48 @@ def test_gguf_blocks_are_the_dense_loaders_weights_bit_for_bit(smollm2_loaded, s
     assert smollm2_gguf.weights.keys() == {n for n in smollm2_loaded.weights if "norm" in n or "embed" in n}
 
 
+# Greedy tokens identical to the dense engine's before the first difference, per prompt: measured
+# 5, 16, 16 on quant_matmul (the first prompt parts after " Paris.\n\n", where the dense engine's two
+# best tokens are close) and 16, 16, 16 on torch's route.
+SAME_TOKENS = {"quant_matmul": [5, 16, 16], "torch": [16, 16, 16]}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded, smollm2_gguf):
-    """Measured over these prompts (32 tokens each): same first token on all, greedy text identical for
-    >= 23 tokens (32, 32, 23), prompt logprobs within 0.28 (mean 0.054-0.066): less than dense bfloat16's
-    own error against float32 (mean 0.079, test_engine_smollm2)."""
+def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded, smollm2_gguf, route):
+    """Prompt logprobs against the dense engine on the same GGUF, measured: quant_matmul max 0.495, mean
+    0.075 (its Q8_0 head runs as it is stored); torch's route max 0.28, mean 0.054-0.066 (its head is
+    requantized per channel). Dense bfloat16's own error against float32 is mean 0.079
+    (test_engine_smollm2)."""
     tokenizer = smollm2_loaded.tokenizer
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", chat)]
     gguf = engine(smollm2_gguf, "gguf", model="smollm2-135m")
-    route = f"; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM" if dense_route_available() else ""
-    head = f"; from {HEAD_DENSE_FROM_ROWS} rows a resident bfloat16 copy" if dense_route_available() else ""
-    assert gguf.engine_summary == (
-        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: "
-        f"120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations{route}), "
-        f"1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations{head})")
+    if route == "quant_matmul":
+        kernel = "csrc quant_matmul, int8 activations in blocks of 32"
+        weights = f"120 Q4_1 as int4 g32 ({kernel}), 1 Q8_0 as int8 g32 ({kernel})"
+    else:
+        dense = f"; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM" if dense_route_available() else ""
+        head = f"; from {HEAD_DENSE_FROM_ROWS} rows a resident bfloat16 copy" if dense_route_available() else ""
+        weights = (f"120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations{dense}), "
+                   f"1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations{head})")
+    assert gguf.engine_summary == f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}"
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors(outs, refs, prompts)
-    assert errors.max() <= 0.4 and errors.mean() <= 0.1
-    for out, ref in zip(outs, refs):
-        assert out.outputs.token_ids == ref.outputs.token_ids  # 16 tokens: identical on these prompts
-    assert outs[0].outputs.text.startswith(" Paris")
+    assert errors.max() <= 0.6 and errors.mean() <= 0.1
+    for out, ref, same in zip(outs, refs, SAME_TOKENS[route]):
+        assert out.outputs.token_ids[:same] == ref.outputs.token_ids[:same]
+    assert outs[0].outputs.text.startswith(" Paris.")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_gguf_engine_on_a_long_prompt_stays_near_the_dense_engine(smollm2_loaded, smollm2_gguf):
-    """A 131-token prompt prefills on the dense route where this CPU has one (>= DENSE_FROM_ROWS rows).
-    Measured against dense float32: prompt logprobs max 0.145, mean 0.027 on the route (16 of 16 greedy
-    tokens equal); max 0.181, mean 0.029 on torch's int4 kernel alone (4 of 16)."""
+def test_gguf_engine_on_a_long_prompt_stays_near_the_dense_engine(smollm2_loaded, smollm2_gguf, route):
+    """A 131-token prompt: on torch's route it prefills on the dense route where this CPU has one (>=
+    DENSE_FROM_ROWS rows). Measured against dense float32: quant_matmul max 0.283, mean 0.033 (16 of 16
+    greedy tokens equal); torch's dense route max 0.145, mean 0.027 (16 of 16); torch's int4 kernel
+    alone max 0.181, mean 0.029 (4 of 16)."""
     text = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
             "were made across Europe. Before it, scribes copied every page by hand, and a single book could take "
             "months. Printers in many cities soon set up shops, and the price of books fell quickly as more of them "
@@ -161,5 +195,5 @@ def test_gguf_engine_on_a_long_prompt_stays_near_the_dense_engine(smollm2_loaded
     [out] = run_all(engine(smollm2_gguf, "gguf", model="smollm2-135m"), prompts)
     [ref] = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors([out], [ref], prompts)
-    assert errors.max() <= 0.3 and errors.mean() <= 0.05
+    assert errors.max() <= 0.35 and errors.mean() <= 0.05
     assert out.outputs.token_ids[:4] == ref.outputs.token_ids[:4]

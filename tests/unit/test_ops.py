@@ -206,6 +206,70 @@ def test_dequantize_refuses_what_it_cannot_read(csrc):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 96), (17, 576)])
+def test_activations_round_to_int8_blocks_exactly(csrc, dtype, rows, cols):
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, generator=gen) * 4).to(dtype)
+    x[0, :32] = 0  # an all-zero block: scale 0, q 0
+    x[-1, -32:] = torch.tensor([1.0] * 31 + [-127.0]).to(dtype)  # scale exactly 1: q is x itself
+    q, d, s = csrc.quantize_q8(x)
+    assert (q.dtype, q.shape, d.shape, s.shape) == (torch.int8, (rows, cols), (rows, cols // 32), (rows, cols // 32))
+    for got, want in zip((q, d, s), REF.quantize_q8(x)):
+        assert torch.equal(got, want)
+    assert (d[0, 0].item(), s[0, 0].item(), q[0, :32].abs().sum().item()) == (0.0, 0.0, 0)
+    assert q[-1, -32:].tolist() == [1] * 31 + [-127] and (d[-1, -1].item(), s[-1, -1].item()) == (1.0, -96.0)
+    assert q.abs().max().item() == 127  # each block's largest value maps to +-127
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int4", "int8", "q8_0"])
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (3, 45, 96), (8, 129, 64), (17, 77, 576)])
+def test_quant_matmul_is_bit_exact_to_its_twin(csrc, dtype, kind, rows, n, k):
+    """Integer sums, then one float32 rounding per op in the same order: every instruction set gives
+    the twin's bits, for 1-8 rows in a pass and a partial last tile; and it stays within the int8
+    rounding of activations (2^-6 of sum |x| |w|) of the float32 dequantize-then-matmul."""
+    from disagg.ops.quant import QuantizedWeight, QuantKind, dequantize, pack_blocks, quantize_int4, quantize_int8
+
+    gen = torch.Generator().manual_seed(rows * n + k)
+    dense = torch.randn(n, k, generator=gen) * 0.1
+    if kind == "q8_0":  # int8 values with one scale per 32, as a GGUF holds them, the full range -128..127
+        values = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        w = QuantizedWeight(QuantKind.INT8, n, k, 32, values, torch.rand(n, k // 32, generator=gen) / 100, None, "Q8_0")
+    else:
+        w = quantize_int4(dense) if kind == "int4" else quantize_int8(dense)
+    packed, scales = pack_blocks(w)
+    bits = 4 if kind == "int4" else 8
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    got = csrc.quant_matmul(x, packed, scales, n, bits)
+    assert (got.shape, got.dtype) == ((rows, n), dtype)
+    assert torch.equal(got, REF.quant_matmul(x, packed, scales, n, bits))
+    exact = x.float() @ dequantize(w).t()
+    assert ((got.float() - exact).abs() <= 2**-6 * (x.float().abs() @ dequantize(w).abs().t()) + 1e-6).all()
+
+
+def test_quant_matmul_refuses_what_it_cannot_read(csrc):
+    from disagg.ops.quant import pack_blocks, quantize_int4
+
+    packed, scales = pack_blocks(quantize_int4(torch.randn(20, 64)))
+    x = torch.randn(3, 64)
+    assert csrc.quant_matmul(torch.zeros(0, 64), packed, scales, 20, 4).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="weights of 4 or 8 bits, not 2"):
+        csrc.quant_matmul(x, packed, scales, 20, 2)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous uint8 \[tiles, k / 32, 512\]"):
+        csrc.quant_matmul(x, packed, scales, 20, 8)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\], got \[3, 32\]"):
+        csrc.quant_matmul(x[:, :32], packed, scales, 20, 4)
+    with pytest.raises(RuntimeError, match="16 output rows do not fill 2 tiles of 16"):
+        csrc.quant_matmul(x, packed, scales, 16, 4)
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous float32 \[2, 2, 2, 16\]"):
+        csrc.quant_matmul(x, packed, scales[:, :1].contiguous(), 20, 4)
+    with pytest.raises(RuntimeError, match="disagg ops support float32 and bfloat16, got Half"):
+        csrc.quant_matmul(x.half(), packed, scales, 20, 4)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, k\] with k a multiple of 32, got \[3, 48\]"):
+        csrc.quantize_q8(torch.randn(3, 48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 16, 33])
 def test_onednn_packed_linear_equals_f_linear(dtype, rows):
     from disagg.ops.linear import OnednnWeight, linear, pack_dense

@@ -189,6 +189,64 @@ def test_prepared_weight_pads_int4_rows_to_sixteen():
     assert packed.kernel == "torch int4pack, bfloat16 activations"
 
 
+def test_pack_blocks_puts_each_value_where_the_kernel_reads_it():
+    n, k = 20, 64
+    q = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None, :]) % 16
+    d, m = torch.rand(n, k // 32), -torch.rand(n, k // 32)
+    w4 = quant.QuantizedWeight(QuantKind.INT4, n, k, 32, quant.pack_nibbles(q), d, m, "Q4_1")
+    packed, scales = quant.pack_blocks(w4)
+    assert (packed.shape, scales.shape) == ((2, 2, 256), (2, 2, 2, 16))
+    # tile 0, block 1, chunk 2: byte 4i + j holds column 32 + 16 + j (low nibble) and 32 + 20 + j (high) of row i
+    i, j = 5, 3
+    assert packed[0, 1, 128 + 4 * i + j].item() == q[i, 48 + j].item() | (q[i, 52 + j].item() << 4)
+    assert (scales[1, 0, 0, 3].item(), scales[1, 0, 1, 3].item()) == (d[19, 0].item(), m[19, 0].item())
+    assert packed[1, :, :].view(2, 4, 16, 4)[:, :, 4:].count_nonzero() == 0  # rows 20..31 are padding
+    assert scales[1, :, :, 4:].count_nonzero() == 0
+    values, d2, m2 = quant.unpack_blocks(packed, scales)
+    assert torch.equal(values[:n], q.to(torch.uint8)) and torch.equal(d2[:n], d) and torch.equal(m2[:n], m)
+
+    i8 = (torch.arange(n * k) % 256 - 128).to(torch.int8).view(n, k)  # the whole range, -128..127
+    w8 = quant.QuantizedWeight(QuantKind.INT8, n, k, 32, i8, d, None, "Q8_0")
+    packed, scales = quant.pack_blocks(w8)
+    assert packed.shape == (2, 2, 512)
+    # block 0, chunk 7: byte 4i + j holds column 28 + j of row i, plus 128; m = -128 d
+    assert packed[0, 0, 7 * 64 + 4 * i + j].item() == w8.qweight[i, 28 + j].item() + 128
+    assert scales[0, 1, 1, i].item() == -128 * d[i, 1].item()
+    values, _, _ = quant.unpack_blocks(packed, scales)
+    assert torch.equal(values[:n].to(torch.int16) - 128, w8.qweight.to(torch.int16))
+    with pytest.raises(ValueError, match="groups of 8 columns do not split into blocks of 32"):
+        quant.pack_blocks(quant.quantize_int4(torch.randn(4, 64), group_size=8))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "q8_0"])
+def test_quant_matmul_weights_keep_their_integers_at_every_row_count(kind):
+    """With quant_matmul (here its torch twin) a weight runs on it at every row count, with no dense
+    route: Q8_0 keeps its own blocks (no per-channel requantizing), a per-channel int8 weight repeats
+    its scale per block, and every output is within 2^-6 of sum |x| |w| of the exact product."""
+    if kind == "q8_0":
+        blocks = gguf_blocks(GGMLQuantizationType.Q8_0, 77, 96, seed=11)
+        qw = quant.from_gguf_q8_0(torch.from_numpy(blocks).reshape(-1), 77, 96)
+    else:
+        qw = random_weight(kind, 77, 96, seed=11)
+    packed = prepare_weight(qw, dequantize=TorchOps.dequantize, quant_matmul=TorchOps.quant_matmul)
+    assert (packed.kernel, packed.dense, packed.source) == (
+        "csrc quant_matmul, int8 activations in blocks of 32", None, qw.source)
+    values, d, m = quant.unpack_blocks(packed.packed, packed.scales)
+    dense = quant.dequantize(qw)
+    unpacked = d.repeat_interleave(32, dim=1) * values.float() + m.repeat_interleave(32, dim=1)
+    torch.testing.assert_close(unpacked[:77], dense, rtol=0, atol=1e-6)
+    for rows in (1, 3, 16, DENSE_FROM_ROWS + 4):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        got = linear(x, packed)
+        assert torch.equal(got, TorchOps.quant_matmul(x, packed.packed, packed.scales, 77, packed.bits))
+        assert ((got - x @ dense.t()).abs() <= 2**-6 * (x.abs() @ dense.abs().t())).all()
+
+
+def test_groups_that_are_not_blocks_of_32_stay_on_torchs_kernel():
+    packed = prepare_weight(quant.quantize_int4(torch.randn(16, 64), group_size=8), quant_matmul=TorchOps.quant_matmul)
+    assert (packed.quant_matmul, packed.kernel) == (None, "torch int4pack, bfloat16 activations")
+
+
 def test_quantization_config_names_the_choices():
     with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, int4, gguf, got 'int3'$"):
         ModelConfig(quantization="int3")

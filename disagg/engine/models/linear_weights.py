@@ -16,25 +16,27 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import Dequantize, OnednnWeight, PackedWeight, pack_dense, prepare_weight
+from disagg.ops.linear import Dequantize, OnednnWeight, QuantMatmul, PackedWeight, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
 
 
 def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device,
-                  packed: bool = False, dequantize: Dequantize | None = None) -> torch.Tensor | PackedWeight | OnednnWeight:
+                  packed: bool = False, dequantize: Dequantize | None = None,
+                  quant_matmul: QuantMatmul | None = None) -> torch.Tensor | PackedWeight | OnednnWeight:
     """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up);
     `packed`: a dense result goes to oneDNN's layout where the device has it; `dequantize`: a
-    quantized one also gets the dense route for many rows (disagg.ops.linear.DenseRoute)."""
+    quantized one also gets the dense route for many rows (disagg.ops.linear.DenseRoute);
+    `quant_matmul`: a quantized one runs on that kernel instead (disagg.ops.linear.prepare_weight)."""
     if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
-        return prepare_weight(concat_rows(list(parts)), device, dequantize)
+        return prepare_weight(concat_rows(list(parts)), device, dequantize, quant_matmul)
     dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
     dense = dense[0] if len(dense) == 1 else torch.cat(dense)
     if quantization == "int8":
-        return prepare_weight(quantize_int8(dense), device, dequantize)
+        return prepare_weight(quantize_int8(dense), device, dequantize, quant_matmul)
     if quantization == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
-        return prepare_weight(quantize_int4(dense), device, dequantize)
+        return prepare_weight(quantize_int4(dense), device, dequantize, quant_matmul)
     dense = dense.to(device=device, dtype=dtype).contiguous()
     return pack_dense(dense) if packed else dense
 
@@ -54,6 +56,6 @@ def _describe(w: torch.Tensor | PackedWeight | OnednnWeight) -> str:
     if isinstance(w, OnednnWeight):
         return f"{str(w.dtype).removeprefix('torch.')} dense ({w.kernel})"
     if isinstance(w, PackedWeight):
-        layout = f"int4 g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
+        layout = f"{w.kind.value} g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
         return f"{w.source} as {layout} ({w.kernel})"
     return f"{str(w.dtype).removeprefix('torch.')} dense (F.linear)"

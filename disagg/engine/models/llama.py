@@ -89,6 +89,8 @@ class LlamaModel:
         self.packed = self.ops.name != "torch"  # the reference path keeps F.linear, as HF computes
         # Quantized weights also run densely for many rows where csrc dequantizes and bf16 is native.
         self._dequantize = self.ops.dequantize if self.packed and dense_route_available() else None
+        # Quantized weights run on csrc's quant_matmul (int8 activations) where it is the fast kernel.
+        self._quant_matmul = self.ops.quant_matmul if self.ops.quant_matmul_preferred else None
         source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
         self.layers = [self._layer_weights(source, i) for i in range(arch.num_layers)]
         self.embed = self._w(weights["model.embed_tokens.weight"])
@@ -117,7 +119,8 @@ class LlamaModel:
         return sum(_nbytes(w) for w in linears)
 
     def _linear(self, parts: list) -> torch.Tensor | PackedWeight:
-        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._dequantize)
+        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._dequantize,
+                             self._quant_matmul)
 
     def _layer_weights(self, w: Mapping, i: int) -> dict:
         p = f"model.layers.{i}."

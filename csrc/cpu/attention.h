@@ -1,4 +1,4 @@
-// Attention kernels, a fragment of kernels.h: included there inside namespace disagg::DISAGG_ISA
+// Attention kernels (paged decode, paged prefill), a fragment of kernels.h: included there inside namespace disagg::DISAGG_ISA
 // (anonymous), after the shared helpers (to_f32, from_f32, round_to, exp_approx, fma32), so that it
 // is compiled once per instruction set like the rest. It includes nothing itself.
 
@@ -190,4 +190,169 @@ void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v
                       scratch + (i * num_kv_heads + h) * scratch_stride);
     }
   }
+}
+
+// ---- paged prefill attention (flash-style) ----------------------------------------------------
+
+// Lane-wise helpers: loops over the 16 lanes, which GCC turns into one vector instruction each.
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+  f32x16 r;
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) r[i] = fma32(a[i], b[i], c[i]);
+  return r;
+}
+
+inline f32x16 exp16(f32x16 x) {
+  f32x16 r;
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) r[i] = exp_approx(x[i]);
+  return r;
+}
+
+// One broadcast (`f32x16{} + x` would add 0.0 first; a loop over the lanes became 16 masked moves).
+inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+inline f32x16 max2(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
+// The largest lane, and the sum of the lanes (pairwise: halves, then quarters, ...).
+inline float max16(f32x16 v) {
+  v = max2(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = max2(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = max2(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = max2(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline float sum16(f32x16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+constexpr int64_t kKeyTile = 16;       // keys per step: one vector of scores per query
+constexpr int64_t kMaxQueries = 64;    // query vectors (tokens x heads of a group) per work item
+constexpr int kRowBlock = 8;           // query vectors whose scores share each key load (8 FMA chains)
+constexpr int kOutBlock = 4;           // query vectors whose outputs share each value load
+
+// One work item: query tokens [t0, t0 + nt) of a segment, the `group` heads that share one KV head,
+// against keys [0, position of its last token]: scores and probabilities in float32 (online softmax),
+// keys and values read in place from the cache blocks, a 16-key tile at a time.
+template <typename T, int D>
+void prefill_item(T* out, const T* q, int64_t tok_stride, const T* k_base, const T* v_base, CacheView k, CacheView v,
+                  const int64_t* blocks, int64_t block_size, int64_t start_pos, int64_t t0, int64_t nt, int64_t group,
+                  float scale) {
+  constexpr int C = D / kLanes;
+  const int64_t nq = nt * group;  // query vector i: token t0 + i / group, head i % group
+  const int64_t padded = (nq + kRowBlock - 1) / kRowBlock * kRowBlock;
+  alignas(64) float qf[kMaxQueries][D];  // q * scale, float32; rows past nq are zero
+  alignas(64) float o[kMaxQueries][D];
+  alignas(64) float p[kMaxQueries][kKeyTile];  // a tile's scores, then its probabilities
+  alignas(64) float kt[D][kKeyTile];           // the key tile, transposed
+  alignas(64) float vf[kKeyTile][D];
+  float m[kMaxQueries], l[kMaxQueries], corr[kMaxQueries];
+  for (int64_t i = 0; i < padded; ++i) {
+    const T* qi = q + (t0 + i / group) * tok_stride + (i % group) * D;
+    for (int d = 0; d < D; ++d) {
+      qf[i][d] = i < nq ? to_f32(qi[d]) * scale : 0.0f;
+      o[i][d] = 0.0f;
+    }
+    m[i] = -__builtin_inff();
+    l[i] = 0.0f;
+  }
+  const int64_t first_pos = start_pos + t0, end = first_pos + nt;  // keys [0, end) are seen by some query
+  for (int64_t k0 = 0; k0 < end; k0 += kKeyTile) {
+    const int64_t nk = end - k0 < kKeyTile ? end - k0 : kKeyTile;
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      if (j >= nk) {
+        for (int d = 0; d < D; ++d) kt[d][j] = vf[j][d] = 0.0f;
+        continue;
+      }
+      const int64_t t = k0 + j;
+      const T* kr = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
+      const T* vr = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
+      for (int d = 0; d < D; ++d) {
+        kt[d][j] = to_f32(kr[d]);
+        vf[j][d] = to_f32(vr[d]);
+      }
+    }
+    // Scores: a block of query rows per pass over the key tile.
+    for (int64_t i0 = 0; i0 < padded; i0 += kRowBlock) {
+      f32x16 s[kRowBlock] = {};
+      for (int d = 0; d < D; ++d) {
+        const f32x16 kv = load_f32x16(kt[d]);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRowBlock; ++r) s[r] = fma16(splat16(qf[i0 + r][d]), kv, s[r]);
+      }
+      for (int r = 0; r < kRowBlock; ++r) __builtin_memcpy(p[i0 + r], &s[r], sizeof s[r]);
+    }
+    // Online softmax: keys past a query's own position (or past the tile) score -inf.
+    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t sees = first_pos + i / group - k0 + 1;  // keys of this tile the query sees
+      const f32x16 visible = splat16(static_cast<float>(sees < nk ? sees : nk));
+      f32x16 s = load_f32x16(p[i]);
+      s = lane < visible ? s : splat16(-__builtin_inff());
+      const float tile_max = max16(s);
+      const float m_new = tile_max > m[i] ? tile_max : m[i];
+      corr[i] = exp_approx(m[i] - m_new);
+      const f32x16 e = exp16(s - splat16(m_new));
+      l[i] = l[i] * corr[i] + sum16(e);
+      m[i] = m_new;
+      __builtin_memcpy(p[i], &e, sizeof e);
+    }
+    // Outputs: o = o * corr + p . v, a block of query rows per pass over the value tile.
+    for (int64_t i0 = 0; i0 < nq; i0 += kOutBlock) {
+      const int rows = nq - i0 < kOutBlock ? static_cast<int>(nq - i0) : kOutBlock;
+      f32x16 acc[kOutBlock][C];
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = load_f32x16(o[i0 + r] + c * kLanes) * corr[i0 + r];
+      for (int64_t j = 0; j < nk; ++j) {
+        for (int c = 0; c < C; ++c) {
+          const f32x16 vv = load_f32x16(vf[j] + c * kLanes);
+          for (int r = 0; r < rows; ++r) acc[r][c] = fma16(splat16(p[i0 + r][j]), vv, acc[r][c]);
+        }
+      }
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < C; ++c) __builtin_memcpy(o[i0 + r] + c * kLanes, &acc[r][c], sizeof acc[r][c]);
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    T* oi = out + (t0 + i / group) * tok_stride + (i % group) * D;
+    const float inv = 1.0f / l[i];
+    for (int d = 0; d < D; ++d) oi[d] = from_f32<T>(o[i][d] * inv);
+  }
+}
+
+// q and out [num_tokens, num_heads, D] (contiguous): the segment's tokens at positions start_pos + t,
+// each attending causally to keys [0, its position] in the blocks of block_ids.
+template <typename T, int D>
+void paged_prefill_attention_d(T* out, const T* q, CacheView k, CacheView v, const int64_t* block_ids,
+                               int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t block_size, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tile = kMaxQueries / group > 0 ? kMaxQueries / group : 1;
+  const int64_t tiles = (num_tokens + tile - 1) / tile;
+  // Later tiles see more keys: hand them out longest first, one at a time.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t it = 0; it < tiles; ++it) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t t0 = (tiles - 1 - it) * tile;
+      const int64_t nt = num_tokens - t0 < tile ? num_tokens - t0 : tile;
+      prefill_item<T, D>(out + h * group * D, q + h * group * D, num_heads * D,
+                         static_cast<const T*>(k.data) + h * k.head_stride,
+                         static_cast<const T*>(v.data) + h * v.head_stride, k, v, block_ids, block_size, start_pos,
+                         t0, nt, group, scale);
+    }
+  }
+}
+
+template <typename T>
+void paged_prefill_attention_t(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
+                               int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale) {
+  auto fn = head_dim == 64 ? paged_prefill_attention_d<T, 64> : paged_prefill_attention_d<T, 128>;
+  fn(static_cast<T*>(out), static_cast<const T*>(q), k, v, block_ids, start_pos, num_tokens, num_heads, num_kv_heads,
+     block_size, scale);
 }

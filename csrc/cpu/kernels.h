@@ -1,5 +1,5 @@
 // Kernel bodies and their table, compiled once per instruction set: kernels_<isa>.cpp sets `#pragma GCC target`,
-// defines DISAGG_ISA (the namespace) and includes this file. Loops are written for the
+// defines DISAGG_ISA (the namespace) and the features it has (DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the
 // auto-vectoriser (`omp simd`); no headers with inline functions may be included here, so that
 // no AVX-512 copy of a shared inline function can leak into the rest of the library.
 //
@@ -57,13 +57,15 @@ inline float exp_approx(float x) {
 // Below this many elements of work a parallel region costs more than it saves.
 constexpr int64_t kParallelElems = 1 << 15;
 
-#if defined(__FMA__)
+// A fused multiply-add where the build has one (DISAGG_FMA: the avx2 and avx512 files; g++ defines
+// no __FMA__ for a target pragma), else a multiply and an add.
+#if defined(DISAGG_FMA)
 inline float fma32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #else
 inline float fma32(float a, float b, float c) { return a * b + c; }
 #endif
 
-#include "attention.h"  // paged decode attention
+#include "attention.h"  // paged decode and prefill attention
 #include "quant_matmul.h"  // quantized weights x int8 activations
 
 // ---- RMSNorm (with the residual add folded in) ----------------------------------------------
@@ -221,6 +223,13 @@ void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, 
      scratch, scratch_stride);
 }
 
+void paged_prefill_attention(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
+                             int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, DType dtype) {
+  auto fn = dtype == DType::kFloat32 ? paged_prefill_attention_t<float> : paged_prefill_attention_t<bf16>;
+  fn(out, q, k, v, block_ids, start_pos, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale);
+}
+
 void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim, float eps,
               DType dtype) {
   auto fn = dtype == DType::kFloat32 ? rms_norm_t<float> : rms_norm_t<bf16>;
@@ -274,7 +283,8 @@ void quant_matmul(void* out, const int8_t* xq, const float* xd, const float* xs,
 #define DISAGG_STRING2(x) #x
 #define DISAGG_STRING(x) DISAGG_STRING2(x)
 KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
-  return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::rms_norm,
+  return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::paged_prefill_attention,
+          DISAGG_ISA::rms_norm,
           DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul, DISAGG_ISA::dequantize,
           DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul};
 }

@@ -56,6 +56,8 @@ CacheView cache_view(const at::Tensor& c, const at::Tensor& like, const char* na
   return {c.data_ptr(), c.stride(0), c.stride(1), c.stride(2)};
 }
 
+void check_ids(const at::Tensor& ids, int64_t num_blocks);
+
 at::Tensor long_contiguous(const at::Tensor& t, const char* name) {
   check_cpu(t, name);
   TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
@@ -105,6 +107,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   table().paged_decode_attention(out.data_ptr(), q.data_ptr(), k, v, tables, max_blocks, lens, n, num_heads,
                                  num_kv_heads, head_dim, block_size, static_cast<float>(scale), dtype,
                                  scratch.data_ptr<float>(), stride);
+  return out;
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_ids_in, int64_t start_pos, double scale) {
+  check_cpu(q_in, "q");
+  TORCH_CHECK(q_in.dim() == 3, "q must be [num_tokens, num_heads, head_dim]");
+  const DType dtype = dtype_of(q_in);
+  at::Tensor q = q_in.contiguous();
+  const CacheView k = cache_view(k_cache, q, "k_cache"), v = cache_view(v_cache, q, "v_cache");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill attention takes head_dim 64 or 128, not ", head_dim);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "q heads ", num_heads, " x ", head_dim, " do not fit the cache's ", num_kv_heads, " x ", k_cache.size(3));
+  at::Tensor ids = long_contiguous(block_ids_in, "block_ids").view(-1);
+  TORCH_CHECK(start_pos >= 0 && start_pos + num_tokens <= ids.numel() * block_size, "positions up to ",
+              start_pos + num_tokens, " do not fit ", ids.numel(), " blocks of ", block_size);
+  check_ids(ids, k_cache.size(0));
+  at::Tensor out = at::empty_like(q);
+  if (num_tokens == 0) return out;
+  table().paged_prefill_attention(out.data_ptr(), q.data_ptr(), k, v, ids.data_ptr<int64_t>(), start_pos, num_tokens,
+                                  num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale), dtype);
   return out;
 }
 
@@ -326,6 +352,7 @@ TORCH_LIBRARY(disagg, m) {
   m.def("isa() -> str", &disagg::isa);
   m.def("set_isa(str name) -> ()", &disagg::set_isa);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, int start_pos, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
@@ -339,6 +366,7 @@ TORCH_LIBRARY(disagg, m) {
 
 TORCH_LIBRARY_IMPL(disagg, CPU, m) {
   m.impl("paged_decode_attention", &disagg::paged_decode_attention);
+  m.impl("paged_prefill_attention", &disagg::paged_prefill_attention);
   m.impl("rms_norm", &disagg::rms_norm);
   m.impl("add_rms_norm", &disagg::add_rms_norm);
   m.impl("rope_and_cache", &disagg::rope_and_cache);

@@ -29,6 +29,12 @@ struct KernelTable {
                                  int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, DType dtype,
                                  float* scratch, int64_t scratch_stride);
+  // out[T, num_heads, head_dim] for q [T, num_heads, head_dim] (contiguous) of tokens at positions
+  // start_pos + t: each attends causally to keys [0, its position], read in place from the blocks
+  // in block_ids; scores and probabilities in float32. head_dim 64 or 128.
+  void (*paged_prefill_attention)(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
+                                  int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t block_size, float scale, DType dtype);
   // residual (if not null) += x, rounded to dtype; out = weight * round(norm(residual or x)).
   void (*rms_norm)(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim,
                    float eps, DType dtype);

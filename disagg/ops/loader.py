@@ -36,6 +36,7 @@ class CsrcOps:
         self.rope_and_cache = ops.rope_and_cache
         self.silu_and_mul = ops.silu_and_mul
         self.paged_decode_attention = ops.paged_decode_attention
+        self.paged_prefill_attention = ops.paged_prefill_attention
         self.dequantize = ops.dequantize
         self.quantize_q8 = ops.quantize_q8
         self.quant_matmul = ops.quant_matmul

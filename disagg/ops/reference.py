@@ -63,6 +63,21 @@ class TorchOps:
         return torch.matmul(probs, values.contiguous()).view(n, -1, dim)
 
     @staticmethod
+    def paged_prefill_attention(q, k_cache, v_cache, block_ids, start_pos: int, scale: float) -> torch.Tensor:
+        """q [T, heads, head_dim] of tokens at positions start_pos + t, each attending causally to keys
+        [0, its position] in the blocks of block_ids; scores and probabilities in float32."""
+        num_tokens, heads, dim = q.shape
+        ctx, kv_heads = start_pos + num_tokens, k_cache.shape[2]
+        keys = k_cache.index_select(0, block_ids.reshape(-1)).flatten(0, 1)[:ctx].float().permute(1, 2, 0)
+        values = v_cache.index_select(0, block_ids.reshape(-1)).flatten(0, 1)[:ctx].float().transpose(0, 1)
+        queries = q.float().view(num_tokens, kv_heads, -1, dim).permute(1, 2, 0, 3) * scale  # [kv, group, T, dim]
+        scores = queries @ keys[:, None]  # [kv, group, T, ctx]
+        positions = torch.arange(num_tokens, device=q.device)[:, None] + start_pos
+        scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > positions, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ values[:, None]
+        return out.permute(2, 0, 1, 3).reshape(num_tokens, heads, dim).to(q.dtype)
+
+    @staticmethod
     def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                    dtype: torch.dtype) -> torch.Tensor:
         """A dense [N, K] weight in `dtype`: `scale * q (+ min)` per group in float32, then rounded

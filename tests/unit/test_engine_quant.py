@@ -145,17 +145,18 @@ def test_gguf_blocks_are_the_dense_loaders_weights_bit_for_bit(smollm2_loaded, s
 
 
 # Greedy tokens identical to the dense engine's before the first difference, per prompt: measured
-# 5, 16, 16 on quant_matmul (the first prompt parts after " Paris.\n\n", where the dense engine's two
+# 5, 13, 16 on quant_matmul (the first prompt parts after " Paris.\n\n", where the dense engine's two
 # best tokens are close) and 16, 16, 16 on torch's route.
-SAME_TOKENS = {"quant_matmul": [5, 16, 16], "torch": [16, 16, 16]}
+SAME_TOKENS = {"quant_matmul": [5, 13, 16], "torch": [16, 16, 16]}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded, smollm2_gguf, route):
-    """Prompt logprobs against the dense engine on the same GGUF, measured: quant_matmul max 0.495, mean
-    0.075 (its Q8_0 head runs as it is stored); torch's route max 0.28, mean 0.054-0.066 (its head is
-    requantized per channel). Dense bfloat16's own error against float32 is mean 0.079
+    """Prompt logprobs against the dense engine on the same GGUF, measured: quant_matmul (int8
+    activations, as llama.cpp rounds them) max 0.703, mean 0.097, the largest at tokens the model
+    gives logprobs below -10; torch's route (bfloat16 activations, its Q8_0 head requantized per
+    channel) max 0.178, mean 0.052. Dense bfloat16's own error against float32 is mean 0.079
     (test_engine_smollm2)."""
     tokenizer = smollm2_loaded.tokenizer
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
@@ -173,7 +174,7 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors(outs, refs, prompts)
-    assert errors.max() <= 0.6 and errors.mean() <= 0.1
+    assert errors.max() <= 0.9 and errors.mean() <= 0.12
     for out, ref, same in zip(outs, refs, SAME_TOKENS[route]):
         assert out.outputs.token_ids[:same] == ref.outputs.token_ids[:same]
     assert outs[0].outputs.text.startswith(" Paris.")
@@ -183,8 +184,8 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
 @pytest.mark.timeout(300)
 def test_gguf_engine_on_a_long_prompt_stays_near_the_dense_engine(smollm2_loaded, smollm2_gguf, route):
     """A 131-token prompt: on torch's route it prefills on the dense route where this CPU has one (>=
-    DENSE_FROM_ROWS rows). Measured against dense float32: quant_matmul max 0.283, mean 0.033 (16 of 16
-    greedy tokens equal); torch's dense route max 0.145, mean 0.027 (16 of 16); torch's int4 kernel
+    DENSE_FROM_ROWS rows). Measured against dense float32: quant_matmul max 0.237, mean 0.043 (16 of 16
+    greedy tokens equal); torch's dense route max 0.140, mean 0.027 (16 of 16); torch's int4 kernel
     alone max 0.181, mean 0.029 (4 of 16)."""
     text = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
             "were made across Europe. Before it, scribes copied every page by hand, and a single book could take "

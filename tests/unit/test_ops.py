@@ -109,6 +109,44 @@ def test_paged_decode_attention_refuses_a_context_past_its_blocks(csrc):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 2, 128, 5), (6, 1, 64, 32)])
+@pytest.mark.parametrize("tokens,start_pos", [(1, 0), (37, 0), (100, 0), (5, 23), (70, 41)])
+def test_paged_prefill_attention(csrc, dtype, heads, kv_heads, dim, block_size, tokens, start_pos):
+    """Causal over the cached context and the segment itself, in place from shuffled blocks; work items
+    of 64 query vectors (several tiles at 37 and 100 tokens) and key tiles of 16 with a tail."""
+    gen = torch.Generator().manual_seed(heads * 1000 + tokens + start_pos)
+    blocks = (start_pos + tokens + block_size - 1) // block_size
+    _, k_cache, v_cache = _cache(blocks + 4, block_size, kv_heads, dim, dtype, gen)
+    block_ids = torch.randperm(blocks + 4, generator=gen)[:blocks]
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    got = csrc.paged_prefill_attention(q, k_cache, v_cache, block_ids, start_pos, dim**-0.5)
+    want = REF.paged_prefill_attention(q, k_cache, v_cache, block_ids, start_pos, dim**-0.5)
+    assert got.dtype == dtype and got.shape == (tokens, heads, dim)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if start_pos == 0:  # what the torch path computes: scaled_dot_product_attention on the new keys
+        keys = k_cache[block_ids].flatten(0, 1)[:tokens].float().transpose(0, 1)[None]
+        values = v_cache[block_ids].flatten(0, 1)[:tokens].float().transpose(0, 1)[None]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None], keys, values, is_causal=True, scale=dim**-0.5, enable_gqa=True)
+        torch.testing.assert_close(got, sdpa[0].transpose(0, 1).to(dtype), **TOL[dtype])
+
+
+def test_paged_prefill_attention_refuses_what_it_cannot_read(csrc):
+    _, k_cache, v_cache = _cache(4, 16, 1, 64, torch.float32, torch.Generator().manual_seed(0))
+    q = torch.zeros(20, 2, 64)
+    with pytest.raises(RuntimeError, match="positions up to 40 do not fit 2 blocks of 16"):
+        csrc.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 20, 1.0)
+    with pytest.raises(RuntimeError, match=r"block id 4 out of range \[0, 4\)"):
+        csrc.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 4]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="prefill attention takes head_dim 64 or 128, not 32"):
+        csrc.paged_prefill_attention(q[..., :32], k_cache[..., :32], v_cache[..., :32], torch.tensor([0, 1]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="q heads 3 x 64 do not fit the cache's 2 x 64"):
+        csrc.paged_prefill_attention(torch.zeros(4, 3, 64), k_cache.expand(-1, -1, 2, -1), v_cache.expand(-1, -1, 2, -1),
+                                     torch.tensor([0]), 0, 1.0)
+    assert csrc.paged_prefill_attention(q[:0], k_cache, v_cache, torch.tensor([0]), 3, 1.0).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (33, 100)])
 def test_rms_norm_and_its_residual_add(csrc, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows)

@@ -57,6 +57,9 @@ _LINEARS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer (den
 # A quantized LM head multiplies a resident bfloat16 copy from this many rows (SmolLM2's 49152 x 576
 # head, 2 threads: torch's int8 kernel 0.94 / 2.23 / 4.33 ms at 4 / 8 / 16 rows, the copy 1.04 / 1.31 / 1.83).
 HEAD_DENSE_FROM_ROWS = 8
+# csrc's paged_prefill_attention takes these head sizes (2x torch's CPU flash kernel on SmolLM2's
+# shapes, docs/engine.md); others run torch's scaled_dot_product_attention.
+CSRC_PREFILL_HEAD_DIMS = (64, 128)
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -194,6 +197,8 @@ class LlamaModel:
         return linear(out.view(-1, num_q), layer["o"])
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, seg: PrefillSegment) -> torch.Tensor:
+        if self.packed and self.arch.head_dim in CSRC_PREFILL_HEAD_DIMS:  # in place from the cache, float32 softmax
+            return self.ops.paged_prefill_attention(q, k_cache, v_cache, seg.block_ids, seg.start_pos, self.scale)
         num_new = q.shape[0]
         if seg.start_pos == 0:
             keys, values, mask, causal = k, v, None, True

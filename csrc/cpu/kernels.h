@@ -1,5 +1,5 @@
 // Kernel bodies and their table, compiled once per instruction set: kernels_<isa>.cpp sets `#pragma GCC target`,
-// defines DISAGG_ISA (the namespace) and the features it has (DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the
+// defines DISAGG_ISA (the namespace) and the features it has (DISAGG_AVX2, DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the
 // auto-vectoriser (`omp simd`); no headers with inline functions may be included here, so that
 // no AVX-512 copy of a shared inline function can leak into the rest of the library.
 //

@@ -56,17 +56,45 @@ void quantize_q8_t(int8_t* q, float* d, float* s, const void* x_, int64_t rows, 
 //   unsigned bytes on one side: the weight's m = -128 d takes the offset back out).
 // Scales: float32 [tiles, blocks, 2, 16], the 16 rows' d, then their m.
 constexpr int64_t kTileRows = 16;
-// Activation rows per pass over a tile's weights: each pass unpacks them once.
-constexpr int kRowsPerPass = 8;
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// acc + the sum of each lane's 4 bytes of w (unsigned) times its 4 bytes of x (int8).
-inline i32x16 dot4(i32x16 acc, u32x16 w, i32x16 x) {
+// A pass works on L lanes of a tile: all 16 with VNNI (zmm), half a tile at a time elsewhere (8
+// lanes, so that the unpacked weights and the accumulators fit AVX2's 16 ymm registers), over R
+// activation rows, unpacking the weights once per pass.
 #if defined(DISAGG_VNNI)
-  return __builtin_ia32_vpdpbusd_v16si(acc, reinterpret_cast<i32x16>(w), x);
+constexpr int kLanesPerPass = 16;
+constexpr int kRowsPerPass = 8;
 #else
-  const i32x16 wi = reinterpret_cast<i32x16>(w);
+constexpr int kLanesPerPass = 8;
+constexpr int kRowsPerPass = 4;
+#endif
+
+template <int L> struct Lanes;
+template <> struct Lanes<16> {
+  typedef int32_t i32 __attribute__((vector_size(64)));
+  typedef uint32_t u32 __attribute__((vector_size(64)));
+  typedef float f32 __attribute__((vector_size(64)));
+};
+template <> struct Lanes<8> {
+  typedef int32_t i32 __attribute__((vector_size(32)));
+  typedef uint32_t u32 __attribute__((vector_size(32)));
+  typedef float f32 __attribute__((vector_size(32)));
+};
+
+// acc + the sum of each lane's 4 bytes of w (unsigned, at most 15 unless DISAGG_VNNI) times its 4
+// bytes of x (int8). VNNI does it in one vpdpbusd; AVX2 pairs products with vpmaddubsw (16-bit sums:
+// 15 * 127 * 2 cannot saturate) and vpmaddwd; the base build shifts bytes out of each lane.
+template <typename I, typename U>
+inline I dot4(I acc, U w, I x) {
+  const I wi = reinterpret_cast<I>(w);
+#if defined(DISAGG_VNNI)
+  return __builtin_ia32_vpdpbusd_v16si(acc, wi, x);
+#elif defined(DISAGG_AVX2)
+  typedef char i8x32 __attribute__((vector_size(32)));
+  typedef short i16x16 __attribute__((vector_size(32)));
+  const i16x16 ones = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  return acc + __builtin_ia32_pmaddwd256(
+                   __builtin_ia32_pmaddubsw256(reinterpret_cast<i8x32>(wi), reinterpret_cast<i8x32>(x)), ones);
+#else
   acc += (wi & 0xFF) * ((x << 24) >> 24);
   acc += ((wi >> 8) & 0xFF) * ((x << 16) >> 24);
   acc += ((wi >> 16) & 0xFF) * ((x << 8) >> 24);
@@ -74,59 +102,90 @@ inline i32x16 dot4(i32x16 acc, u32x16 w, i32x16 x) {
 #endif
 }
 
-inline i32x16 broadcast4(const int8_t* p) {
-  int32_t v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return i32x16{} + v;
+// dot4 for bytes of w up to 255: without VNNI, as its two nibbles (w = 16 hi + lo).
+template <typename I, typename U>
+inline I dot4_bytes(I acc, U w, I x) {
+#if defined(DISAGG_VNNI)
+  return dot4(acc, w, x);
+#else
+  return dot4(acc, w & 0x0F0F0F0Fu, x) + (dot4(I{}, (w >> 4) & 0x0F0F0F0Fu, x) << 4);
+#endif
 }
 
-// R activation rows times one tile: out[r, 0..cols) for the tile's first `cols` (<= 16) outputs.
-template <typename T, int R, int Bits>
-void quant_tile(T* out, int64_t out_stride, int64_t cols, const int8_t* xq, const float* xd, const float* xs,
-                int64_t k, const uint8_t* w, const float* ws) {
+template <typename I>
+inline I broadcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return I{} + v;
+}
+
+template <typename V>
+inline V load_lanes(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// R activation rows times lanes [lane0, lane0 + L) of one tile: out[r, j] for the tile's columns j
+// in that range below `cols` (<= 16).
+template <typename T, int R, int Bits, int L>
+void quant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const int8_t* xq, const float* xd,
+                const float* xs, int64_t k, const uint8_t* w, const float* ws) {
+  using I = typename Lanes<L>::i32;
+  using U = typename Lanes<L>::u32;
+  using F = typename Lanes<L>::f32;
   constexpr int64_t kBlockBytes = kTileRows * kQ8Block * Bits / 8;
   const int64_t blocks = k / kQ8Block;
-  f32x16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = f32x16{};
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F{};
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = w + b * kBlockBytes;
-    u32x16 wv[8];  // wv[v] multiplies the activations at 4v
+    const uint8_t* wb = w + b * kBlockBytes + 4 * lane0;
+    U wv[8];  // wv[v] multiplies the activations at 4v
     if constexpr (Bits == 4) {
       for (int c = 0; c < 4; ++c) {
-        u32x16 v;
-        __builtin_memcpy(&v, wb + 64 * c, sizeof v);
+        const U v = load_lanes<U>(wb + 64 * c);
         wv[2 * c] = v & 0x0F0F0F0Fu;
         wv[2 * c + 1] = (v >> 4) & 0x0F0F0F0Fu;
       }
     } else {
-      for (int c = 0; c < 8; ++c) __builtin_memcpy(&wv[c], wb + 64 * c, sizeof wv[c]);
+      for (int c = 0; c < 8; ++c) wv[c] = load_lanes<U>(wb + 64 * c);
     }
-    const f32x16 dw = load_f32x16(ws + b * 2 * kTileRows), mw = load_f32x16(ws + b * 2 * kTileRows + kTileRows);
+    const F dw = load_lanes<F>(ws + b * 2 * kTileRows + lane0);
+    const F mw = load_lanes<F>(ws + b * 2 * kTileRows + kTileRows + lane0);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {  // unrolled, so that acc stays in registers
       const int8_t* xb = xq + r * k + b * kQ8Block;
-      i32x16 s0 = {}, s1 = {};  // two chains: vpdpbusd's latency, not its rate, would bound one
+      I s0 = {}, s1 = {};  // two chains: vpdpbusd's latency, not its rate, would bound one
       for (int c = 0; c < 4; ++c) {
-        s0 = dot4(s0, wv[2 * c], broadcast4(xb + 8 * c));
-        s1 = dot4(s1, wv[2 * c + 1], broadcast4(xb + 8 * c + 4));
+        if constexpr (Bits == 4) {
+          s0 = dot4(s0, wv[2 * c], broadcast4<I>(xb + 8 * c));
+          s1 = dot4(s1, wv[2 * c + 1], broadcast4<I>(xb + 8 * c + 4));
+        } else {
+          s0 = dot4_bytes(s0, wv[2 * c], broadcast4<I>(xb + 8 * c));
+          s1 = dot4_bytes(s1, wv[2 * c + 1], broadcast4<I>(xb + 8 * c + 4));
+        }
       }
       const float dx = xd[r * blocks + b], sx = xs[r * blocks + b];
-      acc[r] = acc[r] + __builtin_convertvector(s0 + s1, f32x16) * (dw * dx);
+      acc[r] = acc[r] + __builtin_convertvector(s0 + s1, F) * (dw * dx);
       acc[r] = acc[r] + mw * sx;
     }
   }
+  const int64_t n = cols - lane0 < L ? cols - lane0 : L;
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < cols; ++j) out[r * out_stride + j] = from_f32<T>(acc[r][j]);
+    for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = from_f32<T>(acc[r][j]);
 }
 
 template <typename T, int Bits>
 void quant_matmul_t(void* out_, const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
                     const float* ws, int64_t rows, int64_t n, int64_t k) {
-  using Tile = void (*)(T*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, const uint8_t*,
-                        const float*);
-  static constexpr Tile kTiles[kRowsPerPass + 1] = {
-      nullptr, quant_tile<T, 1, Bits>, quant_tile<T, 2, Bits>, quant_tile<T, 3, Bits>, quant_tile<T, 4, Bits>,
-      quant_tile<T, 5, Bits>, quant_tile<T, 6, Bits>, quant_tile<T, 7, Bits>, quant_tile<T, 8, Bits>};
+  using Tile = void (*)(T*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
+                        const uint8_t*, const float*);
+  constexpr int L = kLanesPerPass;
+  static constexpr Tile kTiles[9] = {
+      nullptr, quant_tile<T, 1, Bits, L>, quant_tile<T, 2, Bits, L>, quant_tile<T, 3, Bits, L>,
+      quant_tile<T, 4, Bits, L>, quant_tile<T, 5, Bits, L>, quant_tile<T, 6, Bits, L>, quant_tile<T, 7, Bits, L>,
+      quant_tile<T, 8, Bits, L>};
+  static_assert(kRowsPerPass <= 8, "kTiles holds passes of up to 8 rows");
   T* out = static_cast<T*>(out_);
   const int64_t blocks = k / kQ8Block, tiles = (n + kTileRows - 1) / kTileRows;
   const int64_t tile_bytes = blocks * kTileRows * kQ8Block * Bits / 8;
@@ -138,8 +197,10 @@ void quant_matmul_t(void* out_, const int8_t* xq, const float* xd, const float* 
       const int64_t r0 = p * kRowsPerPass;
       const int64_t nr = rows - r0 < kRowsPerPass ? rows - r0 : kRowsPerPass;
       const int64_t cols = n - t * kTileRows < kTileRows ? n - t * kTileRows : kTileRows;
-      kTiles[nr](out + r0 * n + t * kTileRows, n, cols, xq + r0 * k, xd + r0 * blocks, xs + r0 * blocks, k,
-                 w + t * tile_bytes, ws + t * blocks * 2 * kTileRows);
+      for (int64_t lane0 = 0; lane0 < cols; lane0 += L) {
+        kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, xq + r0 * k, xd + r0 * blocks, xs + r0 * blocks, k,
+                   w + t * tile_bytes, ws + t * blocks * 2 * kTileRows);
+      }
     }
   }
 }

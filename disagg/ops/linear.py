@@ -1,7 +1,7 @@
 """`linear`: one matmul entry point for every weight of the model, dense or quantized.
 
 A quantized weight runs as a `PackedWeight`: a `QuantizedWeight` moved into the layout of the kernel
-that multiplies it. Where the CPU has AVX512-VNNI every quantized weight runs on csrc's
+that multiplies it. Where csrc runs its avx512 (VNNI) or avx2 code every quantized weight runs on
 `quant_matmul` (`prepare_weight(..., quant_matmul=...)`): activations rounded to int8 in blocks of
 32, llama.cpp's Q4_1 x Q8_1 math, 2.2x torch's int4 kernel at 16 rows and faster than the dense
 route at every row count measured (docs/engine.md). Otherwise each kernel sits behind one function

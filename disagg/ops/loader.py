@@ -14,10 +14,11 @@ from disagg.ops.reference import TorchOps
 log = structlog.get_logger(__name__)
 
 
-# Where models run quantized weights on csrc's quant_matmul rather than torch's kernels. It runs on
-# every build, but beats torch's int4 kernel only with AVX512-VNNI (the avx512 build: 2.2x at 16
-# rows); its AVX2 and base builds are 5-10x slower than torch's.
-QUANT_MATMUL_ISAS = ("avx512",)
+# Where models run quantized weights on csrc's quant_matmul rather than torch's kernels, measured on
+# SmolLM2's layers at 16 rows: the avx512 build (VNNI) 2.2-2.5x torch's int4 kernel; the avx2 build
+# (vpmaddubsw) 2.3x torch's kernel in its AVX2 code (ATEN_CPU_CAPABILITY=avx2). The base build runs
+# (the tests use it) but shifts bytes one at a time, slower than torch's.
+QUANT_MATMUL_ISAS = ("avx512", "avx2")
 
 
 class KernelsUnavailable(RuntimeError):

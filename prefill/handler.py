@@ -30,7 +30,7 @@ from kvtransfer import TransferState as BackendState
 from kvtransfer.control import ControlServer
 from kvtransfer.endpoint import open_endpoint
 from prefill.pull import PullRequests, is_pull
-from prefill.rooms import PrefillRoom, Settling
+from prefill.rooms import PrefillRoom, RoomTable, Settling
 
 log = structlog.get_logger(__name__)
 BUSY_WAIT_S = 0.002
@@ -48,9 +48,10 @@ class PrefillHandler(EngineHandler):
         self.control_config = config.control
         self.rooms: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
-        self.early_infos: dict[int, tuple[TransferInfoMsg, float]] = {}  # TransferInfo before the request
-        self.failed_rooms: dict[int, tuple[str, float]] = {}
-        self.elsewhere: dict[int, tuple[int, float]] = {}  # rooms the front placed on another rank: rank, expiry
+        ttl_s = config.bootstrap_timeout_s
+        self.early_infos = RoomTable(ttl_s)  # room -> (TransferInfo that came before the request, expiry)
+        self.failed_rooms = RoomTable(ttl_s)  # room -> (why it failed, expiry)
+        self.elsewhere = RoomTable(ttl_s)  # rooms the front placed on another rank: rank, expiry
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
@@ -149,7 +150,7 @@ class PrefillHandler(EngineHandler):
     async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
         if room in self.rooms:  # its decode went to another rank: no destination will come here
             return self._fail(self.rooms[room], reason)
-        self.failed_rooms[room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
+        self.failed_rooms.put(room, reason)
         if room in self.early_infos:
             self.early_infos.pop(room)
             self._status(room, TransferState.FAILED, reason)
@@ -157,7 +158,7 @@ class PrefillHandler(EngineHandler):
 
     def room_placed(self, room: int, dp_rank: int) -> list:
         self.failed_rooms.pop(room, None)  # an earlier verdict on this room is superseded by its new dispatch
-        self.elsewhere[room] = (dp_rank, time.monotonic() + self.config.bootstrap_timeout_s)
+        self.elsewhere.put(room, dp_rank)
         if room in self.early_infos:  # the decode came here before the front placed the room
             del self.early_infos[room]
             return self._misrouted(room)
@@ -262,7 +263,7 @@ class PrefillHandler(EngineHandler):
         elif info.room in self.elsewhere:
             return self._misrouted(info.room)
         else:
-            self.early_infos[info.room] = (info, time.monotonic() + self.config.bootstrap_timeout_s)
+            self.early_infos.put(info.room, info)
         return []
 
     def _attach(self, info: TransferInfoMsg) -> None:
@@ -326,7 +327,7 @@ class PrefillHandler(EngineHandler):
         FAILED status waits until every posted write settled (it is the decode's fence)."""
         log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
         # A decode that asks about this room later is answered at once, not after its deadline.
-        self.failed_rooms[state.room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
+        self.failed_rooms.put(state.room, reason)
         self.rooms.pop(state.room, None)
         self.by_request.pop(state.request_id, None)
         # Our source blocks may go back at once: a write still reading them only lands in
@@ -368,11 +369,7 @@ class PrefillHandler(EngineHandler):
         self.control.send_status(TransferStatusMsg(room=room, state=state, reason=reason))
 
     def _expire(self, now: float) -> None:
-        for room, (_, deadline) in list(self.early_infos.items()):
-            if now > deadline:
-                del self.early_infos[room]
-                self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")
-        for table in (self.failed_rooms, self.elsewhere):
-            for room, (_, deadline) in list(table.items()):
-                if now > deadline:
-                    del table[room]
+        for room, _ in self.early_infos.pop_expired(now):
+            self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")
+        self.failed_rooms.pop_expired(now)
+        self.elsewhere.pop_expired(now)

@@ -62,3 +62,29 @@ class Settling:
     handles: tuple[TransferHandle, ...]
     reason: str
     deadline: float
+
+
+class RoomTable(dict):
+    """room -> (value, deadline), every entry living `ttl_s`: `put` moves a room to the end, so the
+    table stays in deadline order and `pop_expired` stops at the first live entry instead of
+    scanning (the front tells every rank about every room dispatched elsewhere: at a few hundred
+    rooms a second a table holds thousands, and the handler expires them on every poll)."""
+
+    def __init__(self, ttl_s: float):
+        super().__init__()
+        self.ttl_s = ttl_s
+
+    def put(self, room: int, value, now: float | None = None) -> None:
+        self.pop(room, None)
+        self[room] = (value, (time.monotonic() if now is None else now) + self.ttl_s)
+
+    def pop_expired(self, now: float) -> list[tuple[int, object]]:
+        """Remove and return (room, value) of every entry whose deadline passed, oldest first."""
+        expired = []
+        for room, (value, deadline) in self.items():
+            if deadline >= now:
+                break
+            expired.append((room, value))
+        for room, _ in expired:
+            del self[room]
+        return expired

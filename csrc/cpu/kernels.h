@@ -156,62 +156,6 @@ void silu_and_mul_t(void* out_, const void* x_, int64_t rows, int64_t dim) {
   }
 }
 
-// ---- dequantize ------------------------------------------------------------------------------
-
-// out[r, k] = scale * q + min in float32, rounded to T: quant.dequantize's math, to the bit.
-// int4: q is uint8 [rows, cols / 2] in GGUF's nibble order (byte j of a group holds its column j in
-// the low nibble and column j + group / 2 in the high one); int8: q is int8 [rows, cols] and mins is
-// null. One scale (and min) per `group` columns of a row.
-
-// One group of 2n columns: dst[j] from the low nibble of src[j], dst[n + j] from its high nibble,
-// dequantized. Two contiguous loops, so both vectorise (interleaved low/high columns did not).
-template <typename T>
-__attribute__((always_inline)) inline void store_halves(T* __restrict dst, const uint8_t* __restrict src, float s,
-                                                        float m, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = from_f32<T>(s * static_cast<float>(src[j] & 0x0F) + m);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[n + j] = from_f32<T>(s * static_cast<float>(src[j] >> 4) + m);
-}
-
-constexpr int64_t kHalf32 = 16;
-
-template <typename T>
-void dequantize_int4_t(void* out_, const uint8_t* q, const float* scales, const float* mins, int64_t rows,
-                       int64_t cols, int64_t group) {
-  T* out = static_cast<T*>(out_);
-  const int64_t groups = cols / group;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelElems)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = scales[r * groups + g], m = mins[r * groups + g];
-      const uint8_t* src = q + (r * cols + g * group) / 2;
-      T* dst = out + r * cols + g * group;
-      if (group == 32) {
-        store_halves<T>(dst, src, s, m, kHalf32);  // GGUF's blocks: a constant trip count, one vector wide
-      } else {
-        store_halves<T>(dst, src, s, m, group / 2);
-      }
-    }
-  }
-}
-
-template <typename T>
-void dequantize_int8_t(void* out_, const int8_t* q, const float* scales, int64_t rows, int64_t cols, int64_t group) {
-  T* out = static_cast<T*>(out_);
-  const int64_t groups = cols / group;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelElems)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = scales[r * groups + g];
-      const int8_t* src = q + r * cols + g * group;
-      T* dst = out + r * cols + g * group;
-#pragma omp simd
-      for (int64_t j = 0; j < group; ++j) dst[j] = from_f32<T>(s * static_cast<float>(src[j]));
-    }
-  }
-}
-
 // ---- the table ------------------------------------------------------------------------------
 
 void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
@@ -250,17 +194,6 @@ void silu_and_mul(void* out, const void* x, int64_t rows, int64_t dim, DType dty
   fn(out, x, rows, dim);
 }
 
-void dequantize(void* out, const void* q, int bits, const float* scales, const float* mins, int64_t rows,
-                int64_t cols, int64_t group, DType dtype) {
-  if (bits == 4) {
-    auto fn = dtype == DType::kFloat32 ? dequantize_int4_t<float> : dequantize_int4_t<bf16>;
-    fn(out, static_cast<const uint8_t*>(q), scales, mins, rows, cols, group);
-  } else {
-    auto fn = dtype == DType::kFloat32 ? dequantize_int8_t<float> : dequantize_int8_t<bf16>;
-    fn(out, static_cast<const int8_t*>(q), scales, rows, cols, group);
-  }
-}
-
 void quantize_q8(int8_t* q, float* d, float* s, const void* x, int64_t rows, int64_t cols, int64_t x_stride,
                  DType dtype) {
   auto fn = dtype == DType::kFloat32 ? quantize_q8_t<float> : quantize_q8_t<bf16>;
@@ -285,7 +218,7 @@ void quant_matmul(void* out, const int8_t* xq, const float* xd, const float* xs,
 KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
   return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::paged_prefill_attention,
           DISAGG_ISA::rms_norm,
-          DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul, DISAGG_ISA::dequantize,
+          DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul,
           DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul};
 }
 

@@ -218,37 +218,6 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
-// A quantized weight to a dense one: uint8 nibbles in GGUF's order (int4, with mins) or int8
-// values (no mins); table.h says the layout.
-at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                      int64_t group_size, at::ScalarType dtype) {
-  check_cpu(qweight, "qweight");
-  check_cpu(scales, "scales");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize writes float32 or bfloat16, not ", dtype);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be a contiguous 2-d tensor");
-  const bool int4 = qweight.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "qweight must be uint8 (int4 nibbles) or int8, got ",
-              qweight.scalar_type());
-  TORCH_CHECK(int4 == mins.has_value(), int4 ? "int4 weights need mins" : "int8 weights take no mins");
-  const int64_t rows = qweight.size(0), cols = int4 ? 2 * qweight.size(1) : qweight.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && cols % group_size == 0, "group_size ", group_size,
-              " does not split rows of ", cols, " columns into even groups");
-  const std::vector<int64_t> group_shape = {rows, cols / group_size};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == group_shape,
-              "scales must be contiguous float32 [", rows, ", ", cols / group_size, "]");
-  const float* min_ptr = nullptr;
-  if (int4) {
-    check_cpu(*mins, "mins");
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == group_shape,
-                "mins must be contiguous float32 [", rows, ", ", cols / group_size, "]");
-    min_ptr = mins->data_ptr<float>();
-  }
-  at::Tensor out = at::empty({rows, cols}, qweight.options().dtype(dtype));
-  table().dequantize(out.data_ptr(), qweight.data_ptr(), int4 ? 4 : 8, scales.data_ptr<float>(), min_ptr, rows, cols,
-                     group_size, dtype == at::kFloat ? DType::kFloat32 : DType::kBFloat16);
-  return out;
-}
-
 // x [rows, k] to int8 in blocks of 32: (q int8 [rows, k], d and s float32 [rows, k / 32]); table.h says how.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x_in) {
   check_cpu(x_in, "x");
@@ -357,7 +326,6 @@ TORCH_LIBRARY(disagg, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_matmul(Tensor x, Tensor weight, Tensor scales, int n, int bits) -> Tensor");
   m.def("gather_blocks(Tensor cache, Tensor block_ids) -> Tensor");
@@ -371,7 +339,6 @@ TORCH_LIBRARY_IMPL(disagg, CPU, m) {
   m.impl("add_rms_norm", &disagg::add_rms_norm);
   m.impl("rope_and_cache", &disagg::rope_and_cache);
   m.impl("silu_and_mul", &disagg::silu_and_mul);
-  m.impl("dequantize", &disagg::dequantize);
   m.impl("quantize_q8", &disagg::quantize_q8);
   m.impl("quant_matmul", &disagg::quant_matmul);
   m.impl("gather_blocks", &disagg::gather_blocks);

@@ -47,12 +47,6 @@ struct KernelTable {
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, DType dtype);
   // out[T, d] = silu(x[:, :d]) * x[:, d:] for x [T, 2d].
   void (*silu_and_mul)(void* out, const void* x, int64_t rows, int64_t dim, DType dtype);
-  // out[rows, cols] = scale * q (+ min) per group of `group` columns, in float32 then rounded to
-  // dtype. bits 4: q uint8 [rows, cols / 2] in GGUF's nibble order (byte j of a group: column j in
-  // the low nibble, column j + group / 2 in the high one); bits 8: q int8 [rows, cols], mins null.
-  // scales (and mins) float32 [rows, cols / group].
-  void (*dequantize)(void* out, const void* q, int bits, const float* scales, const float* mins, int64_t rows,
-                     int64_t cols, int64_t group, DType dtype);
   // Activations x [rows, cols] (row stride x_stride) to int8 in blocks of 32: q int8 [rows, cols],
   // d and s float32 [rows, cols / 32] with d = max|x| / 127, q = rint(x * (1 / d)) (0 where d = 0)
   // and s = d * sum(q) per block.

@@ -3,21 +3,16 @@
 A quantized weight runs as a `PackedWeight`: a `QuantizedWeight` moved into the layout of the kernel
 that multiplies it. Where csrc runs its avx512 (VNNI) or avx2 code every quantized weight runs on
 `quant_matmul` (`prepare_weight(..., quant_matmul=...)`): activations rounded to int8 in blocks of
-32, llama.cpp's Q4_1 x Q8_1 math, 2.2x torch's int4 kernel at 16 rows and faster than the dense
-route at every row count measured (docs/engine.md). Otherwise each kernel sits behind one function
-(`int4_matmul`, `int8_matmul`): torch's own CPU ops, fed bfloat16 activations: with
-float32 activations the same ops fall back to scalar code that is 30-50x slower (measured on
-SmolLM2's shapes), so x is cast to bfloat16 for the product and the result back to x's dtype.
-
-Those ops stream few bytes, which wins at a few rows (decode), but they compute slower than a dense
-bfloat16 GEMM: at 256 rows torch's int4 kernel takes 1.8x as long. So a `PackedWeight` may also
-carry a `DenseRoute`: from `DENSE_FROM_ROWS` rows (a prefill) the weight is dequantized into a
-bfloat16 scratch (csrc's `dequantize`) and multiplied densely. Only on CPUs with native bfloat16.
+32, llama.cpp's Q4_1 x Q8_1 math, 2.2x torch's int4 kernel at 16 rows and 1.6x a dequantized
+bfloat16 GEMM at 256 (docs/engine.md). Otherwise (`--kernels torch`, a CPU without AVX2) each kernel
+sits behind one function (`int4_matmul`, `int8_matmul`): torch's own CPU ops, fed bfloat16
+activations: with float32 activations the same ops fall back to scalar code that is 30-50x slower
+(measured on SmolLM2's shapes), so x is cast to bfloat16 for the product and the result back to x's
+dtype.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,58 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from disagg.ops.quant import (
-    QUANT_BLOCK, QuantizedWeight, QuantKind, gguf_order, integer_values, pack_blocks, to_per_channel_int8,
+    QUANT_BLOCK, QuantizedWeight, QuantKind, integer_values, pack_blocks, to_per_channel_int8,
 )
 
 ACTIVATION_DTYPE = torch.bfloat16
 _INT4_ROW_MULTIPLE = 16  # torch's int4 packing wants the output dimension in multiples of 16
-# From this many rows a quantized weight is dequantized and multiplied densely (measured on SmolLM2's
-# layer shapes, bfloat16, 2 threads: torch's int4 kernel against dequantize + F.linear takes 0.88x as
-# long at 64 rows, 1.15x at 96, 1.33x at 128, 1.84x at 256; docs/benchmarks.md).
-DENSE_FROM_ROWS = 96
-
-Dequantize = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, torch.dtype], torch.Tensor]
 # (x [M, K], packed weight, scales, N, bits) -> [M, N] in x's dtype: csrc's quant_matmul or its twin.
 QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DenseRoute:
-    """How a quantized weight multiplies densely from `from_rows` rows: a dequantize kernel rebuilds it
-    per call from `qweight` in its layout (INT4: GGUF's nibble order, INT8: int8 values) and float32
-    `scales` (and `mins`) per group, or a `resident` dense copy is kept (`keep_resident`)."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
-    group_size: int
-    dequantize: Dequantize
-    from_rows: int = DENSE_FROM_ROWS
-    resident: OnednnWeight | torch.Tensor | None = None
-
-    def weight(self) -> torch.Tensor:
-        return self.dequantize(self.qweight, self.scales, self.mins, self.group_size, ACTIVATION_DTYPE)
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] @ weight.T in ACTIVATION_DTYPE."""
-        x = rows.to(ACTIVATION_DTYPE)
-        if self.resident is None:
-            return F.linear(x, self.weight())
-        return linear(x, self.resident)
-
-    def keep_resident(self, from_rows: int) -> DenseRoute:
-        """This route with a dense copy made once (oneDNN's layout where torch has it), used from `from_rows`."""
-        return dataclasses.replace(self, resident=pack_dense(self.weight()), from_rows=from_rows)
-
-    @property
-    def description(self) -> str:
-        how = "a resident bfloat16 copy" if self.resident is not None else "dequantized to a dense GEMM"
-        return f"from {self.from_rows} rows {how}"
-
-
-def dense_route_available() -> bool:
-    """Whether a dense bfloat16 GEMM is fast here: a CPU with native bfloat16 (elsewhere it is emulated)."""
-    return torch.cpu._is_avx512_bf16_supported()
 
 
 @dataclass(frozen=True)
@@ -99,7 +49,6 @@ class PackedWeight:
     packed: torch.Tensor
     scales: torch.Tensor
     source: str
-    dense: DenseRoute | None = None  # from its `from_rows` rows: multiply densely instead
     quant_matmul: QuantMatmul | None = None
 
     @property
@@ -110,8 +59,7 @@ class PackedWeight:
     def kernel(self) -> str:
         if self.quant_matmul is not None:
             return f"csrc quant_matmul, int8 activations in blocks of {QUANT_BLOCK}"
-        kernel = f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
-        return kernel if self.dense is None else f"{kernel}; {self.dense.description}"
+        return f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
 
 
 @dataclass(frozen=True)
@@ -142,12 +90,11 @@ def pack_dense(w: torch.Tensor) -> torch.Tensor | OnednnWeight:
     return OnednnWeight(packed, w.shape[0], w.shape[1], w.dtype)
 
 
-def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu", dequantize: Dequantize | None = None,
+def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu",
                    quant_matmul: QuantMatmul | None = None) -> PackedWeight:
     """The kernel-ready form of `w` (CPU only). With `quant_matmul` (an ops' `quant_matmul`), a weight
-    whose groups split into blocks of 32 runs on it at every row count, its integers and scales as
-    they are; otherwise torch's int4/int8 packed CPU ops, and with `dequantize` (an ops' `dequantize`)
-    also the route that multiplies densely from DENSE_FROM_ROWS rows."""
+    whose groups split into blocks of 32 runs on it, its integers and scales as they are; otherwise
+    torch's int4/int8 packed CPU ops."""
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantized weights run on CPU only, not on {device}")
     if quant_matmul is not None and w.group_size % QUANT_BLOCK == 0:
@@ -156,14 +103,7 @@ def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu", dequa
                             quant_matmul=quant_matmul)
     if w.kind is QuantKind.INT8:
         w = to_per_channel_int8(w)
-    packed = _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(w)
-    if dequantize is None:
-        return packed
-    if w.kind is QuantKind.INT4:
-        route = DenseRoute(gguf_order(w), w.scales.contiguous(), w.mins.contiguous(), w.group_size, dequantize)
-    else:  # the per-channel values the int8 kernel multiplies (its scales are rounded to bfloat16)
-        route = DenseRoute(packed.packed, w.scales.contiguous(), None, w.in_features, dequantize)
-    return dataclasses.replace(packed, dense=route)
+    return _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(w)
 
 
 def _prepare_int4(w: QuantizedWeight) -> PackedWeight:
@@ -193,8 +133,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | OnednnWeight,
     rows = x.reshape(-1, weight.in_features)
     if weight.quant_matmul is not None:
         out = weight.quant_matmul(rows, weight.packed, weight.scales, weight.out_features, weight.bits)
-    elif weight.dense is not None and rows.shape[0] >= weight.dense.from_rows:
-        out = weight.dense.matmul(rows).to(x.dtype)
     else:
         out = (int4_matmul if weight.kind is QuantKind.INT4 else int8_matmul)(rows, weight)
     out = out.view(*x.shape[:-1], weight.out_features)

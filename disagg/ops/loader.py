@@ -38,7 +38,6 @@ class CsrcOps:
         self.silu_and_mul = ops.silu_and_mul
         self.paged_decode_attention = ops.paged_decode_attention
         self.paged_prefill_attention = ops.paged_prefill_attention
-        self.dequantize = ops.dequantize
         self.quantize_q8 = ops.quantize_q8
         self.quant_matmul = ops.quant_matmul
         self.quant_matmul_preferred = ops.isa() in QUANT_MATMUL_ISAS

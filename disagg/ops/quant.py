@@ -1,7 +1,8 @@
 """Quantized weights in one portable form: integer values, per-group scales (and mins), a pure-torch dequantize.
 
-`QuantizedWeight` is what a loader produces and what tests compare; the matmul-ready form (torch's
-int4/int8 packed layouts) is built from it by `disagg.ops.linear.prepare_weight`. Every conversion
+`QuantizedWeight` is what a loader produces and what tests compare; the matmul-ready forms (csrc
+quant_matmul's blocks, `pack_blocks`; torch's int4/int8 packed layouts) are built from it by
+`disagg.ops.linear.prepare_weight`. Every conversion
 here is exact on the integers: GGUF blocks keep their own q values and fp16 scales (held as float32),
 and `dequantize` computes each value the way gguf's own `dequantize` does (`scale * q + min`).
 """
@@ -57,14 +58,6 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] → uint8 [N, K] in 0..15: the inverse of `pack_nibbles`."""
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-
-
-def gguf_order(w: QuantizedWeight) -> torch.Tensor:
-    """An INT4 weight's q values as uint8 [N, K/2] in GGUF's nibble order: byte j of each group holds
-    its column j (low nibble) and column j + group/2 (high), the layout the dequantize kernels read."""
-    n, g = w.out_features, w.group_size
-    q = integer_values(w).view(n, -1, 2, g // 2)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, -1)
 
 
 def pack_blocks(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,23 +78,6 @@ class TorchOps:
         return out.permute(2, 0, 1, 3).reshape(num_tokens, heads, dim).to(q.dtype)
 
     @staticmethod
-    def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """A dense [N, K] weight in `dtype`: `scale * q (+ min)` per group in float32, then rounded
-        (quant.dequantize's math). int4: uint8 [N, K/2] in GGUF's nibble order (quant.gguf_order),
-        with mins; int8: int8 [N, K] values, no mins."""
-        n = qweight.shape[0]
-        if qweight.dtype == torch.uint8:
-            halves = qweight.view(n, -1, group_size // 2)
-            q = torch.cat([halves & 0x0F, halves >> 4], dim=-1)
-        else:
-            q = qweight.view(n, -1, group_size)
-        out = scales[..., None] * q.to(torch.float32)
-        if mins is not None:
-            out = out + mins[..., None]
-        return out.view(n, -1).to(dtype)
-
-    @staticmethod
     def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [rows, k] to int8 in blocks of 32 values: q int8 [rows, k], and float32 [rows, k / 32] d
         (max|x| / 127) and s (d * the block's sum of q), with q = round(x * (1 / d)), 0 where d = 0."""

@@ -1,7 +1,5 @@
 """Quantized weights: exact integer packing, GGUF blocks kept bit-exactly, `linear` against the reference."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,7 @@ from gguf.quants import quantize as gguf_quantize
 from disagg.config import ConfigError, ModelConfig
 from disagg.engine.loader import load_model
 from disagg.ops import quant
-from disagg.ops.linear import DENSE_FROM_ROWS, PackedWeight, linear, pack_dense, prepare_weight
+from disagg.ops.linear import PackedWeight, linear, prepare_weight
 from disagg.ops.quant import QuantKind
 from disagg.ops.reference import TorchOps
 
@@ -130,48 +128,6 @@ def test_linear_matches_dequantize_then_matmul(kind, n, k, dtype):
         assert (error <= KERNEL_TOLERANCE * (x.float().abs() @ dense.abs().t())).all()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_many_rows_take_the_dense_route_and_few_the_packed_kernel(kind):
-    qw = random_weight(kind, 77, 96, seed=9)
-    plain, routed = prepare_weight(qw), prepare_weight(qw, dequantize=TorchOps.dequantize)
-    assert plain.dense is None and routed.dense is not None
-    assert routed.kernel == f"torch {kind}pack, bfloat16 activations; from {DENSE_FROM_ROWS} rows dequantized to a dense GEMM"
-    dense = quant.dequantize(qw)  # quantize_int8 is per channel already: both routes hold these values
-    assert torch.equal(routed.dense.weight(), dense.to(torch.bfloat16))
-    for m in (1, DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 200):
-        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
-        got = linear(x, routed)
-        if m >= DENSE_FROM_ROWS:
-            assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float())
-        else:
-            assert torch.equal(got, linear(x, plain))
-        error = (got - x @ dense.t()).abs()
-        assert (error <= KERNEL_TOLERANCE * (x.abs() @ dense.abs().t())).all()
-
-
-def test_a_resident_route_keeps_one_dense_copy_and_uses_it_from_its_rows():
-    qw = random_weight("int8", 77, 96, seed=10)
-    routed = prepare_weight(qw, dequantize=TorchOps.dequantize)
-    kept = dataclasses.replace(routed, dense=routed.dense.keep_resident(from_rows=8))
-    assert kept.kernel == "torch int8pack, bfloat16 activations; from 8 rows a resident bfloat16 copy"
-    dense = quant.dequantize(qw).bfloat16()
-    for m in (7, 8, 200):
-        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
-        expected = linear(x.bfloat16(), pack_dense(dense)).float() if m >= 8 else linear(x, routed)
-        assert torch.equal(linear(x, kept), expected)
-
-
-def test_gguf_order_puts_a_groups_two_halves_in_low_and_high_nibbles():
-    blocks = gguf_blocks(GGMLQuantizationType.Q4_1, 2, 64, seed=3)
-    qw = quant.from_gguf_q4_1(torch.from_numpy(blocks).reshape(-1), 2, 64)
-    # the file's own bytes: 20-byte blocks, fp16 d and m, then 16 bytes of nibbles
-    file_nibbles = torch.from_numpy(blocks.reshape(2, 2, 20)[..., 4:].copy()).reshape(2, 32)
-    assert torch.equal(quant.gguf_order(qw), file_nibbles)
-    q = quant.quantize_int4(torch.randn(3, 16), group_size=8)
-    values = quant.integer_values(q)
-    assert quant.gguf_order(q)[0, :4].tolist() == (values[0, :4] | (values[0, 4:8] << 4)).tolist()
-
-
 def test_linear_adds_bias_and_keeps_leading_dimensions():
     qw = random_weight("int4", 48, 64, seed=5)
     packed = prepare_weight(qw)
@@ -220,22 +176,21 @@ def test_pack_blocks_puts_each_value_where_the_kernel_reads_it():
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "q8_0"])
 def test_quant_matmul_weights_keep_their_integers_at_every_row_count(kind):
-    """With quant_matmul (here its torch twin) a weight runs on it at every row count, with no dense
-    route: Q8_0 keeps its own blocks (no per-channel requantizing), a per-channel int8 weight repeats
-    its scale per block, and every output is within 2^-6 of sum |x| |w| of the exact product."""
+    """With quant_matmul (here its torch twin) a weight runs on it at every row count: Q8_0 keeps its
+    own blocks (no per-channel requantizing), a per-channel int8 weight repeats its scale per block,
+    and every output is within 2^-6 of sum |x| |w| of the exact product."""
     if kind == "q8_0":
         blocks = gguf_blocks(GGMLQuantizationType.Q8_0, 77, 96, seed=11)
         qw = quant.from_gguf_q8_0(torch.from_numpy(blocks).reshape(-1), 77, 96)
     else:
         qw = random_weight(kind, 77, 96, seed=11)
-    packed = prepare_weight(qw, dequantize=TorchOps.dequantize, quant_matmul=TorchOps.quant_matmul)
-    assert (packed.kernel, packed.dense, packed.source) == (
-        "csrc quant_matmul, int8 activations in blocks of 32", None, qw.source)
+    packed = prepare_weight(qw, quant_matmul=TorchOps.quant_matmul)
+    assert (packed.kernel, packed.source) == ("csrc quant_matmul, int8 activations in blocks of 32", qw.source)
     values, d, m = quant.unpack_blocks(packed.packed, packed.scales)
     dense = quant.dequantize(qw)
     unpacked = d.repeat_interleave(32, dim=1) * values.float() + m.repeat_interleave(32, dim=1)
     torch.testing.assert_close(unpacked[:77], dense, rtol=0, atol=1e-6)
-    for rows in (1, 3, 16, DENSE_FROM_ROWS + 4):
+    for rows in (1, 3, 16, 200):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         got = linear(x, packed)
         assert torch.equal(got, TorchOps.quant_matmul(x, packed.packed, packed.scales, 77, packed.bits))

@@ -3,9 +3,10 @@
 - none: dense in the model dtype: reordered for oneDNN's linear on CPU (`packed`, the default with
   csrc/auto kernels), or F.linear as the HF reference computes (`--kernels torch`).
 - int8 / int4: dense float32 weights quantized on load (per-channel int8; asymmetric int4 in
-  groups of 32 columns), run by torch's packed CPU kernels.
-- gguf: the GGUF's own Q4_0/Q4_1 blocks as int4 (the same q and scales), Q8_0 as int8
-  (requantized per channel: torch's int8 kernel has one scale per row); other types dense.
+  groups of 32 columns), run by csrc's quant_matmul where the model chose it, else torch's packed
+  CPU kernels.
+- gguf: the GGUF's own Q4_0/Q4_1 blocks as int4 (the same q and scales), Q8_0 as int8 (for
+  torch's int8 kernel requantized per channel: it has one scale per row); other types dense.
 A weight whose input width does not split into int4 groups stays dense.
 """
 
@@ -16,27 +17,25 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import Dequantize, OnednnWeight, QuantMatmul, PackedWeight, pack_dense, prepare_weight
+from disagg.ops.linear import OnednnWeight, QuantMatmul, PackedWeight, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
 
 
 def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device,
-                  packed: bool = False, dequantize: Dequantize | None = None,
-                  quant_matmul: QuantMatmul | None = None) -> torch.Tensor | PackedWeight | OnednnWeight:
+                  packed: bool = False, quant_matmul: QuantMatmul | None = None) -> torch.Tensor | PackedWeight | OnednnWeight:
     """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up);
-    `packed`: a dense result goes to oneDNN's layout where the device has it; `dequantize`: a
-    quantized one also gets the dense route for many rows (disagg.ops.linear.DenseRoute);
-    `quant_matmul`: a quantized one runs on that kernel instead (disagg.ops.linear.prepare_weight)."""
+    `packed`: a dense result goes to oneDNN's layout where the device has it; `quant_matmul`: a
+    quantized one runs on that kernel instead of torch's (disagg.ops.linear.prepare_weight)."""
     if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
-        return prepare_weight(concat_rows(list(parts)), device, dequantize, quant_matmul)
+        return prepare_weight(concat_rows(list(parts)), device, quant_matmul)
     dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
     dense = dense[0] if len(dense) == 1 else torch.cat(dense)
     if quantization == "int8":
-        return prepare_weight(quantize_int8(dense), device, dequantize, quant_matmul)
+        return prepare_weight(quantize_int8(dense), device, quant_matmul)
     if quantization == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
-        return prepare_weight(quantize_int4(dense), device, dequantize, quant_matmul)
+        return prepare_weight(quantize_int4(dense), device, quant_matmul)
     dense = dense.to(device=device, dtype=dtype).contiguous()
     return pack_dense(dense) if packed else dense
 

@@ -7,7 +7,6 @@ model dtype, rotate-half RoPE) so greedy outputs match it token for token.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.models.linear_weights import describe_weights, linear_weight
 from disagg.ops import load_ops
-from disagg.ops.linear import OnednnWeight, PackedWeight, dense_route_available, linear
+from disagg.ops.linear import OnednnWeight, PackedWeight, linear
 from disagg.ops.quant import QuantizedWeight
 from disagg.ops.reference import rope_cos_sin
 
@@ -54,9 +53,6 @@ class ForwardBatch:
 
 
 _LINEARS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer (dense or PackedWeight)
-# A quantized LM head multiplies a resident bfloat16 copy from this many rows (SmolLM2's 49152 x 576
-# head, 2 threads: torch's int8 kernel 0.94 / 2.23 / 4.33 ms at 4 / 8 / 16 rows, the copy 1.04 / 1.31 / 1.83).
-HEAD_DENSE_FROM_ROWS = 8
 # csrc's paged_prefill_attention takes these head sizes (2x torch's CPU flash kernel on SmolLM2's
 # shapes, docs/engine.md); others run torch's scaled_dot_product_attention.
 CSRC_PREFILL_HEAD_DIMS = (64, 128)
@@ -90,8 +86,6 @@ class LlamaModel:
         self.quantization = quantization
         self.ops = load_ops(kernels, device)
         self.packed = self.ops.name != "torch"  # the reference path keeps F.linear, as HF computes
-        # Quantized weights also run densely for many rows where csrc dequantizes and bf16 is native.
-        self._dequantize = self.ops.dequantize if self.packed and dense_route_available() else None
         # Quantized weights run on csrc's quant_matmul (int8 activations) where it is the fast kernel.
         self._quant_matmul = self.ops.quant_matmul if self.ops.quant_matmul_preferred else None
         source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
@@ -103,10 +97,6 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = self._linear([weights["model.embed_tokens.weight"] if head is None else head])
-        if isinstance(self.lm_head, PackedWeight) and self.lm_head.dense is not None:
-            # A decode batch brings the head one row per request: from a few rows a kept bfloat16 copy
-            # beats both torch's packed kernel and dequantizing 28M values per step (docs/engine.md).
-            self.lm_head = dataclasses.replace(self.lm_head, dense=self.lm_head.dense.keep_resident(HEAD_DENSE_FROM_ROWS))
         self.inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos_sin = rope_cos_sin(self.inv_freq, min(arch.max_position_embeddings, 4096))
         self.scale = arch.head_dim**-0.5
@@ -122,8 +112,7 @@ class LlamaModel:
         return sum(_nbytes(w) for w in linears)
 
     def _linear(self, parts: list) -> torch.Tensor | PackedWeight:
-        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._dequantize,
-                             self._quant_matmul)
+        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._quant_matmul)
 
     def _layer_weights(self, w: Mapping, i: int) -> dict:
         p = f"model.layers.{i}."

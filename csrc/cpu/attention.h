@@ -1,6 +1,7 @@
-// Attention kernels (paged decode, paged prefill), a fragment of kernels.h: included there inside namespace disagg::DISAGG_ISA
-// (anonymous), after the shared helpers (to_f32, from_f32, round_to, exp_approx, fma32), so that it
-// is compiled once per instruction set like the rest. It includes nothing itself.
+// Attention kernels (paged decode, paged prefill), a fragment of kernels.h: included there inside
+// namespace disagg::DISAGG_ISA (anonymous), after the shared helpers (to_f32, from_f32, round_to,
+// exp_approx, fma32), so that it is compiled once per instruction set like the rest. It includes
+// nothing itself.
 
 // ---- paged decode attention ----------------------------------------------------------------
 

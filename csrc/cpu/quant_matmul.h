@@ -1,11 +1,11 @@
-// Quantized weights times int8 activations, a fragment of kernels.h: included there after
-// attention.h, whose 16-lane vector types (f32x16, u32x16, load_f32x16) it uses. It includes nothing.
+// Quantized weights times int8 activations, a fragment of kernels.h (compiled once per instruction
+// set like the rest). It includes nothing itself.
 //
 // The math of llama.cpp's Q4_1 x Q8_1 dot products. Activations are rounded to int8 in blocks of 32
 // values with one float32 scale each; a weight block of 32 values is d * q + m (q in 0..15 for 4
 // bits; for 8 bits q = the int8 value + 128 and m = -128 d). Then a block's product is
-// d * (dx * sum(q * qx)) + m * (dx * sum(qx)): the sum of products is exact in int32, and on
-// AVX512-VNNI one vpdpbusd does 64 of its multiply-adds. Per output the blocks are summed in order,
+// d * (dx * sum(q * qx)) + m * (dx * sum(qx)): the sum of products is exact in int32; on
+// AVX512-VNNI one vpdpbusd does 64 of its multiply-adds, on AVX2 a vpmaddubsw and a vpmaddwd do 32. Per output the blocks are summed in order,
 // one float32 rounding per operation (no fused multiply-add), so every instruction set gives the
 // same bits and TorchOps.quant_matmul is its exact twin.
 

@@ -2,9 +2,9 @@
 
 `QuantizedWeight` is what a loader produces and what tests compare; the matmul-ready forms (csrc
 quant_matmul's blocks, `pack_blocks`; torch's int4/int8 packed layouts) are built from it by
-`disagg.ops.linear.prepare_weight`. Every conversion
-here is exact on the integers: GGUF blocks keep their own q values and fp16 scales (held as float32),
-and `dequantize` computes each value the way gguf's own `dequantize` does (`scale * q + min`).
+`disagg.ops.linear.prepare_weight`. Every conversion here is exact on the integers: GGUF blocks keep
+their own q values and fp16 scales (held as float32), and `dequantize` computes each value the way
+gguf's own `dequantize` does (`scale * q + min`).
 """
 
 from __future__ import annotations

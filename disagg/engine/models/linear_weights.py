@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import OnednnWeight, QuantMatmul, PackedWeight, pack_dense, prepare_weight
+from disagg.ops.linear import OnednnWeight, PackedWeight, QuantMatmul, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight

@@ -71,18 +71,36 @@ void set_isa(const std::string& name) {
   table() = name == "avx512" ? kernels_avx512() : name == "avx2" ? kernels_avx2() : kernels_base();
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, double scale) {
+// q [tokens, heads, head_dim] (made contiguous) and the caches it attends to, checked alike for both
+// attention ops.
+struct Attention {
+  at::Tensor q;
+  DType dtype;
+  CacheView k, v;
+  int64_t tokens, heads, head_dim, kv_heads, block_size;
+};
+
+Attention attention_args(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   check_cpu(q_in, "q");
   TORCH_CHECK(q_in.dim() == 3, "q must be [n, num_heads, head_dim]");
   const DType dtype = dtype_of(q_in);
   at::Tensor q = q_in.contiguous();
   const CacheView k = cache_view(k_cache, q, "k_cache"), v = cache_view(v_cache, q, "v_cache");
-  const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "q heads ", num_heads, " x ", head_dim, " do not fit the cache's ", num_kv_heads, " x ", k_cache.size(3));
+  TORCH_CHECK(k_cache.size(3) == head_dim && kv_heads > 0 && heads % kv_heads == 0,
+              "q heads ", heads, " x ", head_dim, " do not fit the cache's ", kv_heads, " x ", k_cache.size(3));
+  return {q, dtype, k, v, q.size(0), heads, head_dim, kv_heads, k_cache.size(1)};
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, double scale) {
+  const Attention a = attention_args(q_in, k_cache, v_cache);
+  const at::Tensor& q = a.q;
+  const CacheView k = a.k, v = a.v;
+  const DType dtype = a.dtype;
+  const int64_t n = a.tokens, num_heads = a.heads, head_dim = a.head_dim;
+  const int64_t block_size = a.block_size, num_kv_heads = a.kv_heads;
   at::Tensor block_tables = long_contiguous(block_tables_in, "block_tables");
   at::Tensor context_lens = long_contiguous(context_lens_in, "context_lens");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == n && context_lens.numel() == n,
@@ -112,25 +130,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_ids_in, int64_t start_pos, double scale) {
-  check_cpu(q_in, "q");
-  TORCH_CHECK(q_in.dim() == 3, "q must be [num_tokens, num_heads, head_dim]");
-  const DType dtype = dtype_of(q_in);
-  at::Tensor q = q_in.contiguous();
-  const CacheView k = cache_view(k_cache, q, "k_cache"), v = cache_view(v_cache, q, "v_cache");
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill attention takes head_dim 64 or 128, not ", head_dim);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "q heads ", num_heads, " x ", head_dim, " do not fit the cache's ", num_kv_heads, " x ", k_cache.size(3));
+  const Attention a = attention_args(q_in, k_cache, v_cache);
+  const int64_t num_tokens = a.tokens, block_size = a.block_size;
+  TORCH_CHECK(a.head_dim == 64 || a.head_dim == 128, "prefill attention takes head_dim 64 or 128, not ", a.head_dim);
   at::Tensor ids = long_contiguous(block_ids_in, "block_ids").view(-1);
   TORCH_CHECK(start_pos >= 0 && start_pos + num_tokens <= ids.numel() * block_size, "positions up to ",
               start_pos + num_tokens, " do not fit ", ids.numel(), " blocks of ", block_size);
   check_ids(ids, k_cache.size(0));
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty_like(a.q);
   if (num_tokens == 0) return out;
-  table().paged_prefill_attention(out.data_ptr(), q.data_ptr(), k, v, ids.data_ptr<int64_t>(), start_pos, num_tokens,
-                                  num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale), dtype);
+  table().paged_prefill_attention(out.data_ptr(), a.q.data_ptr(), a.k, a.v, ids.data_ptr<int64_t>(), start_pos,
+                                  num_tokens, a.heads, a.kv_heads, a.head_dim, block_size, static_cast<float>(scale),
+                                  a.dtype);
   return out;
 }
 

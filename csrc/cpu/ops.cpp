@@ -88,7 +88,7 @@ Attention attention_args(const at::Tensor& q_in, const at::Tensor& k_cache, cons
   const CacheView k = cache_view(k_cache, q, "k_cache"), v = cache_view(v_cache, q, "v_cache");
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
-  TORCH_CHECK(k_cache.size(3) == head_dim && kv_heads > 0 && heads % kv_heads == 0,
+  TORCH_CHECK(k_cache.size(3) == head_dim && kv_heads > 0 && heads > 0 && heads % kv_heads == 0,
               "q heads ", heads, " x ", head_dim, " do not fit the cache's ", kv_heads, " x ", k_cache.size(3));
   return {q, dtype, k, v, q.size(0), heads, head_dim, kv_heads, k_cache.size(1)};
 }
@@ -133,9 +133,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   const Attention a = attention_args(q_in, k_cache, v_cache);
   const int64_t num_tokens = a.tokens, block_size = a.block_size;
   TORCH_CHECK(a.head_dim == 64 || a.head_dim == 128, "prefill attention takes head_dim 64 or 128, not ", a.head_dim);
+  TORCH_CHECK(a.heads / a.kv_heads <= 64, "prefill attention takes at most 64 query heads per KV head, not ",
+              a.heads / a.kv_heads);
   at::Tensor ids = long_contiguous(block_ids_in, "block_ids").view(-1);
-  TORCH_CHECK(start_pos >= 0 && start_pos + num_tokens <= ids.numel() * block_size, "positions up to ",
-              start_pos + num_tokens, " do not fit ", ids.numel(), " blocks of ", block_size);
+  TORCH_CHECK(start_pos >= 0 && start_pos <= ids.numel() * block_size - num_tokens, "start_pos ", start_pos,
+              " and ", num_tokens, " tokens do not fit ", ids.numel(), " blocks of ", block_size);
   check_ids(ids, k_cache.size(0));
   at::Tensor out = at::empty_like(a.q);
   if (num_tokens == 0) return out;

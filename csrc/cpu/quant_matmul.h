@@ -14,7 +14,9 @@
 constexpr int64_t kQ8Block = 32;
 
 // q[r, k] = rint(x[r, k] * (1 / d[r, b])) with d = max|x| / 127 over block b (q = 0 where d = 0);
-// s[r, b] = d * sum(q of block b).
+// s[r, b] = d * sum(q of block b). A NaN in a block makes its d NaN (so the product is NaN, as a
+// float matmul's would be); q is clamped to -127..127 with NaN as 0, so that no cast is undefined
+// (an inf makes d inf and 1 / d 0: q = 0 and s NaN; a block below ~4e-37 gets 1 / d = inf).
 template <typename T>
 void quantize_q8_t(int8_t* q, float* d, float* s, const void* x_, int64_t rows, int64_t cols, int64_t x_stride) {
   const int64_t blocks = cols / kQ8Block;
@@ -24,18 +26,24 @@ void quantize_q8_t(int8_t* q, float* d, float* s, const void* x_, int64_t rows, 
     for (int64_t b = 0; b < blocks; ++b) {
       const T* xb = x + b * kQ8Block;
       float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
+      int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
       for (int64_t j = 0; j < kQ8Block; ++j) {
         const float a = __builtin_fabsf(to_f32(xb[j]));
         amax = a > amax ? a : amax;
+        nan |= a != a;
       }
-      const float scale = amax / 127.0f;
+      const float scale = nan ? __builtin_nanf("") : amax / 127.0f;
       const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
       int8_t* qb = q + r * cols + b * kQ8Block;
       int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < kQ8Block; ++j) {
-        const int32_t v = static_cast<int32_t>(__builtin_rintf(to_f32(xb[j]) * inv));
+        float f = __builtin_rintf(to_f32(xb[j]) * inv);
+        f = f != f ? 0.0f : f;
+        f = f > 127.0f ? 127.0f : f;
+        f = f < -127.0f ? -127.0f : f;
+        const int32_t v = static_cast<int32_t>(f);
         qb[j] = static_cast<int8_t>(v);
         sum += v;
       }

@@ -31,7 +31,8 @@ struct KernelTable {
                                  float* scratch, int64_t scratch_stride);
   // out[T, num_heads, head_dim] for q [T, num_heads, head_dim] (contiguous) of tokens at positions
   // start_pos + t: each attends causally to keys [0, its position], read in place from the blocks
-  // in block_ids; scores and probabilities in float32. head_dim 64 or 128.
+  // in block_ids; scores and probabilities in float32. head_dim 64 or 128, at most 64 query heads
+  // per KV head (a work item holds one group's heads).
   void (*paged_prefill_attention)(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
                                   int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_dim, int64_t block_size, float scale, DType dtype);

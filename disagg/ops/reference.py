@@ -80,12 +80,13 @@ class TorchOps:
     @staticmethod
     def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [rows, k] to int8 in blocks of 32 values: q int8 [rows, k], and float32 [rows, k / 32] d
-        (max|x| / 127) and s (d * the block's sum of q), with q = round(x * (1 / d)), 0 where d = 0."""
+        (max|x| / 127, NaN where the block has one) and s (d * the block's sum of q), with
+        q = round(x * (1 / d)) clamped to -127..127 and NaN as 0 (0 where d = 0)."""
         rows = x.shape[0]
-        blocks = x.float().view(rows, -1, 32)
+        blocks = x.float().view(rows, x.shape[1] // 32, 32)
         d = blocks.abs().amax(dim=-1) / 127
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.round(blocks * inv[..., None])
+        q = torch.nan_to_num(torch.round(blocks * inv[..., None]), nan=0.0).clamp(-127, 127)
         return q.to(torch.int8).view(rows, -1), d, d * q.sum(dim=-1)
 
     @staticmethod

@@ -136,8 +136,9 @@ def test_gguf_blocks_are_the_dense_loaders_weights_bit_for_bit(smollm2_loaded, s
 
 # Greedy tokens identical to the dense engine's before the first difference, per prompt: measured
 # 5, 13, 16 on quant_matmul (the first prompt parts after " Paris.\n\n", where the dense engine's two
-# best tokens are close) and 16, 16, 16 on torch's route.
-SAME_TOKENS = {"quant_matmul": [5, 13, 16], "torch": [16, 16, 16]}
+# best tokens are close) and 16, 16, 16 on torch's route. quant_matmul gives the same bits on every
+# instruction set, attention and the norms do not: one token of margin where it diverged here.
+SAME_TOKENS = {"quant_matmul": [4, 12, 16], "torch": [16, 16, 16]}
 
 
 @pytest.mark.slow

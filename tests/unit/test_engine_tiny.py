@@ -210,3 +210,30 @@ def test_sleep_level_2_drops_weights_and_wake_up_reloads_them(tiny_loaded):
     core.wake_up()
     assert not core.is_sleeping()
     assert [o.outputs.token_ids for o in run(core, ["deep sleep"])] == [before.outputs.token_ids]
+
+
+def test_csrc_prefill_attention_gives_the_torch_paths_tokens_across_chunks_and_cached_prefixes(tiny_loaded):
+    """A tiny model with 64-wide heads (3 query heads per KV head) takes csrc's paged_prefill_attention:
+    prompts prefilled in chunks of 7 tokens (start_pos > 0 in every later chunk) give the pure-torch
+    engine's (SDPA) tokens and prompt logprobs, and a prompt that starts from 5 cached blocks its tokens
+    (prompt logprobs turn the prefix cache off, so that run asks for none)."""
+    import dataclasses
+
+    from disagg.engine.models.tiny import TINY_ARCH, random_weights
+
+    arch = dataclasses.replace(TINY_ARCH, num_heads=6, num_kv_heads=2, head_dim=64)
+    model = dataclasses.replace(tiny_loaded, arch=arch, weights=random_weights(arch, seed=3))
+    ours, torch_ops = engine(model, budget=7), engine(model, kernels="torch", caching=False)
+    assert (ours.runner.model._csrc_prefill, torch_ops.runner.model._csrc_prefill) == (True, False)
+    scored = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    for ids in (list(range(100, 137)), list(range(40, 60)) + [1, 2, 3]):
+        [out], [ref] = run(ours, [ids], scored), run(torch_ops, [ids], scored)
+        assert out.outputs.token_ids == ref.outputs.token_ids
+        got = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+        want = torch.tensor([ref.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    prefix = list(range(40, 60))  # 20 tokens = 5 full blocks of 4
+    run(ours, [prefix + [1, 2, 3]])
+    [hit] = run(ours, [prefix + [7, 8]])
+    assert hit.num_cached_tokens == 20
+    assert hit.outputs.token_ids == run(torch_ops, [prefix + [7, 8]])[0].outputs.token_ids

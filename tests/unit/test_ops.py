@@ -134,7 +134,7 @@ def test_paged_prefill_attention(csrc, dtype, heads, kv_heads, dim, block_size, 
 def test_paged_prefill_attention_refuses_what_it_cannot_read(csrc):
     _, k_cache, v_cache = _cache(4, 16, 1, 64, torch.float32, torch.Generator().manual_seed(0))
     q = torch.zeros(20, 2, 64)
-    with pytest.raises(RuntimeError, match="positions up to 40 do not fit 2 blocks of 16"):
+    with pytest.raises(RuntimeError, match="start_pos 20 and 20 tokens do not fit 2 blocks of 16"):
         csrc.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 20, 1.0)
     with pytest.raises(RuntimeError, match=r"block id 4 out of range \[0, 4\)"):
         csrc.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 4]), 0, 1.0)
@@ -144,6 +144,12 @@ def test_paged_prefill_attention_refuses_what_it_cannot_read(csrc):
         csrc.paged_prefill_attention(torch.zeros(4, 3, 64), k_cache.expand(-1, -1, 2, -1), v_cache.expand(-1, -1, 2, -1),
                                      torch.tensor([0]), 0, 1.0)
     assert csrc.paged_prefill_attention(q[:0], k_cache, v_cache, torch.tensor([0]), 3, 1.0).shape == (0, 2, 64)
+    with pytest.raises(RuntimeError, match="start_pos 9223372036854775707 and 20 tokens do not fit 2 blocks of 16"):
+        csrc.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 2**63 - 101, 1.0)  # no wrap-around
+    with pytest.raises(RuntimeError, match="at most 64 query heads per KV head, not 72"):
+        csrc.paged_prefill_attention(torch.zeros(2, 72, 64), k_cache, v_cache, torch.tensor([0]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="q heads 0 x 64 do not fit the cache's 1 x 64"):
+        csrc.paged_prefill_attention(torch.zeros(2, 0, 64), k_cache, v_cache, torch.tensor([0]), 0, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -208,7 +214,7 @@ def test_block_gather_and_scatter_move_exact_bytes(csrc, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 96), (17, 576)])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 96), (17, 576), (64, 576)])  # 64 x 576: threaded
 def test_activations_round_to_int8_blocks_exactly(csrc, dtype, rows, cols):
     gen = torch.Generator().manual_seed(rows + cols)
     x = (torch.randn(rows, cols, generator=gen) * 4).to(dtype)
@@ -223,12 +229,40 @@ def test_activations_round_to_int8_blocks_exactly(csrc, dtype, rows, cols):
     assert q.abs().max().item() == 127  # each block's largest value maps to +-127
 
 
+def test_activations_with_nan_inf_or_tiny_blocks_round_without_undefined_casts(csrc):
+    """A NaN makes its block's scale NaN (the product is NaN, as a float matmul's would be), an inf makes
+    it inf (q 0, s NaN); a block below ~4e-37 has 1 / d = inf and clamps to +-127. Every q is defined."""
+    x = torch.zeros(1, 128)
+    x[0, :32] = torch.linspace(-1, 1, 32)
+    x[0, 5] = float("nan")
+    x[0, 40] = float("inf")
+    x[0, 64:96] = torch.linspace(-1e-38, 1e-38, 32)
+    x[0, 96:] = 2.0
+    q, d, s = csrc.quantize_q8(x)
+    for got, want in zip((q, d, s), REF.quantize_q8(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert d[0, 0].isnan() and s[0, 0].isnan() and q[0, :32].abs().sum().item() == 0
+    assert d[0, 1].isinf() and s[0, 1].isnan() and q[0, 32:64].abs().sum().item() == 0
+    assert q[0, 64].item() == -127 and q[0, 95].item() == 127
+    scale = torch.tensor(2.0) / 127  # float32, as the kernel divides
+    assert q[0, 96:].tolist() == [127] * 32 and (d[0, 3].item(), s[0, 3].item()) == (scale.item(), (scale * 4064).item())
+    w = torch.randn(16, 128)
+    from disagg.ops.quant import pack_blocks, quantize_int4
+
+    packed, scales = pack_blocks(quantize_int4(w))
+    out = csrc.quant_matmul(x, packed, scales, 16, 4)
+    torch.testing.assert_close(out, REF.quant_matmul(x, packed, scales, 16, 4), rtol=0, atol=0, equal_nan=True)
+    assert out.isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["int4", "int8", "q8_0"])
-@pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (3, 45, 96), (8, 129, 64), (17, 77, 576)])
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (2, 45, 96), (5, 129, 64), (6, 24, 64), (7, 31, 96),
+                                      (9, 9, 160), (17, 77, 576), (37, 264, 288)])  # the last one threaded
 def test_quant_matmul_is_bit_exact_to_its_twin(csrc, dtype, kind, rows, n, k):
     """Integer sums, then one float32 rounding per op in the same order: every instruction set gives
-    the twin's bits, for 1-8 rows in a pass and a partial last tile; and it stays within the int8
+    the twin's bits, for passes of 1-8 rows (a remainder of each size on AVX2's passes of 4 and
+    VNNI's of 8), partial last tiles and half tiles, threaded; and it stays within the int8
     rounding of activations (2^-6 of sum |x| |w|) of the float32 dequantize-then-matmul."""
     from disagg.ops.quant import QuantizedWeight, QuantKind, dequantize, pack_blocks, quantize_int4, quantize_int8
 

@@ -53,9 +53,11 @@ class ForwardBatch:
 
 
 _LINEARS = ("qkv", "o", "gate_up", "down")  # the matmul weights of a layer (dense or PackedWeight)
-# csrc's paged_prefill_attention takes these head sizes (2x torch's CPU flash kernel on SmolLM2's
-# shapes, docs/engine.md); others run torch's scaled_dot_product_attention.
+# csrc's paged_prefill_attention takes these head sizes and up to 64 query heads per KV head (2x
+# torch's CPU flash kernel on SmolLM2's shapes, docs/engine.md); others run torch's
+# scaled_dot_product_attention.
 CSRC_PREFILL_HEAD_DIMS = (64, 128)
+CSRC_PREFILL_MAX_GROUP = 64
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -88,6 +90,8 @@ class LlamaModel:
         self.packed = self.ops.name != "torch"  # the reference path keeps F.linear, as HF computes
         # Quantized weights run on csrc's quant_matmul (int8 activations) where it is the fast kernel.
         self._quant_matmul = self.ops.quant_matmul if self.ops.quant_matmul_preferred else None
+        self._csrc_prefill = (self.packed and arch.head_dim in CSRC_PREFILL_HEAD_DIMS
+                              and arch.num_heads // arch.num_kv_heads <= CSRC_PREFILL_MAX_GROUP)
         source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
         self.layers = [self._layer_weights(source, i) for i in range(arch.num_layers)]
         self.embed = self._w(weights["model.embed_tokens.weight"])
@@ -186,7 +190,7 @@ class LlamaModel:
         return linear(out.view(-1, num_q), layer["o"])
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, seg: PrefillSegment) -> torch.Tensor:
-        if self.packed and self.arch.head_dim in CSRC_PREFILL_HEAD_DIMS:  # in place from the cache, float32 softmax
+        if self._csrc_prefill:  # in place from the cache, float32 softmax
             return self.ops.paged_prefill_attention(q, k_cache, v_cache, seg.block_ids, seg.start_pos, self.scale)
         num_new = q.shape[0]
         if seg.start_pos == 0:

@@ -12,6 +12,7 @@
 // ---- activations to int8, one scale per block of 32 ------------------------------------------
 
 constexpr int64_t kQ8Block = 32;
+constexpr float kFloatMax = 3.40282347e+38f;
 
 // q[r, k] = rint(x[r, k] * (1 / d[r, b])) with d = max|x| / 127 over block b (q = 0 where d = 0);
 // s[r, b] = d * sum(q of block b). A NaN in a block makes its d NaN (so the product is NaN, as a
@@ -37,15 +38,23 @@ void quantize_q8_t(int8_t* q, float* d, float* s, const void* x_, int64_t rows, 
       const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
       int8_t* qb = q + r * cols + b * kQ8Block;
       int32_t sum = 0;
+      if (amax <= kFloatMax && inv <= kFloatMax) {  // |x * inv| <= 127: the cast is defined, and this loop vectorises
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < kQ8Block; ++j) {
-        float f = __builtin_rintf(to_f32(xb[j]) * inv);
-        f = f != f ? 0.0f : f;
-        f = f > 127.0f ? 127.0f : f;
-        f = f < -127.0f ? -127.0f : f;
-        const int32_t v = static_cast<int32_t>(f);
-        qb[j] = static_cast<int8_t>(v);
-        sum += v;
+        for (int64_t j = 0; j < kQ8Block; ++j) {
+          const int32_t v = static_cast<int32_t>(__builtin_rintf(to_f32(xb[j]) * inv));
+          qb[j] = static_cast<int8_t>(v);
+          sum += v;
+        }
+      } else {  // a NaN, an inf or a block so small that 1 / d is inf: clamp first (these selects on every
+                // block made quant_matmul 8-14% slower)
+        for (int64_t j = 0; j < kQ8Block; ++j) {
+          float f = __builtin_rintf(to_f32(xb[j]) * inv);
+          f = f != f ? 0.0f : f;
+          f = f > 127.0f ? 127.0f : f;
+          f = f < -127.0f ? -127.0f : f;
+          qb[j] = static_cast<int8_t>(f);
+          sum += static_cast<int32_t>(f);
+        }
       }
       d[r * blocks + b] = scale;
       s[r * blocks + b] = scale * static_cast<float>(sum);

@@ -52,6 +52,7 @@ class PrefillHandler(EngineHandler):
         self.early_infos = RoomTable(ttl_s)  # room -> (TransferInfo that came before the request, expiry)
         self.failed_rooms = RoomTable(ttl_s)  # room -> (why it failed, expiry)
         self.elsewhere = RoomTable(ttl_s)  # rooms the front placed on another rank: rank, expiry
+        self.served = RoomTable(ttl_s)  # rooms whose KV went out: a second decode for one is refused at once
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
@@ -125,6 +126,7 @@ class PrefillHandler(EngineHandler):
             return [error_output(msg.request_id, exc)]
         self.failed_rooms.pop(room, None)  # a room dispatched here now is served here (a router's retry)
         self.elsewhere.pop(room, None)
+        self.served.pop(room, None)
         self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s)
         self.by_request[msg.request_id] = room
         if room in self.early_infos:
@@ -262,6 +264,8 @@ class PrefillHandler(EngineHandler):
             self._attach(info)
         elif info.room in self.elsewhere:
             return self._misrouted(info.room)
+        elif info.room in self.served:  # its KV went to another decode already: no prefill will come for this one
+            self._status(info.room, TransferState.FAILED, f"bootstrap_room {info.room} was already served on this prefill worker")
         else:
             self.early_infos.put(info.room, info)
         return []
@@ -320,6 +324,7 @@ class PrefillHandler(EngineHandler):
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),
                  transfer_s=round(stats.transfer_s, 6), gb_per_s=round(stats.kv_bytes / max(stats.transfer_s, 1e-9) / 1e9, 3))
         self._forget(state)
+        self.served.put(state.room, state.request_id)
         return [msgspec.structs.replace(state.final, kv=stats)]
 
     def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
@@ -373,3 +378,4 @@ class PrefillHandler(EngineHandler):
             self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")
         self.failed_rooms.pop_expired(now)
         self.elsewhere.pop_expired(now)
+        self.served.pop_expired(now)

@@ -95,7 +95,29 @@ async def test_two_requests_with_one_room_serve_one_and_refuse_the_other():
         assert prefills[1][1]["error"]["message"] == f"bootstrap_room {2 * 31} is already in use on this prefill worker"
         assert [d[0] for d in decodes] == [200, 500]
         assert decodes[0][1]["output_ids"] == expected[0]
-        assert decodes[1][1]["error"]["message"] == f"room {2 * 31} is already active with different transfer info"
+        # The second decode's TransferInfo meets the room either still active or already served (a
+        # loaded machine finishes the first pair before it arrives): refused at once either way.
+        assert decodes[1][1]["error"]["message"] in (f"room {2 * 31} is already active with different transfer info",
+                                                     f"bootstrap_room {2 * 31} was already served on this prefill worker")
+        assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
+    finally:
+        await cluster.close()
+
+
+async def test_a_decode_for_a_room_already_served_is_refused_at_once():
+    """Not after its bootstrap timeout ('no KV from prefill within 10 s'): the prefill worker remembers
+    rooms whose KV went out; a new prefill request for the room serves it again."""
+    expected = await unified_outputs([LONG])
+    cluster = await start_pd("tcp", disagg=FAST)
+    try:
+        idle = [[(w, 0) for w in side] for side in await cluster.free_blocks()]
+        pd = cluster.pd_body(body(LONG), room=2 * 31)
+        (p, _, _), (d, data, _) = await cluster.post_both("/generate", pd, pd)
+        assert (p, d, data["output_ids"]) == (200, 200, expected[0])
+        status, data, _ = await cluster.post(cluster.decode_url + "/generate", pd, None)
+        assert (status, data["error"]["message"]) == (500, f"bootstrap_room {2 * 31} was already served on this prefill worker")
+        (p, _, _), (d, data, _) = await cluster.post_both("/generate", pd, pd)
+        assert (p, d, data["output_ids"]) == (200, 200, expected[0])
         assert await wait_gauges([cluster.prefill, cluster.decode], idle) == idle
     finally:
         await cluster.close()

@@ -1,6 +1,6 @@
 // Kernel bodies and their table, compiled once per instruction set: kernels_<isa>.cpp sets
 // `#pragma GCC target`, defines DISAGG_ISA (the namespace) and the features it has (DISAGG_AVX2,
-// DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the auto-vectoriser (`omp
+// DISAGG_AVX512, DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the auto-vectoriser (`omp
 // simd`); no headers with inline functions may be included here, so that no AVX-512 copy of a shared
 // inline function can leak into the rest of the library.
 //
@@ -69,6 +69,7 @@ inline float fma32(float a, float b, float c) { return a * b + c; }
 
 #include "attention.h"  // paged decode and prefill attention
 #include "quant_matmul.h"  // quantized weights x int8 activations
+#include "dense_matmul.h"  // float32 weights x float32 activations, few rows
 
 // ---- RMSNorm (with the residual add folded in) ----------------------------------------------
 
@@ -209,6 +210,10 @@ void quant_matmul(void* out, const int8_t* xq, const float* xd, const float* xs,
   fn(out, xq, xd, xs, w, ws, rows, n, k);
 }
 
+void dense_matmul(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
+  dense_matmul_f32(out, x, w, xt, rows, n, k);
+}
+
 }  // namespace
 }  // namespace DISAGG_ISA
 
@@ -221,7 +226,7 @@ KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
   return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::paged_prefill_attention,
           DISAGG_ISA::rms_norm,
           DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul,
-          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul};
+          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul, DISAGG_ISA::dense_matmul};
 }
 
 }  // namespace disagg

@@ -278,6 +278,27 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const at::Tensor& weight, const 
   return out;
 }
 
+// x [rows, k] @ a float32 weight of n output rows packed in tiles of 32 ([tiles, k, 32], dense_matmul.h)
+// → [rows, n], all float32.
+at::Tensor dense_matmul(const at::Tensor& x_in, const at::Tensor& weight, int64_t n) {
+  check_cpu(x_in, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "dense_matmul takes float32 x, got ", x_in.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 3 && weight.size(2) == 32 &&
+              weight.size(1) > 0 && weight.is_contiguous(), "weight must be contiguous float32 [tiles, k, 32]");
+  const int64_t tiles = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "], got ", x_in.sizes());
+  TORCH_CHECK(n > (tiles - 1) * 32 && n <= tiles * 32, n, " output rows do not fill ", tiles, " tiles of 32");
+  at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  at::Tensor xt = at::empty({rows * k}, x.options());
+  table().dense_matmul(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), xt.data_ptr<float>(),
+                       rows, n, k);
+  return out;
+}
+
 // Blocks of `cache` (dimension 0; everything inside a block contiguous) to and from a packed tensor.
 int64_t block_bytes(const at::Tensor& cache) {
   TORCH_CHECK(cache.dim() >= 2 && cache.select(0, 0).is_contiguous(), "cache blocks must be contiguous inside");
@@ -341,6 +362,7 @@ TORCH_LIBRARY(disagg, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_matmul(Tensor x, Tensor weight, Tensor scales, int n, int bits) -> Tensor");
+  m.def("dense_matmul(Tensor x, Tensor weight, int n) -> Tensor");
   m.def("gather_blocks(Tensor cache, Tensor block_ids) -> Tensor");
   m.def("scatter_blocks(Tensor(a!) cache, Tensor block_ids, Tensor src) -> ()");
 }
@@ -354,6 +376,7 @@ TORCH_LIBRARY_IMPL(disagg, CPU, m) {
   m.impl("silu_and_mul", &disagg::silu_and_mul);
   m.impl("quantize_q8", &disagg::quantize_q8);
   m.impl("quant_matmul", &disagg::quant_matmul);
+  m.impl("dense_matmul", &disagg::dense_matmul);
   m.impl("gather_blocks", &disagg::gather_blocks);
   m.impl("scatter_blocks", &disagg::scatter_blocks);
 }

@@ -81,10 +81,51 @@ class OnednnWeight:
 
 _ONEDNN_BATCH_HINT = 16  # the reorder's expected rows; 1, 16 and 256 measured within 10% at every M
 
+TILE_ROWS = 32  # csrc dense_matmul's tile: 32 output rows
+TILED_MAX_ROWS = 1024
+# (x [M, K] float32, packed weight, N) -> [M, N] float32: csrc's dense_matmul or its twin.
+DenseMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
-def pack_dense(w: torch.Tensor) -> torch.Tensor | OnednnWeight:
-    """`w` in oneDNN's layout where torch's CPU build has it (float32, bfloat16), else `w` itself."""
-    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """A dense float32 [out_features, in_features] weight in csrc dense_matmul's layout: [tiles, in, 32],
+    column i of a tile's 32 output rows contiguous (pack_tiles). Decode streams each weight once per
+    step; this layout and a kernel that reads it front to back, fetching ahead, took SmolLM2's
+    matmuls at 16 rows from 19.4 ms (oneDNN packed) to 16.6 (docs/engine.md)."""
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+    matmul: DenseMatmul
+
+    kernel = "csrc dense_matmul"
+
+
+# Every form a matmul weight takes (linear() runs each).
+Weight = torch.Tensor | PackedWeight | OnednnWeight | TiledWeight
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor:
+    """[n, k] → [ceil(n / 32), k, 32]: out row 32 t + j, column i at [t, i, j]; rows past n are zero."""
+    n, k = w.shape
+    padded = F.pad(w, (0, 0, 0, -n % TILE_ROWS))
+    return padded.view(-1, TILE_ROWS, k).transpose(1, 2).contiguous()
+
+
+def unpack_tiles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_tiles undone: the [n, k] weight."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+
+
+def pack_dense(w: torch.Tensor, dense_matmul: DenseMatmul | None = None) -> torch.Tensor | OnednnWeight | TiledWeight:
+    """`w` for its fastest kernel: with `dense_matmul` (an ops' `dense_matmul`) a float32 weight in its
+    tiles; else oneDNN's layout where torch's CPU build has it (float32, bfloat16); else `w` itself."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        return w
+    if dense_matmul is not None and w.dtype == torch.float32:
+        return TiledWeight(pack_tiles(w), w.shape[0], w.shape[1], dense_matmul)
+    if not torch.backends.mkldnn.is_available():
         return w
     packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT)
     return OnednnWeight(packed, w.shape[0], w.shape[1], w.dtype)
@@ -123,11 +164,13 @@ def _prepare_int8(w: QuantizedWeight) -> PackedWeight:
     return PackedWeight(QuantKind.INT8, w.out_features, w.in_features, w.in_features, w.qweight.contiguous(), scales, w.source)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | OnednnWeight,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a dense [out, in] weight, an `OnednnWeight` or a `PackedWeight`; the result has x's dtype."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a dense [out, in] weight, an `OnednnWeight`, a `TiledWeight` or a
+    `PackedWeight`; the result has x's dtype."""
     if isinstance(weight, OnednnWeight):
         return onednn_matmul(x, weight, bias)
+    if isinstance(weight, TiledWeight):
+        return tiled_matmul(x, weight, bias)
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, weight.in_features)
@@ -146,6 +189,20 @@ def onednn_matmul(x: torch.Tensor, w: OnednnWeight, bias: torch.Tensor | None = 
         return x.new_empty(*x.shape[:-1], w.out_features)
     out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), w.packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], w.out_features)
+
+
+def tiled_matmul(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., K] @ [N, K].T (+ bias) → [..., N]: csrc dense_matmul below `TILED_MAX_ROWS` rows; from there
+    oneDNN on the weight unpacked and reordered for the call (two copies of the weight: at 1024 rows
+    and more they cost less than dense_matmul gives away to oneDNN's GEMM)."""
+    rows = x.reshape(-1, w.in_features)
+    if rows.shape[0] < TILED_MAX_ROWS:
+        out = w.matmul(rows, w.packed, w.out_features)
+    else:
+        dense = unpack_tiles(w.packed, w.out_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), torch.ops.mkldnn._reorder_linear_weight(dense, rows.shape[0]), None, "none", [], "")
+    out = out.view(*x.shape[:-1], w.out_features)
+    return out if bias is None else out + bias
 
 
 def int4_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -19,6 +19,10 @@ log = structlog.get_logger(__name__)
 # (vpmaddubsw) 2.3x torch's kernel in its AVX2 code (ATEN_CPU_CAPABILITY=avx2). The base build runs
 # (the tests use it) but shifts bytes one at a time, slower than torch's.
 QUANT_MATMUL_ISAS = ("avx512", "avx2")
+# Where models run dense float32 weights on csrc's dense_matmul rather than oneDNN's packed linear:
+# SmolLM2's matmuls at 16 rows, avx512 16.6 vs 19.4 ms; the avx2 build against oneDNN held to AVX2
+# (ONEDNN_MAX_CPU_ISA=AVX2) 27.7 vs 29.5 ms (docs/engine.md).
+DENSE_MATMUL_ISAS = ("avx512", "avx2")
 
 
 class KernelsUnavailable(RuntimeError):
@@ -41,6 +45,8 @@ class CsrcOps:
         self.quantize_q8 = ops.quantize_q8
         self.quant_matmul = ops.quant_matmul
         self.quant_matmul_preferred = ops.isa() in QUANT_MATMUL_ISAS
+        self.dense_matmul = ops.dense_matmul
+        self.dense_matmul_preferred = ops.isa() in DENSE_MATMUL_ISAS
         self.gather_blocks = ops.gather_blocks
         self.scatter_blocks = ops.scatter_blocks
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from disagg.ops.linear import unpack_tiles
 from disagg.ops.quant import unpack_blocks
 
 
@@ -17,6 +18,7 @@ class TorchOps:
 
     name = "torch"
     quant_matmul_preferred = False  # its twin below is for tests: models keep torch's kernels here
+    dense_matmul_preferred = False  # likewise: models keep oneDNN or F.linear here
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,6 +106,11 @@ class TorchOps:
             acc = acc + isum[b].to(torch.float32) * (d[None, :, b] * dx[:, b, None])
             acc = acc + m[None, :, b] * sx[:, b, None]
         return acc[:, :n].to(x.dtype)
+
+    @staticmethod
+    def dense_matmul(x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+        """x [rows, k] float32 @ a float32 weight [n, k] in tiles of 32 (linear.pack_tiles) → [rows, n]."""
+        return F.linear(x, unpack_tiles(weight, n))
 
     @staticmethod
     def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

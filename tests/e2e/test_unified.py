@@ -55,9 +55,11 @@ async def test_openai_sdk_streams_a_chat_completion(server):
 async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server):
     async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
         info = await r.json()
-    isa = load_ops("csrc").name.removeprefix("csrc-")
+    ops = load_ops("csrc")
+    isa = ops.name.removeprefix("csrc-")
+    dense = "csrc dense_matmul" if ops.dense_matmul_preferred else "oneDNN packed"
     assert info["engine"] == (f"dtype float32 (set by --dtype), kernels csrc-{isa} (auto: csrc built, this CPU runs its "
-                              f"{isa} code), quantization none: 9 float32 dense (oneDNN packed)")
+                              f"{isa} code), quantization none: 9 float32 dense ({dense})")
 
 
 async def test_client_disconnect_mid_stream_frees_its_blocks(server):

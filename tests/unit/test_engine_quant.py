@@ -101,9 +101,14 @@ def auto_kernels() -> str:
     return f"kernels csrc-{isa} (auto: csrc built, this CPU runs its {isa} code)"
 
 
+def dense_kernel() -> str:
+    """What runs float32 dense weights with auto kernels: csrc's dense_matmul on avx512 and avx2."""
+    return "csrc dense_matmul" if load_ops("csrc").dense_matmul_preferred else "oneDNN packed"
+
+
 def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
     assert engine(tiny_loaded).engine_summary == (
-        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense (oneDNN packed)")
+        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense ({dense_kernel()})")
     assert engine(tiny_loaded, kernels="torch").engine_summary == (
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear)")
     expected = "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)"

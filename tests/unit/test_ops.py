@@ -305,6 +305,76 @@ def test_quant_matmul_refuses_what_it_cannot_read(csrc):
         csrc.quantize_q8(torch.randn(3, 48))
 
 
+def _fma_chain(x: torch.Tensor, w: torch.Tensor, fused: bool) -> torch.Tensor:
+    """out[r, j] = one chain over the columns in order: acc = fma(x, w, acc) rounded to float32 once per
+    step (fused: the product and sum in float64, where a float32 product is exact) or twice (base)."""
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for i in range(x.shape[1]):
+        if fused:
+            acc = (acc.double() + x[:, i, None].double() * w[None, :, i].double()).float()
+        else:
+            acc = acc + x[:, i, None] * w[None, :, i]
+    return acc
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (2, 31, 5), (3, 32, 96), (4, 33, 64), (5, 77, 33), (7, 64, 40),
+                                      (8, 40, 17), (9, 95, 24), (17, 33, 8), (33, 600, 16),  # the last one threaded
+                                      (9, 600, 64), (261, 40, 16)])  # and three blocks of up to 128 rows
+def test_dense_matmul_is_one_multiply_add_chain_per_output(csrc, rows, n, k):
+    """Every pass size (remainders of AVX-512's passes of 8 rows and AVX2's and base's of 4), partial
+    last tiles, threaded, blocks of rows: the kernel's bits are those of one chain per output over the columns in
+    order, fused on avx2 and avx512; within k 2^-24 sum |x w| of the float64 product."""
+    from disagg.ops.linear import pack_tiles
+
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    got = csrc.dense_matmul(x, pack_tiles(w), n)
+    assert (got.shape, got.dtype) == ((rows, n), torch.float32)
+    assert torch.equal(got, _fma_chain(x, w, fused=torch.ops.disagg.isa() != "base"))
+    exact = x.double() @ w.double().t()
+    assert ((got.double() - exact).abs() <= k * 2**-24 * (x.double().abs() @ w.double().abs().t())).all()
+    torch.testing.assert_close(got, REF.dense_matmul(x, pack_tiles(w), n), **TOL[torch.float32])
+
+
+def test_dense_matmul_refuses_what_it_cannot_read(csrc):
+    from disagg.ops.linear import pack_tiles
+
+    packed = pack_tiles(torch.randn(40, 24))
+    assert packed.shape == (2, 24, 32) and packed[1, :, 8:].abs().sum().item() == 0  # rows past 40 are zero
+    x = torch.randn(3, 24)
+    assert csrc.dense_matmul(torch.zeros(0, 24), packed, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="dense_matmul takes float32 x, got BFloat16"):
+        csrc.dense_matmul(x.bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous float32 \[tiles, k, 32\]"):
+        csrc.dense_matmul(x, packed.transpose(0, 1), 40)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 24\], got \[3, 16\]"):
+        csrc.dense_matmul(x[:, :16], packed, 40)
+    with pytest.raises(RuntimeError, match="32 output rows do not fill 2 tiles of 32"):
+        csrc.dense_matmul(x, packed, 32)
+    with pytest.raises(RuntimeError, match="65 output rows do not fill 2 tiles of 32"):
+        csrc.dense_matmul(x, packed, 65)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 16, 1023, 1024])  # from 1024 rows oneDNN on the weight unpacked
+def test_tiled_linear_equals_f_linear(rows):
+    from disagg.ops.linear import TILED_MAX_ROWS, TiledWeight, linear, pack_dense, unpack_tiles
+
+    assert TILED_MAX_ROWS == 1024
+    ops = load_ops("csrc")
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(77, 96, generator=gen)
+    bias = torch.randn(77, generator=gen)
+    x = torch.randn(rows, 1, 96, generator=gen)  # leading dimensions are kept
+    packed = pack_dense(w, ops.dense_matmul)
+    assert isinstance(packed, TiledWeight) and (packed.out_features, packed.in_features) == (77, 96)
+    assert torch.equal(unpack_tiles(packed.packed, 77), w)
+    got = linear(x, packed, bias)
+    assert got.shape == (rows, 1, 77) and got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), **TOL[torch.float32])
+    assert pack_dense(w.bfloat16(), ops.dense_matmul).kernel == "oneDNN packed"  # float32 only
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 16, 33])
 def test_onednn_packed_linear_equals_f_linear(dtype, rows):

@@ -1,7 +1,8 @@
 """Which form each matmul weight takes (`ModelConfig.quantization`), and a one-line account of it.
 
-- none: dense in the model dtype: reordered for oneDNN's linear on CPU (`packed`, the default with
-  csrc/auto kernels), or F.linear as the HF reference computes (`--kernels torch`).
+- none: dense in the model dtype: float32 in csrc dense_matmul's tiles where the model chose it
+  (`packed`, csrc on avx512 or avx2), otherwise reordered for oneDNN's linear on CPU (`packed`), or
+  F.linear as the HF reference computes (`--kernels torch`).
 - int8 / int4: dense float32 weights quantized on load (per-channel int8; asymmetric int4 in
   groups of 32 columns), run by csrc's quant_matmul where the model chose it, else torch's packed
   CPU kernels.
@@ -17,17 +18,19 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import OnednnWeight, PackedWeight, QuantMatmul, pack_dense, prepare_weight
+from disagg.ops.linear import DenseMatmul, OnednnWeight, PackedWeight, QuantMatmul, TiledWeight, Weight, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
 
 
 def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, device: torch.device,
-                  packed: bool = False, quant_matmul: QuantMatmul | None = None) -> torch.Tensor | PackedWeight | OnednnWeight:
+                  packed: bool = False, quant_matmul: QuantMatmul | None = None,
+                  dense_matmul: DenseMatmul | None = None) -> Weight:
     """The matmul-ready weight of `parts` stacked along the output dimension (fused q/k/v, gate/up);
-    `packed`: a dense result goes to oneDNN's layout where the device has it; `quant_matmul`: a
-    quantized one runs on that kernel instead of torch's (disagg.ops.linear.prepare_weight)."""
+    `packed`: a dense result goes to oneDNN's layout where the device has it, or with `dense_matmul`
+    a float32 one to that kernel's tiles (disagg.ops.linear.pack_dense); `quant_matmul`: a quantized
+    one runs on that kernel instead of torch's (disagg.ops.linear.prepare_weight)."""
     if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
         return prepare_weight(concat_rows(list(parts)), device, quant_matmul)
     dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
@@ -37,7 +40,7 @@ def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, 
     if quantization == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
         return prepare_weight(quantize_int4(dense), device, quant_matmul)
     dense = dense.to(device=device, dtype=dtype).contiguous()
-    return pack_dense(dense) if packed else dense
+    return pack_dense(dense, dense_matmul) if packed else dense
 
 
 def _fusable(parts: Sequence[QuantizedWeight]) -> bool:
@@ -45,15 +48,17 @@ def _fusable(parts: Sequence[QuantizedWeight]) -> bool:
     return all((p.kind, p.group_size, p.in_features) == (first.kind, first.group_size, first.in_features) for p in parts)
 
 
-def describe_weights(weights: Iterable[torch.Tensor | PackedWeight | OnednnWeight]) -> str:
+def describe_weights(weights: Iterable[Weight]) -> str:
     """'7 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), 1 float32 dense (F.linear)': what runs each matmul."""
     counts = Counter(_describe(w) for w in weights)
     return ", ".join(f"{n} {what}" for what, n in counts.items())
 
 
-def _describe(w: torch.Tensor | PackedWeight | OnednnWeight) -> str:
+def _describe(w: Weight) -> str:
     if isinstance(w, OnednnWeight):
         return f"{str(w.dtype).removeprefix('torch.')} dense ({w.kernel})"
+    if isinstance(w, TiledWeight):
+        return f"float32 dense ({w.kernel})"
     if isinstance(w, PackedWeight):
         layout = f"{w.kind.value} g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
         return f"{w.source} as {layout} ({w.kernel})"

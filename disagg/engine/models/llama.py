@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.models.linear_weights import describe_weights, linear_weight
 from disagg.ops import load_ops
-from disagg.ops.linear import OnednnWeight, PackedWeight, linear
+from disagg.ops.linear import OnednnWeight, PackedWeight, TiledWeight, Weight, linear
 from disagg.ops.quant import QuantizedWeight
 from disagg.ops.reference import rope_cos_sin
 
@@ -90,6 +90,8 @@ class LlamaModel:
         self.packed = self.ops.name != "torch"  # the reference path keeps F.linear, as HF computes
         # Quantized weights run on csrc's quant_matmul (int8 activations) where it is the fast kernel.
         self._quant_matmul = self.ops.quant_matmul if self.ops.quant_matmul_preferred else None
+        # Dense float32 weights run on csrc's dense_matmul where it beats oneDNN (decode's few rows).
+        self._dense_matmul = self.ops.dense_matmul if self.ops.dense_matmul_preferred else None
         self._csrc_prefill = (self.packed and arch.head_dim in CSRC_PREFILL_HEAD_DIMS
                               and arch.num_heads // arch.num_kv_heads <= CSRC_PREFILL_MAX_GROUP)
         source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
@@ -116,7 +118,8 @@ class LlamaModel:
         return sum(_nbytes(w) for w in linears)
 
     def _linear(self, parts: list) -> torch.Tensor | PackedWeight:
-        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._quant_matmul)
+        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._quant_matmul,
+                             self._dense_matmul)
 
     def _layer_weights(self, w: Mapping, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -210,7 +213,7 @@ class LlamaModel:
         return out[0].transpose(0, 1)
 
 
-def _nbytes(w: torch.Tensor | PackedWeight | OnednnWeight) -> int:
+def _nbytes(w: Weight) -> int:
     if isinstance(w, PackedWeight):
         return w.packed.nbytes + w.scales.nbytes
-    return w.packed.nbytes if isinstance(w, OnednnWeight) else w.nbytes
+    return w.packed.nbytes if isinstance(w, (OnednnWeight, TiledWeight)) else w.nbytes

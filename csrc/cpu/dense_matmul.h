@@ -1,0 +1,110 @@
+// Float32 weights times float32 activations, a fragment of kernels.h (compiled once per instruction
+// set like the rest). It includes nothing itself.
+//
+// Made for decode, where a step multiplies a few rows by every weight of the model: the weights
+// stream from memory once per step and their bandwidth, not the multiply-adds, sets the pace. The
+// packed weight (disagg.ops.linear.pack_tiles builds it): output rows in tiles of 32, float32
+// [tiles, k, 32], so that column i of a tile's 32 rows is 128 contiguous bytes and a pass reads its
+// tile front to back, fetching a few KB ahead. Rows past n in the last tile are zero.
+//
+// Each output is one chain of multiply-adds over the columns in order, fused where the build has FMA
+// (the base build multiplies and adds): within k * 2^-24 * sum |x w| of the exact product, which
+// tests/unit/test_ops.py asserts against float64.
+
+constexpr int64_t kDenseTile = 32;
+// Bytes of weights fetched ahead of the column a pass is at: 6 KB took SmolLM2's 30 layers at 16 rows
+// from 13.0-13.2 to 10.7-11.0 ms (none: hardware prefetch only; 2 KB and 12 KB were slower).
+constexpr int64_t kDensePrefetchColumns = 6144 / (kDenseTile * 4);
+
+// A pass works on P lanes of a tile with vectors of W floats, over R activation rows, so that its
+// R * P / W accumulators stay in registers: AVX-512 all 32 lanes x 8 rows (16 of 32 zmm); AVX2 16
+// lanes x 4 rows (8 of 16 ymm); the base build 8 lanes x 4 rows of SSE's 4-float vectors.
+#if defined(DISAGG_AVX512)
+constexpr int kDenseWidth = 16;
+constexpr int kDenseLanesPerPass = 32;
+constexpr int kDenseRowsPerPass = 8;
+#elif defined(DISAGG_AVX2)
+constexpr int kDenseWidth = 8;
+constexpr int kDenseLanesPerPass = 16;
+constexpr int kDenseRowsPerPass = 4;
+#else
+constexpr int kDenseWidth = 4;
+constexpr int kDenseLanesPerPass = 8;
+constexpr int kDenseRowsPerPass = 4;
+#endif
+
+typedef float dense_vec __attribute__((vector_size(4 * kDenseWidth)));
+
+inline dense_vec dense_fma(dense_vec a, float b, dense_vec c) {
+  dense_vec r;
+#pragma omp simd
+  for (int i = 0; i < kDenseWidth; ++i) r[i] = fma32(a[i], b, c[i]);
+  return r;
+}
+
+// R activation rows (xt: [k, R], the pass's rows transposed) times lanes [lane0, lane0 + P) of one
+// tile: out[r, j] for the tile's columns j in that range below `cols` (<= 32).
+template <int R>
+void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* xt, int64_t k,
+                const float* tile) {
+  constexpr int V = kDenseLanesPerPass / kDenseWidth;
+  const float* w = tile + lane0;
+  const int64_t n = cols - lane0 < kDenseLanesPerPass ? cols - lane0 : kDenseLanesPerPass;
+  dense_vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = dense_vec{};
+  for (int64_t i = 0; i < k; ++i) {
+    const float* wi = w + i * kDenseTile;
+    for (int line = 0; line < kDenseLanesPerPass; line += 16) __builtin_prefetch(wi + kDensePrefetchColumns * kDenseTile + line);
+    dense_vec wv[V];
+    for (int v = 0; v < V; ++v) __builtin_memcpy(&wv[v], wi + v * kDenseWidth, sizeof(dense_vec));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {  // unrolled, so that acc stays in registers
+      const float x = xt[i * R + r];
+      for (int v = 0; v < V; ++v) acc[r][v] = dense_fma(wv[v], x, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = acc[r][j / kDenseWidth][j % kDenseWidth];
+}
+
+void dense_matmul_block(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
+  using Pass = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*);
+  static constexpr Pass kPasses[9] = {nullptr, dense_pass<1>, dense_pass<2>, dense_pass<3>, dense_pass<4>,
+                                      dense_pass<5>, dense_pass<6>, dense_pass<7>, dense_pass<8>};
+  static_assert(kDenseRowsPerPass <= 8, "kPasses holds passes of up to 8 rows");
+  constexpr int64_t R = kDenseRowsPerPass;
+  const int64_t tiles = (n + kDenseTile - 1) / kDenseTile, passes = (rows + R - 1) / R;
+  const bool threaded = rows * n * k >= 8 * kParallelElems;  // from one row of a 576 x 576 weight, as quant_matmul
+#pragma omp parallel if (threaded)
+  {
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < passes; ++p) {  // each pass's rows transposed: xt + p R k is [k, its rows]
+      const int64_t r0 = p * R, nr = rows - r0 < R ? rows - r0 : R;
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t r = 0; r < nr; ++r) xt[r0 * k + i * nr + r] = x[(r0 + r) * k + i];
+    }
+    // Tiles outer, in order: a thread streams one run of tiles; its passes over a tile reread it from L1/L2.
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t cols = n - t * kDenseTile < kDenseTile ? n - t * kDenseTile : kDenseTile;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t r0 = p * R, nr = rows - r0 < R ? rows - r0 : R;
+        for (int64_t lane0 = 0; lane0 < cols; lane0 += kDenseLanesPerPass)
+          kPasses[nr](out + r0 * n + t * kDenseTile, n, cols, lane0, xt + r0 * k, k, w + t * k * kDenseTile);
+      }
+    }
+  }
+}
+
+// Rows in blocks of 128, each through every tile before the next: a block's activations (128 k floats)
+// stay in L2 while the tiles stream. Without blocks, a 4096-row prefill chunk reread all its rows per
+// tile (the engine's batch-16 prefill: 1009-1071 tok/s, 1172-1185 with them).
+constexpr int64_t kDenseRowBlock = 128;
+
+void dense_matmul_f32(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kDenseRowBlock) {
+    const int64_t nr = rows - r0 < kDenseRowBlock ? rows - r0 : kDenseRowBlock;
+    dense_matmul_block(out + r0 * n, x + r0 * k, w, xt + r0 * k, nr, n, k);
+  }
+}

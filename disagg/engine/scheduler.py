@@ -140,6 +140,13 @@ class Scheduler:
         while not self.kv.allocate_slots(request, num_new):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
+                if self.holding or self.remote:
+                    # Blocks held for a remote reader (or writer) come back when that transfer ends, and
+                    # a request waiting for KV runs, then frees its own: wait for them in the queue, as a
+                    # preempted request. Finishing here cut a prefill short of its prompt.
+                    self._preempt(request)
+                    out.preempted_ids.append(request.request_id)
+                    return False
                 # Alone and still out of blocks: the cache cannot hold this request any longer.
                 self.finish(request, FinishReason.LENGTH)
                 return False

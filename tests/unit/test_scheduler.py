@@ -115,6 +115,32 @@ def test_a_request_alone_that_outgrows_the_cache_finishes_with_length():
     assert kv.num_free_blocks == 2
 
 
+def test_a_request_alone_waits_for_blocks_held_for_a_remote_reader():
+    """A prefill worker holds each finished prompt's blocks until its KV went out: the next prompt,
+    running alone, out of blocks, waits for them (preempted, recomputed from its cached blocks) and
+    never ends before its first token."""
+    sched, kv = make(num_blocks=4, block_size=2, budget=2)
+    held = Request("p", list(range(3)), SamplingParams(max_tokens=1, temperature=0), (EOS,), hold_blocks=True)
+    sched.add(held)
+    step(sched, {})
+    step(sched, {"p": 8})
+    assert (held.status, held.block_ids, kv.num_free_blocks) == (RequestStatus.HOLDING, [0, 1], 2)
+    b = Request("b", list(range(10, 16)), SamplingParams(max_tokens=1, temperature=0), (EOS,), hold_blocks=True)
+    sched.add(b)
+    step(sched, {})
+    step(sched, {})  # 4 of 6 prompt tokens computed, in blocks 2 and 3
+    out = step(sched, {})  # a third block: none free, "p" holds two
+    assert (out.preempted_ids, out.seqs, sched.drain_finished()) == (["b"], [], [held])
+    assert (b.status, b.num_computed_tokens, b.block_ids, list(sched.waiting)) == (RequestStatus.PREEMPTED, 0, [], [b])
+    assert step(sched, {}).seqs == []  # still no room: it waits
+    assert sched.release("p") is True
+    [seq] = step(sched, {"b": 9}).seqs  # its two full blocks come back from the prefix cache
+    assert (seq.token_ids, seq.start_pos, seq.sample) == ([14, 15], 4, True)
+    [done] = sched.drain_finished()
+    assert (done is b, b.output_token_ids, b.finish_reason, b.status) == (True, [9], FinishReason.LENGTH, RequestStatus.HOLDING)
+    kv.pool.check_integrity()
+
+
 def test_stops_eos_stop_ids_max_tokens_and_min_tokens():
     sched, _ = make()
     sched.add(req("eos", [1], max_tokens=5))

@@ -41,15 +41,18 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(seed, grammars)
         self.kv_cache: torch.Tensor | None = None
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views of kv_cache, per layer
         self.allocate_kv_cache()
 
     def allocate_kv_cache(self) -> None:
         arch = self.model.arch
         shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
+        self.layer_caches = self.model.layer_caches(self.kv_cache)
 
     def free_kv_cache(self) -> None:
         self.kv_cache = None
+        self.layer_caches = []  # views keep the storage alive
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. A request whose part raises fails alone (in `failed`); the others get
@@ -72,7 +75,7 @@ class ModelRunner:
         prefills = [s for s in seqs if len(s.token_ids) > 1]
         seqs = decodes + prefills
         batch, sample_rows, prompt_rows = self._build(decodes, prefills)
-        logits = self.model.forward(batch, self.kv_cache)
+        logits = self.model.forward(batch, self.kv_cache, self.layer_caches)
         out = RunnerOutput()
         sampling = [s for s in seqs if s.sample]
         if sampling:

@@ -167,10 +167,10 @@ def _prepare_int8(w: QuantizedWeight) -> PackedWeight:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a dense [out, in] weight, an `OnednnWeight`, a `TiledWeight` or a
     `PackedWeight`; the result has x's dtype."""
-    if isinstance(weight, OnednnWeight):
-        return onednn_matmul(x, weight, bias)
     if isinstance(weight, TiledWeight):
         return tiled_matmul(x, weight, bias)
+    if isinstance(weight, OnednnWeight):
+        return onednn_matmul(x, weight, bias)
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, weight.in_features)
@@ -195,13 +195,15 @@ def tiled_matmul(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None = No
     """[..., K] @ [N, K].T (+ bias) → [..., N]: csrc dense_matmul below `TILED_MAX_ROWS` rows; from there
     oneDNN on the weight unpacked and reordered for the call (two copies of the weight: at 1024 rows
     and more they cost less than dense_matmul gives away to oneDNN's GEMM)."""
-    rows = x.reshape(-1, w.in_features)
+    flat = x.dim() == 2  # the model's case: no reshape and view around the call
+    rows = x if flat else x.reshape(-1, w.in_features)
     if rows.shape[0] < TILED_MAX_ROWS:
         out = w.matmul(rows, w.packed, w.out_features)
     else:
         dense = unpack_tiles(w.packed, w.out_features).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), torch.ops.mkldnn._reorder_linear_weight(dense, rows.shape[0]), None, "none", [], "")
-    out = out.view(*x.shape[:-1], w.out_features)
+    if not flat:
+        out = out.view(*x.shape[:-1], w.out_features)
     return out if bias is None else out + bias
 
 

@@ -147,16 +147,23 @@ class LlamaModel:
         return self._cos_sin
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (k_cache, v_cache) view of `kv_cache` ([num_blocks, block_size, kv_heads, head_dim]).
+        The runner keeps them beside the cache: three slicing calls per layer and step less."""
+        return [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(self.arch.num_layers)]
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor,
+                caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Run the batch, write its KV into the cache, return float32 logits of `logit_rows`."""
         ops, eps = self.ops, self.arch.rms_norm_eps
+        caches = caches or self.layer_caches(kv_cache)
         cos_sin = self.cos_sin(int(batch.positions.max()) + 1)
         residual = F.embedding(batch.token_ids, self.embed)
         h = ops.rms_norm(residual, self.layers[0]["in_norm"], eps)
         for i, layer in enumerate(self.layers):
             if i:
                 h = ops.add_rms_norm(x, residual, layer["in_norm"], eps)  # residual += the last MLP's output
-            x = self.attention(layer, h, cos_sin, batch, kv_cache[:, i])
+            x = self.attention(layer, h, cos_sin, batch, *caches[i])
             h = ops.add_rms_norm(x, residual, layer["post_norm"], eps)
             x = self.mlp(layer, h)
         residual.add_(x)
@@ -166,18 +173,15 @@ class LlamaModel:
     def mlp(self, layer: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         return linear(self.ops.silu_and_mul(linear(h, layer["gate_up"])), layer["down"])
 
-    def attention(self, layer, h, cos_sin, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer, h, cos_sin, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         arch, ops = self.arch, self.ops
         num_q = arch.num_heads * arch.head_dim
-        num_kv = arch.num_kv_heads * arch.head_dim
         qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
-        q = qkv[:, :num_q].view(-1, arch.num_heads, arch.head_dim)
-        k = qkv[:, num_q : num_q + num_kv].view(-1, arch.num_kv_heads, arch.head_dim)
-        v = qkv[:, num_q + num_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
+        q, k, v = qkv.view(-1, arch.num_heads + 2 * arch.num_kv_heads, arch.head_dim).split(
+            (arch.num_heads, arch.num_kv_heads, arch.num_kv_heads), dim=1)
         if arch.qk_norm:
             q = ops.rms_norm(q, layer["q_norm"], arch.rms_norm_eps)
             k = ops.rms_norm(k, layer["k_norm"], arch.rms_norm_eps)
-        k_cache, v_cache = cache[:, 0], cache[:, 1]  # [num_blocks, block_size, kv_heads, head_dim]
         ops.rope_and_cache(q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets)
         group = batch.decode
         if group is not None and not batch.prefills:

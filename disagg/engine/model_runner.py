@@ -79,7 +79,8 @@ class ModelRunner:
         out = RunnerOutput()
         sampling = [s for s in seqs if s.sample]
         if sampling:
-            tokens = self.sampler.sample(logits[sample_rows], sampling, self.eos_token_ids)
+            every_row = len(sample_rows) == logits.shape[0]  # rows in order: a decode step, no 3 MB copy
+            tokens = self.sampler.sample(logits if every_row else logits[sample_rows], sampling, self.eos_token_ids)
             for seq, token in zip(sampling, tokens):
                 if isinstance(token, SampledToken):
                     out.sampled[seq.request_id] = token

@@ -82,6 +82,8 @@ class OnednnWeight:
 _ONEDNN_BATCH_HINT = 16  # the reorder's expected rows; 1, 16 and 256 measured within 10% at every M
 
 TILE_ROWS = 32  # csrc dense_matmul's tile: 32 output rows
+# From this many rows tiled_matmul hands a call to oneDNN: where the unpack and reorder cost less than
+# dense_matmul gives away to oneDNN's GEMM (SmolLM2's shapes: equal at 1024 rows, 10-15% faster at 2048).
 TILED_MAX_ROWS = 1024
 # (x [M, K] float32, packed weight, N) -> [M, N] float32: csrc's dense_matmul or its twin.
 DenseMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -193,15 +195,18 @@ def onednn_matmul(x: torch.Tensor, w: OnednnWeight, bias: torch.Tensor | None = 
 
 def tiled_matmul(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[..., K] @ [N, K].T (+ bias) → [..., N]: csrc dense_matmul below `TILED_MAX_ROWS` rows; from there
-    oneDNN on the weight unpacked and reordered for the call (two copies of the weight: at 1024 rows
-    and more they cost less than dense_matmul gives away to oneDNN's GEMM)."""
+    oneDNN on the weight unpacked and reordered for the call (two transient copies of the weight;
+    F.linear on the unpacked weight where torch has no oneDNN)."""
     flat = x.dim() == 2  # the model's case: no reshape and view around the call
     rows = x if flat else x.reshape(-1, w.in_features)
     if rows.shape[0] < TILED_MAX_ROWS:
         out = w.matmul(rows, w.packed, w.out_features)
-    else:
+    elif torch.backends.mkldnn.is_available():
         dense = unpack_tiles(w.packed, w.out_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), torch.ops.mkldnn._reorder_linear_weight(dense, rows.shape[0]), None, "none", [], "")
+        reordered = torch.ops.mkldnn._reorder_linear_weight(dense, rows.shape[0])
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), reordered, None, "none", [], "")
+    else:
+        out = F.linear(rows, unpack_tiles(w.packed, w.out_features))
     if not flat:
         out = out.view(*x.shape[:-1], w.out_features)
     return out if bias is None else out + bias

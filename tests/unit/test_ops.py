@@ -375,6 +375,16 @@ def test_tiled_linear_equals_f_linear(rows):
     assert pack_dense(w.bfloat16(), ops.dense_matmul).kernel == "oneDNN packed"  # float32 only
 
 
+def test_tiled_linear_of_many_rows_without_onednn_is_f_linear(monkeypatch):
+    from disagg.ops.linear import linear, pack_dense
+
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(40, 24, generator=gen), torch.randn(1024, 24, generator=gen)
+    packed = pack_dense(w, load_ops("csrc").dense_matmul)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert torch.equal(linear(x, packed), torch.nn.functional.linear(x, w))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 16, 33])
 def test_onednn_packed_linear_equals_f_linear(dtype, rows):

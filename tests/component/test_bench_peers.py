@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -26,6 +27,9 @@ async def serving(app: web.Application):
         await runner.cleanup()
 
 
+FIRST_TOKEN_S, NEXT_TOKEN_S = 0.04, 0.01  # the scripted server's delays: lower bounds on what is measured
+
+
 def scripted_server(fail_every: int = 0) -> tuple[web.Application, list[dict]]:
     bodies: list[dict] = []
 
@@ -40,6 +44,7 @@ def scripted_server(fail_every: int = 0) -> tuple[web.Application, list[dict]]:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(body["max_tokens"]):
+            await asyncio.sleep(FIRST_TOKEN_S if i == 0 else NEXT_TOKEN_S)
             await resp.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n".encode())
         usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": body["max_tokens"]}}
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -61,7 +66,10 @@ async def test_a_peer_gets_one_stream_then_many_and_every_request_is_counted():
     assert all(b["stream"] and b["max_tokens"] == 6 and b["temperature"] == 0 and b["ignore_eos"] for b in bodies)
     assert len({b["prompt"] for b in bodies}) == 12  # no two prompts alike: no prefix-cache hits between them
     assert (result.num_requests, result.num_failed) == (11, 0)
-    assert result.output_tok_s > 0 and result.ttft_p50_ms >= 0 and result.tpot_p50_ms >= 0
+    # Timings are bounded by the script's sleeps: TTFT >= 40 ms, TPOT >= 10 ms, and 4 streams of 6
+    # tokens that take >= 90 ms each give at most 24 / 0.09 s = 266.7 tok/s.
+    assert result.ttft_p50_ms >= FIRST_TOKEN_S * 1e3 and result.tpot_p50_ms >= NEXT_TOKEN_S * 1e3
+    assert 0 < result.output_tok_s <= 4 * 6 / (FIRST_TOKEN_S + 5 * NEXT_TOKEN_S)
     assert "| peer |" in format_table([result], 4) and "| 0 of 11 |" in format_table([result], 4)
 
 

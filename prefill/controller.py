@@ -72,12 +72,12 @@ class PrefillController(DPController):
 
     def _on_message(self, worker, msg) -> None:
         if isinstance(msg, RoomMisroutedMsg):  # the rank holding the room stops waiting for its decode
-            self.broadcast_room_failure(msg.bootstrap_room, msg.reason)
+            self.broadcast_room_failure(msg.bootstrap_room, msg.reason, msg.decode)
         else:
             super()._on_message(worker, msg)
 
-    def broadcast_room_failure(self, room: int, reason: str) -> None:
+    def broadcast_room_failure(self, room: int, reason: str, decode: str = "") -> None:
         """Whichever worker the decode asks about this room answers with the failure at once."""
         for worker in self.workers:
             if worker.alive and worker.writer is not None:
-                worker.send(RoomFailedMsg(room, reason))
+                worker.send(RoomFailedMsg(room, reason, decode))

@@ -149,7 +149,12 @@ class PrefillHandler(EngineHandler):
             return self._fail(self.rooms[room], "aborted on the prefill side", status=499)
         return await super().abort(request_id)
 
-    async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
+    async def room_failed(self, room: int, reason: str, decode: str = "") -> list[OutputMsg]:
+        held = self.rooms[room].info if room in self.rooms else self.early_infos.get(room, (None,))[0]
+        if decode and held is not None and decode_of(held) != decode:
+            # A stray duplicate asked the wrong rank; the room's own decode is here and is served.
+            log.info("room kept: another decode was misrouted", bootstrap_room=room, decode=decode, reason=reason)
+            return []
         if room in self.rooms:  # its decode went to another rank: no destination will come here
             return self._fail(self.rooms[room], reason)
         self.failed_rooms.put(room, reason)
@@ -162,19 +167,19 @@ class PrefillHandler(EngineHandler):
         self.failed_rooms.pop(room, None)  # an earlier verdict on this room is superseded by its new dispatch
         self.elsewhere.put(room, dp_rank)
         if room in self.early_infos:  # the decode came here before the front placed the room
-            del self.early_infos[room]
-            return self._misrouted(room)
+            return self._misrouted(self.early_infos.pop(room)[0])
         return []
 
-    def _misrouted(self, room: int) -> list:
+    def _misrouted(self, info: TransferInfoMsg) -> list:
         """Answer a decode that asked this rank for a room another rank holds; the front then fails
         the room there too (RoomMisroutedMsg), so neither side waits for its deadline."""
+        room = info.room
         reason = (f"bootstrap_room {room} was dispatched to prefill DP rank {self.elsewhere[room][0]}, but the decode "
                   f"asked prefill DP rank {self.dp_rank} for its KV: disagg_prefill_dp_rank must name the rank the "
                   "prefill request went to")
         log.warning("misrouted decode", bootstrap_room=room, reason=reason)
         self._status(room, TransferState.FAILED, reason)
-        return [RoomMisroutedMsg(room, reason)]
+        return [RoomMisroutedMsg(room, reason, decode_of(info))]
 
     def _convert(self, outputs) -> list[OutputMsg]:
         """Answers of P/D requests are held until their KV is delivered; a request the engine
@@ -263,7 +268,7 @@ class PrefillHandler(EngineHandler):
         elif info.room in self.rooms:
             self._attach(info)
         elif info.room in self.elsewhere:
-            return self._misrouted(info.room)
+            return self._misrouted(info)
         elif info.room in self.served:  # its KV went to another decode already: no prefill will come for this one
             self._status(info.room, TransferState.FAILED, f"bootstrap_room {info.room} was already served on this prefill worker")
         else:
@@ -379,3 +384,8 @@ class PrefillHandler(EngineHandler):
         self.failed_rooms.pop_expired(now)
         self.elsewhere.pop_expired(now)
         self.served.pop_expired(now)
+
+
+def decode_of(info: TransferInfoMsg) -> str:
+    """Which decode request a TransferInfo came from: "peer_name/request_id"."""
+    return f"{info.peer_name}/{info.request_id}"

@@ -152,8 +152,9 @@ class EngineHandler:
         """The front dispatched a room to another rank (the prefill role answers a misrouted decode)."""
         return []
 
-    async def room_failed(self, room: int, reason: str) -> list[OutputMsg]:
-        """The front says a bootstrap room will not be served (the prefill role answers its decode)."""
+    async def room_failed(self, room: int, reason: str, decode: str = "") -> list[OutputMsg]:
+        """The front says a bootstrap room will not be served (the prefill role answers its decode);
+        `decode`: the misrouted decode that caused it, if one did."""
         return []
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:

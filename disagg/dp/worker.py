@@ -183,7 +183,7 @@ async def _apply(handler: EngineHandler, msg, engine_thread: ThreadPoolExecutor 
     if isinstance(msg, AbortMsg):
         return await handler.abort(msg.request_id)
     if isinstance(msg, RoomFailedMsg):
-        return await handler.room_failed(msg.bootstrap_room, msg.reason)
+        return await handler.room_failed(msg.bootstrap_room, msg.reason, msg.decode)
     if isinstance(msg, RoomPlacedMsg):
         return handler.room_placed(msg.bootstrap_room, msg.dp_rank)
     if isinstance(msg, UtilityMsg):

@@ -70,10 +70,13 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
 
 
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
-    """Prefill front -> every worker: this room will never be served here; answer its decode so."""
+    """Prefill front -> every worker: this room will never be served here; answer its decode so.
+    `decode`: set when the failure is one decode's misrouting (RoomMisroutedMsg); the rank holding the
+    room keeps it when another decode's destination is already there (that one is a stray duplicate)."""
 
     bootstrap_room: int
     reason: str
+    decode: str = ""
 
 
 class RoomPlacedMsg(msgspec.Struct, frozen=True, tag="room_placed"):
@@ -189,10 +192,13 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
 
 class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):
     """Prefill worker -> front: a decode asked this worker for a room another rank holds (it was told
-    so by RoomPlacedMsg); the front fails the room on the rank that holds it, with `reason`."""
+    so by RoomPlacedMsg); the front fails the room on the rank that holds it, with `reason`, unless
+    a destination from another decode is there already. `decode`: the asking decode's
+    "peer_name/request_id"."""
 
     bootstrap_room: int
     reason: str
+    decode: str = ""
 
 
 FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg | RoomMisroutedMsg

@@ -2,6 +2,7 @@
 deprecated alias, the follow_bootstrap_room conflict (fails fast on both servers) and the
 DISAGG_FORCE_QUERY_PREFILL_DP_RANK registry path."""
 
+import asyncio
 import itertools
 import time
 
@@ -106,6 +107,26 @@ async def test_a_decode_told_the_wrong_prefill_rank_fails_fast_on_both_servers(c
     (ps, _, _), (ds, ddata, _) = await cluster.post_both(  # the same room, routed right: served
         "/generate", dict(pd, routed_dp_rank=p), dict(pd, routed_dp_rank=0, disagg_prefill_dp_rank=p))
     assert (ps, ds, ddata["output_ids"]) == (200, 200, expected)
+
+
+@pytest.mark.parametrize("p", [0, 1])
+async def test_a_stray_duplicate_decode_at_the_wrong_rank_leaves_the_room_to_its_own_decode(cluster, expected, p):
+    """The room's decode asks rank p, a duplicate decode for the same room asks the other rank; both wait
+    there before the prefill request comes. The duplicate is answered at once as misrouted; the room
+    keeps its own decode's destination, and that pair is served."""
+    pd = cluster.pd_body(BODY, 2 * 23456 + p)
+    own = asyncio.create_task(cluster.post(cluster.decode_url + "/generate", dict(pd, routed_dp_rank=0, disagg_prefill_dp_rank=p), None))
+    stray = asyncio.create_task(cluster.post(cluster.decode_url + "/generate", dict(pd, routed_dp_rank=1, disagg_prefill_dp_rank=1 - p), None))
+    await asyncio.sleep(1.0)  # both destinations reach their prefill ranks first
+    start = time.monotonic()
+    ps, pdata, _ = await cluster.post(cluster.prefill_url + "/generate", dict(pd, routed_dp_rank=p), None)
+    (ds, ddata, _), (ss, sdata, _) = await asyncio.gather(own, stray)
+    assert (ps, ds, ddata["output_ids"]) == (200, 200, expected), (pdata, ddata)
+    assert (ss, sdata["error"]["message"]) == (500, (
+        f"bootstrap_room {pd['bootstrap_room']} was dispatched to prefill DP rank {p}, but the decode asked prefill DP "
+        f"rank {1 - p} for its KV: disagg_prefill_dp_rank must name the rank the prefill request went to"))
+    assert time.monotonic() - start < 5  # nobody waited for a deadline (30 s here)
+    assert await cluster.free_blocks() == ([96, 96], [96, 96])
 
 
 async def test_flag_resolves_the_rank_through_the_registry(expected):

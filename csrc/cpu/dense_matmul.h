@@ -64,6 +64,12 @@ void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, con
       for (int v = 0; v < V; ++v) acc[r][v] = dense_fma(wv[v], x, acc[r][v]);
     }
   }
+  if (n == kDenseLanesPerPass) {  // whole vectors: lane by lane, the stores took ~15% of a 576-column pass
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v)
+        __builtin_memcpy(out + r * out_stride + lane0 + v * kDenseWidth, &acc[r][v], sizeof(dense_vec));
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = acc[r][j / kDenseWidth][j % kDenseWidth];
 }

@@ -293,9 +293,11 @@ at::Tensor dense_matmul(const at::Tensor& x_in, const at::Tensor& weight, int64_
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  at::Tensor xt = at::empty({rows * k}, x.options());
-  table().dense_matmul(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), xt.data_ptr<float>(),
-                       rows, n, k);
+  // The transposed activations live in a buffer kept per calling thread: a fresh at::empty of a
+  // prefill chunk's megabytes page-faulted on every call.
+  static thread_local std::vector<float> xt;
+  if (xt.size() < static_cast<size_t>(rows * k)) xt.resize(rows * k);
+  table().dense_matmul(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), xt.data(), rows, n, k);
   return out;
 }
 

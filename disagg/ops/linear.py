@@ -94,7 +94,7 @@ class TiledWeight:
     """A dense float32 [out_features, in_features] weight in csrc dense_matmul's layout: [tiles, in, 32],
     column i of a tile's 32 output rows contiguous (pack_tiles). Decode streams each weight once per
     step; this layout and a kernel that reads it front to back, fetching ahead, took SmolLM2's
-    matmuls at 16 rows from 19.4 ms (oneDNN packed) to 16.6 (docs/engine.md)."""
+    matmuls at 16 rows from 19.2-20.2 ms (oneDNN packed) to 14.4-17.0 (docs/engine.md)."""
 
     packed: torch.Tensor
     out_features: int

@@ -20,8 +20,8 @@ log = structlog.get_logger(__name__)
 # (the tests use it) but shifts bytes one at a time, slower than torch's.
 QUANT_MATMUL_ISAS = ("avx512", "avx2")
 # Where models run dense float32 weights on csrc's dense_matmul rather than oneDNN's packed linear:
-# SmolLM2's matmuls at 16 rows, avx512 16.6 vs 19.4 ms; the avx2 build against oneDNN held to AVX2
-# (ONEDNN_MAX_CPU_ISA=AVX2) 27.7 vs 29.5 ms (docs/engine.md).
+# SmolLM2's matmuls at 16 rows, avx512 14.4-17.0 vs 19.2-20.2 ms; the avx2 build against oneDNN held
+# to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) 28.4 vs 32.7 ms (docs/engine.md).
 DENSE_MATMUL_ISAS = ("avx512", "avx2")
 
 

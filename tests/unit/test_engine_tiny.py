@@ -237,3 +237,19 @@ def test_csrc_prefill_attention_gives_the_torch_paths_tokens_across_chunks_and_c
     [hit] = run(ours, [prefix + [7, 8]])
     assert hit.num_cached_tokens == 20
     assert hit.outputs.token_ids == run(torch_ops, [prefix + [7, 8]])[0].outputs.token_ids
+
+
+def test_the_forward_runs_in_inference_mode_and_writes_the_cache_in_place(tiny_loaded):
+    """No autograd bookkeeping on the hot path; the per-layer cache views are views of the one cache."""
+    core = engine(tiny_loaded)
+    runner = core.runner
+    outputs = []
+    forward = runner.model.forward
+    runner.model.forward = lambda *args: outputs.append(forward(*args)) or outputs[-1]
+    run(core, [[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(outputs) == 2 and all(torch.is_inference(o) for o in outputs)
+    k_cache, v_cache = runner.layer_caches[1]
+    assert (k_cache.data_ptr(), v_cache.data_ptr()) == (runner.kv_cache[:, 1, 0].data_ptr(), runner.kv_cache[:, 1, 1].data_ptr())
+    assert k_cache.abs().sum().item() > 0  # layer 1's keys of the 6 positions were written through the views
+    core.sleep(1)
+    assert (runner.kv_cache, runner.layer_caches) == (None, [])

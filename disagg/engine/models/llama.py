@@ -146,12 +146,12 @@ class LlamaModel:
             self._cos_sin = rope_cos_sin(self.inv_freq, size)
         return self._cos_sin
 
-    @torch.inference_mode()
     def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (k_cache, v_cache) view of `kv_cache` ([num_blocks, block_size, kv_heads, head_dim]).
         The runner keeps them beside the cache: three slicing calls per layer and step less."""
         return [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(self.arch.num_layers)]
 
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor,
                 caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Run the batch, write its KV into the cache, return float32 logits of `logit_rows`."""

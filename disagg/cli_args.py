@@ -26,7 +26,8 @@ def comma_list(value: str) -> tuple[str, ...]:
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     """One `--field-name` option per dataclass field, typed and documented from the field (plus the
-    spellings other servers use, from the field's `aliases` metadata)."""
+    spellings other servers use, from the field's `aliases` metadata, and its allowed values from
+    `choices`)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
@@ -42,7 +43,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
             parser.add_argument(*flags, dest=f.name, type=comma_list, default=default,
                                 help=f"{help_text} (default: {','.join(default) or 'none'})")
         else:
-            parser.add_argument(*flags, dest=f.name, type=kind, default=default, help=f"{help_text} (default: {default})")
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
+                                help=f"{help_text} (default: {default})")
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, **overrides):

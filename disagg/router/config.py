@@ -148,17 +148,19 @@ class RouterConfig:
     prefill: tuple[PrefillEndpoint, ...] = field(default=(), metadata={"help": "prefill servers"})
     decode: tuple[str, ...] = field(default=(), metadata={"help": "decode server URLs"})
     policy: str = field(
-        default="round_robin", metadata={"help": "pair selection: round_robin, random or least_load"}
+        default="round_robin", metadata={"help": "pair selection: round_robin, random or least_load", "choices": POLICIES}
     )
     protocol: str = field(
         default="push", metadata={"help": "P/D protocol: push (SGLang: both legs at once, bootstrap fields) or pull "
-                                          "(vLLM: the prefill first, its kv_transfer_params ticket to the decode)"}
+                                          "(vLLM: the prefill first, its kv_transfer_params ticket to the decode)",
+                                  "choices": PROTOCOLS}
     )
     test_external_dp_routing: bool = field(
         default=False,
         metadata={"help": "test mode: pin random DP ranks on both legs and verify the decode's reported rank"},
     )
-    request_timeout_s: float = field(default=300.0, metadata={"help": "limit of one request, both legs"})
+    request_timeout_s: float = field(default=300.0, metadata={"help": "limit of one request, both legs",
+                                                              "aliases": ("--request-timeout-secs",)})  # sglang-router's
     connect_timeout_s: float = field(default=10.0, metadata={"help": "limit for opening a connection to a server"})
     health_check_interval_s: float = field(
         default=5.0, metadata={"help": "seconds between health checks of every server (0: no checks)"}
@@ -168,8 +170,9 @@ class RouterConfig:
     )
     max_body_bytes: int = field(default=64 << 20, metadata={"help": "largest accepted request body"})
     max_connections: int = field(default=1024, metadata={"help": "open connections to all servers together"})
-    log_format: str = field(default="console", metadata={"help": "console or json"})
-    shutdown_timeout_s: float = field(default=SHUTDOWN_TIMEOUT_S, metadata={"help": SHUTDOWN_TIMEOUT_HELP})
+    log_format: str = field(default="console", metadata={"help": "console or json", "choices": ("console", "json")})
+    shutdown_timeout_s: float = field(default=SHUTDOWN_TIMEOUT_S, metadata={"help": SHUTDOWN_TIMEOUT_HELP,
+                                                                             "aliases": ("--shutdown-timeout",)})  # vLLM's
     api_key: str | None = field(
         default=None, repr=False,
         metadata={"help": "require 'Authorization: Bearer KEY' from clients (not on /health, /metrics); the header "

@@ -15,15 +15,10 @@ import argparse
 import dataclasses
 import typing
 
-from disagg.cli_args import scalar_type
-from disagg.router.config import (
-    DEFAULT_BOOTSTRAP_PORT, POLICIES, PROTOCOLS, DiscoveryConfig, RouterConfig, parse_prefill,
-)
+from disagg.cli_args import add_dataclass_args, scalar_type
+from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, DiscoveryConfig, RouterConfig, parse_prefill
 
 _SERVER_LISTS = ("prefill", "decode", "discovery")  # not scalars: built by hand below
-_ALIASES = {"request_timeout_s": ("--request-timeout-secs",),  # sglang-router's spelling
-            "shutdown_timeout_s": ("--shutdown-timeout",)}  # vLLM's
-_CHOICES = {"policy": POLICIES, "log_format": ("console", "json"), "protocol": PROTOCOLS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,18 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pd-disaggregation", action="store_true",
                         help="accepted for sglang-router compatibility (this router always disaggregates)")
     add_discovery_arguments(parser.add_argument_group("service discovery (Kubernetes)"))
-    hints = typing.get_type_hints(RouterConfig)
-    for f in dataclasses.fields(RouterConfig):
-        if f.name in _SERVER_LISTS:
-            continue
-        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
-        help_text = f.metadata.get("help", "")
-        if hints[f.name] is bool:
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=help_text)
-        else:
-            parser.add_argument(*flags, dest=f.name, type=scalar_type(hints[f.name]), default=f.default,
-                                choices=_CHOICES.get(f.name), help=f"{help_text} (default: {f.default})")
+    add_dataclass_args(parser, RouterConfig, skip=_SERVER_LISTS)  # scalars, with their aliases and choices
 
 
 def add_discovery_arguments(group) -> None:

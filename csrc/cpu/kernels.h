@@ -1,8 +1,8 @@
 // Kernel bodies and their table, compiled once per instruction set: kernels_<isa>.cpp sets
 // `#pragma GCC target`, defines DISAGG_ISA (the namespace) and the features it has (DISAGG_AVX2,
-// DISAGG_AVX512, DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the auto-vectoriser (`omp
-// simd`); no headers with inline functions may be included here, so that no AVX-512 copy of a shared
-// inline function can leak into the rest of the library.
+// DISAGG_AVX512, DISAGG_FMA, DISAGG_VNNI), and includes this file. Loops are written for the
+// auto-vectoriser (`omp simd`); no headers with inline functions may be included here, so that no
+// AVX-512 copy of a shared inline function can leak into the rest of the library.
 //
 // Numerics follow the pure-torch ops in disagg/ops/reference.py: products and sums are rounded to
 // the model dtype where torch would round them (so bfloat16 results match it), float32 math

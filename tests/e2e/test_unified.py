@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import DisaggConfig, ServerConfig
-from disagg.ops import load_ops
 from disagg.serving import start_server
+from kernel_summary import auto_kernels, dense_kernel
 from pd_cluster import TINY
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -55,11 +55,8 @@ async def test_openai_sdk_streams_a_chat_completion(server):
 async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server):
     async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
         info = await r.json()
-    ops = load_ops("csrc")
-    isa = ops.name.removeprefix("csrc-")
-    dense = "csrc dense_matmul" if ops.dense_matmul_preferred else "oneDNN packed"
-    assert info["engine"] == (f"dtype float32 (set by --dtype), kernels csrc-{isa} (auto: csrc built, this CPU runs its "
-                              f"{isa} code), quantization none: 9 float32 dense ({dense})")
+    assert info["engine"] == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: "
+                              f"9 float32 dense ({dense_kernel()})")
 
 
 async def test_client_disconnect_mid_stream_frees_its_blocks(server):

@@ -13,9 +13,10 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.loader import load_model
-from disagg.ops import load_ops, loader, quant
+from disagg.ops import loader, quant
 from disagg.types import SamplingParams
 from engine_runs import run_requests
+from kernel_summary import auto_kernels, dense_kernel
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}
@@ -94,16 +95,6 @@ def test_quantized_engine_stays_near_the_dense_one(tiny_loaded, quantization, me
         outs = run_all(engine(tiny_loaded, quantization, dtype), prompts)
         refs = run_all(engine(tiny_loaded, "none", dtype), prompts)
         assert prompt_logprob_errors(outs, refs, prompts).mean() <= mean_error
-
-
-def auto_kernels() -> str:
-    isa = load_ops("csrc").name.removeprefix("csrc-")  # built wherever tests run (tests/unit/test_ops.py)
-    return f"kernels csrc-{isa} (auto: csrc built, this CPU runs its {isa} code)"
-
-
-def dense_kernel() -> str:
-    """What runs float32 dense weights with auto kernels: csrc's dense_matmul on avx512 and avx2."""
-    return "csrc dense_matmul" if load_ops("csrc").dense_matmul_preferred else "oneDNN packed"
 
 
 def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):

@@ -117,7 +117,7 @@ class LlamaModel:
         linears = [layer[k] for layer in self.layers for k in _LINEARS] + [self.lm_head]
         return sum(_nbytes(w) for w in linears)
 
-    def _linear(self, parts: list) -> torch.Tensor | PackedWeight:
+    def _linear(self, parts: list) -> Weight:
         return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._quant_matmul,
                              self._dense_matmul)
 

@@ -1,0 +1,17 @@
+"""What the ready line and /server_info say about kernels on this machine: the expected text, from the
+choices the ops loader made (csrc is built wherever tests run: tests/unit/test_ops.py)."""
+
+from __future__ import annotations
+
+from disagg.ops import load_ops
+from disagg.ops.linear import OnednnWeight, TiledWeight
+
+
+def auto_kernels() -> str:
+    isa = load_ops("csrc").name.removeprefix("csrc-")
+    return f"kernels csrc-{isa} (auto: csrc built, this CPU runs its {isa} code)"
+
+
+def dense_kernel() -> str:
+    """What runs float32 dense weights with auto kernels: csrc's dense_matmul on avx512 and avx2."""
+    return (TiledWeight if load_ops("csrc").dense_matmul_preferred else OnednnWeight).kernel

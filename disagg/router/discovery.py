@@ -24,7 +24,7 @@ import structlog
 from disagg.config import ConfigError, RetryConfig
 from disagg.router.config import DiscoveryConfig
 from disagg.router.health import HealthChecker
-from disagg.router.pods import Action, ActionKind, EventType, Member, PodTracker, pod_view, reconcile
+from disagg.router.pods import Action, ActionKind, EventType, PodTracker, pod_view, reconcile
 from disagg.router.workers import Role, WorkerPool
 
 log = structlog.get_logger("disagg.router")
@@ -190,8 +190,7 @@ class Discovery:
         return pod_view(pod, self._config.port, self._config.bootstrap_port_annotation)
 
     def _sync(self, role: Role, tracker: PodTracker) -> None:
-        members = [Member(i.index, i.url, i.bootstrap_port, i.admitting) for i in self._pool.infos(role)]
-        for action in reconcile(tracker.wanted(), members):
+        for action in reconcile(tracker.wanted(), self._pool.infos(role)):
             self._apply(role, action)
 
     def _apply(self, role: Role, action: Action) -> None:

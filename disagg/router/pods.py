@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from disagg.router.config import DEFAULT_BOOTSTRAP_PORT
+from disagg.router.workers import WorkerInfo
 
 HTTP_PORT_NAME = "http"  # the container port discovery sends requests to
 BOOTSTRAP_PORT_NAME = "bootstrap"  # a prefill's bootstrap registry, when no annotation names it
@@ -114,16 +115,6 @@ class PodTracker:
                 for pod in self._pods.values() if pod.serving}
 
 
-@dataclass(frozen=True)
-class Member:
-    """One server of the pool, as reconcile sees it."""
-
-    worker_id: int
-    url: str
-    bootstrap_port: int | None
-    admitting: bool
-
-
 class ActionKind(str, enum.Enum):
     ADD = "add"  # a new server: the router checks its /health before it gets requests
     DRAIN = "drain"  # no new requests; those in flight finish, then it is forgotten
@@ -138,21 +129,22 @@ class Action:
     worker_id: int | None = None  # None for ADD
 
 
-def reconcile(wanted: Mapping[str, Endpoint], members: Sequence[Member]) -> list[Action]:
-    """What to do so that exactly the wanted endpoints admit requests: drains first, then adds."""
+def reconcile(wanted: Mapping[str, Endpoint], members: Sequence[WorkerInfo]) -> list[Action]:
+    """What to do so that exactly the wanted endpoints admit requests: drains first, then adds.
+    `members` are the pool's servers of one role (`WorkerPool.infos`)."""
     actions = []
     admitting = {}
     for m in members:
         if m.admitting and wanted.get(m.url) == Endpoint(m.url, m.bootstrap_port):
             admitting[m.url] = m
         elif m.admitting:
-            actions.append(Action(ActionKind.DRAIN, m.url, m.bootstrap_port, m.worker_id))
+            actions.append(Action(ActionKind.DRAIN, m.url, m.bootstrap_port, m.index))
     for url, endpoint in wanted.items():
         if url in admitting:
             continue
         again = next((m for m in members if not m.admitting and Endpoint(m.url, m.bootstrap_port) == endpoint), None)
         if again is not None:
-            actions.append(Action(ActionKind.READMIT, url, endpoint.bootstrap_port, again.worker_id))
+            actions.append(Action(ActionKind.READMIT, url, endpoint.bootstrap_port, again.index))
         else:
             actions.append(Action(ActionKind.ADD, url, endpoint.bootstrap_port))
     return actions

@@ -9,9 +9,9 @@ from disagg.router.discovery import retry_wait_s
 from disagg.router.config import DiscoveryConfig, PrefillEndpoint, RouterConfig
 from disagg.router.policy import ServerLoad
 from disagg.router.pods import (
-    Action, ActionKind, Endpoint, EventType, Member, PodTracker, PodView, pod_view, reconcile,
+    Action, ActionKind, Endpoint, EventType, PodTracker, PodView, pod_view, reconcile,
 )
-from disagg.router.workers import Health, Role, WorkerPool
+from disagg.router.workers import Health, Role, WorkerInfo, WorkerPool
 
 ANNOTATION = "sglang.ai/bootstrap-port"
 
@@ -55,9 +55,13 @@ def test_tracker_wants_serving_pods_and_forgets_deleted_ones():
     assert decode.wanted() == {"http://10.0.1.1:8000": Endpoint("http://10.0.1.1:8000", None)}
 
 
+def member(index: int, url: str, admitting: bool) -> WorkerInfo:
+    return WorkerInfo(Role.PREFILL, index, url, 8998, Health.HEALTHY, 0, 1, None, admitting)
+
+
 def test_reconcile_adds_drains_and_readmits():
     a, b, c = "http://10.0.0.1:80", "http://10.0.0.2:80", "http://10.0.0.3:80"
-    members = [Member(0, a, 8998, True), Member(1, b, 8998, True), Member(2, c, 8998, False)]
+    members = [member(0, a, True), member(1, b, True), member(2, c, False)]
     wanted = {a: Endpoint(a, 8998), c: Endpoint(c, 8998), "http://10.0.0.4:80": Endpoint("http://10.0.0.4:80", 8998)}
     assert reconcile(wanted, members) == [
         Action(ActionKind.DRAIN, b, 8998, 1),

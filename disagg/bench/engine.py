@@ -3,7 +3,8 @@
 Both run in the same process on the same weights and threads, one after the other, so the ratios
 hold even on a noisy shared machine. HF transformers is a dev dependency: `pip install transformers`.
 Each run prints the CPU's flags, the kernels chosen, and memcpy GB/s measured in the same run, from
-which batch-1 decode's weight-streaming bound follows (every weight is read once per step).
+which batch-1 decode's weight-streaming bound follows (every weight is read once per step), and
+float32 matmul GFLOP/s, from which batch decode's compute bound follows (two FLOPs per weight per row).
 `--peers NAME=URL ...` then drives servers the user started (disagg/bench/peers.py).
 """
 
@@ -113,6 +114,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     dense = load_model(ModelConfig(model=args.model))
     loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q == "gguf" else dense for q in quantizations}
     memcpy_gbps, read_gbps = measure_memory_gbps()
+    matmul_gflops = measure_matmul_gflops()
     results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
         hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
@@ -134,7 +136,9 @@ def run_engine(args: argparse.Namespace) -> dict:
                         print(f"decode profile, {dtype_name}, {name}, {q}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
     print(bound_lines(results, sizes, memcpy_gbps, read_gbps))
-    return {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "engine": [asdict(r) for r in results]}
+    print(compute_bound_lines(results, sizes, matmul_gflops))
+    return {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "matmul_gflops": matmul_gflops,
+            "engine": [asdict(r) for r in results]}
 
 
 def engine_config(model: str, dtype: str, kernels: str, quantization: str) -> EngineConfig:
@@ -181,6 +185,19 @@ def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple
     return copy_best, read_best
 
 
+def measure_matmul_gflops(size: int = 2048, repeat: int = 5) -> float:
+    """float32 GFLOP/s of torch's own matmul on square [size, size] operands, best of `repeat`, with the
+    engine's threads: what this CPU's float32 multiply-adds can do now."""
+    a, b = torch.ones(size, size), torch.ones(size, size)
+    a @ b  # first call: the library's own set-up
+    best = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
 def bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, str, str], int], memcpy_gbps: float,
                 read_gbps: float) -> str:
     """Batch-1 decode against the weight-streaming bound: GB/s over the weight bytes each step reads."""
@@ -193,6 +210,21 @@ def bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, str, str
             lines.append(f"- {r.dtype}, {r.kernels}, {r.quantization} ({size / 2**20:.0f} MiB of weights): {r.ours_decode_tps:.1f} tok/s = "
                          f"{r.ours_decode_tps / copy_bound:.0%} of the memcpy bound ({copy_bound:.1f} tok/s), "
                          f"{r.ours_decode_tps / read_bound:.0%} of the read bound ({read_bound:.1f} tok/s)")
+    return "\n".join(lines)
+
+
+def compute_bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, str, str], int],
+                        matmul_gflops: float) -> str:
+    """Float32 batch decode against the compute bound: every row multiplies every weight once per step
+    (two FLOPs), at the float32 matmul GFLOP/s measured in this run; attention and the rest excluded."""
+    lines = [f"float32 matmul in this run: {matmul_gflops:.0f} GFLOP/s; "
+             "batch decode bound = GFLOP/s / (2 x weights per row)"]
+    for r in results:
+        if r.batch > 1 and r.dtype == "float32" and r.quantization == "none":
+            weights = weight_bytes_of[(r.dtype, r.kernels, r.quantization)] // 4
+            bound = matmul_gflops * 1e9 / (2 * weights)
+            lines.append(f"- float32, {r.kernels}, batch {r.batch} ({weights / 1e6:.1f}M weights): {r.ours_decode_tps:.1f} tok/s "
+                         f"= {r.ours_decode_tps / bound:.0%} of the compute bound ({bound:.1f} tok/s)")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from disagg.bench.engine import Result, bound_lines, machine_line, table
+from disagg.bench.engine import Result, bound_lines, compute_bound_lines, machine_line, measure_matmul_gflops, table
 from disagg.engine.models.llama import LlamaModel
 
 
@@ -28,6 +28,24 @@ def test_bound_lines_state_the_fraction_of_both_bounds():
         "- float32, csrc-avx2, none (513 MiB of weights): 30.0 tok/s = 101% of the memcpy bound (29.7 tok/s), "
         "50% of the read bound (59.5 tok/s)",
     ]
+
+
+def test_compute_bound_lines_state_float32_batch_rows_against_the_matmul_rate():
+    sizes = {("float32", "csrc-avx512", "none"): 537_919_488, ("float32", "csrc-avx512", "gguf"): 80_000_000}
+    results = [Result("float32", "csrc-avx512", "none", 1, 800.0, 50.0, 700.0, 40.0),
+               Result("float32", "csrc-avx512", "none", 16, 750.0, 380.0, 580.0, 150.0),
+               Result("float32", "csrc-avx512", "gguf", 16, 1700.0, 800.0, 580.0, 150.0)]
+    text = compute_bound_lines(results, sizes, matmul_gflops=150.0)
+    # 134,479,872 weights, two FLOPs each per row: 150e9 / 268,959,744 = 557.7 tok/s.
+    assert text.splitlines() == [
+        "float32 matmul in this run: 150 GFLOP/s; batch decode bound = GFLOP/s / (2 x weights per row)",
+        "- float32, csrc-avx512, batch 16 (134.5M weights): 380.0 tok/s = 68% of the compute bound (557.7 tok/s)",
+    ]
+
+
+def test_the_matmul_rate_is_measured_not_assumed():
+    gflops = measure_matmul_gflops(size=256, repeat=2)
+    assert 0.1 < gflops < 1e5
 
 
 def test_the_machine_line_names_the_flags_and_threads():

@@ -3,15 +3,14 @@ new request, or its red health check), and the router's own drain (in process an
 under SIGTERM) finishes what is in flight, refuses the rest and aborts what outlives the timeout."""
 
 import asyncio
-import os
 import signal
-import sys
 import time
 
 import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from cli_process import ready_url, start_cli
 from fake_engine import wait_for
 from test_router import SSE_CHUNKS, FakeServer, cluster, get, json_answer, post, sleep_then, sse_answer
 
@@ -20,7 +19,6 @@ SERVER_DRAINING = {"error": {"message": "server is draining: it accepts no new r
                              "type": "ServiceUnavailableError", "param": None, "code": "draining"}}
 ROUTER_DRAINING = {"error": {"message": "router is draining: it accepts no new requests",
                              "type": "ServiceUnavailableError", "param": None, "code": "draining"}}
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def router_shut_down(reason: str) -> dict:
@@ -137,13 +135,11 @@ async def test_the_router_timeout_aborts_streams_and_unary_requests_and_cancels_
 
 async def start_router(*servers: FakeServer, timeout_s: float) -> tuple[asyncio.subprocess.Process, str]:
     prefill, decode = servers
-    args = ["-m", "disagg.cli", "router", "--host", "127.0.0.1", "--port", "0", "--prefill", prefill.url, "none",
-            "--decode", decode.url, "--health-check-interval-s", "0", "--shutdown-timeout", str(timeout_s)]
-    proc = await asyncio.create_subprocess_exec(sys.executable, *args, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.DEVNULL)
-    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-    assert line.startswith("ready: http://127.0.0.1:"), line
-    return proc, line.split()[1]
+    proc, lines = await start_cli("router", "--host", "127.0.0.1", "--port", "0", "--prefill", prefill.url, "none",
+                                  "--decode", decode.url, "--health-check-interval-s", "0",
+                                  "--shutdown-timeout", str(timeout_s), timeout_s=20)
+    assert lines == [lines[-1]] and lines[-1].startswith("ready: http://127.0.0.1:"), lines
+    return proc, ready_url(lines)
 
 
 @pytest.mark.parametrize("second_signal", [False, True])

@@ -6,20 +6,18 @@ every answer is the same greedy text."""
 
 import asyncio
 import contextlib
-import os
 import re
 import signal
-import sys
 import time
 
 import aiohttp
 import pytest
 
 from backends import DECODE_LABELS, PREFILL_LABELS
+from cli_process import start_cli
 from fake_kube import ready_pod
 
 pytestmark = pytest.mark.timeout(180)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BODY = {"text": "hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
 
 
@@ -37,17 +35,8 @@ class Process:
 
     @classmethod
     async def start(cls, *args: str) -> "Process":
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "disagg.cli", *args, cwd=ROOT, env=env,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        seen = []
-        while not seen or not seen[-1].startswith("ready:"):
-            line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
-            if not line:
-                proc.kill()
-                raise AssertionError(f"disagg {' '.join(args)} exited before its ready line:\n{''.join(seen)}")
-            seen.append(line)
-        return cls(proc, seen[-1])
+        proc, lines = await start_cli(*args, stderr=asyncio.subprocess.STDOUT)
+        return cls(proc, lines[-1])
 
     async def _drain(self) -> None:
         while line := await self.proc.stdout.readline():

@@ -5,18 +5,16 @@ outlives the shutdown timeout ends with an error, and every process exits 0."""
 import asyncio
 import contextlib
 import json
-import os
 import random
 import re
 import signal
-import sys
 import time
 
 import aiohttp
 import pytest
+from cli_process import ready_url, start_cli
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REFUSED = {"error": {"message": "server is draining: it accepts no new requests", "type": "ServiceUnavailableError",
                      "param": None, "code": "draining"}}
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -25,16 +23,8 @@ USAGE = {"stream_options": {"include_usage": True, "continuous_usage_stats": Tru
 
 async def start(*args: str) -> tuple[asyncio.subprocess.Process, str, str]:
     """`disagg ARGS` from this checkout; (process, base URL, its stdout up to the ready line)."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "disagg.cli", *args, cwd=ROOT, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    out = line = ""
-    while not line.startswith("ready:"):
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        if not line:
-            raise AssertionError(f"disagg {' '.join(args)} exited before its ready line")
-        out += line
-    return proc, line.split()[1], out
+    proc, lines = await start_cli(*args, timeout_s=60)
+    return proc, ready_url(lines), "".join(lines)
 
 
 @contextlib.asynccontextmanager

@@ -5,17 +5,16 @@ every block."""
 
 import asyncio
 import os
-import pathlib
 import re
 import signal
 import socket
-import sys
 import time
 
 import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from cli_process import ready_url, start_cli
 
 from bootstrap.client import BootstrapClient
 from disagg.router.config import PrefillEndpoint, RouterConfig
@@ -168,19 +167,12 @@ async def test_a_decode_peer_the_prefill_cannot_reach_fails_its_room_not_the_wor
 
 
 async def test_disagg_serve_hands_one_secret_to_every_part_and_guards_the_router_and_admin_routes():
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     env.pop("DISAGG_CLUSTER_SECRET", None)  # none given: serve draws one
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "disagg.cli", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
-        "--dp-size", "1", "--transfer-backend", "tcp", "--api-key", "api-1", "--admin-key", "admin-1",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+    proc, lines = await start_cli("serve", "--model", "tiny", "--dtype", "float32", "--port", "0", "--dp-size", "1",
+                                  "--transfer-backend", "tcp", "--api-key", "api-1", "--admin-key", "admin-1", env=env)
     try:
-        lines = []
-        while not (lines and lines[-1].startswith("ready:")):
-            lines.append((await asyncio.wait_for(proc.stdout.readline(), 90)).decode())
-            assert lines[-1], f"disagg serve exited before ready: {lines}"
-        router = lines[-1].split()[1]
+        router = ready_url(lines)
         prefill, bootstrap_port, decode = re.search(
             r"prefill (\S+) \(bootstrap (\d+)\), decode (\S+)", "".join(lines)).groups()
         body = {"text": "hi", "sampling_params": {"max_new_tokens": 3, **GREEDY}}

@@ -44,7 +44,8 @@ ours "disagg-dp1-fp32" --dp-size 1 --dtype float32
 if [ -x "$PEERS/vllm/bin/python" ]; then
   [ -d "$PEERS/smollm2-hf" ] || .venv/bin/python scripts/hf_folder.py "$PEERS/smollm2-hf" > /dev/null
   VLLM=("$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$PEERS/smollm2-hf"
-        --served-model-name smollm2-135m --dtype float32 --gpu-memory-utilization 0.2 --host 127.0.0.1)
+        --served-model-name smollm2-135m --dtype float32 --gpu-memory-utilization 0.2 --max-model-len 2048
+        --host 127.0.0.1)
   peer "vllm-cpu-default" 8012 env HF_HUB_OFFLINE=1 "${VLLM[@]}" --port 8012
   peer "vllm-cpu-2threads" 8013 env HF_HUB_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 "${VLLM[@]}" --port 8013
 fi

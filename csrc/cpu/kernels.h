@@ -159,6 +159,46 @@ void silu_and_mul_t(void* out_, const void* x_, int64_t rows, int64_t dim) {
   }
 }
 
+// ---- argmax of each row (the greedy pick) ---------------------------------------------------
+
+// Values a search step tests at once: one simd reduction, then a scalar look only in the step that holds the hit.
+constexpr int64_t kArgmaxStep = 64;
+
+// The first index in [0, n) where `hit` holds (n when none does).
+template <typename Hit>
+inline int64_t first_hit(const float* x, int64_t n, Hit hit) {
+  for (int64_t i0 = 0; i0 < n; i0 += kArgmaxStep) {
+    const int64_t end = n - i0 < kArgmaxStep ? n : i0 + kArgmaxStep;
+    int any = 0;
+#pragma omp simd reduction(| : any)
+    for (int64_t i = i0; i < end; ++i) any |= hit(x[i]);
+    if (!any) continue;
+    for (int64_t i = i0; i < end; ++i)
+      if (hit(x[i])) return i;
+  }
+  return n;
+}
+
+// The index of the row's largest value, the first of several equal ones, as torch.argmax: a NaN
+// counts as the largest (the first NaN wins). torch's own scan ran at ~4.5 GB/s: 670 us a decode
+// step for 16 rows of SmolLM2's 49152 logits.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  float m = x[0];
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    m = x[i] > m ? x[i] : m;
+    nan |= x[i] != x[i];
+  }
+  if (nan) return first_hit(x, n, [](float v) { return static_cast<int>(v != v); });
+  return first_hit(x, n, [m](float v) { return static_cast<int>(v == m); });
+}
+
+void argmax_rows(int64_t* out, const float* x, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= 8 * kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * cols, cols);
+}
+
 // ---- the table ------------------------------------------------------------------------------
 
 void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
@@ -226,7 +266,7 @@ KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
   return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::paged_prefill_attention,
           DISAGG_ISA::rms_norm,
           DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul,
-          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul, DISAGG_ISA::dense_matmul};
+          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul, DISAGG_ISA::dense_matmul, DISAGG_ISA::argmax_rows};
 }
 
 }  // namespace disagg

@@ -301,6 +301,18 @@ at::Tensor dense_matmul(const at::Tensor& x_in, const at::Tensor& weight, int64_
   return out;
 }
 
+// logits [rows, vocab] float32 → int64 [rows]: each row's argmax, as torch.argmax(dim=-1).
+at::Tensor argmax_rows(const at::Tensor& logits_in) {
+  check_cpu(logits_in, "logits");
+  TORCH_CHECK(logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2 && logits_in.size(1) > 0,
+              "argmax_rows takes float32 logits [rows, vocab] with vocab > 0, got ", logits_in.scalar_type(), " ",
+              logits_in.sizes());
+  at::Tensor logits = logits_in.contiguous();
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  table().argmax_rows(out.data_ptr<int64_t>(), logits.data_ptr<float>(), logits.size(0), logits.size(1));
+  return out;
+}
+
 // Blocks of `cache` (dimension 0; everything inside a block contiguous) to and from a packed tensor.
 int64_t block_bytes(const at::Tensor& cache) {
   TORCH_CHECK(cache.dim() >= 2 && cache.select(0, 0).is_contiguous(), "cache blocks must be contiguous inside");
@@ -365,6 +377,7 @@ TORCH_LIBRARY(disagg, m) {
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_matmul(Tensor x, Tensor weight, Tensor scales, int n, int bits) -> Tensor");
   m.def("dense_matmul(Tensor x, Tensor weight, int n) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("gather_blocks(Tensor cache, Tensor block_ids) -> Tensor");
   m.def("scatter_blocks(Tensor(a!) cache, Tensor block_ids, Tensor src) -> ()");
 }
@@ -379,6 +392,7 @@ TORCH_LIBRARY_IMPL(disagg, CPU, m) {
   m.impl("quantize_q8", &disagg::quantize_q8);
   m.impl("quant_matmul", &disagg::quant_matmul);
   m.impl("dense_matmul", &disagg::dense_matmul);
+  m.impl("argmax_rows", &disagg::argmax_rows);
   m.impl("gather_blocks", &disagg::gather_blocks);
   m.impl("scatter_blocks", &disagg::scatter_blocks);
 }

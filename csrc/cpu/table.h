@@ -60,6 +60,9 @@ struct KernelTable {
   // out[rows, n] = x [rows, k] times a float32 weight [n, k] packed in tiles of 32 rows
   // (dense_matmul.h gives the layout), all float32; xt: rows * k floats of scratch.
   void (*dense_matmul)(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k);
+  // out[r] = the index of row r's largest value in x [rows, cols] float32 (cols >= 1), as torch.argmax:
+  // the first of equal ones, and the first NaN where the row has one.
+  void (*argmax_rows)(int64_t* out, const float* x, int64_t rows, int64_t cols);
 };
 
 KernelTable kernels_base();

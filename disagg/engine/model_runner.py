@@ -39,7 +39,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler(seed, grammars)
+        self.sampler = Sampler(seed, grammars, model.ops.argmax_rows)
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views of kv_cache, per layer
         self.allocate_kv_cache()

@@ -7,12 +7,16 @@ returns by default. `temperature == 0` is greedy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from disagg.engine.grammar import GrammarCompiler, GrammarMatcher
 from disagg.engine.logits_processors import apply_processors
 from disagg.engine.scheduler import SampledToken, ScheduledSeq
 from disagg.types import SamplingParams, TopLogprobs
+
+ArgmaxRows = Callable[[torch.Tensor], torch.Tensor]
 
 
 def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int, extra_ids: tuple[int, ...] = ()) -> TopLogprobs:
@@ -28,8 +32,16 @@ def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int, extra_ids: tup
     return out
 
 
+def torch_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None):
+    """`argmax_rows` picks the greedy tokens (the model's ops pass csrc's, ~10x torch's on a CPU)."""
+
+    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None,
+                 argmax_rows: ArgmaxRows = torch_argmax_rows):
+        self.argmax_rows = argmax_rows
         self.generator = torch.Generator().manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}
         self.grammars = grammars
@@ -48,7 +60,7 @@ class Sampler:
         failed = more_failed | failed
         logits, more_failed = self._mask_early_stops(logits, seqs, eos_token_ids)
         failed = more_failed | failed
-        token_ids = logits.argmax(dim=-1).tolist()
+        token_ids = self.argmax_rows(logits).tolist()
         for i, seq in enumerate(seqs):
             if i not in failed and not seq.sampling_params.greedy:
                 try:

@@ -47,6 +47,7 @@ class CsrcOps:
         self.quant_matmul_preferred = ops.isa() in QUANT_MATMUL_ISAS
         self.dense_matmul = ops.dense_matmul
         self.dense_matmul_preferred = ops.isa() in DENSE_MATMUL_ISAS
+        self.argmax_rows = ops.argmax_rows
         self.gather_blocks = ops.gather_blocks
         self.scatter_blocks = ops.scatter_blocks
 

@@ -113,6 +113,11 @@ class TorchOps:
         return F.linear(x, unpack_tiles(weight, n))
 
     @staticmethod
+    def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest value: the first of equal ones, the first NaN where there is one."""
+        return logits.argmax(dim=-1)
+
+    @staticmethod
     def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """A packed copy of the given blocks (dimension 0) of a strided cache view."""
         return cache.index_select(0, block_ids.reshape(-1))

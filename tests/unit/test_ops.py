@@ -198,6 +198,39 @@ def test_silu_and_mul(csrc, dtype):
     torch.testing.assert_close(csrc.silu_and_mul(x), REF.silu_and_mul(x), **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 1), (1, 49152), (3, 63), (16, 49152), (40, 1000)])  # 16 x 49152: threaded
+def test_argmax_rows_is_torchs_argmax(csrc, rows, cols):
+    logits = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    assert torch.equal(csrc.argmax_rows(logits), REF.argmax_rows(logits))
+
+
+def test_argmax_rows_takes_the_first_of_ties_and_the_first_nan(csrc):
+    logits = torch.full((7, 130), -1.0)
+    logits[0, [5, 64, 129]] = 2.0                   # ties: the first
+    logits[1, [3, 100]] = float("nan")              # NaN counts as the largest: the first NaN
+    logits[1, 2] = float("inf")
+    logits[2] = float("-inf")                       # nothing above -inf: index 0
+    logits[3, 0], logits[3, 1] = -0.0, 0.0          # -0.0 == 0.0: the first
+    logits[3, 2:] = -5.0
+    logits[4, 129] = float("inf")                   # the last value, past the last full 64-value step
+    logits[5, 127] = float("nan")
+    logits[6, 64] = 0.5                             # the first value of the second step
+    got = csrc.argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.tolist() == [5, 3, 0, 0, 129, 127, 64]
+    assert torch.equal(got, REF.argmax_rows(logits))
+    assert csrc.argmax_rows(logits[:, ::2]).tolist() == REF.argmax_rows(logits[:, ::2]).tolist() == [32, 50, 0, 0, 0, 0, 32]
+
+
+def test_argmax_rows_refuses_what_it_cannot_read(csrc):
+    assert csrc.argmax_rows(torch.zeros(0, 5)).tolist() == []
+    with pytest.raises(RuntimeError, match=r"argmax_rows takes float32 logits \[rows, vocab\] with vocab > 0, got BFloat16 \[2, 3\]"):
+        csrc.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"got Float \[2, 0\]"):
+        csrc.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match=r"got Float \[6\]"):
+        csrc.argmax_rows(torch.zeros(6))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_gather_and_scatter_move_exact_bytes(csrc, dtype):
     full, k_cache, _ = _cache(9, 4, 2, 8, dtype, torch.Generator().manual_seed(5))

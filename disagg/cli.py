@@ -116,11 +116,11 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("unified", "prefill", "decode"):
-        from disagg import serving
+        from disagg import launch
 
         mode = "null" if args.command == "unified" else args.command
         disagg = disagg_from_args(args) if mode != "null" else DisaggConfig()
-        return serving.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
+        return launch.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
     if args.command == "serve":
         from disagg import cluster
 

@@ -22,7 +22,7 @@ from disagg.drain import StopSignals
 from disagg.logs import configure_logging
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from disagg.serving import RunningServer, drain_server, say, start_server
+from disagg.launch import RunningServer, drain_server, say, start_server
 
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,

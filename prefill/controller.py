@@ -11,7 +11,7 @@ import structlog
 
 from disagg.config import DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
-from disagg.dp.worker import HandlerSpec
+from disagg.dp.worker import RoleSpec
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg
 from prefill.dispatch import plan_room
 
@@ -21,8 +21,8 @@ LEASE_COUNT_TIMEOUT_S = 2.0  # one count of the leases; settle's deadline caps i
 
 
 class PrefillController(DPController):
-    def __init__(self, server: ServerConfig, engine: EngineConfig, handler: HandlerSpec, disagg: DisaggConfig):
-        super().__init__(server, engine, handler)
+    def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec, disagg: DisaggConfig):
+        super().__init__(server, engine, role)
         self.disagg = disagg
 
     async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:

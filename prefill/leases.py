@@ -1,5 +1,5 @@
 """Pull flow (vLLM's kv_transfer_params): the prefill's finished requests whose blocks a decode will
-read. Pure Python; the prefill handler applies the answers to the engine and the control plane.
+read. Pure Python; the prefill role applies the answers to the engine and the control plane.
 
 A lease starts when the prefill answers with its ticket and expires after `lease_s` unless a decode
 claims it; a claimed lease lasts until that decode releases it or its stream ends (its heartbeats

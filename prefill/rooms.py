@@ -1,6 +1,6 @@
 """One prefill request's transfer state: which blocks went out, what is in flight, what to answer.
 
-Plain values only; the handler owns the engine, the backend and the control server.
+Plain values only; the prefill role owns the engine, the backend and the control server.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RoomTable(dict):
     """room -> (value, deadline), every entry living `ttl_s`: `put` moves a room to the end, so the
     table stays in deadline order and `pop_expired` stops at the first live entry instead of
     scanning (the front tells every rank about every room dispatched elsewhere: at a few hundred
-    rooms a second a table holds thousands, and the handler expires them on every poll)."""
+    rooms a second a table holds thousands, and the role expires them on every poll)."""
 
     def __init__(self, ttl_s: float):
         super().__init__()

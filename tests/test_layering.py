@@ -12,7 +12,7 @@ PACKAGES = ("disagg", "prefill", "decode", "bootstrap", "kvtransfer")
 
 # Most specific prefix wins.
 LAYERS = {
-    "disagg.cli": 4, "disagg.serving": 4, "disagg.cluster": 4,
+    "disagg.cli": 4, "disagg.launch": 4, "disagg.cluster": 4,
     "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.api": 3, "disagg.router": 3,
     "bootstrap.server": 3, "disagg.bench": 3,
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
@@ -22,7 +22,7 @@ LAYERS = {
 # Same-layer edges that are allowed: the roles build on the front door and the DP controller.
 SAME_LAYER_OK = {
     ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
-    ("disagg.api", "disagg.dp"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.serving"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.serving"),
+    ("disagg.api", "disagg.dp"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests"}
 NO_TORCH = ("disagg.api", "disagg.router", "bootstrap", "disagg.config", "disagg.types", "disagg.wire")
@@ -101,7 +101,7 @@ def test_rule_catches_bad_imports(tmp_path):
     ops = tmp_path / "ops_probe.py"
     ops.write_text("import disagg.engine\n")
     router = tmp_path / "router_probe.py"
-    router.write_text("import torch\nfrom prefill import handler\n")
+    router.write_text("import torch\nfrom prefill import role\n")
     engine = tmp_path / "engine_probe.py"
     engine.write_text("import aiohttp\n")
     found = violations([("disagg.ops.probe", ops), ("disagg.router.probe", router), ("disagg.engine.probe", engine)])
@@ -109,7 +109,7 @@ def test_rule_catches_bad_imports(tmp_path):
         "disagg.ops.probe (L1) imports disagg.engine (L2)",
         "disagg.router.probe imports torch: the front door stays torch-free",
         "disagg.router.probe (L3) imports prefill (L3)",
-        "disagg.router.probe (L3) imports prefill.handler (L3)",
+        "disagg.router.probe (L3) imports prefill.role (L3)",
         "disagg.engine.probe imports aiohttp: the engine stays free of network and roles",
     ]
 

@@ -26,7 +26,7 @@ from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import ModelCard, WorkerState, WorkerUnavailable
-from disagg.dp.worker import HandlerSpec, WorkerSpec, run_worker
+from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
 from disagg.types import InvalidRequest
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, UtilityMsg, UtilityResultMsg,
@@ -73,13 +73,13 @@ class _Worker:
 class DPController:
     """Implements disagg.dp.protocol.EngineClient over worker processes."""
 
-    def __init__(self, server: ServerConfig, engine: EngineConfig, handler: HandlerSpec = HandlerSpec()):
+    def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec = RoleSpec()):
         self.server = server
         self.dp_size = server.dp_size
         self.load_balance_method = server.load_balance_method
         threads = engine.num_threads or max(1, (os.cpu_count() or 1) // server.dp_size)
         self.engine_config = replace(engine, num_threads=threads)
-        self.handler = handler
+        self.role = role
         self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
         self.workers: list[_Worker] = []
         self.model: ModelCard | None = None
@@ -108,7 +108,7 @@ class DPController:
         self._supervising = True  # from now on a dead worker is restarted (at start-up it is fatal)
 
     def _spawn(self, rank: int):
-        spec = WorkerSpec(rank, self.engine_config, self._socket_path, self.server.log_format, self.handler)
+        spec = WorkerSpec(rank, self.engine_config, self._socket_path, self.server.log_format, self.role)
         process = multiprocessing.get_context("spawn").Process(
             target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
         process.start()

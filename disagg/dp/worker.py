@@ -1,10 +1,10 @@
 """A DP engine worker process: connects back to its front, loads the engine, then loops.
 
 The worker is one asyncio program. Each turn: take what arrived (without waiting when there is
-work), apply it, let the handler advance its background work (KV transfers in the P/D roles), run
+work), apply it, let the role advance its background work (KV transfers in the P/D roles), run
 one engine step, send the outputs; report load twice a second. The engine step runs in a thread
 while the loop awaits it: only the loop's I/O (sockets, gRPC streams, queued events) goes on
-meanwhile; every handler method is still called from the loop, one at a time.
+meanwhile; every role method is still called from the loop, one at a time.
 
 All torch work (loading, warm-up, every step, utility calls) runs on one thread, `engine_thread`. OpenMP keeps a
 team of threads per thread that opens parallel regions; once a second team exists there are more
@@ -34,7 +34,7 @@ from disagg.wire.engine_msgs import (
 )
 
 if TYPE_CHECKING:
-    from disagg.dp.engine_handler import EngineHandler
+    from disagg.dp.worker_role import WorkerRole
 
 log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.5
@@ -42,13 +42,13 @@ WAKE = object()
 
 
 @dataclass(frozen=True)
-class HandlerSpec:
-    """Which EngineHandler a worker runs, named by import path so the front never imports torch."""
+class RoleSpec:
+    """Which WorkerRole a worker runs, named by import path so the front never imports torch."""
 
-    path: str = "disagg.dp.engine_handler:EngineHandler"
+    path: str = "disagg.dp.worker_role:WorkerRole"
     kwargs: dict = field(default_factory=dict)
 
-    def build(self, core, dp_rank: int, model_name: str) -> EngineHandler:
+    def build(self, core, dp_rank: int, model_name: str) -> WorkerRole:
         module, _, name = self.path.partition(":")
         return getattr(importlib.import_module(module), name)(core, dp_rank, model_name, **self.kwargs)
 
@@ -59,7 +59,7 @@ class WorkerSpec:
     engine: EngineConfig
     socket_path: str
     log_format: str = "console"
-    handler: HandlerSpec = HandlerSpec()  # the P/D roles plug their handlers in here
+    role: RoleSpec = RoleSpec()  # the P/D roles plug in here
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -80,14 +80,14 @@ async def _main(spec: WorkerSpec) -> None:
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine)
     name = spec.engine.model.served_model_name or core.loaded.name
-    handler = spec.handler.build(core, spec.dp_rank, name)
-    await handler.start()
+    role = spec.role.build(core, spec.dp_rank, name)
+    await role.start()
     try:
-        writer.write(frame(encode(handler.ready_msg())))
+        writer.write(frame(encode(role.ready_msg())))
         log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
-        await serve(handler, reader, writer, engine_thread)
+        await serve(role, reader, writer, engine_thread)
     finally:
-        await handler.close()
+        await role.close()
         writer.close()
         engine_thread.shutdown(wait=False)
 
@@ -108,30 +108,30 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
         inbox.put_nowait(ShutdownMsg())
 
 
-async def serve(handler: EngineHandler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 engine_thread: ThreadPoolExecutor) -> None:
     inbox: asyncio.Queue = asyncio.Queue()
-    handler.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
+    role.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
     reading = asyncio.create_task(_read_into(inbox, reader))
     loop = asyncio.get_running_loop()
     last_stats = 0.0
     try:
         while True:
-            for msg in await _take(inbox, 0.0 if handler.has_work() else handler.idle_wait_s(STATS_INTERVAL_S)):
+            for msg in await _take(inbox, 0.0 if role.has_work() else role.idle_wait_s(STATS_INTERVAL_S)):
                 if isinstance(msg, ShutdownMsg):
                     return
                 if msg is WAKE:
                     continue
-                _send(handler, writer, await apply(handler, msg, engine_thread))
-            _send(handler, writer, await handler.poll())
-            if handler.has_work():
+                _send(role, writer, await apply(role, msg, engine_thread))
+            _send(role, writer, await role.poll())
+            if role.has_work():
                 # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
-                _send(handler, writer, await loop.run_in_executor(engine_thread, step, handler))
-                _send(handler, writer, await handler.poll())  # blocks the step just computed go out now
+                _send(role, writer, await loop.run_in_executor(engine_thread, step, role))
+                _send(role, writer, await role.poll())  # blocks the step just computed go out now
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
-                _send(handler, writer, [handler.stats()])
+                _send(role, writer, [role.stats()])
                 last_stats = now
             await writer.drain()
     finally:
@@ -155,40 +155,40 @@ def _drain(inbox: asyncio.Queue) -> list:
     return out
 
 
-def _send(handler: EngineHandler, writer: asyncio.StreamWriter, msgs: list) -> None:
-    handler.sent(msgs)
+def _send(role: WorkerRole, writer: asyncio.StreamWriter, msgs: list) -> None:
+    role.sent(msgs)
     if msgs:
         writer.write(b"".join(frame(encode(m)) for m in msgs))
 
 
-async def apply(handler: EngineHandler, msg, engine_thread: ThreadPoolExecutor | None = None) -> list:
+async def apply(role: WorkerRole, msg, engine_thread: ThreadPoolExecutor | None = None) -> list:
     """Apply one message from the front. A message that raises never stops the loop: a request
     that could not be admitted answers with a 500 naming the exception; a failed abort is logged.
     Utility calls (sleep, wake-up, cache resets: torch work) run on `engine_thread` when given."""
     try:
-        return await _apply(handler, msg, engine_thread)
-    except Exception as exc:  # noqa: BLE001 - the handlers answer their own errors; this is the backstop
+        return await _apply(role, msg, engine_thread)
+    except Exception as exc:  # noqa: BLE001 - the roles answer their own errors; this is the backstop
         if isinstance(msg, GenerateMsg):
-            from disagg.dp.engine_handler import admission_error  # torch: the worker process only
+            from disagg.dp.worker_role import admission_error  # torch: the worker process only
 
             return [admission_error(msg.request_id, exc)]
         log.exception("applying a message failed", message=type(msg).__name__)
         return []
 
 
-async def _apply(handler: EngineHandler, msg, engine_thread: ThreadPoolExecutor | None) -> list:
+async def _apply(role: WorkerRole, msg, engine_thread: ThreadPoolExecutor | None) -> list:
     if isinstance(msg, GenerateMsg):
-        handler.note(msg)
-        return await handler.submit(msg)
+        role.note(msg)
+        return await role.submit(msg)
     if isinstance(msg, AbortMsg):
-        return await handler.abort(msg.request_id)
+        return await role.abort(msg.request_id)
     if isinstance(msg, RoomFailedMsg):
-        return await handler.room_failed(msg.bootstrap_room, msg.reason, msg.decode)
+        return await role.room_failed(msg.bootstrap_room, msg.reason, msg.decode)
     if isinstance(msg, RoomPlacedMsg):
-        return handler.room_placed(msg.bootstrap_room, msg.dp_rank)
+        return role.room_placed(msg.bootstrap_room, msg.dp_rank)
     if isinstance(msg, UtilityMsg):
         try:
-            result = await _on_engine_thread(engine_thread, handler.utility, msg.method, msg.args)
+            result = await _on_engine_thread(engine_thread, role.utility, msg.method, msg.args)
             return [UtilityResultMsg(msg.call_id, result=result)]
         except Exception as exc:  # a failed utility is reported, never fatal
             return [UtilityResultMsg(msg.call_id, error=f"{type(exc).__name__}: {exc}")]
@@ -201,9 +201,9 @@ async def _on_engine_thread(engine_thread: ThreadPoolExecutor | None, fn, *args)
     return await asyncio.get_running_loop().run_in_executor(engine_thread, fn, *args)
 
 
-def step(handler: EngineHandler) -> list:
+def step(role: WorkerRole) -> list:
     try:
-        return handler.step()
+        return role.step()
     except Exception as exc:  # one failing step fails its requests, not the worker
         log.exception("engine step failed")
-        return handler.fail_all(exc)
+        return role.fail_all(exc)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 
 from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from disagg.serving import RunningServer, start_server
+from disagg.launch import RunningServer, start_server
 
 TINY = EngineConfig(
     model=ModelConfig(model="tiny", dtype="float32"),

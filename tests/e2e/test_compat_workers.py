@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import DisaggConfig, ServerConfig
-from disagg.serving import start_server
+from disagg.launch import start_server
 from pd_cluster import TINY
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import DisaggConfig, ServerConfig
-from disagg.serving import start_server
+from disagg.launch import start_server
 from kernel_summary import auto_kernels, dense_kernel
 from pd_cluster import TINY
 

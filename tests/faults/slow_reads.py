@@ -1,6 +1,6 @@
 """A prefill whose tcp listener serves the READs of chosen requests late: a decode's read of their
 blocks stays in flight for `delay_s`, deterministically. Test-only: the workers import it by path
-(HandlerSpec), so production code carries no hook."""
+(RoleSpec), so production code carries no hook."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
 from disagg.config import BootstrapConfig, DisaggConfig, EngineConfig, ServerConfig
-from disagg.dp.worker import HandlerSpec
-from disagg.serving import RunningServer
+from disagg.dp.worker import RoleSpec
+from disagg.launch import RunningServer
 from kvtransfer.tcp_wire import FrameKind
 from prefill.controller import PrefillController
-from prefill.handler import PrefillHandler
+from prefill.role import PrefillRole
 
 
-class SlowReadPrefillHandler(PrefillHandler):
+class SlowReadPrefillRole(PrefillRole):
     """Before serving a READ whose tag holds `slow_tag`, touch `marker` (the read is in flight now),
     then wait `delay_s`."""
 
@@ -44,14 +44,14 @@ class SlowReadPrefillHandler(PrefillHandler):
 
 async def start_slow_prefill(disagg: DisaggConfig, engine: EngineConfig, *, slow_tag: bytes, marker: Path,
                              delay_s: float, dp_size: int = 2) -> RunningServer:
-    """What disagg.serving.start_server builds for a prefill, with SlowReadPrefillHandler workers."""
+    """What disagg.launch.start_server builds for a prefill, with SlowReadPrefillRole workers."""
     bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=0))
     disagg = replace(disagg, bootstrap_port=await bootstrap.start())
     server = ServerConfig(port=0, dp_size=dp_size, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
-    handler = HandlerSpec("slow_reads:SlowReadPrefillHandler", dict(
+    role = RoleSpec("slow_reads:SlowReadPrefillRole", dict(
         config=disagg, dp_size=dp_size, load_balance_method=server.load_balance_method,
         slow_tag=slow_tag, marker=str(marker), delay_s=delay_s))
-    controller = PrefillController(server, engine, handler, disagg)
+    controller = PrefillController(server, engine, role, disagg)
     try:
         await controller.start()
         app = create_app(server, controller)

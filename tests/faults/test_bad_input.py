@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from disagg.serving import start_server
+from disagg.launch import start_server
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

@@ -15,7 +15,7 @@ from fuzz_bodies import BodyFuzzer, Fuzzed, Route, check_answer, routes
 from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from disagg.serving import start_server
+from disagg.launch import start_server
 
 pytestmark = pytest.mark.timeout(240)
 ENGINE = EngineConfig(

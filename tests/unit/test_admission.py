@@ -6,7 +6,7 @@ import math
 import pytest
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
-from disagg.dp.engine_handler import EngineHandler
+from disagg.dp.worker_role import WorkerRole
 from disagg.dp.worker import apply
 from disagg.engine.core import EngineCore
 from disagg.types import SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams
@@ -129,28 +129,28 @@ def chat(request_id: str, content: object, max_tokens: int | None = 4) -> Genera
                        messages=[{"role": "user", "content": content}], add_special_tokens=False)
 
 
-async def test_an_unexpected_admission_error_answers_500_and_the_handler_goes_on(core):
-    handler = EngineHandler(core, 0, "tiny")
+async def test_an_unexpected_admission_error_answers_500_and_the_role_goes_on(core):
+    role = WorkerRole(core, 0, "tiny")
     # A content list the front did not flatten makes the chat template raise TypeError.
-    [out] = await handler.submit(chat("bad", [{"type": "text", "text": "hi"}]))
+    [out] = await role.submit(chat("bad", [{"type": "text", "text": "hi"}]))
     assert out == OutputMsg("bad", finish_reason="abort", error_status=500, error=(
         'the worker could not admit the request: TypeError: can only concatenate str (not "list") to str'))
-    assert await handler.submit(chat("good", "hi")) == []
+    assert await role.submit(chat("good", "hi")) == []
     outputs = []
-    while handler.has_work():
-        outputs += handler.step()
+    while role.has_work():
+        outputs += role.step()
     assert [(o.request_id, o.finish_reason) for o in outputs if o.finish_reason] == [("good", "length")]
 
 
 async def test_admission_answers_a_refused_request_with_a_400_naming_the_field(core):
-    handler = EngineHandler(core, 0, "tiny")
-    [out] = await handler.submit(GenerateMsg("big", SamplingMsg(max_tokens=503), prompt_token_ids=list(range(1, 11))))
+    role = WorkerRole(core, 0, "tiny")
+    [out] = await role.submit(GenerateMsg("big", SamplingMsg(max_tokens=503), prompt_token_ids=list(range(1, 11))))
     assert out == OutputMsg("big", finish_reason="abort", error_status=400, error_param="max_tokens",
                             error=VLLM_CONTEXT_MESSAGE)
 
 
-class RaisingHandler(EngineHandler):
-    """A handler whose own error handling has a bug: the worker loop is the last line of defence."""
+class RaisingRole(WorkerRole):
+    """A role whose own error handling has a bug: the worker loop is the last line of defence."""
 
     async def submit(self, msg):
         raise KeyError("boom")
@@ -159,8 +159,8 @@ class RaisingHandler(EngineHandler):
         raise KeyError("boom")
 
 
-async def test_the_worker_loop_survives_a_handler_that_raises(core):
-    handler = RaisingHandler(core, 0, "tiny")
-    assert await apply(handler, chat("x", "hi")) == [OutputMsg(
+async def test_the_worker_loop_survives_a_role_that_raises(core):
+    role = RaisingRole(core, 0, "tiny")
+    assert await apply(role, chat("x", "hi")) == [OutputMsg(
         "x", finish_reason="abort", error_status=500, error="the worker could not admit the request: KeyError: 'boom'")]
-    assert await apply(handler, AbortMsg("x")) == []
+    assert await apply(role, AbortMsg("x")) == []

@@ -81,7 +81,7 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
     )
 
 
-class EngineHandler:
+class WorkerRole:
     """The unified (non-disaggregated) worker: every request runs start to end on this engine."""
 
     can_sleep = True  # the P/D roles register the KV cache with peers: freeing it would break them
@@ -135,7 +135,7 @@ class EngineHandler:
                 self._return_texts.discard(msg.request_id)
 
     async def start(self) -> None:
-        """Set up what the handler needs beyond the engine (the roles: transfer agents, servers)."""
+        """Set up what the role needs beyond the engine (the roles: transfer agents, servers)."""
 
     async def close(self) -> None:
         """Release what start() set up."""

@@ -1,9 +1,9 @@
 """Run one server (unified, prefill or decode) with its DP engine workers until SIGTERM or Ctrl-C.
 
 Layer 4 beside the CLI: it composes the front door (disagg.api), the DP controller, and for the
-P/D roles their worker handlers and (prefill) the in-process bootstrap registry. A stop signal
-drains the server (disagg.drain) before it closes; the registry closes last, so the decodes of a
-prefill's last requests can still look it up.
+P/D servers their workers' roles (PrefillRole, DecodeRole) and (prefill) the in-process bootstrap
+registry. A stop signal drains the server (disagg.drain) before it closes; the registry closes
+last, so the decodes of a prefill's last requests can still look it up.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
 from disagg.config import BootstrapConfig, DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
-from disagg.dp.worker import HandlerSpec
+from disagg.dp.worker import RoleSpec
 from disagg.drain import Drain, StopSignals
 from disagg.logs import configure_logging
 from prefill.controller import PrefillController
@@ -63,11 +63,11 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
         bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
                                                     cluster_secret=disagg.cluster_secret))
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
-        handler = HandlerSpec("prefill.handler:PrefillHandler", dict(
+        role = RoleSpec("prefill.role:PrefillRole", dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
-        return PrefillController(server, engine, handler, disagg), bootstrap
+        return PrefillController(server, engine, role, disagg), bootstrap
     if server.disaggregation_mode == "decode":
-        return DPController(server, engine, HandlerSpec("decode.handler:DecodeHandler", dict(config=disagg))), None
+        return DPController(server, engine, RoleSpec("decode.role:DecodeRole", dict(config=disagg))), None
     return DPController(server, engine), None
 
 

@@ -21,7 +21,7 @@ from decode.peers import PrefillPeers
 from decode.pull import Ticket, check_engine, ticket_of, wait_read
 from decode.resolver import QUERY, decide_prefill_dp_rank
 from disagg.config import DisaggConfig
-from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
+from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferState, TransferStatusMsg
@@ -67,7 +67,7 @@ def remote_prompt_logprobs(msg: GenerateMsg, status: TransferStatusMsg) -> list[
     return [None] + [dict(entry) for entry in status.prompt_logprobs]
 
 
-class DecodeHandler(EngineHandler):
+class DecodeRole(WorkerRole):
     can_sleep = False
 
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig):

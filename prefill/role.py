@@ -17,7 +17,7 @@ import structlog
 
 from bootstrap.client import BootstrapClient
 from disagg.config import DisaggConfig
-from disagg.dp.engine_handler import EngineHandler, error_output, sampling_params
+from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 BUSY_WAIT_S = 0.002
 
 
-class PrefillHandler(EngineHandler):
+class PrefillRole(WorkerRole):
     can_sleep = False
 
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig, dp_size: int,

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -118,7 +119,6 @@ def run_engine(args: argparse.Namespace) -> dict:
     results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
         hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
-        hf_results: dict[int, tuple[float, float]] = {}
         for kernels in comma_list(args.kernels):
             for q in quantizations:
                 engine = EngineCore(engine_config(args.model, dtype_name, kernels, q), loads[q])
@@ -127,10 +127,10 @@ def run_engine(args: argparse.Namespace) -> dict:
                 print(f"{dtype_name}, {name}, {q}: {engine.engine_summary}", flush=True)
                 for b in map(int, args.batches.split(",")):
                     batch = prompts(b, args.input_len, dense.arch.vocab_size)
-                    ours = _best(lambda: bench_ours(engine, batch, args.output_len), args.repeat)
-                    if b not in hf_results:
-                        hf_results[b] = (float("nan"),) * 2 if hf is None else _best(lambda: bench_hf(hf, batch, args.output_len), args.repeat)
-                    results.append(Result(dtype_name, name, q, b, *ours, *hf_results[b]))
+                    ours, theirs = best_side_by_side(
+                        lambda: bench_ours(engine, batch, args.output_len),
+                        None if hf is None else lambda: bench_hf(hf, batch, args.output_len), args.repeat)
+                    results.append(Result(dtype_name, name, q, b, *ours, *theirs))
                     print(_row(results[-1]), flush=True)
                     if args.profile:
                         print(f"decode profile, {dtype_name}, {name}, {q}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
@@ -228,8 +228,25 @@ def compute_bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, 
     return "\n".join(lines)
 
 
-def _best(fn, repeat: int) -> tuple[float, float]:
-    runs = [fn() for _ in range(max(repeat, 1))]
+Rates = tuple[float, float]  # (prefill tok/s, decode tok/s)
+
+
+def best_side_by_side(ours: Callable[[], Rates], theirs: Callable[[], Rates] | None,
+                      repeat: int) -> tuple[Rates, Rates]:
+    """The best of `repeat` runs of each, ours and theirs taking turns, so that both see the same
+    spells of a shared machine's load (HF measured once per batch, a minute before or after our row,
+    swung from 118 to 168 tok/s at batch 16 on one host). Without `theirs`: NaN rates."""
+    mine, other = [], []
+    for _ in range(max(repeat, 1)):
+        mine.append(ours())
+        if theirs is not None:
+            other.append(theirs())
+    return _best(mine), _best(other)
+
+
+def _best(runs: list[Rates]) -> Rates:
+    if not runs:
+        return float("nan"), float("nan")
     return max(r[0] for r in runs), max(r[1] for r in runs)
 
 

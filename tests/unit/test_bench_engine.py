@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
 
-from disagg.bench.engine import Result, bound_lines, compute_bound_lines, machine_line, measure_matmul_gflops, table
+from disagg.bench.engine import Result, best_side_by_side, bound_lines, compute_bound_lines, machine_line, measure_matmul_gflops, table
 from disagg.engine.models.llama import LlamaModel
 
 
@@ -47,6 +48,18 @@ def test_the_matmul_rate_is_the_best_of_the_timed_products():
     ticks = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.008])  # three products: 4, 2 and 8 ms
     gflops = measure_matmul_gflops(size=100, repeat=3, clock=lambda: next(ticks))
     assert gflops == pytest.approx(2 * 100**3 / 0.002 / 1e9) == pytest.approx(1.0)
+
+
+def test_ours_and_hf_take_turns_and_each_keeps_its_best_rates():
+    calls = []
+    ours = iter([(700.0, 300.0), (650.0, 340.0)])
+    theirs = iter([(500.0, 120.0), (560.0, 110.0)])
+    best = best_side_by_side(lambda: calls.append("ours") or next(ours),
+                             lambda: calls.append("hf") or next(theirs), repeat=2)
+    assert calls == ["ours", "hf", "ours", "hf"]
+    assert best == ((700.0, 340.0), (560.0, 120.0))
+    alone = best_side_by_side(lambda: (1.0, 2.0), None, repeat=3)
+    assert alone[0] == (1.0, 2.0) and all(math.isnan(x) for x in alone[1])
 
 
 def test_the_machine_line_names_the_flags_and_threads():

@@ -234,8 +234,7 @@ Rates = tuple[float, float]  # (prefill tok/s, decode tok/s)
 def best_side_by_side(ours: Callable[[], Rates], theirs: Callable[[], Rates] | None,
                       repeat: int) -> tuple[Rates, Rates]:
     """The best of `repeat` runs of each, ours and theirs taking turns, so that both see the same
-    spells of a shared machine's load (HF measured once per batch, a minute before or after our row,
-    swung from 118 to 168 tok/s at batch 16 on one host). Without `theirs`: NaN rates."""
+    spells of a shared machine's load. Without `theirs`: NaN rates."""
     mine, other = [], []
     for _ in range(max(repeat, 1)):
         mine.append(ours())

@@ -14,6 +14,7 @@ import torch
 from disagg.engine.grammar import GrammarCompiler, GrammarMatcher
 from disagg.engine.logits_processors import apply_processors
 from disagg.engine.scheduler import SampledToken, ScheduledSeq
+from disagg.ops.reference import TorchOps
 from disagg.types import SamplingParams, TopLogprobs
 
 ArgmaxRows = Callable[[torch.Tensor], torch.Tensor]
@@ -32,15 +33,11 @@ def top_logprobs(logprobs: torch.Tensor, num: int, token_id: int, extra_ids: tup
     return out
 
 
-def torch_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
 class Sampler:
     """`argmax_rows` picks the greedy tokens (the model's ops pass csrc's, ~10x torch's on a CPU)."""
 
     def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None,
-                 argmax_rows: ArgmaxRows = torch_argmax_rows):
+                 argmax_rows: ArgmaxRows = TorchOps.argmax_rows):
         self.argmax_rows = argmax_rows
         self.generator = torch.Generator().manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}

@@ -19,8 +19,8 @@ from disagg.api.routing import Routing
 from disagg.api.structured import from_openai
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from disagg.wire.headers import REQUEST_ID_HEADER
 
-REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 256  # the id goes back in the X-Request-Id header; clients read headers up to 8 KiB
 
 

@@ -9,9 +9,7 @@ from aiohttp import web
 
 from disagg.api.bodies import RoutedBody, decode_body
 from disagg.api.errors import BadRequest
-
-DP_RANK_HEADER = "X-data-parallel-rank"
-
+from disagg.wire.headers import DP_RANK_HEADER
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 

@@ -19,8 +19,7 @@ import msgspec
 from disagg.router.errors import ServerDraining, ServerError, ServerTimeout, ServerUnreachable
 from disagg.router.workers import Role
 from disagg.wire.errors import is_draining_answer
-
-DP_RANK_HEADER = "X-data-parallel-rank"
+from disagg.wire.headers import DP_RANK_HEADER
 
 
 @dataclass(frozen=True)

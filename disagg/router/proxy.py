@@ -25,17 +25,16 @@ from disagg.router import bodies
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.errors import RequestShutDown, RouterError, ServerDraining
 from disagg.router.health import HealthChecker
-from disagg.router.legs import (
-    DP_RANK_HEADER, Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none,
-)
+from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
+from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 
 log = structlog.get_logger("disagg.router")
 DRAINING_REFUSAL = "refused a request with 503 (draining)"  # `last_error` of a server found draining that way
 # Request headers both legs receive; everything else (Host, Content-Length, ...) is the router's own.
 PULL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False}  # what vLLM's router sends the prefill
-FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, "X-Request-Id", "traceparent", "tracestate")
+FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, REQUEST_ID_HEADER, "traceparent", "tracestate")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,9 @@
+"""HTTP headers that our servers, our router and external routers exchange (one spelling each)."""
+
+from __future__ import annotations
+
+# Pins the DP worker of the server that receives it (the body's `routed_dp_rank`, winning over it);
+# every answer carries the rank that served it under the same name.
+DP_RANK_HEADER = "X-data-parallel-rank"
+# The client's request id, kept through the router's legs and echoed on the answer.
+REQUEST_ID_HEADER = "X-Request-Id"

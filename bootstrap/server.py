@@ -36,6 +36,7 @@ from bootstrap.registry import (
     UnknownRank,
 )
 from disagg.config import BootstrapConfig
+from disagg.http_site import start_site
 from disagg.wire.auth import bearer_matches
 from disagg.wire.bootstrap_msgs import (
     ErrorMsg,
@@ -224,16 +225,8 @@ class BootstrapServer:
         if self._runner is not None:
             raise RuntimeError("bootstrap server already started")
         self.host = host if host is not None else self.config.host
-        runner = web.AppRunner(self.app, access_log=None)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.config.port if port is None else port)
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = runner.addresses[0][1]
+        self._runner, self.port = await start_site(self.app, self.host, self.config.port if port is None else port,
+                                                   access_log=None)
         log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s,
                  cluster_secret=self.config.cluster_secret is not None)
         return self.port

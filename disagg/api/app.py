@@ -24,6 +24,7 @@ from disagg.api.state import STATE, ApiState
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
 from disagg.drain import CLOSE_TIMEOUT_S
+from disagg.http_site import start_site
 
 
 def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bool = True) -> web.Application:
@@ -49,8 +50,4 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[web.
     left is aborted on its worker too (streams notice on their next write either way). Handlers still
     running at `runner.cleanup()` get CLOSE_TIMEOUT_S (drain generate requests before that).
     """
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, runner.addresses[0][1]
+    return await start_site(app, host, port, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S)

@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from disagg.drain import CLOSE_TIMEOUT_S, Drain, StopSignals
+from disagg.http_site import start_site
 from disagg.logs import configure_logging
 from disagg.router.app import Router, create_app
 from disagg.router.config import RouterConfig
@@ -48,17 +49,9 @@ class RouterServer:
         if self._runner is not None:
             raise RuntimeError("router already started")
         # A client that leaves cancels its handler, which cancels both legs (the servers then abort).
-        runner = web.AppRunner(create_app(self.router), access_log=None, handler_cancellation=True,
-                               shutdown_timeout=CLOSE_TIMEOUT_S)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.config.host, self.config.port)
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = runner.addresses[0][1]
+        self._runner, self.port = await start_site(create_app(self.router), self.config.host, self.config.port,
+                                                   access_log=None, handler_cancellation=True,
+                                                   shutdown_timeout=CLOSE_TIMEOUT_S)
         log.info("router started", url=self.url, policy=self.config.policy,
                  prefill=[p.url for p in self.config.prefill], decode=list(self.config.decode),
                  test_external_dp_routing=self.config.test_external_dp_routing)

@@ -13,6 +13,12 @@
 
 #include "table.h"
 
+// NaN and infinities are values here (argmax_rows' first NaN, exp_approx's limits, to_bf16's NaN):
+// a build that assumes finite math would silently break them.
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#error "csrc kernels need NaN and infinities: build without -ffast-math / -ffinite-math-only"
+#endif
+
 namespace disagg {
 namespace DISAGG_ISA {
 namespace {

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE_DIR = ROOT / "csrc" / "cpu"
 SOURCES = ("ops.cpp", "kernels_base.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp")
 # -ffp-contract=off: no fused multiply-add unless a kernel asks for one (the torch twins round each op).
+# Never -ffast-math: the kernels treat NaN and infinities as values (kernels.h refuses to build without them).
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 
 

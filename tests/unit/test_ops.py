@@ -1,6 +1,6 @@
 """csrc kernels against their pure-torch twins (disagg/ops/reference.py), on every instruction set this CPU runs.
 
-Exact where the op only moves bytes (cache writes, block gather/scatter); float32 within a few ulp
+Exact where the op only moves bytes (cache writes, block gather/scatter) or picks an index (argmax_rows); float32 within a few ulp
 and bfloat16 within one rounding step elsewhere (the kernels sum in a different order than torch).
 """
 
@@ -202,10 +202,13 @@ def test_silu_and_mul(csrc, dtype):
 def test_argmax_rows_is_torchs_argmax(csrc, rows, cols):
     logits = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
     assert torch.equal(csrc.argmax_rows(logits), REF.argmax_rows(logits))
+    logits[rows // 2, cols // 3] = float("nan")  # one row with a NaN, in the threaded case too
+    assert torch.equal(csrc.argmax_rows(logits), REF.argmax_rows(logits))
+    assert csrc.argmax_rows(logits)[rows // 2].item() == cols // 3
 
 
 def test_argmax_rows_takes_the_first_of_ties_and_the_first_nan(csrc):
-    logits = torch.full((7, 130), -1.0)
+    logits = torch.full((9, 130), -1.0)
     logits[0, [5, 64, 129]] = 2.0                   # ties: the first
     logits[1, [3, 100]] = float("nan")              # NaN counts as the largest: the first NaN
     logits[1, 2] = float("inf")
@@ -215,10 +218,13 @@ def test_argmax_rows_takes_the_first_of_ties_and_the_first_nan(csrc):
     logits[4, 129] = float("inf")                   # the last value, past the last full 64-value step
     logits[5, 127] = float("nan")
     logits[6, 64] = 0.5                             # the first value of the second step
+    logits[7, 0] = float("nan")                     # a NaN first, larger values after it
+    logits[7, 1] = 9.0
+    logits[8] = float("nan")                        # only NaN
     got = csrc.argmax_rows(logits)
-    assert got.dtype == torch.int64 and got.tolist() == [5, 3, 0, 0, 129, 127, 64]
+    assert got.dtype == torch.int64 and got.tolist() == [5, 3, 0, 0, 129, 127, 64, 0, 0]
     assert torch.equal(got, REF.argmax_rows(logits))
-    assert csrc.argmax_rows(logits[:, ::2]).tolist() == REF.argmax_rows(logits[:, ::2]).tolist() == [32, 50, 0, 0, 0, 0, 32]
+    assert csrc.argmax_rows(logits[:, ::2]).tolist() == REF.argmax_rows(logits[:, ::2]).tolist() == [32, 50, 0, 0, 0, 0, 32, 0, 0]
 
 
 def test_argmax_rows_refuses_what_it_cannot_read(csrc):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from disagg.config import LoadBalanceMethod
 from disagg.types import InvalidRequest
 from disagg.wire.bootstrap_msgs import TopologyMsg
 
@@ -20,6 +21,6 @@ def decide_prefill_dp_rank(room: int, requested: int | None, topology: TopologyM
         return requested
     if topology.dp_size == 1:
         return 0
-    if topology.load_balance_method == "follow_bootstrap_room" and not force_query:
+    if topology.load_balance_method == LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and not force_query:
         return room % topology.dp_size
     return QUERY

@@ -12,7 +12,8 @@ from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, CacheConfig, ConfigError, ControlConfig, DisaggConfig,
-    EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, check_shutdown_timeout,
+    DisaggregationMode, EngineConfig, LoadBalanceMethod, ModelConfig, SchedulerConfig, ServerConfig,
+    check_shutdown_timeout,
 )
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     unified = sub.add_parser("unified", help="serve one model without disaggregation, dp_size workers behind one port")
     add_server_args(unified)
-    for role, method in (("prefill", "follow_bootstrap_room"), ("decode", "least_load")):
+    for role, method in (("prefill", LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM), ("decode", LoadBalanceMethod.LEAST_LOAD)):
         parser_ = sub.add_parser(role, help=f"serve the {role} role of a P/D cluster")
         add_server_args(parser_)
         add_disagg_args(parser_)
@@ -118,8 +119,8 @@ def run(argv: list[str]) -> int:
     if args.command in ("unified", "prefill", "decode"):
         from disagg import launch
 
-        mode = "null" if args.command == "unified" else args.command
-        disagg = disagg_from_args(args) if mode != "null" else DisaggConfig()
+        mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
+        disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
         return launch.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
     if args.command == "serve":
         from disagg import cluster

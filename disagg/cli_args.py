@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import types
 import typing
 
@@ -16,6 +17,8 @@ def scalar_type(hint):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return str  # the config's parse names the field and its values
     return hint
 
 

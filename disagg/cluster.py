@@ -17,12 +17,14 @@ import secrets
 import sys
 from dataclasses import replace
 
-from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, EngineConfig, ServerConfig
+from disagg.config import (
+    SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, EngineConfig, LoadBalanceMethod, ServerConfig,
+)
 from disagg.drain import StopSignals
+from disagg.launch import RunningServer, drain_server, say, start_server
 from disagg.logs import configure_logging
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from disagg.launch import RunningServer, drain_server, say, start_server
 
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
@@ -31,8 +33,9 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
-    prefill_cfg = replace(base, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
-    decode_cfg = replace(base, disaggregation_mode="decode", load_balance_method="least_load")
+    prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL,
+                          load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
+    decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, load_balance_method=LoadBalanceMethod.LEAST_LOAD)
     say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend})")
     results = await asyncio.gather(
         start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),

@@ -8,12 +8,29 @@ never written back into these objects.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the accepted values."""
+
+
+class Choice(str, enum.Enum):
+    """A config field's closed set of values: a str (compares and prints as its value, as on the
+    command line and in JSON) and a member of its Enum."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: str, value: str) -> Choice:
+        """The member for `value`; ConfigError naming the field `name` and the values it takes."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -148,7 +165,14 @@ _CLUSTER_SECRET_HELP = ("shared secret authenticating the KV control stream, the
 
 # --- HTTP front door and data-parallel workers ----------------------------------------------------
 
-LOAD_BALANCE_METHODS = ("round_robin", "least_load", "follow_bootstrap_room")
+class LoadBalanceMethod(Choice):
+    """How a server's DP controller picks the worker of a request (DESIGN.md section 3)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"  # the fewest outstanding tokens
+    FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"  # bootstrap_room % dp_size
+
+
 SHUTDOWN_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_HELP = (
     "on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted (0: abort at once); "
@@ -162,7 +186,12 @@ def check_shutdown_timeout(value: float) -> None:
         raise ConfigError(f"shutdown_timeout_s must be >= 0, got {value}")
 
 
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
+class DisaggregationMode(Choice):
+    """A server's part: NULL runs whole requests (unified), PREFILL and DECODE the two halves."""
+
+    NULL = "null"
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(frozen=True)
@@ -172,8 +201,8 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0: any free port)"})
     dp_size: int = field(default=1, metadata={"help": "data-parallel engine worker processes"})
-    load_balance_method: str = field(
-        default="least_load", metadata={"help": "round_robin, least_load or follow_bootstrap_room"}
+    load_balance_method: LoadBalanceMethod = field(
+        default=LoadBalanceMethod.LEAST_LOAD, metadata={"help": "round_robin, least_load or follow_bootstrap_room"}
     )
     api_key: str | None = field(default=None, repr=False, metadata={"help": "require 'Authorization: Bearer KEY'"})
     admin_key: str | None = field(
@@ -188,7 +217,9 @@ class ServerConfig:
         default=SHUTDOWN_TIMEOUT_S,
         metadata={"help": SHUTDOWN_TIMEOUT_HELP, "aliases": ("--shutdown-timeout",)},
     )
-    disaggregation_mode: str = field(default="null", metadata={"help": "null (unified), prefill or decode"})
+    disaggregation_mode: DisaggregationMode = field(
+        default=DisaggregationMode.NULL, metadata={"help": "null (unified), prefill or decode"}
+    )
     worker_restart_backoff_s: float = field(
         default=1.0, metadata={"help": "wait before restarting a dead DP worker; doubles per quick death"}
     )
@@ -201,10 +232,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.dp_size < 1:
             raise ConfigError(f"dp_size must be at least 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ConfigError(
-                f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got {self.load_balance_method!r}"
-            )
+        method = LoadBalanceMethod.parse("load_balance_method", self.load_balance_method)
+        object.__setattr__(self, "load_balance_method", method)
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
         if not 0 < self.worker_restart_backoff_s <= self.worker_restart_max_backoff_s:
@@ -212,8 +241,8 @@ class ServerConfig:
                 "need 0 < worker_restart_backoff_s <= worker_restart_max_backoff_s, got "
                 f"{self.worker_restart_backoff_s}, {self.worker_restart_max_backoff_s}"
             )
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ConfigError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}")
+        mode = DisaggregationMode.parse("disaggregation_mode", self.disaggregation_mode)
+        object.__setattr__(self, "disaggregation_mode", mode)
         check_shutdown_timeout(self.shutdown_timeout_s)
         _check_secret("api_key", self.api_key)
         _check_secret("admin_key", self.admin_key)

@@ -21,7 +21,7 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import BootstrapConfig, DisaggConfig, EngineConfig, ServerConfig
+from disagg.config import BootstrapConfig, DisaggConfig, DisaggregationMode, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.drain import Drain, StopSignals
@@ -59,14 +59,14 @@ class RunningServer:
 
 
 async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> tuple[DPController, BootstrapServer | None]:
-    if server.disaggregation_mode == "prefill":
+    if server.disaggregation_mode is DisaggregationMode.PREFILL:
         bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
                                                     cluster_secret=disagg.cluster_secret))
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
         role = RoleSpec("prefill.role:PrefillRole", dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
         return PrefillController(server, engine, role, disagg), bootstrap
-    if server.disaggregation_mode == "decode":
+    if server.disaggregation_mode is DisaggregationMode.DECODE:
         return DPController(server, engine, RoleSpec("decode.role:DecodeRole", dict(config=disagg))), None
     return DPController(server, engine), None
 
@@ -95,7 +95,7 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
     card = running.controller.model
     say(f"ready: {url} mode={server.disaggregation_mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")
-    if server.disaggregation_mode == "null":
+    if server.disaggregation_mode is DisaggregationMode.NULL:
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{running.controller.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
     await signals.requested.wait()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.config import LoadBalanceMethod
+
 FLAG = "DISAGG_FORCE_QUERY_PREFILL_DP_RANK"
 
 
@@ -13,13 +15,13 @@ class RoomPlan:
     conflict: str | None = None  # the request must fail at once, with this message
 
 
-def plan_room(*, dp_size: int, method: str, dp_rank: int, room: int | None, decode_told: bool, force_query: bool) -> RoomPlan:
+def plan_room(*, dp_size: int, method: LoadBalanceMethod, dp_rank: int, room: int | None, decode_told: bool, force_query: bool) -> RoomPlan:
     """What a prefill server does with a room dispatched to `dp_rank`.
 
     `decode_told`: the request carries disagg_prefill_dp_rank, so the decode skips the registry."""
     if room is None or dp_size == 1 or decode_told:
         return RoomPlan(register=False)
-    if method != "follow_bootstrap_room" or force_query:
+    if method != LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM or force_query:
         return RoomPlan(register=True)  # the decode asks the registry (with the flag it always does)
     implied = room % dp_size
     if dp_rank == implied:

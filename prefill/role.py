@@ -16,7 +16,7 @@ import msgspec
 import structlog
 
 from bootstrap.client import BootstrapClient
-from disagg.config import DisaggConfig
+from disagg.config import DisaggConfig, LoadBalanceMethod
 from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
@@ -40,7 +40,7 @@ class PrefillRole(WorkerRole):
     can_sleep = False
 
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig, dp_size: int,
-                 load_balance_method: str):
+                 load_balance_method: LoadBalanceMethod):
         super().__init__(core, dp_rank, model_name)
         self.config = config
         self.dp_size = dp_size

@@ -14,6 +14,7 @@ from disagg.api.bodies import decode_body
 from disagg.api.errors import ApiError, BadRequest, draining_error, error_response
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
+from disagg.config import DisaggregationMode
 from disagg.dp.protocol import EngineClient
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 
@@ -83,7 +84,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """
     state = state_of(request)
     engine = state.engine
-    if state.config.disaggregation_mode != "null" or not engine.healthy() or state.drain.draining:
+    if state.config.disaggregation_mode is not DisaggregationMode.NULL or not engine.healthy() or state.drain.draining:
         return await health(request)
     failures = await asyncio.gather(*(_probe_in_time(engine, r) for r in range(engine.dp_size)))
     listed = ", ".join(f"dp_rank {r}: {f}" for r, f in enumerate(failures) if f is not None)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from disagg.config import LoadBalanceMethod
 from disagg.types import InvalidRequest
 
 
 class Dispatcher:
     """`round_robin`, `least_load` (fewest outstanding tokens) or `follow_bootstrap_room` (room % dp_size)."""
 
-    def __init__(self, method: str, dp_size: int):
+    def __init__(self, method: LoadBalanceMethod, dp_size: int):
         self.method = method
         self.dp_size = dp_size
         self._next = itertools.count()
@@ -25,10 +26,10 @@ class Dispatcher:
         """An external `routed_dp_rank` wins; otherwise the method decides among live workers."""
         if routed_dp_rank is not None:
             return self.check_rank(routed_dp_rank)
-        if self.method == "follow_bootstrap_room" and bootstrap_room is not None:
+        if self.method == LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and bootstrap_room is not None:
             return bootstrap_room % self.dp_size
         # follow_bootstrap_room without a room (a pull-flow or health request): the least loaded.
         candidates = [r for r in range(self.dp_size) if alive[r]] or list(range(self.dp_size))
-        if self.method == "round_robin":
+        if self.method == LoadBalanceMethod.ROUND_ROBIN:
             return candidates[next(self._next) % len(candidates)]
         return min(candidates, key=lambda r: (loads[r], r))

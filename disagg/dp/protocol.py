@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from disagg.config import LoadBalanceMethod
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 
 
@@ -59,7 +60,7 @@ class WorkerState:
 
 class EngineClient(Protocol):
     dp_size: int
-    load_balance_method: str
+    load_balance_method: LoadBalanceMethod
     model: ModelCard
 
     def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:

@@ -24,7 +24,10 @@ async def start_cli(*args: str, timeout_s: float = 90.0, stderr=asyncio.subproce
     try:
         while not (lines and lines[-1].startswith("ready:")):
             left = deadline - asyncio.get_running_loop().time()
-            line = (await asyncio.wait_for(proc.stdout.readline(), max(left, 0.001))).decode()
+            try:
+                line = (await asyncio.wait_for(proc.stdout.readline(), max(left, 0.001))).decode()
+            except TimeoutError:
+                raise AssertionError(f"disagg {' '.join(args)} printed no ready line in {timeout_s} s:\n{''.join(lines)}") from None
             if not line:
                 raise AssertionError(f"disagg {' '.join(args)} exited before its ready line:\n{''.join(lines)}")
             lines.append(line)

@@ -81,9 +81,22 @@ class ModelConfig:
                               f"use quantization none on {self.device}")
 
 
+class KVCacheDType(Choice):
+    """What the paged KV cache holds: AUTO the model's dtype; BFLOAT16 half the bytes of a float32
+    model's (attention reads half as much; greedy outputs may then differ from HF's)."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_dtype: KVCacheDType = field(
+        default=KVCacheDType.AUTO,
+        metadata={"help": "KV cache dtype: auto (the model's) or bfloat16 (half a float32 model's bytes; "
+                          "P and D must agree)"},
+    )
     num_blocks: int | None = field(
         default=None, metadata={"help": "KV blocks per worker (default: from kv_cache_memory_mib)"}
     )
@@ -93,6 +106,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse("kv_cache_dtype", self.kv_cache_dtype))
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"num_blocks must be at least 2, got {self.num_blocks}")
         if self.kv_cache_memory_mib <= 0:

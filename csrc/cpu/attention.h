@@ -2,6 +2,10 @@
 // namespace disagg::DISAGG_ISA (anonymous), after the shared helpers (to_f32, from_f32, round_to,
 // exp_approx, fma32), so that it is compiled once per instruction set like the rest. It includes
 // nothing itself.
+//
+// T is the model dtype (q and out), KV the cache's (T, or bfloat16 under a float32 model): cache rows
+// are widened to float32 as they load, and every rounding follows T, as the reference does after
+// `.to(q.dtype)`.
 
 // ---- paged decode attention ----------------------------------------------------------------
 
@@ -23,13 +27,13 @@ inline void softmax_row(float* s, int64_t ctx) {
 }
 
 // One (request, KV head), any group and head size: the group of query heads that share it, over the request's blocks.
-template <typename T>
-void attend_group_any(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+template <typename T, typename KV>
+void attend_group_any(T* out, const T* q, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
                   const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
                   float scale, float* scores) {
   // Pass 1: scores[g][t] = round(q_g . k_t) * scale, as matmul in T then .float() * scale.
   for (int64_t t = 0; t < ctx; ++t) {
-    const T* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
+    const KV* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
     for (int64_t g = 0; g < group; ++g) {
       const T* qg = q + g * head_dim;
       float dot = 0.0f;
@@ -44,7 +48,7 @@ void attend_group_any(T* out, const T* q, const T* k_base, const T* v_base, Cach
   float* acc = scores + group * ctx;
   for (int64_t i = 0; i < group * head_dim; ++i) acc[i] = 0.0f;
   for (int64_t t = 0; t < ctx; ++t) {
-    const T* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
+    const KV* vt = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
     for (int64_t g = 0; g < group; ++g) {
       float p = scores[g * ctx + t];
       float* a = acc + g * head_dim;
@@ -158,8 +162,8 @@ inline f32x16 transpose_sum(const f32x16* v) {
 
 // attend_group_any with the group size and head size known at compile time: the query rows and
 // the accumulators stay in registers and every loop over the head unrolls.
-template <typename T, int G, int D>
-void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+template <typename T, typename KV, int G, int D>
+void attend_group_fixed(T* out, const T* q, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
                         const int64_t* blocks, int64_t ctx, int64_t block_size, float scale, float* scores) {
   constexpr int C = D / kLanes;  // vectors per head
   f32x16 qv[G][C];
@@ -168,8 +172,8 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
   // Scores a tile of kLanes tokens at a time: each dot stays a vector of partial sums until one
   // transpose_sum reduces the tile's (a horizontal sum per dot was latency-bound: a batch-16
   // bfloat16 layer call at 280 tokens took 297 us, now 127).
-  TokenRows<T> keys{k_base, k, blocks, block_size};
-  RowsAhead<T, D> keys_ahead(keys, kPrefetchTokens, ctx);
+  TokenRows<KV> keys{k_base, k, blocks, block_size};
+  RowsAhead<KV, D> keys_ahead(keys, kPrefetchTokens, ctx);
   for (int64_t t0 = 0; t0 < ctx; t0 += kLanes) {
     const int64_t tile = ctx - t0 < kLanes ? ctx - t0 : kLanes;
     f32x16 partial[G][kLanes];
@@ -179,7 +183,7 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
         for (int g = 0; g < G; ++g) partial[g][slot] = f32x16{};
         continue;
       }
-      const T* kt = keys.row();
+      const KV* kt = keys.row();
       keys.next();
       keys_ahead.next();
       f32x16 kv[C];
@@ -201,11 +205,11 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
   f32x16 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
-  TokenRows<T> values{v_base, v, blocks, block_size};
-  RowsAhead<T, D> values_ahead(values, 0, ctx);
+  TokenRows<KV> values{v_base, v, blocks, block_size};
+  RowsAhead<KV, D> values_ahead(values, 0, ctx);
   for (int64_t t = 0; t < kPrefetchTokens; ++t) values_ahead.next();  // the first rows, then kPrefetchTokens ahead
   for (int64_t t = 0; t < ctx; ++t) {
-    const T* vt = values.row();
+    const KV* vt = values.row();
     values.next();
     values_ahead.next();
     f32x16 vv[C];
@@ -220,20 +224,20 @@ void attend_group_fixed(T* out, const T* q, const T* k_base, const T* v_base, Ca
       for (int i = 0; i < kLanes; ++i) out[g * D + c * kLanes + i] = from_f32<T>(acc[g][c][i]);
 }
 
-template <typename T>
-void attend_group(T* out, const T* q, const T* k_base, const T* v_base, CacheView k, CacheView v,
+template <typename T, typename KV>
+void attend_group(T* out, const T* q, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
                   const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
                   float scale, float* scores) {
 #define DISAGG_FIXED(G, D)                                                                         \
   if (group == G && head_dim == D)                                                                 \
-    return attend_group_fixed<T, G, D>(out, q, k_base, v_base, k, v, blocks, ctx, block_size, scale, scores);
+    return attend_group_fixed<T, KV, G, D>(out, q, k_base, v_base, k, v, blocks, ctx, block_size, scale, scores);
   DISAGG_FIXED(1, 64) DISAGG_FIXED(2, 64) DISAGG_FIXED(3, 64) DISAGG_FIXED(4, 64) DISAGG_FIXED(8, 64)
   DISAGG_FIXED(1, 128) DISAGG_FIXED(2, 128) DISAGG_FIXED(4, 128) DISAGG_FIXED(8, 128)
 #undef DISAGG_FIXED
-  attend_group_any<T>(out, q, k_base, v_base, k, v, blocks, ctx, group, head_dim, block_size, scale, scores);
+  attend_group_any<T, KV>(out, q, k_base, v_base, k, v, blocks, ctx, group, head_dim, block_size, scale, scores);
 }
 
-template <typename T>
+template <typename T, typename KV>
 void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
                               int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
@@ -243,9 +247,9 @@ void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t offset = (i * num_heads + h * group) * head_dim;
-      attend_group<T>(static_cast<T*>(out) + offset, static_cast<const T*>(q) + offset,
-                      static_cast<const T*>(k.data) + h * k.head_stride,
-                      static_cast<const T*>(v.data) + h * v.head_stride, k, v, block_tables + i * max_blocks,
+      attend_group<T, KV>(static_cast<T*>(out) + offset, static_cast<const T*>(q) + offset,
+                          static_cast<const KV*>(k.data) + h * k.head_stride,
+                          static_cast<const KV*>(v.data) + h * v.head_stride, k, v, block_tables + i * max_blocks,
                       context_lens[i], group, head_dim, block_size, scale,
                       scratch + (i * num_kv_heads + h) * scratch_stride);
     }
@@ -291,8 +295,8 @@ constexpr int kOutBlock = 4;           // query vectors whose outputs share each
 // One work item: query tokens [t0, t0 + nt) of a segment, the `group` heads that share one KV head,
 // against keys [0, position of its last token]: scores and probabilities in float32 (online softmax),
 // keys and values read in place from the cache blocks, a 16-key tile at a time.
-template <typename T, int D>
-void prefill_item(T* out, const T* q, int64_t tok_stride, const T* k_base, const T* v_base, CacheView k, CacheView v,
+template <typename T, typename KV, int D>
+void prefill_item(T* out, const T* q, int64_t tok_stride, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
                   const int64_t* blocks, int64_t block_size, int64_t start_pos, int64_t t0, int64_t nt, int64_t group,
                   float scale) {
   constexpr int C = D / kLanes;
@@ -322,8 +326,8 @@ void prefill_item(T* out, const T* q, int64_t tok_stride, const T* k_base, const
         continue;
       }
       const int64_t t = k0 + j;
-      const T* kr = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
-      const T* vr = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
+      const KV* kr = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
+      const KV* vr = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
       for (int d = 0; d < D; ++d) {
         kt[d][j] = to_f32(kr[d]);
         vf[j][d] = to_f32(vr[d]);
@@ -379,7 +383,7 @@ void prefill_item(T* out, const T* q, int64_t tok_stride, const T* k_base, const
 
 // q and out [num_tokens, num_heads, D] (contiguous): the segment's tokens at positions start_pos + t,
 // each attending causally to keys [0, its position] in the blocks of block_ids.
-template <typename T, int D>
+template <typename T, typename KV, int D>
 void paged_prefill_attention_d(T* out, const T* q, CacheView k, CacheView v, const int64_t* block_ids,
                                int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                                int64_t block_size, float scale) {
@@ -392,19 +396,19 @@ void paged_prefill_attention_d(T* out, const T* q, CacheView k, CacheView v, con
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t t0 = (tiles - 1 - it) * tile;
       const int64_t nt = num_tokens - t0 < tile ? num_tokens - t0 : tile;
-      prefill_item<T, D>(out + h * group * D, q + h * group * D, num_heads * D,
-                         static_cast<const T*>(k.data) + h * k.head_stride,
-                         static_cast<const T*>(v.data) + h * v.head_stride, k, v, block_ids, block_size, start_pos,
+      prefill_item<T, KV, D>(out + h * group * D, q + h * group * D, num_heads * D,
+                             static_cast<const KV*>(k.data) + h * k.head_stride,
+                             static_cast<const KV*>(v.data) + h * v.head_stride, k, v, block_ids, block_size, start_pos,
                          t0, nt, group, scale);
     }
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void paged_prefill_attention_t(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
                                int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, float scale) {
-  auto fn = head_dim == 64 ? paged_prefill_attention_d<T, 64> : paged_prefill_attention_d<T, 128>;
+  auto fn = head_dim == 64 ? paged_prefill_attention_d<T, KV, 64> : paged_prefill_attention_d<T, KV, 128>;
   fn(static_cast<T*>(out), static_cast<const T*>(q), k, v, block_ids, start_pos, num_tokens, num_heads, num_kv_heads,
      block_size, scale);
 }

@@ -119,7 +119,7 @@ inline void rotate_head(T* x, const float* cos_sin, int64_t half) {
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void rope_and_cache_t(void* q_, int64_t q_stride, void* k_, int64_t k_stride, const void* v_, int64_t v_stride,
                       const int64_t* positions, const float* cos_sin, CacheView kc, CacheView vc,
                       const int64_t* slot_blocks, const int64_t* slot_offsets, int64_t num_tokens, int64_t num_heads,
@@ -132,13 +132,13 @@ void rope_and_cache_t(void* q_, int64_t q_stride, void* k_, int64_t k_stride, co
     for (int64_t h = 0; h < num_heads; ++h) rotate_head<T>(q + h * head_dim, cs, half);
     T* k = static_cast<T*>(k_) + t * k_stride;
     const T* v = static_cast<const T*>(v_) + t * v_stride;
-    T* kd = static_cast<T*>(kc.data) + slot_blocks[t] * kc.block_stride + slot_offsets[t] * kc.token_stride;
-    T* vd = static_cast<T*>(vc.data) + slot_blocks[t] * vc.block_stride + slot_offsets[t] * vc.token_stride;
+    KV* kd = static_cast<KV*>(kc.data) + slot_blocks[t] * kc.block_stride + slot_offsets[t] * kc.token_stride;
+    KV* vd = static_cast<KV*>(vc.data) + slot_blocks[t] * vc.block_stride + slot_offsets[t] * vc.token_stride;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       rotate_head<T>(k + h * head_dim, cs, half);
       for (int64_t d = 0; d < head_dim; ++d) {
-        kd[h * kc.head_stride + d] = k[h * head_dim + d];
-        vd[h * vc.head_stride + d] = v[h * head_dim + d];
+        kd[h * kc.head_stride + d] = from_f32<KV>(to_f32(k[h * head_dim + d]));
+        vd[h * vc.head_stride + d] = from_f32<KV>(to_f32(v[h * head_dim + d]));
       }
     }
   }
@@ -207,19 +207,29 @@ void argmax_rows(int64_t* out, const float* x, int64_t rows, int64_t cols) {
 
 // ---- the table ------------------------------------------------------------------------------
 
+// The kernel for a (model dtype, cache dtype) pair: the cache holds the model's dtype, or bfloat16
+// under a float32 model (ops.cpp refuses the rest).
+template <typename Fn>
+inline Fn pick_kv(DType dtype, DType kv_dtype, Fn f32, Fn f32_bf16, Fn bf16) {
+  if (dtype == DType::kBFloat16) return bf16;
+  return kv_dtype == DType::kBFloat16 ? f32_bf16 : f32;
+}
+
 void paged_decode_attention(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
                             int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, DType dtype,
-                            float* scratch, int64_t scratch_stride) {
-  auto fn = dtype == DType::kFloat32 ? paged_decode_attention_t<float> : paged_decode_attention_t<bf16>;
+                            DType kv_dtype, float* scratch, int64_t scratch_stride) {
+  auto fn = pick_kv(dtype, kv_dtype, paged_decode_attention_t<float, float>, paged_decode_attention_t<float, bf16>,
+                    paged_decode_attention_t<bf16, bf16>);
   fn(out, q, k, v, block_tables, max_blocks, context_lens, n, num_heads, num_kv_heads, head_dim, block_size, scale,
      scratch, scratch_stride);
 }
 
 void paged_prefill_attention(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
                              int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, float scale, DType dtype) {
-  auto fn = dtype == DType::kFloat32 ? paged_prefill_attention_t<float> : paged_prefill_attention_t<bf16>;
+                             int64_t head_dim, int64_t block_size, float scale, DType dtype, DType kv_dtype) {
+  auto fn = pick_kv(dtype, kv_dtype, paged_prefill_attention_t<float, float>, paged_prefill_attention_t<float, bf16>,
+                    paged_prefill_attention_t<bf16, bf16>);
   fn(out, q, k, v, block_ids, start_pos, num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale);
 }
 
@@ -232,8 +242,9 @@ void rms_norm(void* out, const void* x, void* residual, const void* weight, int6
 void rope_and_cache(void* q, int64_t q_stride, void* k, int64_t k_stride, const void* v, int64_t v_stride,
                     const int64_t* positions, const float* cos_sin, CacheView kc, CacheView vc,
                     const int64_t* slot_blocks, const int64_t* slot_offsets, int64_t num_tokens, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, DType dtype) {
-  auto fn = dtype == DType::kFloat32 ? rope_and_cache_t<float> : rope_and_cache_t<bf16>;
+                    int64_t num_kv_heads, int64_t head_dim, DType dtype, DType kv_dtype) {
+  auto fn = pick_kv(dtype, kv_dtype, rope_and_cache_t<float, float>, rope_and_cache_t<float, bf16>,
+                    rope_and_cache_t<bf16, bf16>);
   fn(q, q_stride, k, k_stride, v, v_stride, positions, cos_sin, kc, vc, slot_blocks, slot_offsets, num_tokens,
      num_heads, num_kv_heads, head_dim);
 }

@@ -48,11 +48,14 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
-// A [num_blocks, block_size, heads, head_dim] cache view whose last dimension is contiguous.
+// A [num_blocks, block_size, heads, head_dim] cache view whose last dimension is contiguous, of the
+// model's dtype (`like`'s) or bfloat16 under a float32 model.
 CacheView cache_view(const at::Tensor& c, const at::Tensor& like, const char* name) {
   check_cpu(c, name);
   TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1, name, " must be [num_blocks, block_size, heads, head_dim] with a contiguous last dimension");
-  TORCH_CHECK(c.scalar_type() == like.scalar_type(), name, " dtype ", c.scalar_type(), " differs from ", like.scalar_type());
+  TORCH_CHECK(c.scalar_type() == like.scalar_type() || (c.scalar_type() == at::kBFloat16 && like.scalar_type() == at::kFloat),
+              name, " dtype ", c.scalar_type(), " does not fit ", like.scalar_type(),
+              " (a cache holds the model's dtype, or bfloat16 under float32)");
   return {c.data_ptr(), c.stride(0), c.stride(1), c.stride(2)};
 }
 
@@ -75,7 +78,7 @@ void set_isa(const std::string& name) {
 // attention ops.
 struct Attention {
   at::Tensor q;
-  DType dtype;
+  DType dtype, kv_dtype;
   CacheView k, v;
   int64_t tokens, heads, head_dim, kv_heads, block_size;
 };
@@ -87,10 +90,11 @@ Attention attention_args(const at::Tensor& q_in, const at::Tensor& k_cache, cons
   at::Tensor q = q_in.contiguous();
   const CacheView k = cache_view(k_cache, q, "k_cache"), v = cache_view(v_cache, q, "v_cache");
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache differ in shape or dtype");
   TORCH_CHECK(k_cache.size(3) == head_dim && kv_heads > 0 && heads > 0 && heads % kv_heads == 0,
               "q heads ", heads, " x ", head_dim, " do not fit the cache's ", kv_heads, " x ", k_cache.size(3));
-  return {q, dtype, k, v, q.size(0), heads, head_dim, kv_heads, k_cache.size(1)};
+  return {q, dtype, dtype_of(k_cache), k, v, q.size(0), heads, head_dim, kv_heads, k_cache.size(1)};
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -123,7 +127,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   at::Tensor scratch = at::empty({n * num_kv_heads * stride}, q.options().dtype(at::kFloat));
   at::Tensor out = at::empty_like(q);
   table().paged_decode_attention(out.data_ptr(), q.data_ptr(), k, v, tables, max_blocks, lens, n, num_heads,
-                                 num_kv_heads, head_dim, block_size, static_cast<float>(scale), dtype,
+                                 num_kv_heads, head_dim, block_size, static_cast<float>(scale), dtype, a.kv_dtype,
                                  scratch.data_ptr<float>(), stride);
   return out;
 }
@@ -143,7 +147,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   if (num_tokens == 0) return out;
   table().paged_prefill_attention(out.data_ptr(), a.q.data_ptr(), a.k, a.v, ids.data_ptr<int64_t>(), start_pos,
                                   num_tokens, a.heads, a.kv_heads, a.head_dim, block_size, static_cast<float>(scale),
-                                  a.dtype);
+                                  a.dtype, a.kv_dtype);
   return out;
 }
 
@@ -198,6 +202,7 @@ void rope_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at:
   const CacheView kc = cache_view(k_cache, q, "k_cache"), vc = cache_view(v_cache, q, "v_cache");
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim && v_cache.sizes() == k_cache.sizes(),
               "the caches do not hold ", num_kv_heads, " x ", head_dim, " heads");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache differ in dtype");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 2 &&
               cos_sin.size(1) == head_dim, "cos_sin must be a contiguous float32 [max_pos, head_dim] table");
   at::Tensor positions = long_contiguous(positions_in, "positions");
@@ -215,7 +220,7 @@ void rope_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at:
   }
   table().rope_and_cache(q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride, pos,
                          cos_sin.data_ptr<float>(), kc, vc, blocks, offsets, num_tokens, num_heads, num_kv_heads,
-                         head_dim, dtype);
+                         head_dim, dtype, dtype_of(k_cache));
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x_in) {

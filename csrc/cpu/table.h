@@ -21,6 +21,8 @@ struct CacheView {
 
 struct KernelTable {
   const char* isa;
+  // The cache's dtype (kv_dtype, below) is the model's (dtype), or bfloat16 under a float32 model.
+  //
   // out[n, num_heads, head_dim] = softmax(q k^T * scale) v over each row's first context_lens[i]
   // tokens, read in place from the blocks in block_tables[i] (num_heads % num_kv_heads == 0).
   // scratch: n * num_kv_heads slices of scratch_stride floats, scratch_stride >=
@@ -28,24 +30,25 @@ struct KernelTable {
   void (*paged_decode_attention)(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_tables,
                                  int64_t max_blocks, const int64_t* context_lens, int64_t n, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, DType dtype,
-                                 float* scratch, int64_t scratch_stride);
+                                 DType kv_dtype, float* scratch, int64_t scratch_stride);
   // out[T, num_heads, head_dim] for q [T, num_heads, head_dim] (contiguous) of tokens at positions
   // start_pos + t: each attends causally to keys [0, its position], read in place from the blocks
   // in block_ids; scores and probabilities in float32. head_dim 64 or 128, at most 64 query heads
   // per KV head (a work item holds one group's heads).
   void (*paged_prefill_attention)(void* out, const void* q, CacheView k, CacheView v, const int64_t* block_ids,
                                   int64_t start_pos, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_dim, int64_t block_size, float scale, DType dtype);
+                                  int64_t head_dim, int64_t block_size, float scale, DType dtype, DType kv_dtype);
   // residual (if not null) += x, rounded to dtype; out = weight * round(norm(residual or x)).
   void (*rms_norm)(void* out, const void* x, void* residual, const void* weight, int64_t rows, int64_t dim,
                    float eps, DType dtype);
   // Rotate-half RoPE of q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] in place (row
   // strides given), cos/sin from cos_sin[position] ([max_pos, head_dim]: cos half, then sin half),
-  // then k and v [T, num_kv_heads, head_dim] written to slot (slot_blocks[t], slot_offsets[t]).
+  // then k and v [T, num_kv_heads, head_dim] written to slot (slot_blocks[t], slot_offsets[t]),
+  // rounded to the cache's dtype.
   void (*rope_and_cache)(void* q, int64_t q_stride, void* k, int64_t k_stride, const void* v, int64_t v_stride,
                          const int64_t* positions, const float* cos_sin, CacheView k_cache, CacheView v_cache,
                          const int64_t* slot_blocks, const int64_t* slot_offsets, int64_t num_tokens,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, DType dtype);
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, DType dtype, DType kv_dtype);
   // out[T, d] = silu(x[:, :d]) * x[:, d:] for x [T, 2d].
   void (*silu_and_mul)(void* out, const void* x, int64_t rows, int64_t dim, DType dtype);
   // Activations x [rows, cols] (row stride x_stride) to int8 in blocks of 32: q int8 [rows, cols],

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import EngineConfig
+from disagg.config import ConfigError, EngineConfig, KVCacheDType
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.loader import LoadedModel, load_model
@@ -24,6 +24,7 @@ from disagg.engine.request import Request
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.tokenizer import Tokenizer
 from disagg.ops import csrc_status
+from disagg.ops.linear import dtype_name
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 
 
@@ -42,6 +43,16 @@ def dtype_reason(name: str, device: str) -> str:
     if device.startswith("cuda"):
         return "auto: CUDA"
     return "auto: native bf16 (AVX512_BF16)" if torch.cpu._is_avx512_bf16_supported() else "auto: no native bf16 on this CPU"
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: KVCacheDType, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's, or bfloat16 (under a float32 or bfloat16 model; a float16
+    model's cache stays float16: bfloat16 would lose its precision for no bytes)."""
+    if kv_cache_dtype == KVCacheDType.AUTO:
+        return model_dtype
+    if model_dtype == torch.float16:
+        raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")
+    return torch.bfloat16
 
 
 def kernels_reason(asked: str, chosen: str) -> str:
@@ -86,18 +97,22 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.arch = self.loaded.arch
         self.dtype = resolve_dtype(config.model.dtype, config.model.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
         why = dtype_reason(config.model.dtype, config.model.device)
+        kv_reason = "auto: the model's dtype" if config.cache.kv_cache_dtype == KVCacheDType.AUTO else "set by --kv-cache-dtype"
         # For the ready line and /server_info: what runs the model and why.
-        self.engine_summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({why}), "
+        self.engine_summary = (f"dtype {dtype_name(self.dtype)} ({why}), "
                                f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
-                               f"quantization {config.model.quantization}: {model.matmul_weights}")
+                               f"quantization {config.model.quantization}: {model.matmul_weights}, "
+                               f"kv cache {dtype_name(self.kv_dtype)} ({kv_reason})")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.eos_token_ids, config.model.seed, self.grammars)
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.kv_dtype, self.eos_token_ids,
+                                  config.model.seed, self.grammars)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -111,7 +126,7 @@ class EngineCore:
                           self.loaded.quantized, model.kernels)
 
     def _blocks_that_fit(self) -> int:
-        per_block = kv_bytes_per_block(self.arch, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.arch, self.block_size, self.kv_dtype)
         return max(self.config.cache.kv_cache_memory_mib * 2**20 // per_block, 2)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -256,8 +271,8 @@ class EngineCore:
         cache = self.runner.kv_cache
         assert cache is not None, "the KV cache is freed (sleeping)"
         a = self.arch
-        dtype = str(self.dtype).removeprefix("torch.")
-        return CacheSpec(cache.data_ptr(), self.num_blocks, a.num_layers, self.block_size, a.num_kv_heads, a.head_dim, dtype, str(cache.device))
+        return CacheSpec(cache.data_ptr(), self.num_blocks, a.num_layers, self.block_size, a.num_kv_heads, a.head_dim,
+                         dtype_name(cache.dtype), str(cache.device))
 
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished `hold_blocks` request kept, or those of a request that ended

@@ -33,11 +33,12 @@ def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> 
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...], seed: int,
-                 grammars: GrammarCompiler | None = None):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 eos_token_ids: tuple[int, ...], seed: int, grammars: GrammarCompiler | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_dtype = kv_dtype  # the model's dtype, or bfloat16 under a float32 model
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(seed, grammars, model.ops.argmax_rows)
         self.kv_cache: torch.Tensor | None = None
@@ -47,7 +48,7 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         arch = self.model.arch
         shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
         self.layer_caches = self.model.layer_caches(self.kv_cache)
 
     def free_kv_cache(self) -> None:

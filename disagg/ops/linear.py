@@ -59,7 +59,7 @@ class PackedWeight:
     def kernel(self) -> str:
         if self.quant_matmul is not None:
             return f"csrc quant_matmul, int8 activations in blocks of {QUANT_BLOCK}"
-        return f"torch {self.kind.value}pack, {_dtype_name(ACTIVATION_DTYPE)} activations"
+        return f"torch {self.kind.value}pack, {dtype_name(ACTIVATION_DTYPE)} activations"
 
 
 @dataclass(frozen=True)
@@ -225,5 +225,6 @@ def int8_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), w.packed, w.scales).to(x.dtype)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: as the CLI, the ready line and the KV layout spell it."""
     return str(dtype).removeprefix("torch.")

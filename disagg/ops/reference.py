@@ -34,15 +34,16 @@ class TorchOps:
 
     @staticmethod
     def rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
-        """Rotate-half RoPE of q and k in place ([T, heads, head_dim]); write k and v into the caches' slots."""
+        """Rotate-half RoPE of q and k in place ([T, heads, head_dim]); write k and v into the caches' slots
+        (rounded to the caches' dtype)."""
         half = q.shape[-1] // 2
         table = cos_sin[positions]
         cos = torch.cat((table[:, :half], table[:, :half]), dim=-1).to(q.dtype)[:, None, :]
         sin = torch.cat((table[:, half:], table[:, half:]), dim=-1).to(q.dtype)[:, None, :]
         q.copy_(q * cos + rotate_half(q) * sin)
         k.copy_(k * cos + rotate_half(k) * sin)
-        k_cache[slot_blocks, slot_offsets] = k
-        v_cache[slot_blocks, slot_offsets] = v
+        k_cache[slot_blocks, slot_offsets] = k.to(k_cache.dtype)
+        v_cache[slot_blocks, slot_offsets] = v.to(v_cache.dtype)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -51,12 +52,13 @@ class TorchOps:
 
     @staticmethod
     def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-        """q [n, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim]; one query token per row."""
+        """q [n, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim] (q's dtype or a
+        narrower one: read as q's); one query token per row."""
         # Plain batched matmuls over gathered blocks: for one query token, CPU SDPA costs far more than the math.
         n, _, dim = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        keys = k_cache.index_select(0, block_tables.reshape(-1)).view(n, -1, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, block_tables.reshape(-1)).view(n, -1, kv_heads, dim).transpose(1, 2)
+        keys = k_cache.index_select(0, block_tables.reshape(-1)).to(q.dtype).view(n, -1, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, block_tables.reshape(-1)).to(q.dtype).view(n, -1, kv_heads, dim).transpose(1, 2)
         q = q.reshape(n, kv_heads, -1, dim)  # query heads grouped by their KV head
         scores = torch.matmul(q, keys.contiguous().transpose(-1, -2)).float() * scale  # [n, kv, group, L]
         span = torch.arange(block_tables.shape[1] * block_size, device=q.device)

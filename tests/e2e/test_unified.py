@@ -56,7 +56,7 @@ async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server
     async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
         info = await r.json()
     assert info["engine"] == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: "
-                              f"9 float32 dense ({dense_kernel()})")
+                              f"9 float32 dense ({dense_kernel()}), kv cache float32 (auto: the model's dtype)")
 
 
 async def test_client_disconnect_mid_stream_frees_its_blocks(server):

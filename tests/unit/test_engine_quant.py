@@ -99,17 +99,20 @@ def test_quantized_engine_stays_near_the_dense_one(tiny_loaded, quantization, me
 
 def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
     assert engine(tiny_loaded).engine_summary == (
-        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense ({dense_kernel()})")
+        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense ({dense_kernel()}), "
+        "kv cache float32 (auto: the model's dtype)")
     assert engine(tiny_loaded, kernels="torch").engine_summary == (
-        "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear)")
+        "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear), "
+        "kv cache float32 (auto: the model's dtype)")
     expected = "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)"
     if route == "quant_matmul":
         expected = "9 quantized on load as int4 g32 (csrc quant_matmul, int8 activations in blocks of 32)"
     assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
-        f"dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}")
+        f"dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}, "
+        "kv cache bfloat16 (auto: the model's dtype)")
     assert engine(tiny_loaded, "int4", "bfloat16", kernels="torch").engine_summary == (
         "dtype bfloat16 (set by --dtype), kernels torch (set by --kernels), quantization int4: "
-        "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)")
+        "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,8 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
     else:
         weights = ("120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), "
                    "1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations)")
-    assert gguf.engine_summary == f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}"
+    assert gguf.engine_summary == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}, "
+                                   "kv cache float32 (auto: the model's dtype)")
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors(outs, refs, prompts)

@@ -13,10 +13,12 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "0123456789", "Paged attention!"]
 
 
-def engine(loaded, num_blocks=256, block_size=4, budget=512, max_seqs=32, caching=True, dtype="float32", kernels="auto"):
+def engine(loaded, num_blocks=256, block_size=4, budget=512, max_seqs=32, caching=True, dtype="float32", kernels="auto",
+           kv_cache_dtype="auto"):
     config = EngineConfig(
         model=ModelConfig(model="tiny", dtype=dtype, kernels=kernels),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
     )
     return EngineCore(config, loaded)
@@ -57,6 +59,65 @@ def test_bfloat16_kernels_give_the_torch_ops_tokens(tiny_loaded):
     ours = [o.outputs.token_ids for o in run(engine(tiny_loaded, dtype="bfloat16", kernels="csrc", budget=24), PROMPTS)]
     ref = [o.outputs.token_ids for o in run(engine(tiny_loaded, dtype="bfloat16", kernels="torch", budget=24), PROMPTS)]
     assert ours == ref
+
+
+def _wide_heads(tiny_loaded):
+    """The tiny model with 64-wide heads, 3 query heads per KV head: csrc's fixed-size decode
+    attention and its paged prefill attention take it."""
+    import dataclasses
+
+    from disagg.engine.models.tiny import TINY_ARCH, random_weights
+
+    arch = dataclasses.replace(TINY_ARCH, num_heads=6, num_kv_heads=2, head_dim=64)
+    return dataclasses.replace(tiny_loaded, arch=arch, weights=random_weights(arch, seed=3))
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["head_dim16", "head_dim64"])
+def test_a_bfloat16_cache_under_float32_gives_the_torch_ops_tokens(tiny_loaded, wide):
+    """--kv-cache-dtype bfloat16: csrc's kernels read the bfloat16 cache as the torch ops do, through
+    mixed decode + chunked prefill batches and a prefix hit; the cache is bfloat16, again after a sleep."""
+    model = _wide_heads(tiny_loaded) if wide else tiny_loaded
+    ours = engine(model, budget=7, kernels="csrc", kv_cache_dtype="bfloat16")
+    ref = engine(model, budget=7, kernels="torch", kv_cache_dtype="bfloat16")
+    assert ours.runner.model._csrc_prefill == wide
+    assert ours.runner.kv_cache.dtype == torch.bfloat16 and ours.cache_spec().dtype == "bfloat16"
+    tokens = [[o.outputs.token_ids for o in run(core, PROMPTS)] for core in (ours, ref)]
+    assert tokens[0] == tokens[1]
+    [hit] = run(ours, [PROMPTS[1]])
+    assert (hit.num_cached_tokens, hit.outputs.token_ids) == (132, tokens[1][1])  # 33 of its 34 blocks
+    ours.sleep(1)
+    ours.wake_up()
+    assert ours.runner.kv_cache.dtype == torch.bfloat16
+    assert [o.outputs.token_ids for o in run(ours, PROMPTS[2:])] == tokens[1][2:]
+
+
+def test_a_bfloat16_cache_holds_twice_the_blocks_in_the_same_memory(tiny_loaded):
+    """A block of the tiny model (2 layers x K and V x 4 tokens x 2 heads x 16) is 2048 bytes in float32,
+    1024 in bfloat16: 1 MiB holds 512 and 1024."""
+    def blocks(kv_cache_dtype):
+        return EngineCore(EngineConfig(model=ModelConfig(model="tiny", dtype="float32"),
+                                       cache=CacheConfig(block_size=4, kv_cache_memory_mib=1,
+                                                         kv_cache_dtype=kv_cache_dtype)), tiny_loaded)
+
+    auto, bf16 = blocks("auto"), blocks("bfloat16")
+    assert (auto.num_blocks, bf16.num_blocks) == (512, 1024)
+    assert (auto.runner.kv_cache.nbytes, bf16.runner.kv_cache.nbytes) == (2**20, 2**20)
+    assert auto.engine_summary.endswith(", kv cache float32 (auto: the model's dtype)")
+    assert bf16.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)")
+
+
+def test_the_kv_cache_dtype_resolves_against_the_model_dtype():
+    from disagg.config import ConfigError, KVCacheDType
+    from disagg.engine.core import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype(KVCacheDType.AUTO, torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype(KVCacheDType.AUTO, torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype(KVCacheDType.BFLOAT16, torch.float32) == torch.bfloat16
+    assert resolve_kv_cache_dtype(KVCacheDType.BFLOAT16, torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ConfigError, match="^kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16$"):
+        resolve_kv_cache_dtype(KVCacheDType.BFLOAT16, torch.float16)
+    with pytest.raises(ConfigError, match="^kv_cache_dtype must be one of auto, bfloat16, got 'fp8'$"):
+        CacheConfig(kv_cache_dtype="fp8")
 
 
 def test_chunked_prefill_and_tiny_cache_give_the_same_tokens(tiny_loaded, hf_tiny):
@@ -217,12 +278,7 @@ def test_csrc_prefill_attention_gives_the_torch_paths_tokens_across_chunks_and_c
     prompts prefilled in chunks of 7 tokens (start_pos > 0 in every later chunk) give the pure-torch
     engine's (SDPA) tokens and prompt logprobs, and a prompt that starts from 5 cached blocks its tokens
     (prompt logprobs turn the prefix cache off, so that run asks for none)."""
-    import dataclasses
-
-    from disagg.engine.models.tiny import TINY_ARCH, random_weights
-
-    arch = dataclasses.replace(TINY_ARCH, num_heads=6, num_kv_heads=2, head_dim=64)
-    model = dataclasses.replace(tiny_loaded, arch=arch, weights=random_weights(arch, seed=3))
+    model = _wide_heads(tiny_loaded)
     ours, torch_ops = engine(model, budget=7), engine(model, kernels="torch", caching=False)
     assert (ours.runner.model._csrc_prefill, torch_ops.runner.model._csrc_prefill) == (True, False)
     scored = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)

@@ -79,19 +79,23 @@ def test_an_unbuilt_library_falls_back_to_torch_and_says_why_once(monkeypatch, t
     assert csrc_status() is None
 
 
+# (model dtype, KV cache dtype): the cache holds the model's dtype, or bfloat16 under float32.
+KV_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
 def _cache(num_blocks, block_size, kv_heads, dim, dtype, gen, layers=3):
     full = torch.randn(num_blocks, layers, 2, block_size, kv_heads, dim, generator=gen).to(dtype)
     return full, full[:, 1, 0], full[:, 1, 1]  # a middle layer's strided K and V views
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS)
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 5), (6, 1, 16, 32)])
-def test_paged_decode_attention(csrc, dtype, heads, kv_heads, dim, block_size):
+def test_paged_decode_attention(csrc, dtype, kv_dtype, heads, kv_heads, dim, block_size):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size + 2, 7, 41])  # 41: tiles of 16 and a tail
     max_blocks = int((lens.max() + block_size - 1) // block_size)
     num_blocks = len(lens) * max_blocks + 3
-    _, k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, gen)
+    _, k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, kv_dtype, gen)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
     got = csrc.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
@@ -108,15 +112,15 @@ def test_paged_decode_attention_refuses_a_context_past_its_blocks(csrc):
         csrc.paged_decode_attention(torch.zeros(1, 1, 16), k_cache, v_cache, torch.tensor([[4]]), torch.tensor([3]), 1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS)
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 2, 128, 5), (6, 1, 64, 32)])
 @pytest.mark.parametrize("tokens,start_pos", [(1, 0), (37, 0), (100, 0), (5, 23), (70, 41)])
-def test_paged_prefill_attention(csrc, dtype, heads, kv_heads, dim, block_size, tokens, start_pos):
+def test_paged_prefill_attention(csrc, dtype, kv_dtype, heads, kv_heads, dim, block_size, tokens, start_pos):
     """Causal over the cached context and the segment itself, in place from shuffled blocks; work items
     of 64 query vectors (several tiles at 37 and 100 tokens) and key tiles of 16 with a tail."""
     gen = torch.Generator().manual_seed(heads * 1000 + tokens + start_pos)
     blocks = (start_pos + tokens + block_size - 1) // block_size
-    _, k_cache, v_cache = _cache(blocks + 4, block_size, kv_heads, dim, dtype, gen)
+    _, k_cache, v_cache = _cache(blocks + 4, block_size, kv_heads, dim, kv_dtype, gen)
     block_ids = torch.randperm(blocks + 4, generator=gen)[:blocks]
     q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
     got = csrc.paged_prefill_attention(q, k_cache, v_cache, block_ids, start_pos, dim**-0.5)
@@ -166,9 +170,9 @@ def test_rms_norm_and_its_residual_add(csrc, dtype, rows, dim):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS)
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (2, 1, 8, 3)])
-def test_rope_and_cache_write(csrc, dtype, heads, kv_heads, dim, block_size):
+def test_rope_and_cache_write(csrc, dtype, kv_dtype, heads, kv_heads, dim, block_size):
     gen = torch.Generator().manual_seed(dim)
     num_tokens = 11
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -183,13 +187,36 @@ def test_rope_and_cache_write(csrc, dtype, heads, kv_heads, dim, block_size):
         q = buf[:, : heads * dim].view(-1, heads, dim)
         k = buf[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
         v = buf[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
-        full, k_cache, v_cache = _cache(6, block_size, kv_heads, dim, dtype, torch.Generator().manual_seed(1))
+        full, k_cache, v_cache = _cache(6, block_size, kv_heads, dim, kv_dtype, torch.Generator().manual_seed(1))
         ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_blocks, slot_offsets)
         results.append((buf, full))
     (buf, full), (ref_buf, ref_full) = results
-    # Each rotated element is rounded exactly where torch rounds it, so the two agree bit for bit.
+    # Each rotated element is rounded exactly where torch rounds it (and once more, to nearest even,
+    # into a narrower cache), so the two agree bit for bit.
     assert torch.equal(buf, ref_buf)
-    assert torch.equal(full, ref_full)
+    assert full.dtype == kv_dtype and torch.equal(full, ref_full)
+
+
+def test_a_cache_wider_than_the_model_or_a_mixed_pair_is_refused(csrc):
+    gen = torch.Generator().manual_seed(0)
+    _, k32, v32 = _cache(4, 16, 1, 64, torch.float32, gen)
+    _, k16, v16 = _cache(4, 16, 1, 64, torch.bfloat16, gen)
+    q = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    tables, lens = torch.tensor([[0]]), torch.tensor([3])
+    wider = r"k_cache dtype Float does not fit BFloat16 \(a cache holds the model's dtype, or bfloat16 under float32\)"
+    with pytest.raises(RuntimeError, match=wider):
+        csrc.paged_decode_attention(q, k32, v32, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match=wider):
+        csrc.paged_prefill_attention(q, k32, v32, torch.tensor([0]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache differ in shape or dtype"):
+        csrc.paged_decode_attention(q.float(), k16, v32, tables, lens, 1.0)
+    k = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=wider):
+        csrc.rope_and_cache(q.clone(), k, k.clone(), torch.tensor([0]), rope_cos_sin(torch.ones(32), 4), k32, v32,
+                            torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="k_cache and v_cache differ in dtype"):
+        csrc.rope_and_cache(q.float(), k.float(), k.float(), torch.tensor([0]), rope_cos_sin(torch.ones(32), 4), k16, v32,
+                            torch.tensor([0]), torch.tensor([0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

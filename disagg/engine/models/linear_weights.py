@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from disagg.ops.linear import DenseMatmul, OnednnWeight, PackedWeight, QuantMatmul, TiledWeight, Weight, pack_dense, prepare_weight
+from disagg.ops.linear import DenseMatmul, OnednnWeight, PackedWeight, QuantMatmul, TiledWeight, Weight, dtype_name, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
@@ -56,10 +56,10 @@ def describe_weights(weights: Iterable[Weight]) -> str:
 
 def _describe(w: Weight) -> str:
     if isinstance(w, OnednnWeight):
-        return f"{str(w.dtype).removeprefix('torch.')} dense ({w.kernel})"
+        return f"{dtype_name(w.dtype)} dense ({w.kernel})"
     if isinstance(w, TiledWeight):
         return f"float32 dense ({w.kernel})"
     if isinstance(w, PackedWeight):
         layout = f"{w.kind.value} g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
         return f"{w.source} as {layout} ({w.kernel})"
-    return f"{str(w.dtype).removeprefix('torch.')} dense (F.linear)"
+    return f"{dtype_name(w.dtype)} dense (F.linear)"

@@ -201,11 +201,14 @@ class LlamaModel:
             return self.ops.paged_prefill_attention(q, k_cache, v_cache, seg.block_ids, seg.start_pos, self.scale)
         num_new = q.shape[0]
         if seg.start_pos == 0:
-            keys, values, mask, causal = k, v, None, True
+            # The keys as the cache holds them (rounded, under a narrower cache): a prompt's tokens
+            # are the same whether its prefix came from the cache or not.
+            keys, values = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
+            mask, causal = None, True
         else:
             ctx = seg.start_pos + num_new
-            keys = self.ops.gather_blocks(k_cache, seg.block_ids).flatten(0, 1)[:ctx]
-            values = self.ops.gather_blocks(v_cache, seg.block_ids).flatten(0, 1)[:ctx]
+            keys = self.ops.gather_blocks(k_cache, seg.block_ids).flatten(0, 1)[:ctx].to(q.dtype)
+            values = self.ops.gather_blocks(v_cache, seg.block_ids).flatten(0, 1)[:ctx].to(q.dtype)
             rows = torch.arange(num_new, device=q.device)[:, None] + seg.start_pos
             mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
         # 4-d [1, heads, tokens, head_dim], as HF calls it: torch's CPU flash kernel takes only that

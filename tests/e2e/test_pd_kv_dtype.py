@@ -1,0 +1,62 @@
+"""`--kv-cache-dtype bfloat16` under a float32 model, across prefill and decode: the blocks move as
+bfloat16 and the answer equals a unified server's with the same cache; a decode whose cache differs
+from the prefill's is refused before any byte moves, and frees what it reserved."""
+
+import asyncio
+import re
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from pd_cluster import TINY, Cluster, pd_config, start_decode, start_pd, start_unified
+from disagg.config import ServerConfig
+from disagg.launch import start_server
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+BF16_CACHE = replace(TINY, cache=replace(TINY.cache, kv_cache_dtype="bfloat16"))
+LONG = "The quick brown fox jumps over the lazy dog, twice: " * 2  # > 100 tokens: chunked prefill
+BODY = {"text": LONG, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+
+
+async def generate(session: aiohttp.ClientSession, port: int, body: dict) -> tuple[int, dict]:
+    async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_bfloat16_blocks_move_and_decode_as_unified_does():
+    cluster = await start_pd("tcp", engine=BF16_CACHE)
+    unified = await start_unified(BF16_CACHE)
+    try:
+        status, want = await generate(cluster.session, unified.port, BODY)
+        assert status == 200 and len(want["output_ids"]) == 12
+        body = cluster.pd_body(BODY)
+        (p_status, p_data, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
+        assert (p_status, d_status) == (200, 200), (p_data, d_data)
+        assert d_data["output_ids"] == want["output_ids"] and p_data["output_ids"] == want["output_ids"][:1]
+        assert await cluster.free_blocks() == ([96, 96], [96, 96])
+        for server in (cluster.prefill, cluster.decode, unified):
+            assert server.controller.model.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)")
+    finally:
+        await asyncio.gather(cluster.close(), unified.close())
+
+
+async def test_a_decode_whose_cache_dtype_differs_is_refused_and_frees_its_blocks():
+    disagg = pd_config("tcp", bootstrap_timeout_s=3)  # how long the prefill waits for a decode that never comes
+    prefill = await start_server(ServerConfig(port=0, dp_size=2, disaggregation_mode="prefill",
+                                              load_balance_method="follow_bootstrap_room"), BF16_CACHE, disagg,
+                                 lambda _: None)
+    decode = await start_decode(disagg, TINY)  # float32 cache
+    cluster = Cluster(prefill, decode, aiohttp.ClientSession())
+    try:
+        body = cluster.pd_body(BODY)
+        (p_status, p_data, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
+        assert (p_status, d_status) == (500, 500), (p_data, d_data)
+        assert re.fullmatch(r"PeerRejected: prefill 127\.0\.0\.1:\d+ refused registration: "  # the rank's control port
+                            "kv cache dtype mismatch: prefill dtype=bfloat16, decode dtype=float32",
+                            d_data["error"]["message"]), d_data
+        assert p_data["error"]["message"] == (
+            f"no destination from decode for bootstrap_room {body['bootstrap_room']} within 3 s")
+        assert await cluster.free_blocks() == ([96, 96], [96, 96])
+    finally:
+        await cluster.close()

@@ -101,6 +101,8 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--kernels", default="torch,auto",
                         help="comma-separated kernel choices to compare (torch: pure-torch ops; auto: csrc where built)")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma list of KV cache dtypes to run (auto: the model's; bfloat16)")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
     from disagg.bench.peers import peer_spec
 

@@ -11,6 +11,7 @@ float32 matmul GFLOP/s, from which batch decode's compute bound follows (two FLO
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -38,6 +39,13 @@ class Result:
     ours_decode_tps: float
     hf_prefill_tps: float
     hf_decode_tps: float
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def form(self) -> str:
+        """'float32, csrc-avx512, none' (and ', kv cache bfloat16' where the cache is not the model's dtype)."""
+        kv = "" if self.kv_cache_dtype == "auto" else f", kv cache {self.kv_cache_dtype}"
+        return f"{self.dtype}, {self.kernels}, {self.quantization}{kv}"
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -119,21 +127,21 @@ def run_engine(args: argparse.Namespace) -> dict:
     results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
         hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
-        for kernels in comma_list(args.kernels):
-            for q in quantizations:
-                engine = EngineCore(engine_config(args.model, dtype_name, kernels, q), loads[q])
-                name = engine.runner.model.ops.name
-                sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
-                print(f"{dtype_name}, {name}, {q}: {engine.engine_summary}", flush=True)
-                for b in map(int, args.batches.split(",")):
-                    batch = prompts(b, args.input_len, dense.arch.vocab_size)
-                    ours, theirs = best_side_by_side(
-                        lambda: bench_ours(engine, batch, args.output_len),
-                        None if hf is None else lambda: bench_hf(hf, batch, args.output_len), args.repeat)
-                    results.append(Result(dtype_name, name, q, b, *ours, *theirs))
-                    print(_row(results[-1]), flush=True)
-                    if args.profile:
-                        print(f"decode profile, {dtype_name}, {name}, {q}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
+        forms = itertools.product(comma_list(args.kernels), quantizations, comma_list(args.kv_cache_dtypes))
+        for kernels, q, kv in forms:
+            engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv), loads[q])
+            name = engine.runner.model.ops.name
+            sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
+            print(f"{dtype_name}, {name}, {q}: {engine.engine_summary}", flush=True)
+            for b in map(int, args.batches.split(",")):
+                batch = prompts(b, args.input_len, dense.arch.vocab_size)
+                ours, theirs = best_side_by_side(
+                    lambda: bench_ours(engine, batch, args.output_len),
+                    None if hf is None else lambda: bench_hf(hf, batch, args.output_len), args.repeat)
+                results.append(Result(dtype_name, name, q, b, *ours, *theirs, kv_cache_dtype=kv))
+                print(_row(results[-1]), flush=True)
+                if args.profile:
+                    print(f"decode profile, {results[-1].form}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
     print(table(results, args))
     print(bound_lines(results, sizes, memcpy_gbps, read_gbps))
     print(compute_bound_lines(results, sizes, matmul_gflops))
@@ -141,10 +149,10 @@ def run_engine(args: argparse.Namespace) -> dict:
             "engine": [asdict(r) for r in results]}
 
 
-def engine_config(model: str, dtype: str, kernels: str, quantization: str) -> EngineConfig:
+def engine_config(model: str, dtype: str, kernels: str, quantization: str, kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, kernels=kernels, quantization=quantization),
-        cache=CacheConfig(kv_cache_memory_mib=256),
+        cache=CacheConfig(kv_cache_memory_mib=256, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
     )
 
@@ -207,7 +215,7 @@ def bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, str, str
         if r.batch == 1:
             size = weight_bytes_of[(r.dtype, r.kernels, r.quantization)]
             copy_bound, read_bound = memcpy_gbps * 1e9 / size, read_gbps * 1e9 / size
-            lines.append(f"- {r.dtype}, {r.kernels}, {r.quantization} ({size / 2**20:.0f} MiB of weights): {r.ours_decode_tps:.1f} tok/s = "
+            lines.append(f"- {r.form} ({size / 2**20:.0f} MiB of weights): {r.ours_decode_tps:.1f} tok/s = "
                          f"{r.ours_decode_tps / copy_bound:.0%} of the memcpy bound ({copy_bound:.1f} tok/s), "
                          f"{r.ours_decode_tps / read_bound:.0%} of the read bound ({read_bound:.1f} tok/s)")
     return "\n".join(lines)
@@ -223,7 +231,8 @@ def compute_bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, 
         if r.batch > 1 and r.dtype == "float32" and r.quantization == "none":
             weights = weight_bytes_of[(r.dtype, r.kernels, r.quantization)] // 4
             bound = matmul_gflops * 1e9 / (2 * weights)
-            lines.append(f"- float32, {r.kernels}, batch {r.batch} ({weights / 1e6:.1f}M weights): {r.ours_decode_tps:.1f} tok/s "
+            kv = "" if r.kv_cache_dtype == "auto" else f", kv cache {r.kv_cache_dtype}"
+            lines.append(f"- float32, {r.kernels}{kv}, batch {r.batch} ({weights / 1e6:.1f}M weights): {r.ours_decode_tps:.1f} tok/s "
                          f"= {r.ours_decode_tps / bound:.0%} of the compute bound ({bound:.1f} tok/s)")
     return "\n".join(lines)
 
@@ -254,7 +263,7 @@ def _row(r: Result) -> str:
     hf_prefill, prefill_ratio = (f"{r.hf_prefill_tps:.0f}", f"{r.ours_prefill_tps / r.hf_prefill_tps:.2f}x") if hf_ran else ("-", "-")
     hf_decode, decode_ratio = (f"{r.hf_decode_tps:.1f}", f"{r.ours_decode_tps / r.hf_decode_tps:.2f}x") if hf_ran else ("-", "-")
     return (
-        f"| {r.dtype} | {r.kernels} | {r.quantization} | {r.batch} | {r.ours_prefill_tps:.0f} | {hf_prefill} | "
+        f"| {r.dtype} | {r.kernels} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.ours_prefill_tps:.0f} | {hf_prefill} | "
         f"{prefill_ratio} | {r.ours_decode_tps:.1f} | {hf_decode} | {decode_ratio} |"
     )
 
@@ -263,8 +272,8 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     head = (
         f"input {args.input_len} tokens, output {args.output_len} tokens, {torch.get_num_threads()} threads; "
         "HF runs dense weights in the row's dtype\n\n"
-        "| dtype | kernels | quantization | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio "
+        "| dtype | kernels | quantization | kv cache | batch | prefill tok/s (ours) | prefill tok/s (HF) | ratio "
         "| decode tok/s (ours) | decode tok/s (HF) | ratio |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head] + [_row(r) for r in results])

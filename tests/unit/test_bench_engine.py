@@ -22,12 +22,15 @@ def test_weight_bytes_count_every_matrix_and_the_head_once(smollm2_loaded):
 
 def test_bound_lines_state_the_fraction_of_both_bounds():
     results = [Result("float32", "csrc-avx2", "none", 1, 300.0, 30.0, 250.0, 20.0),
+               Result("float32", "csrc-avx2", "none", 1, 300.0, 31.0, 250.0, 20.0, kv_cache_dtype="bfloat16"),
                Result("float32", "torch", "none", 16, 1, 1, 1, 1)]
     text = bound_lines(results, {("float32", "csrc-avx2", "none"): 537_919_488}, memcpy_gbps=16.0, read_gbps=32.0)
     assert text.splitlines() == [
         "memory in this run: memcpy 16.0 GB/s, read 32.0 GB/s; batch-1 decode bound = GB/s / weight bytes per step",
         "- float32, csrc-avx2, none (513 MiB of weights): 30.0 tok/s = 101% of the memcpy bound (29.7 tok/s), "
         "50% of the read bound (59.5 tok/s)",
+        "- float32, csrc-avx2, none, kv cache bfloat16 (513 MiB of weights): 31.0 tok/s = 104% of the memcpy bound "
+        "(29.7 tok/s), 52% of the read bound (59.5 tok/s)",
     ]
 
 
@@ -35,12 +38,15 @@ def test_compute_bound_lines_state_float32_batch_rows_against_the_matmul_rate():
     sizes = {("float32", "csrc-avx512", "none"): 537_919_488, ("float32", "csrc-avx512", "gguf"): 80_000_000}
     results = [Result("float32", "csrc-avx512", "none", 1, 800.0, 50.0, 700.0, 40.0),
                Result("float32", "csrc-avx512", "none", 16, 750.0, 380.0, 580.0, 150.0),
+               Result("float32", "csrc-avx512", "none", 16, 750.0, 410.0, 580.0, 150.0, kv_cache_dtype="bfloat16"),
                Result("float32", "csrc-avx512", "gguf", 16, 1700.0, 800.0, 580.0, 150.0)]
     text = compute_bound_lines(results, sizes, matmul_gflops=150.0)
     # 134,479,872 weights, two FLOPs each per row: 150e9 / 268,959,744 = 557.7 tok/s.
     assert text.splitlines() == [
         "float32 matmul in this run: 150 GFLOP/s; batch decode bound = GFLOP/s / (2 x weights per row)",
         "- float32, csrc-avx512, batch 16 (134.5M weights): 380.0 tok/s = 68% of the compute bound (557.7 tok/s)",
+        "- float32, csrc-avx512, kv cache bfloat16, batch 16 (134.5M weights): 410.0 tok/s = 74% of the compute bound "
+        "(557.7 tok/s)",
     ]
 
 
@@ -70,8 +76,8 @@ def test_the_machine_line_names_the_flags_and_threads():
 
 def test_the_table_gives_ratios_and_dashes_where_hf_did_not_run():
     nan = float("nan")
-    results = [Result("float32", "csrc-avx512", "gguf", 16, 1744.0, 509.3, 872.0, 166.0),
+    results = [Result("float32", "csrc-avx512", "gguf", 16, 1744.0, 509.3, 872.0, 166.0, kv_cache_dtype="bfloat16"),
                Result("bfloat16", "csrc-avx512", "gguf", 1, 1564.0, 144.1, nan, nan)]
     rows = table(results, argparse.Namespace(input_len=256, output_len=32)).splitlines()[-2:]
-    assert rows == ["| float32 | csrc-avx512 | gguf | 16 | 1744 | 872 | 2.00x | 509.3 | 166.0 | 3.07x |",
-                    "| bfloat16 | csrc-avx512 | gguf | 1 | 1564 | - | - | 144.1 | - | - |"]
+    assert rows == ["| float32 | csrc-avx512 | gguf | bfloat16 | 16 | 1744 | 872 | 2.00x | 509.3 | 166.0 | 3.07x |",
+                    "| bfloat16 | csrc-avx512 | gguf | auto | 1 | 1564 | - | - | 144.1 | - | - |"]

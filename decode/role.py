@@ -23,7 +23,7 @@ from decode.resolver import QUERY, decide_prefill_dp_rank
 from disagg.config import DisaggConfig
 from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
 from disagg.engine.core import EngineCore
-from disagg.types import InvalidRequest
+from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 from kvtransfer.base import PeerUnavailable, TransferFailed
@@ -135,7 +135,7 @@ class DecodeRole(WorkerRole):
             if blocks is None:
                 if time.monotonic() - head.arrived > self.config.waiting_timeout_s:
                     self.queued.popleft()
-                    out.append(OutputMsg(head.msg.request_id, finish_reason="abort", error_status=503, error=(
+                    out.append(OutputMsg(head.msg.request_id, finish_reason=FinishReason.ABORT, error_status=503, error=(
                         f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s")))
                     continue
                 break
@@ -271,14 +271,14 @@ class DecodeRole(WorkerRole):
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id)
         self._end_pending(request_id, pending, reason)
-        return [OutputMsg(request_id, finish_reason="abort", error=reason, error_status=code,
+        return [OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=code,
                           error_param=getattr(status, "param", None))]
 
     async def abort(self, request_id: str) -> list[OutputMsg]:
         for queued in self.queued:
             if queued.msg.request_id == request_id:
                 self.queued.remove(queued)
-                return [OutputMsg(request_id, finish_reason="abort")]
+                return [OutputMsg(request_id, finish_reason=FinishReason.ABORT)]
         pending = self.pending.pop(request_id, None)
         out = await super().abort(request_id)  # the engine ends it and quarantines its reserved blocks
         if pending is not None:

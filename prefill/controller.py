@@ -12,6 +12,7 @@ import structlog
 from disagg.config import DisaggConfig, EngineConfig, ServerConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
+from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg
 from prefill.dispatch import plan_room
 
@@ -30,7 +31,7 @@ class PrefillController(DPController):
                          decode_told=msg.disagg_prefill_dp_rank is not None, force_query=self.disagg.force_query_prefill_dp_rank)
         if plan.conflict is not None:
             self.broadcast_room_failure(msg.bootstrap_room, plan.conflict)
-            yield OutputMsg(msg.request_id, finish_reason="abort", error=plan.conflict, error_status=400, error_param="routed_dp_rank")
+            yield OutputMsg(msg.request_id, finish_reason=FinishReason.ABORT, error=plan.conflict, error_status=400, error_param="routed_dp_rank")
             return
         if msg.bootstrap_room is not None and self.dp_size > 1:
             self.announce_room(msg.bootstrap_room, dp_rank)

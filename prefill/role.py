@@ -19,7 +19,7 @@ from bootstrap.client import BootstrapClient
 from disagg.config import DisaggConfig, LoadBalanceMethod
 from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
 from disagg.engine.core import EngineCore
-from disagg.types import InvalidRequest
+from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import (
     AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
@@ -351,7 +351,7 @@ class PrefillRole(WorkerRole):
                 self.backend.release(handle)
             if tell_decode:
                 self._status(state.room, TransferState.FAILED, reason)
-        return [OutputMsg(state.request_id, finish_reason="abort", error=reason, error_status=status)]
+        return [OutputMsg(state.request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=status)]
 
     def _settle(self, now: float) -> None:
         """Send a failed room's final status once its posted writes all ended; a transport stuck past

@@ -22,7 +22,7 @@ LAYERS = {
 # Same-layer edges that are allowed: the roles build on the front door and the DP controller.
 SAME_LAYER_OK = {
     ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
-    ("disagg.api", "disagg.dp"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
+    ("disagg.api", "disagg.dp"), ("disagg.wire", "disagg.types"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests"}
 NO_TORCH = ("disagg.api", "disagg.router", "bootstrap", "disagg.config", "disagg.types", "disagg.wire")

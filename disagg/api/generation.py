@@ -15,6 +15,7 @@ import structlog
 
 from disagg.api.errors import ApiError, BadRequest, engine_error
 from disagg.api.state import ApiState
+from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 
 log = structlog.get_logger("disagg.api")
@@ -35,7 +36,7 @@ class Totals:
     prompt_token_ids: list[int] | None = None  # when the request asked for its prompt back
     prompt_text: str | None = None
     token_texts: dict[int, str] = field(default_factory=dict)  # id -> text, when the request asked for them
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from disagg.api.vllm_metrics import VllmMetrics
 from disagg.dp.protocol import WorkerState
+from disagg.types import FinishReason
 from disagg.wire.engine_msgs import KVStatsMsg
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -84,7 +85,7 @@ class ApiMetrics:
         self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states)
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
-                        e2e_s: float, *, dp_rank: int = 0, finish_reason: str = "stop",
+                        e2e_s: float, *, dp_rank: int = 0, finish_reason: FinishReason = FinishReason.STOP,
                         inter_token_s: Sequence[float] = ()) -> None:
         """Record one finished generation (here and under vLLM's names)."""
         self.vllm.observe_request(dp_rank, finish_reason, num_prompt_tokens, num_output_tokens, ttft_s,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.api.generation import TokenLogprobs, Totals
+from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
 
@@ -14,11 +15,11 @@ def finish_reason_info(totals: Totals) -> dict | None:
     reason = totals.finish_reason
     if reason is None:
         return None
-    if reason == "stop":
+    if reason == FinishReason.STOP:
         return {"type": "stop"} if totals.stop_reason is None else {"type": "stop", "matched": totals.stop_reason}
-    if reason == "length":
+    if reason == FinishReason.LENGTH:
         return {"type": "length", "length": totals.num_output_tokens}
-    return {"type": reason, "message": "the request was aborted"} if reason == "abort" else {"type": reason}
+    return {"type": "abort", "message": "the request was aborted"}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from disagg.dp.protocol import WorkerState
+from disagg.types import FinishReason
 
 # vLLM's buckets (v1 loggers), so quantiles computed by vLLM dashboards mean the same here.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -22,7 +23,6 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  40.0, 80.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0, 1920.0, 7680.0)
-FINISHED_REASONS = ("stop", "length", "abort")
 LABELS = ["model_name", "engine"]
 
 
@@ -83,10 +83,10 @@ class VllmMetrics:
             labels = (model_name, str(rank))
             for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e):
                 family.labels(*labels)
-            for reason in FINISHED_REASONS:
+            for reason in FinishReason:  # vLLM's finished_reason labels: stop, length, abort
                 self.request_success.labels(*labels, reason)
 
-    def observe_request(self, dp_rank: int, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
+    def observe_request(self, dp_rank: int, finish_reason: FinishReason, num_prompt_tokens: int, num_output_tokens: int,
                         ttft_s: float | None, inter_token_s: Sequence[float], e2e_s: float) -> None:
         """Record one finished request served by DP worker `dp_rank`."""
         labels = (self.model_name, str(dp_rank))

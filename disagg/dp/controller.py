@@ -27,7 +27,7 @@ from disagg.dp.dispatch import Dispatcher
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import ModelCard, WorkerState, WorkerUnavailable
 from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
-from disagg.types import InvalidRequest
+from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, UtilityMsg, UtilityResultMsg,
     decode_from_worker, encode,
@@ -204,7 +204,7 @@ class DPController:
         for request_id in list(worker.outstanding):
             queue = self._streams.get(request_id)
             if queue is not None:
-                queue.put_nowait(OutputMsg(request_id, finish_reason="abort", error=error, error_status=503))
+                queue.put_nowait(OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=error, error_status=503))
         worker.outstanding.clear()
         if self._supervising:
             self._tasks.append(asyncio.create_task(self._restart(worker)))

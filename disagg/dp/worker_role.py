@@ -13,7 +13,7 @@ import structlog
 
 from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
-from disagg.types import EngineSleeping, GrammarKind, InvalidRequest, RequestOutput, SamplingParams, StructuredOutput
+from disagg.types import EngineSleeping, FinishReason, GrammarKind, InvalidRequest, RequestOutput, SamplingParams, StructuredOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
 
 log = structlog.get_logger(__name__)
@@ -40,7 +40,7 @@ def sampling_params(msg: SamplingMsg) -> SamplingParams:
 def error_output(request_id: str, exc: Exception) -> OutputMsg:
     status = 400 if isinstance(exc, InvalidRequest) else 503 if isinstance(exc, EngineSleeping) else 500
     param = getattr(exc, "param", None)
-    return OutputMsg(request_id, finish_reason="abort", error=str(exc), error_status=status, error_param=param)
+    return OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=str(exc), error_status=status, error_param=param)
 
 
 def admission_error(request_id: str, exc: Exception) -> OutputMsg:
@@ -185,7 +185,7 @@ class WorkerRole:
             first = out.request_id not in self._started
             self._started.add(out.request_id)
             if out.error is not None:
-                msgs.append(OutputMsg(out.request_id, finish_reason="abort", error=out.error, error_status=500))
+                msgs.append(OutputMsg(out.request_id, finish_reason=FinishReason.ABORT, error=out.error, error_status=500))
             else:
                 msgs.append(self._with_texts(self._with_prompt(to_output_msg(out, first), out, first)))
             if out.finished:

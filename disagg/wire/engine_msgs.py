@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from disagg.types import FinishReason
+
 
 class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     """Mirror of disagg.types.SamplingParams (validated again by the worker).
@@ -144,7 +146,7 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     request_id: str
     new_token_ids: list[int] = []
     new_text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None  # encoded as its value: "stop", "length" or "abort"
     stop_reason: str | int | None = None
     # per new token: (id, logprob), sampled first, then the top-n, then SamplingMsg.logprob_token_ids
     logprobs: list[list[tuple[int, float]]] | None = None

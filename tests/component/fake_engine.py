@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from disagg.api.app import create_app
 from disagg.config import ServerConfig
 from disagg.dp.protocol import ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
-from disagg.types import InvalidRequest
+from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, TokenizeMsg
 
 FAKE_MODEL = ModelCard(name="fake-model", max_model_len=64, vocab_size=1000)
@@ -114,14 +114,14 @@ class FakeEngine:
         text = ""
         limit = self._max_tokens(sp, num_prompt)
         if limit == 0:  # prompt only (scoring): its logprobs, no token
-            yield OutputMsg(rid, finish_reason="length", prompt_logprobs=self._prompt_logprobs(msg),
+            yield OutputMsg(rid, finish_reason=FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(msg),
                             num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens,
                             **prompt_fields(msg))
             return
         for i in range(limit):
             await asyncio.sleep(self.token_delay_s)
             if self._abort_flags[rid].is_set():
-                yield OutputMsg(rid, finish_reason="abort", num_prompt_tokens=num_prompt, num_output_tokens=i)
+                yield OutputMsg(rid, finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt, num_output_tokens=i)
                 return
             if self.script.error_after == i:
                 yield OutputMsg(rid, error=self.script.error_text, error_status=self.script.error_status)

@@ -9,7 +9,7 @@ from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.dp.worker_role import WorkerRole
 from disagg.dp.worker import apply
 from disagg.engine.core import EngineCore
-from disagg.types import SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams
+from disagg.types import SEED_MAX, SEED_MIN, FinishReason, InvalidRequest, SamplingParams
 from disagg.wire.engine_msgs import AbortMsg, GenerateMsg, OutputMsg, SamplingMsg
 from engine_runs import run_requests
 
@@ -133,7 +133,7 @@ async def test_an_unexpected_admission_error_answers_500_and_the_role_goes_on(co
     role = WorkerRole(core, 0, "tiny")
     # A content list the front did not flatten makes the chat template raise TypeError.
     [out] = await role.submit(chat("bad", [{"type": "text", "text": "hi"}]))
-    assert out == OutputMsg("bad", finish_reason="abort", error_status=500, error=(
+    assert out == OutputMsg("bad", finish_reason=FinishReason.ABORT, error_status=500, error=(
         'the worker could not admit the request: TypeError: can only concatenate str (not "list") to str'))
     assert await role.submit(chat("good", "hi")) == []
     outputs = []
@@ -145,7 +145,7 @@ async def test_an_unexpected_admission_error_answers_500_and_the_role_goes_on(co
 async def test_admission_answers_a_refused_request_with_a_400_naming_the_field(core):
     role = WorkerRole(core, 0, "tiny")
     [out] = await role.submit(GenerateMsg("big", SamplingMsg(max_tokens=503), prompt_token_ids=list(range(1, 11))))
-    assert out == OutputMsg("big", finish_reason="abort", error_status=400, error_param="max_tokens",
+    assert out == OutputMsg("big", finish_reason=FinishReason.ABORT, error_status=400, error_param="max_tokens",
                             error=VLLM_CONTEXT_MESSAGE)
 
 
@@ -162,5 +162,5 @@ class RaisingRole(WorkerRole):
 async def test_the_worker_loop_survives_a_role_that_raises(core):
     role = RaisingRole(core, 0, "tiny")
     assert await apply(role, chat("x", "hi")) == [OutputMsg(
-        "x", finish_reason="abort", error_status=500, error="the worker could not admit the request: KeyError: 'boom'")]
+        "x", finish_reason=FinishReason.ABORT, error_status=500, error="the worker could not admit the request: KeyError: 'boom'")]
     assert await apply(role, AbortMsg("x")) == []

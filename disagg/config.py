@@ -262,11 +262,19 @@ class ServerConfig:
         _check_secret("admin_key", self.admin_key)
 
 
+class TransferBackend(Choice):
+    """How a P/D pair's KV moves between worker processes (kvtransfer's loopback backend joins
+    endpoints of one process only: tests, never a server)."""
+
+    NIXL = "nixl"  # NIXL agents over UCX: RDMA or NVLink on GPUs, shared memory or TCP on CPUs
+    TCP = "tcp"  # asyncio sockets, always available
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """What a prefill or decode worker needs for P/D: backend, registry address, deadlines."""
 
-    transfer_backend: str = field(default="nixl", metadata={"help": "KV transfer backend: nixl or tcp"})
+    transfer_backend: TransferBackend = field(default=TransferBackend.NIXL, metadata={"help": "KV transfer backend: nixl or tcp"})
     bootstrap_host: str = field(default="127.0.0.1", metadata={"help": "prefill: the bootstrap registry's address"})
     bootstrap_port: int = field(default=8998, metadata={"help": "prefill: the bootstrap registry's port"})
     rank_host: str = field(default="127.0.0.1", metadata={"help": "address this worker's KV control and transfer endpoints bind"})
@@ -301,8 +309,7 @@ class DisaggConfig:
                                       "compared as written (default: any host, as SGLang)"})
 
     def __post_init__(self) -> None:
-        if self.transfer_backend not in ("nixl", "tcp", "loopback"):
-            raise ConfigError(f"transfer_backend must be nixl or tcp, got {self.transfer_backend!r}")
+        object.__setattr__(self, "transfer_backend", TransferBackend.parse("transfer_backend", self.transfer_backend))
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s", "transfer_timeout_s",
                      "abort_ack_timeout_s", "kv_lease_s"):
             if getattr(self, name) <= 0:

@@ -29,7 +29,7 @@ def open_endpoint(role: str, dp_rank: int, backend_name: str, host: str, cache: 
     try:
         layout, layout_msg = cache_layouts(**cache)
         backend.register(layout)
-        peer = PeerMsg(peer_name=backend.agent_name, transfer_backend=backend_name, layout=layout_msg,
+        peer = PeerMsg(peer_name=backend.agent_name, transfer_backend=backend.backend_name, layout=layout_msg,
                        agent_metadata=backend.peer_metadata(), dp_rank=dp_rank)
     except BaseException:
         backend.close()

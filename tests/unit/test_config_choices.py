@@ -9,7 +9,8 @@ import pytest
 
 from disagg.cli import build_parser
 from disagg.cli_args import dataclass_from_args
-from disagg.config import ConfigError, DisaggregationMode, LoadBalanceMethod, ServerConfig
+from disagg.config import (CacheConfig, ConfigError, DisaggConfig, DisaggregationMode, KVCacheDType, LoadBalanceMethod,
+                           ServerConfig, TransferBackend)
 
 
 def test_strings_become_members_and_members_read_as_their_values():
@@ -32,6 +33,19 @@ def test_an_unknown_value_names_the_field_and_the_values_it_takes():
     with pytest.raises(ConfigError) as info:
         ServerConfig(disaggregation_mode="both")
     assert str(info.value) == "disaggregation_mode must be one of null, prefill, decode, got 'both'"
+    with pytest.raises(ConfigError) as info:  # the in-process twin is no server's backend
+        DisaggConfig(transfer_backend="loopback")
+    assert str(info.value) == "transfer_backend must be one of nixl, tcp, got 'loopback'"
+
+
+def test_the_transfer_backend_and_the_kv_cache_dtype_are_members_too():
+    assert DisaggConfig(transfer_backend="tcp").transfer_backend is TransferBackend.TCP
+    assert DisaggConfig().transfer_backend is TransferBackend.NIXL
+    assert CacheConfig(kv_cache_dtype="bfloat16").kv_cache_dtype is KVCacheDType.BFLOAT16
+    parser = build_parser()
+    args = parser.parse_args(["prefill", "--transfer-backend", "tcp", "--kv-cache-dtype", "bfloat16"])
+    assert dataclass_from_args(DisaggConfig, args).transfer_backend is TransferBackend.TCP
+    assert dataclass_from_args(CacheConfig, args).kv_cache_dtype is KVCacheDType.BFLOAT16
 
 
 def test_the_cli_takes_values_and_each_role_has_its_default_method():

@@ -29,8 +29,8 @@ inline void softmax_row(float* s, int64_t ctx) {
 // One (request, KV head), any group and head size: the group of query heads that share it, over the request's blocks.
 template <typename T, typename KV>
 void attend_group_any(T* out, const T* q, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
-                  const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
-                  float scale, float* scores) {
+                      const int64_t* blocks, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size,
+                      float scale, float* scores) {
   // Pass 1: scores[g][t] = round(q_g . k_t) * scale, as matmul in T then .float() * scale.
   for (int64_t t = 0; t < ctx; ++t) {
     const KV* kt = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
@@ -250,8 +250,8 @@ void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v
       attend_group<T, KV>(static_cast<T*>(out) + offset, static_cast<const T*>(q) + offset,
                           static_cast<const KV*>(k.data) + h * k.head_stride,
                           static_cast<const KV*>(v.data) + h * v.head_stride, k, v, block_tables + i * max_blocks,
-                      context_lens[i], group, head_dim, block_size, scale,
-                      scratch + (i * num_kv_heads + h) * scratch_stride);
+                          context_lens[i], group, head_dim, block_size, scale,
+                          scratch + (i * num_kv_heads + h) * scratch_stride);
     }
   }
 }
@@ -399,7 +399,7 @@ void paged_prefill_attention_d(T* out, const T* q, CacheView k, CacheView v, con
       prefill_item<T, KV, D>(out + h * group * D, q + h * group * D, num_heads * D,
                              static_cast<const KV*>(k.data) + h * k.head_stride,
                              static_cast<const KV*>(v.data) + h * v.head_stride, k, v, block_ids, block_size, start_pos,
-                         t0, nt, group, scale);
+                             t0, nt, group, scale);
     }
   }
 }

@@ -1,7 +1,7 @@
 """`disagg bench engine`: prefill and decode tok/s of our engine beside HF transformers `generate()`.
 
-Both run in the same process on the same weights and threads, one after the other, so the ratios
-hold even on a noisy shared machine. HF transformers is a dev dependency: `pip install transformers`.
+Both run in the same process on the same weights and threads, taking turns a round at a time
+(every form of ours, then HF, per batch size), so the ratios hold even on a noisy shared machine. HF transformers is a dev dependency: `pip install transformers`.
 Each run prints the CPU's flags, the kernels chosen, and memcpy GB/s measured in the same run, from
 which batch-1 decode's weight-streaming bound follows (every weight is read once per step), and
 float32 matmul GFLOP/s, from which batch decode's compute bound follows (two FLOPs per weight per row).
@@ -11,6 +11,7 @@ float32 matmul GFLOP/s, from which batch decode's compute bound follows (two FLO
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_engine(args: argparse.Namespace) -> dict:
-    """Every (kernels, quantization) form of the engine beside dense HF, per dtype and batch size."""
+    """Every (kernels, quantization, KV cache) form of the engine beside dense HF, per dtype and batch
+    size: the forms and HF take turns, a round each (best_in_rounds)."""
     quantizations = comma_list(args.quantization)
     dense = load_model(ModelConfig(model=args.model))
     loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q == "gguf" else dense for q in quantizations}
@@ -127,17 +129,21 @@ def run_engine(args: argparse.Namespace) -> dict:
     results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
         hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
-        forms = itertools.product(comma_list(args.kernels), quantizations, comma_list(args.kv_cache_dtypes))
-        for kernels, q, kv in forms:
+        forms = []  # (engine, kernels name, quantization, kv cache dtype)
+        for kernels, q, kv in itertools.product(comma_list(args.kernels), quantizations, comma_list(args.kv_cache_dtypes)):
             engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv), loads[q])
             name = engine.runner.model.ops.name
             sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
+            forms.append((engine, name, q, kv))
             print(f"{dtype_name}, {name}, {q}: {engine.engine_summary}", flush=True)
-            for b in map(int, args.batches.split(",")):
-                batch = prompts(b, args.input_len, dense.arch.vocab_size)
-                ours, theirs = best_side_by_side(
-                    lambda: bench_ours(engine, batch, args.output_len),
-                    None if hf is None else lambda: bench_hf(hf, batch, args.output_len), args.repeat)
+        for b in map(int, args.batches.split(",")):
+            batch = prompts(b, args.input_len, dense.arch.vocab_size)
+            runs = [functools.partial(bench_ours, engine, batch, args.output_len) for engine, *_ in forms]
+            if hf is not None:
+                runs.append(functools.partial(bench_hf, hf, batch, args.output_len))
+            best = best_in_rounds(runs, args.repeat)
+            theirs = best[-1] if hf is not None else (float("nan"), float("nan"))
+            for (engine, name, q, kv), ours in zip(forms, best):
                 results.append(Result(dtype_name, name, q, b, *ours, *theirs, kv_cache_dtype=kv))
                 print(_row(results[-1]), flush=True)
                 if args.profile:
@@ -240,21 +246,18 @@ def compute_bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, 
 Rates = tuple[float, float]  # (prefill tok/s, decode tok/s)
 
 
-def best_side_by_side(ours: Callable[[], Rates], theirs: Callable[[], Rates] | None,
-                      repeat: int) -> tuple[Rates, Rates]:
-    """The best of `repeat` runs of each, ours and theirs taking turns, so that both see the same
-    spells of a shared machine's load. Without `theirs`: NaN rates."""
-    mine, other = [], []
+def best_in_rounds(runs: list[Callable[[], Rates]], repeat: int) -> list[Rates]:
+    """Each run's best rates over `repeat` rounds, every run once a round in order, so that all see
+    the same spells of a shared machine's load (on one host HF's batch-16 rate moved 113.8 -> 140.9
+    tok/s between rows measured minutes apart)."""
+    rates: list[list[Rates]] = [[] for _ in runs]
     for _ in range(max(repeat, 1)):
-        mine.append(ours())
-        if theirs is not None:
-            other.append(theirs())
-    return _best(mine), _best(other)
+        for run, seen in zip(runs, rates):
+            seen.append(run())
+    return [_best(seen) for seen in rates]
 
 
 def _best(runs: list[Rates]) -> Rates:
-    if not runs:
-        return float("nan"), float("nan")
     return max(r[0] for r in runs), max(r[1] for r in runs)
 
 

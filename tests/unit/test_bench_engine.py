@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 import pytest
 import torch
 
-from disagg.bench.engine import Result, best_side_by_side, bound_lines, compute_bound_lines, machine_line, measure_matmul_gflops, table
+from disagg.bench.engine import Result, best_in_rounds, bound_lines, compute_bound_lines, machine_line, measure_matmul_gflops, table
 from disagg.engine.models.llama import LlamaModel
 
 
@@ -56,16 +55,17 @@ def test_the_matmul_rate_is_the_best_of_the_timed_products():
     assert gflops == pytest.approx(2 * 100**3 / 0.002 / 1e9) == pytest.approx(1.0)
 
 
-def test_ours_and_hf_take_turns_and_each_keeps_its_best_rates():
+def test_every_run_takes_its_turn_each_round_and_keeps_its_best_rates():
     calls = []
     ours = iter([(700.0, 300.0), (650.0, 340.0)])
+    bf16_cache = iter([(690.0, 360.0), (720.0, 350.0)])
     theirs = iter([(500.0, 120.0), (560.0, 110.0)])
-    best = best_side_by_side(lambda: calls.append("ours") or next(ours),
-                             lambda: calls.append("hf") or next(theirs), repeat=2)
-    assert calls == ["ours", "hf", "ours", "hf"]
-    assert best == ((700.0, 340.0), (560.0, 120.0))
-    alone = best_side_by_side(lambda: (1.0, 2.0), None, repeat=3)
-    assert alone[0] == (1.0, 2.0) and all(math.isnan(x) for x in alone[1])
+    best = best_in_rounds([lambda: calls.append("ours") or next(ours),
+                           lambda: calls.append("bf16 cache") or next(bf16_cache),
+                           lambda: calls.append("hf") or next(theirs)], repeat=2)
+    assert calls == ["ours", "bf16 cache", "hf", "ours", "bf16 cache", "hf"]
+    assert best == [(700.0, 340.0), (720.0, 360.0), (560.0, 120.0)]
+    assert best_in_rounds([lambda: (1.0, 2.0)], repeat=0) == [(1.0, 2.0)]  # one round at least
 
 
 def test_the_machine_line_names_the_flags_and_threads():

@@ -102,7 +102,8 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="torch,auto",
                         help="comma-separated kernel choices to compare (torch: pure-torch ops; auto: csrc where built)")
     parser.add_argument("--kv-cache-dtypes", default="auto",
-                        help="comma list of KV cache dtypes to run (auto: the model's; bfloat16)")
+                        help="comma list of KV cache dtypes to run (auto: the model's; bfloat16); every form's "
+                             "engine stays loaded for the whole run (weights and a 256 MiB cache each)")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
     from disagg.bench.peers import peer_spec
 

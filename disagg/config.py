@@ -136,6 +136,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
 
+    def __post_init__(self) -> None:
+        if self.cache.kv_cache_dtype == KVCacheDType.BFLOAT16 and self.model.dtype == "float16":
+            raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")
+
 
 def replace(obj, **changes):
     """dataclasses.replace, re-exported so callers need one import for config work."""

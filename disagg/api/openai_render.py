@@ -7,6 +7,7 @@ The front door has no tokenizer, so logprob tokens are written as `token_id:<id>
 from __future__ import annotations
 
 from disagg.api.generation import TokenLogprobs, Totals
+from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
 
@@ -119,7 +120,7 @@ class CompletionRenderer(_OpenAIRenderer):
         prompt = prompt_completion_logprobs(totals.prompt_logprobs, totals.prompt_token_ids or [])
         return prompt if logprobs is None else {key: prompt[key] + logprobs[key] for key in prompt}
 
-    def choice(self, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
+    def choice(self, text: str, logprobs: dict | None, finish_reason: FinishReason | None, stop_reason) -> dict:
         """One choice, at this prompt's index."""
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
@@ -194,7 +195,7 @@ class ChatRenderer(_OpenAIRenderer):
                 "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod
-    def _choice(body: dict, logprobs: dict | None, finish_reason: str | None, stop_reason,
+    def _choice(body: dict, logprobs: dict | None, finish_reason: FinishReason | None, stop_reason,
                 key: str = "delta") -> dict:
         return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}

@@ -43,10 +43,14 @@ class Result:
     kv_cache_dtype: str = "auto"
 
     @property
+    def kv_label(self) -> str:
+        """', kv cache bfloat16' where --kv-cache-dtype was set, else ''."""
+        return "" if self.kv_cache_dtype == "auto" else f", kv cache {self.kv_cache_dtype}"
+
+    @property
     def form(self) -> str:
-        """'float32, csrc-avx512, none' (and ', kv cache bfloat16' where the cache is not the model's dtype)."""
-        kv = "" if self.kv_cache_dtype == "auto" else f", kv cache {self.kv_cache_dtype}"
-        return f"{self.dtype}, {self.kernels}, {self.quantization}{kv}"
+        """'float32, csrc-avx512, none', and the kv_label."""
+        return f"{self.dtype}, {self.kernels}, {self.quantization}{self.kv_label}"
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -135,7 +139,7 @@ def run_engine(args: argparse.Namespace) -> dict:
             name = engine.runner.model.ops.name
             sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
             forms.append((engine, name, q, kv))
-            print(f"{dtype_name}, {name}, {q}: {engine.engine_summary}", flush=True)
+            print(f"{dtype_name}, {name}, {q}, kv cache {kv}: {engine.engine_summary}", flush=True)
         for b in map(int, args.batches.split(",")):
             batch = prompts(b, args.input_len, dense.arch.vocab_size)
             runs = [functools.partial(bench_ours, engine, batch, args.output_len) for engine, *_ in forms]
@@ -237,8 +241,7 @@ def compute_bound_lines(results: list[Result], weight_bytes_of: dict[tuple[str, 
         if r.batch > 1 and r.dtype == "float32" and r.quantization == "none":
             weights = weight_bytes_of[(r.dtype, r.kernels, r.quantization)] // 4
             bound = matmul_gflops * 1e9 / (2 * weights)
-            kv = "" if r.kv_cache_dtype == "auto" else f", kv cache {r.kv_cache_dtype}"
-            lines.append(f"- float32, {r.kernels}{kv}, batch {r.batch} ({weights / 1e6:.1f}M weights): {r.ours_decode_tps:.1f} tok/s "
+            lines.append(f"- float32, {r.kernels}{r.kv_label}, batch {r.batch} ({weights / 1e6:.1f}M weights): {r.ours_decode_tps:.1f} tok/s "
                          f"= {r.ours_decode_tps / bound:.0%} of the compute bound ({bound:.1f} tok/s)")
     return "\n".join(lines)
 

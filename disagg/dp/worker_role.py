@@ -72,10 +72,9 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
             None if top is None else _pairs(top, tok, out.num_prompt_logprobs or 0, out.logprob_token_ids)
             for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
         ]
-    finish = out.outputs.finish_reason
     return OutputMsg(
         request_id=out.request_id, new_token_ids=list(new), new_text=out.new_text,
-        finish_reason=None if finish is None else finish.value, stop_reason=out.outputs.stop_reason,
+        finish_reason=out.outputs.finish_reason, stop_reason=out.outputs.stop_reason,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens, num_output_tokens=len(out.outputs.token_ids),
     )

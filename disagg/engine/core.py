@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import ConfigError, EngineConfig, KVCacheDType
+from disagg.config import EngineConfig, KVCacheDType
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.loader import LoadedModel, load_model
@@ -46,13 +46,17 @@ def dtype_reason(name: str, device: str) -> str:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: KVCacheDType, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: the model's, or bfloat16 (under a float32 or bfloat16 model; a float16
-    model's cache stays float16: bfloat16 would lose its precision for no bytes)."""
+    """The KV cache's dtype: the model's, or bfloat16 (under a float32 or bfloat16 model: EngineConfig
+    refuses it under float16, whose cache would lose precision for no bytes)."""
     if kv_cache_dtype == KVCacheDType.AUTO:
         return model_dtype
-    if model_dtype == torch.float16:
-        raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")
+    assert model_dtype != torch.float16, "EngineConfig refuses a bfloat16 cache under a float16 model"
     return torch.bfloat16
+
+
+def kv_cache_reason(kv_cache_dtype: KVCacheDType) -> str:
+    """Why the KV cache holds what it does, for the ready line."""
+    return "auto: the model's dtype" if kv_cache_dtype == KVCacheDType.AUTO else "set by --kv-cache-dtype"
 
 
 def kernels_reason(asked: str, chosen: str) -> str:
@@ -104,12 +108,11 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
         why = dtype_reason(config.model.dtype, config.model.device)
-        kv_reason = "auto: the model's dtype" if config.cache.kv_cache_dtype == KVCacheDType.AUTO else "set by --kv-cache-dtype"
         # For the ready line and /server_info: what runs the model and why.
         self.engine_summary = (f"dtype {dtype_name(self.dtype)} ({why}), "
                                f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
                                f"quantization {config.model.quantization}: {model.matmul_weights}, "
-                               f"kv cache {dtype_name(self.kv_dtype)} ({kv_reason})")
+                               f"kv cache {dtype_name(self.kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.kv_dtype, self.eos_token_ids,
                                   config.model.seed, self.grammars)

@@ -17,9 +17,8 @@ import secrets
 import sys
 from dataclasses import replace
 
-from disagg.config import (
-    SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, EngineConfig, LoadBalanceMethod, ServerConfig,
-)
+from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig
+from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
 from disagg.launch import RunningServer, drain_server, say, start_server
 from disagg.logs import configure_logging

@@ -1,6 +1,7 @@
 """Frozen configuration, one dataclass per component, composed per role.
 
-Environment variables are read here and nowhere else. Values found at run time (the model's
+Environment variables are read here and nowhere else; the engine's own configs (model, cache,
+scheduler) live in disagg/engine_config.py, which reads none. Values found at run time (the model's
 architecture, the number of KV blocks that fit) are returned by the component that finds them,
 never written back into these objects.
 """
@@ -32,113 +33,10 @@ class Choice(str, enum.Enum):
         except ValueError:
             raise ConfigError(f"{name} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
 
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KERNEL_CHOICES = ("auto", "csrc", "torch")
-# none: dense weights in the model dtype; int8/int4: quantize on load; gguf: keep a GGUF's own blocks.
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model: str = field(
-        default="smollm2-135m",
-        metadata={"help": "model: 'smollm2-135m' (default), 'tiny', an HF folder or a .gguf file"},
-    )
-    dtype: str = field(
-        default="auto",
-        metadata={"help": "auto (bfloat16 where the CPU supports it, never float16 on CPU), float32, bfloat16"},
-    )
-    quantization: str = field(
-        default="none",
-        metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
-                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8); CPU only"},
-    )
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
-    kernels: str = field(
-        default="auto",
-        metadata={"help": "forward-pass kernels: auto (csrc/ where built, else torch), csrc, torch"},
-    )
-    max_model_len: int | None = field(
-        default=None, metadata={"help": "context length cap (default: the model's own)"}
-    )
-    seed: int = field(default=0, metadata={"help": "seed for the tiny model's weights and unseeded sampling"})
-    served_model_name: str | None = field(default=None, metadata={"help": "name shown in /v1/models"})
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kernels not in KERNEL_CHOICES:
-            raise ConfigError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if self.device.startswith("cpu") and self.dtype == "float16":
-            raise ConfigError("dtype float16 is not supported on CPU; use bfloat16 or float32")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization != "none" and not self.device.startswith("cpu"):
-            raise ConfigError(f"quantization {self.quantization!r} runs on CPU only (torch's int4/int8 CPU kernels); "
-                              f"use quantization none on {self.device}")
-
-
-class KVCacheDType(Choice):
-    """What the paged KV cache holds: AUTO the model's dtype; BFLOAT16 half the bytes of a float32
-    model's (attention reads half as much; greedy outputs may then differ from HF's)."""
-
-    AUTO = "auto"
-    BFLOAT16 = "bfloat16"
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_cache_dtype: KVCacheDType = field(
-        default=KVCacheDType.AUTO,
-        metadata={"help": "KV cache dtype: auto (the model's) or bfloat16 (half a float32 model's bytes; "
-                          "P and D must agree)"},
-    )
-    num_blocks: int | None = field(
-        default=None, metadata={"help": "KV blocks per worker (default: from kv_cache_memory_mib)"}
-    )
-    kv_cache_memory_mib: int = field(default=512, metadata={"help": "KV cache size per worker in MiB"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
-        object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse("kv_cache_dtype", self.kv_cache_dtype))
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ConfigError(f"num_blocks must be at least 2, got {self.num_blocks}")
-        if self.kv_cache_memory_mib <= 0:
-            raise ConfigError(f"kv_cache_memory_mib must be positive, got {self.kv_cache_memory_mib}")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
-    max_num_batched_tokens: int = field(
-        default=1024, metadata={"help": "token budget of one engine step (chunked prefill)"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0:
-            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ConfigError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
-            )
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
-
-    def __post_init__(self) -> None:
-        if self.cache.kv_cache_dtype == KVCacheDType.BFLOAT16 and self.model.dtype == "float16":
-            raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")
+    @classmethod
+    def coerce_field(cls, config, name: str) -> None:
+        """In a frozen config's __post_init__: its field `name` (a str or a member) becomes the member."""
+        object.__setattr__(config, name, cls.parse(name, getattr(config, name)))
 
 
 def replace(obj, **changes):
@@ -250,8 +148,7 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.dp_size < 1:
             raise ConfigError(f"dp_size must be at least 1, got {self.dp_size}")
-        method = LoadBalanceMethod.parse("load_balance_method", self.load_balance_method)
-        object.__setattr__(self, "load_balance_method", method)
+        LoadBalanceMethod.coerce_field(self, "load_balance_method")
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
         if not 0 < self.worker_restart_backoff_s <= self.worker_restart_max_backoff_s:
@@ -259,8 +156,7 @@ class ServerConfig:
                 "need 0 < worker_restart_backoff_s <= worker_restart_max_backoff_s, got "
                 f"{self.worker_restart_backoff_s}, {self.worker_restart_max_backoff_s}"
             )
-        mode = DisaggregationMode.parse("disaggregation_mode", self.disaggregation_mode)
-        object.__setattr__(self, "disaggregation_mode", mode)
+        DisaggregationMode.coerce_field(self, "disaggregation_mode")
         check_shutdown_timeout(self.shutdown_timeout_s)
         _check_secret("api_key", self.api_key)
         _check_secret("admin_key", self.admin_key)
@@ -278,7 +174,9 @@ class TransferBackend(Choice):
 class DisaggConfig:
     """What a prefill or decode worker needs for P/D: backend, registry address, deadlines."""
 
-    transfer_backend: TransferBackend = field(default=TransferBackend.NIXL, metadata={"help": "KV transfer backend: nixl or tcp"})
+    transfer_backend: TransferBackend = field(
+        default=TransferBackend.NIXL, metadata={"help": "KV transfer backend: nixl or tcp"}
+    )
     bootstrap_host: str = field(default="127.0.0.1", metadata={"help": "prefill: the bootstrap registry's address"})
     bootstrap_port: int = field(default=8998, metadata={"help": "prefill: the bootstrap registry's port"})
     rank_host: str = field(default="127.0.0.1", metadata={"help": "address this worker's KV control and transfer endpoints bind"})
@@ -313,7 +211,7 @@ class DisaggConfig:
                                       "compared as written (default: any host, as SGLang)"})
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "transfer_backend", TransferBackend.parse("transfer_backend", self.transfer_backend))
+        TransferBackend.coerce_field(self, "transfer_backend")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s", "transfer_timeout_s",
                      "abort_ack_timeout_s", "kv_lease_s"):
             if getattr(self, name) <= 0:

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 import msgspec
 import structlog
 
-from disagg.config import DisaggConfig, EngineConfig, ServerConfig
+from disagg.config import DisaggConfig, ServerConfig
+from disagg.engine_config import EngineConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.types import FinishReason

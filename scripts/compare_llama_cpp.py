@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.loader import load_model
 from disagg.engine.models.llama import ForwardBatch, PrefillSegment

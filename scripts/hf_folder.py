@@ -8,7 +8,7 @@ dequantized to float32, as `--dtype float32 --quantization none` loads it (docs/
 import sys
 
 from disagg.bench.hf_baseline import save_hf_folder
-from disagg.config import ModelConfig
+from disagg.engine_config import ModelConfig
 from disagg.engine.loader import load_model
 
 

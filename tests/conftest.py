@@ -10,7 +10,7 @@ def tiny_loaded():
 
 @pytest.fixture(scope="session")
 def smollm2_loaded():
-    from disagg.config import ModelConfig
+    from disagg.engine_config import ModelConfig
     from disagg.engine.loader import load_model
 
     return load_model(ModelConfig(model="smollm2-135m"))

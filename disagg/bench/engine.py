@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from disagg.cli_args import comma_list
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
 from disagg.engine.loader import load_model

@@ -21,7 +21,8 @@ from dataclasses import replace
 
 import structlog
 
-from disagg.config import EngineConfig, ServerConfig
+from disagg.config import ServerConfig
+from disagg.engine_config import EngineConfig
 from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher
 from disagg.dp.framing import frame, read_frame

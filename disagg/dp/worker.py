@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from disagg.config import EngineConfig
+from disagg.engine_config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (

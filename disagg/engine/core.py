@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import EngineConfig, KVCacheDType
+from disagg.engine_config import EngineConfig, KVCacheDType
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.loader import LoadedModel, load_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest, RequestOutput, SamplingParams
 

@@ -21,7 +21,8 @@ import structlog
 import torch
 from safetensors.torch import load_file
 
-from disagg.config import ConfigError, ModelConfig
+from disagg.config import ConfigError
+from disagg.engine_config import ModelConfig
 from disagg.engine import gguf_reader
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.tokenizer import Tokenizer

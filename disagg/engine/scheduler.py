@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from disagg.config import SchedulerConfig
+from disagg.engine_config import SchedulerConfig
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.request import Request, RequestStatus
 from disagg.types import FinishReason, SamplingParams, TopLogprobs

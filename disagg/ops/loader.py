@@ -7,7 +7,7 @@ import functools
 import structlog
 import torch
 
-from disagg.config import KERNEL_CHOICES
+from disagg.engine_config import KERNEL_CHOICES
 from disagg.ops import build
 from disagg.ops.reference import TorchOps
 

@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from disagg.config import ServerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.dp.controller import DPController
 from disagg.dp.protocol import UtilityFailed, WorkerUnavailable
 from disagg.engine.core import EngineCore

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
-from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from disagg.config import DisaggConfig, ServerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import RunningServer, start_server
 
 TINY = EngineConfig(

@@ -88,7 +88,7 @@ async def test_sleep_is_refused_on_pd_workers_with_the_reason():
 async def test_a_full_decode_cache_queues_requests_instead_of_failing_them():
     from dataclasses import replace
 
-    from disagg.config import CacheConfig
+    from disagg.engine_config import CacheConfig
     from pd_cluster import TINY
 
     small = replace(TINY, cache=CacheConfig(num_blocks=30, block_size=4))  # 120 tokens: one long request at a time

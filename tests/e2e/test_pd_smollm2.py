@@ -6,7 +6,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.types import SamplingParams
 from hf_reference import hf_greedy_processed, hf_model_from_loaded, hf_sampled
 from pd_cluster import start_pd, start_unified

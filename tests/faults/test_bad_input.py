@@ -7,7 +7,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from disagg.config import DisaggConfig, ServerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import start_server
 from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
 

@@ -108,7 +108,7 @@ async def test_prefill_stopped_past_the_decode_deadline_then_resumed_never_write
 async def test_prefill_killed_mid_transfer_of_a_chunked_prompt():
     from dataclasses import replace
 
-    from disagg.config import SchedulerConfig
+    from disagg.engine_config import SchedulerConfig
     from pd_cluster import TINY
 
     expected = await unified_outputs(PROMPTS)

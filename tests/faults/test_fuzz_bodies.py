@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 from fuzz_bodies import BodyFuzzer, Fuzzed, Route, check_answer, routes
 
-from disagg.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from disagg.config import DisaggConfig, ServerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from disagg.launch import start_server

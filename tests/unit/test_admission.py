@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.dp.worker_role import WorkerRole
 from disagg.dp.worker import apply
 from disagg.engine.core import EngineCore

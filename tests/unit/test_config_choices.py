@@ -9,8 +9,8 @@ import pytest
 
 from disagg.cli import build_parser
 from disagg.cli_args import dataclass_from_args
-from disagg.config import (CacheConfig, ConfigError, DisaggConfig, DisaggregationMode, KVCacheDType, LoadBalanceMethod,
-                           ServerConfig, TransferBackend)
+from disagg.config import ConfigError, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TransferBackend
+from disagg.engine_config import CacheConfig, KVCacheDType
 
 
 def test_strings_become_members_and_members_read_as_their_values():

@@ -4,7 +4,7 @@ request alone."""
 
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.models.tiny import EOS_ID
 from disagg.types import FinishReason, SamplingParams

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.loader import load_model
 from disagg.ops import loader, quant

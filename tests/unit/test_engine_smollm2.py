@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.core import EngineCore
 from disagg.types import SamplingParams
 from engine_runs import run_requests

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.llm import LLM
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, SamplingParams
@@ -121,7 +121,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_in_the_same_memory(tiny_loaded)
 
 
 def test_the_kv_cache_dtype_resolves_against_the_model_dtype():
-    from disagg.config import ConfigError, KVCacheDType
+    from disagg.config import ConfigError
+    from disagg.engine_config import KVCacheDType
     from disagg.engine.core import resolve_kv_cache_dtype
 
     assert resolve_kv_cache_dtype(KVCacheDType.AUTO, torch.float32) == torch.float32

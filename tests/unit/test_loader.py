@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.config import ConfigError, ModelConfig
+from disagg.config import ConfigError
+from disagg.engine_config import ModelConfig
 from disagg.engine import gguf_reader, loader
 from disagg.engine.loader import load_model, resolve_model_path, weight_shapes
 from disagg.engine.models.arch import LlamaArch

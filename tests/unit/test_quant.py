@@ -7,7 +7,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from disagg.config import ConfigError, ModelConfig
+from disagg.config import ConfigError
+from disagg.engine_config import ModelConfig
 from disagg.engine.loader import load_model
 from disagg.ops import quant
 from disagg.ops.linear import PackedWeight, linear, prepare_weight

@@ -1,6 +1,6 @@
 """Scheduler and KV cache manager with exact block ids, token budgets and preemptions."""
 
-from disagg.config import SchedulerConfig
+from disagg.engine_config import SchedulerConfig
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.request import Request, RequestStatus
 from disagg.engine.scheduler import SampledToken, Scheduler

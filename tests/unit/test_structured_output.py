@@ -103,7 +103,7 @@ def test_a_refused_token_fails_only_its_matcher(tiny_loaded):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smollm2_fills_a_schema(smollm2_loaded):
-    from disagg.config import CacheConfig, EngineConfig, ModelConfig
+    from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
     from disagg.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=ModelConfig(dtype="float32"), cache=CacheConfig(num_blocks=128)), smollm2_loaded)

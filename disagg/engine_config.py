@@ -1,0 +1,116 @@
+"""The engine's frozen configuration: the model (weights, dtype, kernels, quantization), the paged KV
+cache and the scheduler, composed into EngineConfig. Read from no environment variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagg.config import Choice, ConfigError
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_CHOICES = ("auto", "csrc", "torch")
+# none: dense weights in the model dtype; int8/int4: quantize on load; gguf: keep a GGUF's own blocks.
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = field(
+        default="smollm2-135m",
+        metadata={"help": "model: 'smollm2-135m' (default), 'tiny', an HF folder or a .gguf file"},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (bfloat16 where the CPU supports it, never float16 on CPU), float32, bfloat16"},
+    )
+    quantization: str = field(
+        default="none",
+        metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
+                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8); CPU only"},
+    )
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
+    kernels: str = field(
+        default="auto",
+        metadata={"help": "forward-pass kernels: auto (csrc/ where built, else torch), csrc, torch"},
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length cap (default: the model's own)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for the tiny model's weights and unseeded sampling"})
+    served_model_name: str | None = field(default=None, metadata={"help": "name shown in /v1/models"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.device.startswith("cpu") and self.dtype == "float16":
+            raise ConfigError("dtype float16 is not supported on CPU; use bfloat16 or float32")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ConfigError(f"quantization {self.quantization!r} runs on CPU only (torch's int4/int8 CPU kernels); "
+                              f"use quantization none on {self.device}")
+
+
+class KVCacheDType(Choice):
+    """What the paged KV cache holds: AUTO the model's dtype; BFLOAT16 half the bytes of a float32
+    model's (attention reads half as much; greedy outputs may then differ from HF's)."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_dtype: KVCacheDType = field(
+        default=KVCacheDType.AUTO,
+        metadata={"help": "KV cache dtype: auto (the model's) or bfloat16 (half a float32 model's bytes; "
+                          "P and D must agree)"},
+    )
+    num_blocks: int | None = field(
+        default=None, metadata={"help": "KV blocks per worker (default: from kv_cache_memory_mib)"}
+    )
+    kv_cache_memory_mib: int = field(default=512, metadata={"help": "KV cache size per worker in MiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        KVCacheDType.coerce_field(self, "kv_cache_dtype")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be at least 2, got {self.num_blocks}")
+        if self.kv_cache_memory_mib <= 0:
+            raise ConfigError(f"kv_cache_memory_mib must be positive, got {self.kv_cache_memory_mib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=1024, metadata={"help": "token budget of one engine step (chunked prefill)"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
+
+    def __post_init__(self) -> None:
+        if self.cache.kv_cache_dtype == KVCacheDType.BFLOAT16 and self.model.dtype == "float16":
+            raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")

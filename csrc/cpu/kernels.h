@@ -13,6 +13,10 @@
 
 #include "table.h"
 
+// OpenMP's thread queries, declared here rather than through <omp.h> (see above).
+extern "C" int omp_get_num_threads(void);
+extern "C" int omp_get_thread_num(void);
+
 // NaN and infinities are values here (argmax_rows' first NaN, exp_approx's limits, to_bf16's NaN):
 // a build that assumes finite math would silently break them.
 #if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__

@@ -81,3 +81,28 @@ def test_the_table_gives_ratios_and_dashes_where_hf_did_not_run():
     rows = table(results, argparse.Namespace(input_len=256, output_len=32)).splitlines()[-2:]
     assert rows == ["| float32 | csrc-avx512 | gguf | bfloat16 | 16 | 1744 | 872 | 2.00x | 509.3 | 166.0 | 3.07x |",
                     "| bfloat16 | csrc-avx512 | gguf | auto | 1 | 1564 | - | - | 144.1 | - | - |"]
+
+
+class _TickingTime:
+    """The module `time` as bench_hf sees it: perf_counter() returns 0, 1, 2, ... one per call."""
+
+    def __init__(self) -> None:
+        self.now = -1.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_hf_is_timed_per_step_inside_one_generate(tiny_loaded, monkeypatch):
+    """One generate() of output_len + 1 tokens: the clock reads once before it and once per step, so
+    prefill is 1 tick and the 3 decode steps are 3 ticks (a second generate() would read it more)."""
+    from disagg.bench import engine as bench_engine
+    from disagg.bench.hf_baseline import hf_model_from_loaded
+
+    clock = _TickingTime()
+    monkeypatch.setattr(bench_engine, "time", clock)
+    batch = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    prefill_tps, decode_tps = bench_engine.bench_hf(hf_model_from_loaded(tiny_loaded), batch, output_len=3)
+    assert clock.now == 4.0  # start, then steps 1 (the first token) .. 4
+    assert (prefill_tps, decode_tps) == (8.0, 2.0)  # 8 prompt tokens in 1 tick; 2 x 3 tokens in 3 ticks

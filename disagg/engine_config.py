@@ -3,7 +3,7 @@ cache and the scheduler, composed into EngineConfig. Read from no environment va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disagg.config import Choice, ConfigError
 
@@ -29,7 +29,7 @@ class ModelConfig:
         metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
                           "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8); CPU only"},
     )
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda (DP rank r takes cuda:r) or cuda:N (every rank)"})
     kernels: str = field(
         default="auto",
         metadata={"help": "forward-pass kernels: auto (csrc/ where built, else torch), csrc, torch"},
@@ -114,3 +114,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.cache.kv_cache_dtype == KVCacheDType.BFLOAT16 and self.model.dtype == "float16":
             raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")
+
+    def for_dp_rank(self, rank: int) -> EngineConfig:
+        """The config DP worker `rank` runs: each rank its own GPU, so device `cuda` becomes
+        `cuda:<rank>`; a device that names its index, or the CPU, is every rank's."""
+        if self.model.device != "cuda":
+            return self
+        return replace(self, model=replace(self.model, device=f"cuda:{rank}"))

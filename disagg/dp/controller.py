@@ -109,7 +109,7 @@ class DPController:
         self._supervising = True  # from now on a dead worker is restarted (at start-up it is fatal)
 
     def _spawn(self, rank: int):
-        spec = WorkerSpec(rank, self.engine_config, self._socket_path, self.server.log_format, self.role)
+        spec = WorkerSpec(rank, self.engine_config.for_dp_rank(rank), self._socket_path, self.server.log_format, self.role)
         process = multiprocessing.get_context("spawn").Process(
             target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
         process.start()

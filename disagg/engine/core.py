@@ -349,7 +349,9 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache; level 2 also drops the weights. Unfinished requests are aborted."""
+        """Level 1 frees the KV cache, and on CUDA the device's weights too (the host copy the engine
+        loaded stays, and wake_up moves it back); level 2 also drops the host copy. Unfinished
+        requests are aborted."""
         if level not in (1, 2):
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level}", "level")
         for request_id in list(self.scheduler.requests):
@@ -357,16 +359,21 @@ class EngineCore:
         for request_id in list(self.scheduler.holding):
             self.release(request_id)  # the cache itself goes away: nothing can be written into it
         self.runner.free_kv_cache()
-        if level == 2:
+        on_cuda = self.config.model.device.startswith("cuda")
+        if level == 2 or on_cuda:
             self.runner.model = None
+        if level == 2:
             self.loaded = None
+        if on_cuda:
+            torch.cuda.empty_cache()  # back to the device, not only to torch's caching allocator
         self.sleep_level = max(self.sleep_level, level)
 
     def wake_up(self) -> None:
         if self.sleep_level == 0:
             return
-        if self.runner.model is None:
+        if self.loaded is None:
             self.loaded = load_model(self.config.model)
+        if self.runner.model is None:
             self.runner.model = self._build_model()
         self.runner.allocate_kv_cache()
         self.kv.reset()

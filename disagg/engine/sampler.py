@@ -123,7 +123,9 @@ class Sampler:
         return logits, failed
 
     def _sample_row(self, logits: torch.Tensor, seq: ScheduledSeq) -> int:
-        probs = truncated_probs(logits, seq.sampling_params)
+        # On the CPU, whatever the model's device: the generators are CPU ones (a CUDA tensor refuses
+        # them), so a seed draws the same tokens from the same logits on either device.
+        probs = truncated_probs(logits.cpu(), seq.sampling_params)
         return int(torch.multinomial(probs, 1, generator=self._generator(seq)).item())
 
     def _generator(self, seq: ScheduledSeq) -> torch.Generator:

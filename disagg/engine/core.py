@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.config import ConfigError
 from disagg.engine_config import EngineConfig, KVCacheDType
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
@@ -29,11 +30,18 @@ from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOu
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and on CPUs with native bf16 support, else float32."""
+    """'auto' is bfloat16 where the device computes it natively (AVX512_BF16 CPUs, Ampere and later
+    GPUs); else float16 on a GPU (bfloat16 would be emulated) and float32 on a CPU."""
     if name == "auto":
-        bf16 = device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
+        if device.startswith("cuda"):
+            return torch.bfloat16 if _cuda_has_native_bf16(device) else torch.float16
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
     return getattr(torch, name)
+
+
+def _cuda_has_native_bf16(device: str) -> bool:
+    with torch.cuda.device(torch.device(device)):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def dtype_reason(name: str, device: str) -> str:
@@ -41,7 +49,7 @@ def dtype_reason(name: str, device: str) -> str:
     if name != "auto":
         return "set by --dtype"
     if device.startswith("cuda"):
-        return "auto: CUDA"
+        return "auto: native bf16 on this GPU" if _cuda_has_native_bf16(device) else "auto: no native bf16 on this GPU"
     return "auto: native bf16 (AVX512_BF16)" if torch.cpu._is_avx512_bf16_supported() else "auto: no native bf16 on this CPU"
 
 
@@ -50,7 +58,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: KVCacheDType, model_dtype: torch.dtyp
     refuses it under float16, whose cache would lose precision for no bytes)."""
     if kv_cache_dtype == KVCacheDType.AUTO:
         return model_dtype
-    assert model_dtype != torch.float16, "EngineConfig refuses a bfloat16 cache under a float16 model"
+    if model_dtype == torch.float16:  # EngineConfig refuses --dtype float16; this is auto's choice on a GPU
+        raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16 "
+                          "(dtype auto chose float16: this GPU has no native bf16)")
     return torch.bfloat16
 
 

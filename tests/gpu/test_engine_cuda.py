@@ -56,9 +56,11 @@ def test_seeded_sampling_on_cuda_draws_the_cpu_engines_tokens(tiny_loaded):
     assert len({tuple(t) for t in on_cuda}) == len(PROMPTS)
 
 
-def test_auto_dtype_on_cuda_is_bfloat16_and_a_prefix_hit_gives_the_same_tokens(tiny_loaded):
+def test_auto_dtype_on_cuda_is_native_and_a_prefix_hit_gives_the_same_tokens(tiny_loaded):
     core = engine(tiny_loaded, dtype="auto")
-    assert (core.runner.kv_cache.device.type, core.runner.kv_cache.dtype) == (DEVICE, torch.bfloat16)
+    native = torch.cuda.is_bf16_supported(including_emulation=False) if DEVICE == "cuda" else True
+    assert (core.runner.kv_cache.device.type, core.runner.kv_cache.dtype) == (
+        DEVICE, torch.bfloat16 if native else torch.float16)
     prefix = list(range(40, 60))  # 20 tokens = 5 full blocks of 4
     [first] = run_requests(core, [(prefix + [1, 2, 3], GREEDY)])
     [second] = run_requests(core, [(prefix + [7, 8], GREEDY)])

@@ -186,7 +186,8 @@ class DecodeRole(WorkerRole):
         prefill = await self._read_peer(client)
         claim = await client.claim(ticket.request_id)
         if not claim.ok:
-            raise TransferFailed(f"prefill {ticket.host}:{ticket.port} refused the claim of {ticket.request_id}: {claim.reason}")
+            raise TransferFailed(f"prefill {ticket.host}:{ticket.port} refused the claim of {ticket.request_id}: {claim.reason}",
+                                 peer_lost=claim.peer_lost)
         num_read = min(self.core.kv.blocks_needed(num_prompt_tokens - 1), len(claim.block_ids), len(blocks))
         num_bytes = 0
         if num_read:
@@ -199,7 +200,8 @@ class DecodeRole(WorkerRole):
         pending.lease = None
         released = await client.release(ticket.request_id)
         if not released.ok:
-            raise TransferFailed(f"the KV of {ticket.request_id} was not held through the read: {released.reason}")
+            raise TransferFailed(f"the KV of {ticket.request_id} was not held through the read: {released.reason}",
+                                 peer_lost=released.peer_lost)
         return TransferStatusMsg(room=0, state=TransferState.SUCCESS, num_bytes=num_bytes)
 
     async def _read_peer(self, client) -> str:
@@ -266,7 +268,7 @@ class DecodeRole(WorkerRole):
             reason = status.reason
         else:  # bad input reads as itself; anything else names its kind
             reason = status.message if isinstance(status, InvalidRequest) else f"{type(status).__name__}: {status}"
-        unavailable = isinstance(status, PeerUnavailable) or "lost connection" in reason
+        unavailable = isinstance(status, PeerUnavailable) or getattr(status, "peer_lost", False)
         code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id)

@@ -31,11 +31,13 @@ class KVTransferError(Exception):
 
 
 class TransferFailed(KVTransferError):
-    """A transfer ended FAILED; `reason` says why."""
+    """A transfer ended FAILED; `reason` says why. `peer_lost`: because the connection to the peer
+    broke (a retry elsewhere may succeed), not because of the request."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, peer_lost: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.peer_lost = peer_lost
 
 
 class PeerUnavailable(KVTransferError):

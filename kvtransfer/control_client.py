@@ -5,7 +5,7 @@ Lifecycle: `connect()` (reach the prefill and register, within `connect_timeout_
 TransferStatusMsg (SUCCESS or FAILED, never an exception), `abort(room)`, and `close()`.
 A heartbeat goes out every `heartbeat_interval_s`; after `heartbeat_max_misses` unanswered ones in a
 row, or when the stream breaks, every pending room fails with "lost connection to prefill <addr>:
-..." and the client is dead: make a new one to reconnect.
+..." and `peer_lost` set (claims and releases too), and the client is dead: make a new one to reconnect.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class ControlClient:
         self._leases: dict[tuple[str, bool], asyncio.Future[LeaseStatusMsg]] = {}  # (request id, release)
         self._tasks: list[asyncio.Task] = []
         self._dead: str | None = "not connected"
+        self._lost = False  # _dead says the stream broke (not: never connected, or closed by us)
         self._closing = False
         self._heartbeat_seq = 0
         self._heartbeat_acked = 0
@@ -167,7 +168,7 @@ class ControlClient:
         if self._closing:
             return
         self._closing = True
-        self._fail_all("control client closed")
+        self._fail_all("control client closed", peer_lost=False)
         self._outbox.put_nowait(None)
         reader = self._tasks[0] if self._tasks else None
         if reader is not None:
@@ -239,7 +240,8 @@ class ControlClient:
     def _lease_call(self, request_id: str, release: bool, msg: pb.DecodeMsg) -> asyncio.Future[LeaseStatusMsg]:
         future: asyncio.Future[LeaseStatusMsg] = asyncio.get_running_loop().create_future()
         if self._dead is not None:
-            future.set_result(LeaseStatusMsg(request_id=request_id, ok=False, reason=self._dead, released=release))
+            future.set_result(LeaseStatusMsg(request_id=request_id, ok=False, reason=self._dead, released=release,
+                                             peer_lost=self._lost))
             return future
         if (request_id, release) in self._leases:
             raise ControlError(f"a {'release' if release else 'claim'} of {request_id} is already in flight")
@@ -259,23 +261,25 @@ class ControlClient:
         if not entry.future.done():
             entry.future.set_result(status)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, peer_lost: bool) -> None:
         if self._dead is None:
-            self._dead = reason
+            self._dead, self._lost = reason, peer_lost
         rooms, self._rooms = self._rooms, {}
         for room, entry in rooms.items():
-            self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=reason))
+            self._resolve(entry, TransferStatusMsg(room=room, state=TransferState.FAILED, reason=reason,
+                                                   peer_lost=peer_lost))
             if entry.fence is not None and not entry.fence.done():
                 entry.fence.set_result(False)
         leases, self._leases = self._leases, {}
         for (request_id, release), future in leases.items():
             if not future.done():
-                future.set_result(LeaseStatusMsg(request_id=request_id, ok=False, reason=reason, released=release))
+                future.set_result(LeaseStatusMsg(request_id=request_id, ok=False, reason=reason, released=release,
+                                                 peer_lost=peer_lost))
 
     def _lose(self, detail: str) -> None:
         reason = f"lost connection to prefill {self.address}: {detail}"
         log.warning("control stream lost", prefill=self.address, detail=detail, rooms=len(self._rooms))
-        self._fail_all(reason)
+        self._fail_all(reason, peer_lost=True)
         self._outbox.put_nowait(None)
         if self._call is not None:
             self._call.cancel()

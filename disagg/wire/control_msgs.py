@@ -73,6 +73,9 @@ class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     # With SUCCESS, when asked for: per prompt token from the second on, its (token id, logprob)
     # pairs (the actual token's and the top-n); the first prompt token has none.
     prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # Set by the decode's control client, never sent: the stream to the prefill broke, so the room
+    # failed without the prefill's word (the peer is unavailable, not the request bad).
+    peer_lost: bool = False
 
 
 class AbortMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +104,7 @@ class LeaseStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     block_ids: tuple[int, ...] = ()
     released: bool = False
+    peer_lost: bool = False  # as TransferStatusMsg.peer_lost: not ok because the stream broke
 
 
 class PeerLostMsg(msgspec.Struct, frozen=True, kw_only=True):

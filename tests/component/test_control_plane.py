@@ -19,6 +19,7 @@ from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof
 from disagg.wire.control_msgs import (
     AbortMsg,
     LeaseMsg,
+    LeaseStatusMsg,
     KVLayoutMsg,
     PeerLostMsg,
     PeerMsg,
@@ -49,8 +50,8 @@ def info(room=7, blocks=(3, 4, 5), **kw):
     return TransferInfoMsg(room=room, peer_name=kw.pop("peer_name", "decode-0"), dst_block_ids=tuple(blocks), **kw)
 
 
-def failed(room, reason):
-    return TransferStatusMsg(room=room, state=FAILED, reason=reason)
+def failed(room, reason, peer_lost=False):
+    return TransferStatusMsg(room=room, state=FAILED, reason=reason, peer_lost=peer_lost)
 
 
 @pytest.fixture
@@ -216,7 +217,7 @@ async def test_stopping_the_server_fails_pending_rooms_without_hanging():
         await server.close()
         result = await asyncio.wait_for(future, 2)
         assert time.monotonic() - start < 2.0
-        assert result == failed(31, f"lost connection to prefill 127.0.0.1:{port}: stream closed by the prefill")
+        assert result == failed(31, f"lost connection to prefill 127.0.0.1:{port}: stream closed by the prefill", peer_lost=True)
         assert await asyncio.wait_for(server.events.get(), 2) == PeerLostMsg(
             peer_name="decode-0", reason="control server closed", rooms=(31,))
         assert not cli.is_alive
@@ -245,8 +246,26 @@ async def test_missed_heartbeats_fail_every_pending_room():
             results = await asyncio.wait_for(asyncio.gather(*futures), 2)
             elapsed = time.monotonic() - start
             reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
-            assert results == [failed(1, reason), failed(2, reason)]
+            assert results == [failed(1, reason, peer_lost=True), failed(2, reason, peer_lost=True)]
             assert 0.2 <= elapsed < 1.5  # three intervals of 0.1 s, plus scheduling
+    finally:
+        await grpc_server.stop(0)
+
+
+async def test_a_lost_stream_fails_claims_and_releases_as_peer_lost():
+    """Pull flow: a claim pending when the stream breaks, and a release after, answer not ok with
+    peer_lost set (the decode answers 503: the prefill is unavailable, the request is not bad)."""
+    grpc_server = grpc.aio.server()
+    pb_grpc.add_KVControlServicer_to_server(SilentPrefill(), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    try:
+        async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
+            claim = await asyncio.wait_for(cli.claim("req-1"), 2)
+            release = await asyncio.wait_for(cli.release("req-1"), 2)
+        reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
+        assert claim == LeaseStatusMsg(request_id="req-1", ok=False, reason=reason, released=False, peer_lost=True)
+        assert release == LeaseStatusMsg(request_id="req-1", ok=False, reason=reason, released=True, peer_lost=True)
     finally:
         await grpc_server.stop(0)
 
@@ -275,7 +294,8 @@ async def test_reregistering_the_same_peer_replaces_the_old_stream(server, clien
             peer_name="decode-0", reason="peer registered again on a new stream", rooms=(41,))
         assert await asyncio.wait_for(server.events.get(), 2) == DECODE
         result = await asyncio.wait_for(future, 2)
-    assert result == failed(41, f"lost connection to prefill 127.0.0.1:{server.port}: stream closed by the prefill")
+    assert result == failed(41, f"lost connection to prefill 127.0.0.1:{server.port}: stream closed by the prefill",
+                            peer_lost=True)
 
 
 async def test_unreachable_prefill_and_client_misuse():

@@ -234,40 +234,41 @@ class SilentPrefill(pb_grpc.KVControlServicer):
                 yield register_ack_msg(True, peer=PREFILL)
 
 
-async def test_missed_heartbeats_fail_every_pending_room():
+@pytest.fixture
+async def silent_prefill_port():
+    """The port of a SilentPrefill served on loopback (stopped after the test)."""
     grpc_server = grpc.aio.server()
     pb_grpc.add_KVControlServicer_to_server(SilentPrefill(), grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     try:
-        async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
-            start = time.monotonic()
-            futures = [cli.send_transfer(info(room)) for room in (1, 2)]
-            results = await asyncio.wait_for(asyncio.gather(*futures), 2)
-            elapsed = time.monotonic() - start
-            reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
-            assert results == [failed(1, reason, peer_lost=True), failed(2, reason, peer_lost=True)]
-            assert 0.2 <= elapsed < 1.5  # three intervals of 0.1 s, plus scheduling
+        yield port
     finally:
         await grpc_server.stop(0)
 
 
-async def test_a_lost_stream_fails_claims_and_releases_as_peer_lost():
+async def test_missed_heartbeats_fail_every_pending_room(silent_prefill_port):
+    port = silent_prefill_port
+    async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
+        start = time.monotonic()
+        futures = [cli.send_transfer(info(room)) for room in (1, 2)]
+        results = await asyncio.wait_for(asyncio.gather(*futures), 2)
+        elapsed = time.monotonic() - start
+        reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
+        assert results == [failed(1, reason, peer_lost=True), failed(2, reason, peer_lost=True)]
+        assert 0.2 <= elapsed < 1.5  # three intervals of 0.1 s, plus scheduling
+
+
+async def test_a_lost_stream_fails_claims_and_releases_as_peer_lost(silent_prefill_port):
     """Pull flow: a claim pending when the stream breaks, and a release after, answer not ok with
     peer_lost set (the decode answers 503: the prefill is unavailable, the request is not bad)."""
-    grpc_server = grpc.aio.server()
-    pb_grpc.add_KVControlServicer_to_server(SilentPrefill(), grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
-    await grpc_server.start()
-    try:
-        async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
-            claim = await asyncio.wait_for(cli.claim("req-1"), 2)
-            release = await asyncio.wait_for(cli.release("req-1"), 2)
-        reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
-        assert claim == LeaseStatusMsg(request_id="req-1", ok=False, reason=reason, released=False, peer_lost=True)
-        assert release == LeaseStatusMsg(request_id="req-1", ok=False, reason=reason, released=True, peer_lost=True)
-    finally:
-        await grpc_server.stop(0)
+    port = silent_prefill_port
+    async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
+        claim = await asyncio.wait_for(cli.claim("req-1"), 2)
+        release = await asyncio.wait_for(cli.release("req-1"), 2)
+    reason = f"lost connection to prefill 127.0.0.1:{port}: 3 heartbeats missed"
+    assert claim == LeaseStatusMsg(request_id="req-1", ok=False, reason=reason, released=False, peer_lost=True)
+    assert release == LeaseStatusMsg(request_id="req-1", ok=False, reason=reason, released=True, peer_lost=True)
 
 
 async def test_a_silent_decode_is_dropped_with_its_rooms(server):

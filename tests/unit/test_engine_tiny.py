@@ -123,7 +123,7 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_in_the_same_memory(tiny_loaded)
 def test_the_kv_cache_dtype_resolves_against_the_model_dtype():
     from disagg.config import ConfigError
     from disagg.engine_config import KVCacheDType
-    from disagg.engine.core import resolve_kv_cache_dtype
+    from disagg.engine.resolve import resolve_kv_cache_dtype
 
     assert resolve_kv_cache_dtype(KVCacheDType.AUTO, torch.float32) == torch.float32
     assert resolve_kv_cache_dtype(KVCacheDType.AUTO, torch.bfloat16) == torch.bfloat16
@@ -140,16 +140,16 @@ def test_the_kv_cache_dtype_resolves_against_the_model_dtype():
 def test_auto_dtype_on_a_gpu_is_bfloat16_only_where_it_is_native(monkeypatch, native, dtype, why):
     """Pre-Ampere GPUs emulate bfloat16: auto takes float16 there (no CUDA here: the probe is replaced)."""
     from disagg.config import ConfigError
-    from disagg.engine import core
+    from disagg.engine import resolve
     from disagg.engine_config import KVCacheDType
 
-    monkeypatch.setattr(core, "_cuda_has_native_bf16", lambda device: native)
-    assert (core.resolve_dtype("auto", "cuda:1"), core.dtype_reason("auto", "cuda:1")) == (dtype, why)
-    assert (core.resolve_dtype("float32", "cuda"), core.dtype_reason("float32", "cuda")) == (torch.float32, "set by --dtype")
+    monkeypatch.setattr(resolve, "_cuda_has_native_bf16", lambda device: native)
+    assert (resolve.resolve_dtype("auto", "cuda:1"), resolve.dtype_reason("auto", "cuda:1")) == (dtype, why)
+    assert (resolve.resolve_dtype("float32", "cuda"), resolve.dtype_reason("float32", "cuda")) == (torch.float32, "set by --dtype")
     if not native:
         with pytest.raises(ConfigError, match=r"^kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16 "
                                               r"\(dtype auto chose float16: this GPU has no native bf16\)$"):
-            core.resolve_kv_cache_dtype(KVCacheDType.BFLOAT16, dtype)
+            resolve.resolve_kv_cache_dtype(KVCacheDType.BFLOAT16, dtype)
 
 
 def test_chunked_prefill_and_tiny_cache_give_the_same_tokens(tiny_loaded, hf_tiny):

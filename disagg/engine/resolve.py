@@ -1,0 +1,59 @@
+"""The engine config's `auto` values resolved for this device: the model's dtype, the KV cache's
+dtype and the forward pass's kernels, each with the reason the ready line gives for it."""
+
+from __future__ import annotations
+
+import torch
+
+from disagg.config import ConfigError
+from disagg.engine_config import KVCacheDType
+from disagg.ops import csrc_status
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' is bfloat16 where the device computes it natively (AVX512_BF16 CPUs, Ampere and later
+    GPUs); else float16 on a GPU (bfloat16 would be emulated) and float32 on a CPU."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if _cuda_has_native_bf16(device) else torch.float16
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+    return getattr(torch, name)
+
+
+def _cuda_has_native_bf16(device: str) -> bool:
+    with torch.cuda.device(torch.device(device)):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def dtype_reason(name: str, device: str) -> str:
+    """Why `resolve_dtype` chose what it did, for the ready line."""
+    if name != "auto":
+        return "set by --dtype"
+    if device.startswith("cuda"):
+        return "auto: native bf16 on this GPU" if _cuda_has_native_bf16(device) else "auto: no native bf16 on this GPU"
+    return "auto: native bf16 (AVX512_BF16)" if torch.cpu._is_avx512_bf16_supported() else "auto: no native bf16 on this CPU"
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: KVCacheDType, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's, or bfloat16 (under a float32 or bfloat16 model: EngineConfig
+    refuses it under float16, whose cache would lose precision for no bytes)."""
+    if kv_cache_dtype == KVCacheDType.AUTO:
+        return model_dtype
+    if model_dtype == torch.float16:  # EngineConfig refuses --dtype float16; this is auto's choice on a GPU
+        raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16 "
+                          "(dtype auto chose float16: this GPU has no native bf16)")
+    return torch.bfloat16
+
+
+def kv_cache_reason(kv_cache_dtype: KVCacheDType) -> str:
+    """Why the KV cache holds what it does, for the ready line."""
+    return "auto: the model's dtype" if kv_cache_dtype == KVCacheDType.AUTO else "set by --kv-cache-dtype"
+
+
+def kernels_reason(asked: str, chosen: str) -> str:
+    """Why the forward pass runs `chosen` ops, for the ready line."""
+    if asked != "auto":
+        return "set by --kernels"
+    if chosen != "torch":
+        return f"auto: csrc built, this CPU runs its {chosen.removeprefix('csrc-')} code"
+    return f"auto: {csrc_status() or 'csrc runs on the CPU only'}"

@@ -21,7 +21,7 @@ from decode.peers import PrefillPeers
 from decode.pull import Ticket, check_engine, ticket_of, wait_read
 from decode.resolver import QUERY, decide_prefill_dp_rank
 from disagg.config import DisaggConfig
-from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
+from disagg.dp.worker_role import WorkerRole, error_output
 from disagg.engine.core import EngineCore
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferState, TransferStatusMsg
@@ -127,7 +127,7 @@ class DecodeRole(WorkerRole):
         while self.queued:
             head = self.queued[0]
             try:
-                blocks = self.core.reserve_for_remote_kv(head.msg.request_id, head.prompt_ids, sampling_params(head.msg.sampling))
+                blocks = self.core.reserve_for_remote_kv(head.msg.request_id, head.prompt_ids, head.msg.sampling)
             except Exception as exc:
                 self.queued.popleft()
                 out.append(error_output(head.msg.request_id, exc))

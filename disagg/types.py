@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Seeds seed a torch.Generator, whose manual_seed takes [-2**63, 2**64 - 1]; vLLM's API takes a
 # signed 64-bit integer. Both hold for the intersection.
@@ -189,6 +189,9 @@ class SamplingParams:
         return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
                 or bool(self.bad_words_token_ids) or self.structured_output is not None)
 
+
+# Every SamplingParams field by name: request bodies copy the fields they share with it by this set.
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 def _logit_bias(value: object) -> dict[int, float]:
     """OpenAI's `logit_bias` (token id string -> bias) as ints -> floats clamped to [-100, 100]."""

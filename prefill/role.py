@@ -17,7 +17,7 @@ import structlog
 
 from bootstrap.client import BootstrapClient
 from disagg.config import DisaggConfig, LoadBalanceMethod
-from disagg.dp.worker_role import WorkerRole, error_output, sampling_params
+from disagg.dp.worker_role import WorkerRole, error_output
 from disagg.engine.core import EngineCore
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
@@ -137,7 +137,7 @@ class PrefillRole(WorkerRole):
 
     @staticmethod
     def _one_token(msg: GenerateMsg):
-        params = sampling_params(msg.sampling)
+        params = msg.sampling
         # The first token obeys min_tokens as it would in one engine (no EOS or stop id first).
         return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 

@@ -16,7 +16,8 @@ from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.config import DisaggregationMode
 from disagg.dp.protocol import EngineClient
-from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -54,7 +55,7 @@ async def health(request: web.Request) -> web.Response:
 async def _probe(engine: EngineClient, dp_rank: int) -> str | None:
     """One 1-token greedy generation on `dp_rank`; None when it finished, else what went wrong."""
     msg = GenerateMsg(request_id=f"health-generate-{uuid.uuid4().hex}", prompt_token_ids=[0],
-                      sampling=SamplingMsg(max_tokens=1, temperature=0.0, ignore_eos=True))
+                      sampling=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     stream = engine.generate(msg, dp_rank)
     try:
         async for out in stream:

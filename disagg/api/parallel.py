@@ -11,6 +11,7 @@ fails the request and aborts the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 import msgspec
@@ -44,7 +45,7 @@ def child_msgs(msg: GenerateMsg, n: int) -> list[GenerateMsg]:
     seed = msg.sampling.seed
     return [msgspec.structs.replace(
         msg, request_id=f"{i}_{msg.request_id}",
-        sampling=msg.sampling if seed is None else msgspec.structs.replace(msg.sampling, seed=seed + i))
+        sampling=msg.sampling if seed is None else dataclasses.replace(msg.sampling, seed=seed + i))
         for i in range(n)]
 
 

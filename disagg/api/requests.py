@@ -6,10 +6,10 @@ disagg.types.SamplingParams, so the front door rejects exactly what the engine w
 
 from __future__ import annotations
 
-import dataclasses
 import unicodedata
 import uuid
 
+import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import SamplingFields, StreamOptions
@@ -17,8 +17,8 @@ from disagg.api.errors import BadRequest, ModelNotFound
 from disagg.api.logging import bind_request
 from disagg.api.routing import Routing
 from disagg.api.structured import from_openai
-from disagg.types import SamplingParams
-from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from disagg.types import SAMPLING_FIELDS, SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg
 from disagg.wire.headers import REQUEST_ID_HEADER
 
 MAX_REQUEST_ID_CHARS = 256  # the id goes back in the X-Request-Id header; clients read headers up to 8 KiB
@@ -76,39 +76,35 @@ def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
     return value
 
 
-def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingMsg:
-    """Validate through SamplingParams and convert to the wire message. None means the default;
-    `max_tokens` None means the client did not set it: the worker applies `default_max_tokens`
-    (None: the rest of the context) once it knows the prompt's length."""
-    params = SamplingParams(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
-                            **{k: v for k, v in fields.items() if v is not None})
-    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    structured = values.pop("structured_output")
-    if structured is not None:
-        values.update(structured_kind=structured.kind.value, structured_spec=structured.spec,
-                      structured_param=structured.param)
-    values["bad_words_token_ids"] = [list(w) for w in values["bad_words_token_ids"]]
-    return SamplingMsg(**{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
+def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingParams:
+    """Validated SamplingParams; None means the default. `max_tokens` None means the client did not
+    set it: the worker applies `default_max_tokens` (None: the rest of the context) once it knows the
+    prompt's length."""
+    return SamplingParams(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+                          **{k: v for k, v in fields.items() if v is not None})
+
+
+def same_named(body: msgspec.Struct, fields: frozenset[str]) -> dict[str, object]:
+    """The body's fields named as SamplingParams names them: a new sampling field needs no copy here."""
+    return {name: getattr(body, name) for name in fields}
+
+
+# Fields whose name and meaning are SamplingParams' own in OpenAI's and vLLM's APIs.
+OPENAI_SAMPLING = SAMPLING_FIELDS & frozenset(SamplingFields.__struct_fields__)
 
 
 def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_max_tokens: int | None,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingMsg:
-    """SamplingMsg from the fields OpenAI's and vLLM's APIs share."""
-    return make_sampling(
-        max_tokens=max_tokens, default_max_tokens=default_max_tokens, min_tokens=f.min_tokens,
-        temperature=f.temperature, top_p=f.top_p,
-        top_k=f.top_k, min_p=f.min_p, seed=f.seed, stop=f.stop, stop_token_ids=f.stop_token_ids,
-        ignore_eos=f.ignore_eos, include_stop_str_in_output=f.include_stop_str_in_output,
-        skip_special_tokens=f.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty,
-        repetition_penalty=f.repetition_penalty, logit_bias=f.logit_bias, allowed_token_ids=f.allowed_token_ids,
-        bad_words=f.bad_words, structured_output=from_openai(
-            f.response_format, f.structured_outputs,
-            {"json": f.guided_json, "regex": f.guided_regex, "choice": f.guided_choice, "grammar": f.guided_grammar}),
-    )
+                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the fields OpenAI's and vLLM's APIs share."""
+    structured = from_openai(f.response_format, f.structured_outputs,
+                             {"json": f.guided_json, "regex": f.guided_regex, "choice": f.guided_choice,
+                              "grammar": f.guided_grammar})
+    return make_sampling(max_tokens=max_tokens, default_max_tokens=default_max_tokens, logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs, structured_output=structured,
+                         **same_named(f, OPENAI_SAMPLING))
 
 
-def build_generate_msg(request_id: str, sampling: SamplingMsg, routing: Routing, **prompt: object) -> GenerateMsg:
+def build_generate_msg(request_id: str, sampling: SamplingParams, routing: Routing, **prompt: object) -> GenerateMsg:
     """The GenerateMsg: exactly one of prompt / prompt_token_ids / messages, plus the P/D fields
     (bootstrap lists of one entry, as a gateway may send for one prompt, are unwrapped)."""
     [routing] = routing.for_items(1)

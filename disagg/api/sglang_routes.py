@@ -20,6 +20,7 @@ from disagg.api.requests import (
     choose_request_id,
     make_sampling,
     read_body,
+    same_named,
 )
 from disagg.api.routing import read_routing
 from disagg.api.parallel import check_n, merge_sglang, serve_choices
@@ -27,7 +28,8 @@ from disagg.api.sglang_render import LogprobFields, SGLangBatchRenderer, SGLangR
 from disagg.api.state import state_of
 from disagg.api.structured import from_sglang
 from disagg.api.upstream_fields import SGLANG_REFUSED, SGLANG_SAMPLING_REFUSED, check_upstream
-from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from disagg.types import SAMPLING_FIELDS, SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the field is absent (capped by the context, never refused)
 
@@ -64,8 +66,12 @@ def per_prompt(value: object, num_prompts: int, param: str) -> list:
     return [value] * num_prompts
 
 
-def sglang_sampling(sp: SGLangSampling | None, fields: LogprobFields) -> SamplingMsg:
-    """SGLang's `sampling_params` (+ the logprob fields) as a SamplingMsg. `max_new_tokens` 0
+# SGLang's sampling_params fields named as SamplingParams names them (the others are mapped below).
+SGLANG_SAMPLING = SAMPLING_FIELDS & frozenset(SGLangSampling.__struct_fields__)
+
+
+def sglang_sampling(sp: SGLangSampling | None, fields: LogprobFields) -> SamplingParams:
+    """SGLang's `sampling_params` (+ the logprob fields) as SamplingParams. `max_new_tokens` 0
     computes the prompt only (with `logprob_start_len`, for its logprobs)."""
     sp = sp or SGLangSampling()
     wanted, top_n = fields.return_logprob, fields.top_n
@@ -74,15 +80,10 @@ def sglang_sampling(sp: SGLangSampling | None, fields: LogprobFields) -> Samplin
     return make_sampling(
         max_tokens=max_new_tokens,
         default_max_tokens=None if sp.max_new_tokens is None else DEFAULT_MAX_NEW_TOKENS,
-        min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-        min_p=sp.min_p, seed=sp.sampling_seed, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
-        include_stop_str_in_output=sp.no_stop_trim,
+        min_tokens=sp.min_new_tokens, seed=sp.sampling_seed, include_stop_str_in_output=sp.no_stop_trim,
         logprobs=top_n if wanted else None, prompt_logprobs=top_n if wanted and fields.start >= 0 else None,
         logprob_token_ids=list(fields.token_ids) if wanted else None,
-        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
-        structured_output=from_sglang(sp.json_schema, sp.regex, sp.ebnf),
+        structured_output=from_sglang(sp.json_schema, sp.regex, sp.ebnf), **same_named(sp, SGLANG_SAMPLING),
     )
 
 
@@ -102,7 +103,7 @@ class _Item:
     """One prompt of a /generate request, with its own sampling and logprob fields."""
 
     prompt: dict
-    sampling: SamplingMsg
+    sampling: SamplingParams
     fields: LogprobFields
 
     def message(self, request_id: str, routing) -> GenerateMsg:

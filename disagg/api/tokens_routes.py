@@ -28,7 +28,8 @@ from disagg.api.routing import read_routing
 from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.state import state_of
 from disagg.api.upstream_fields import TOKENS_REFUSED, VLLM_SAMPLING_REFUSED, check_upstream
-from disagg.wire.engine_msgs import OutputMsg, SamplingMsg
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import OutputMsg
 
 DEFAULT_MAX_TOKENS = None  # unset: the rest of the context, as current vLLM's tokens endpoint
 MAX_LOGPROBS = 20  # the engine's cap; -1 ("all", as in vLLM) asks for this many
@@ -40,8 +41,8 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
     return MAX_LOGPROBS if value == -1 else value
 
 
-def tokens_sampling(sp: TokensSampling) -> SamplingMsg:
-    """vLLM-style `sampling_params` as a SamplingMsg."""
+def tokens_sampling(sp: TokensSampling) -> SamplingParams:
+    """vLLM-style `sampling_params` as SamplingParams."""
     return sampling_from_fields(
         sp, max_tokens=sp.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
         logprobs=_logprobs_count(sp.logprobs, "logprobs"),

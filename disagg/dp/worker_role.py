@@ -13,28 +13,12 @@ import structlog
 
 from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
-from disagg.types import EngineSleeping, FinishReason, GrammarKind, InvalidRequest, RequestOutput, SamplingParams, StructuredOutput
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, SamplingMsg, StatsMsg
+from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg
 
 log = structlog.get_logger(__name__)
 
 UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats", "tokenize", "detokenize")
-
-
-def sampling_params(msg: SamplingMsg) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature, top_p=msg.top_p,
-        top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output, logprobs=msg.logprobs,
-        prompt_logprobs=msg.prompt_logprobs, skip_special_tokens=msg.skip_special_tokens,
-        default_max_tokens=msg.default_max_tokens, logprob_token_ids=tuple(msg.logprob_token_ids),
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
-        logit_bias=msg.logit_bias, allowed_token_ids=msg.allowed_token_ids, bad_words=tuple(msg.bad_words),
-        bad_words_token_ids=tuple(tuple(w) for w in msg.bad_words_token_ids),
-        structured_output=None if msg.structured_kind is None else StructuredOutput(
-            GrammarKind(msg.structured_kind), msg.structured_spec or "", msg.structured_param or "response_format"),
-    )
 
 
 def error_output(request_id: str, exc: Exception) -> OutputMsg:
@@ -104,7 +88,7 @@ class WorkerRole:
         (vocabulary, stop ids, the context with its max_tokens): every role refuses what the
         unified engine refuses, though a prefill runs it with max_tokens 1. Raises InvalidRequest."""
         ids = self._tokenize(msg)
-        self.core.check_request(ids, sampling_params(msg.sampling))
+        self.core.check_request(ids, msg.sampling)
         return ids
 
     def _tokenize(self, msg: GenerateMsg) -> list[int]:
@@ -159,7 +143,7 @@ class WorkerRole:
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         """Queue a request; a rejected one answers at once with its error, and the worker goes on."""
         try:
-            self.core.add_request(msg.request_id, self.prompt_ids(msg), sampling_params(msg.sampling))
+            self.core.add_request(msg.request_id, self.prompt_ids(msg), msg.sampling)
         except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
             return [admission_error(msg.request_id, exc)]
         return []

@@ -8,49 +8,17 @@ from __future__ import annotations
 
 import msgspec
 
-from disagg.types import FinishReason
-
-
-class SamplingMsg(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Mirror of disagg.types.SamplingParams (validated again by the worker).
-
-    `max_tokens` None: the client did not set it; the worker resolves it once the prompt is
-    tokenized, to `default_max_tokens` capped by the context (None: the rest of the context).
-    """
-
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    default_max_tokens: int | None = 16
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] = []
-    bad_words_token_ids: list[list[int]] = []
-    structured_kind: str | None = None  # disagg.types.GrammarKind value; with structured_spec
-    structured_spec: str | None = None
-    structured_param: str | None = None  # the request field it came from (for errors)
-    logprob_token_ids: list[int] = []  # their logprobs too, after the top-n (SGLang's token_ids_logprob)
+from disagg.types import FinishReason, SamplingParams
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):
-    """Start a request. Exactly one of `prompt`, `prompt_token_ids` and `messages` is set."""
+    """Start a request. Exactly one of `prompt`, `prompt_token_ids` and `messages` is set.
+
+    `sampling` crosses as SamplingParams itself (msgspec encodes the frozen dataclass and runs its
+    validation again when the worker decodes it): there is no mirror to keep in step."""
 
     request_id: str
-    sampling: SamplingMsg
+    sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: the worker applies the model's template
@@ -148,7 +116,7 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     new_text: str = ""
     finish_reason: FinishReason | None = None  # encoded as its value: "stop", "length" or "abort"
     stop_reason: str | int | None = None
-    # per new token: (id, logprob), sampled first, then the top-n, then SamplingMsg.logprob_token_ids
+    # per new token: (id, logprob), sampled first, then the top-n, then SamplingParams.logprob_token_ids
     logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # on the first message only
     num_prompt_tokens: int = 0

@@ -6,7 +6,7 @@ import openai
 import pytest
 from fake_engine import FakeEngine, api_client, bad_request, sse_events
 
-from disagg.wire.engine_msgs import SamplingMsg
+from disagg.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 USAGE_2_3 = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
@@ -50,7 +50,7 @@ async def test_completion_sampling_fields_reach_the_engine():
     assert resp.status == 200
     msg = engine.requests[0][0]
     assert msg.prompt_token_ids == [5, 6] and msg.add_special_tokens is True
-    assert msg.sampling == SamplingMsg(max_tokens=4, min_tokens=1, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3,
+    assert msg.sampling == SamplingParams(max_tokens=4, min_tokens=1, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3,
                                        stop=["zz"], stop_token_ids=[999], ignore_eos=True, include_stop_str_in_output=True,
                                        logprobs=2, skip_special_tokens=False, default_max_tokens=16)
 

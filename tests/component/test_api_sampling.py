@@ -7,7 +7,7 @@ import pytest
 from fake_engine import FakeEngine, api_client, bad_request, sse_events
 
 from disagg.api.tokens_routes import DEFAULT_MAX_TOKENS
-from disagg.wire.engine_msgs import SamplingMsg
+from disagg.types import GrammarKind, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.timeout(30)
 PROCESSORS = {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
@@ -18,13 +18,13 @@ EXPECTED = dict(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalt
 
 @pytest.mark.parametrize("path, body, expected", [
     ("/v1/completions", {"prompt": "a", "max_tokens": 2, **PROCESSORS, **VLLM_ONLY},
-     SamplingMsg(max_tokens=2, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+     SamplingParams(max_tokens=2, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, **PROCESSORS, **VLLM_ONLY},
-     SamplingMsg(max_tokens=2, default_max_tokens=None, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+     SamplingParams(max_tokens=2, default_max_tokens=None, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
     ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, **PROCESSORS, **VLLM_ONLY}},
-     SamplingMsg(max_tokens=2, default_max_tokens=DEFAULT_MAX_TOKENS, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
+     SamplingParams(max_tokens=2, default_max_tokens=DEFAULT_MAX_TOKENS, **EXPECTED, bad_words=["foo bar"], allowed_token_ids=[7, 9, 11])),
     ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, **PROCESSORS}},
-     SamplingMsg(max_tokens=2, default_max_tokens=128, **EXPECTED)),
+     SamplingParams(max_tokens=2, default_max_tokens=128, **EXPECTED)),
 ])
 async def test_processor_fields_reach_the_engine(path, body, expected):
     engine = FakeEngine()
@@ -83,7 +83,7 @@ async def test_structured_fields_reach_the_engine(path, body, kind, spec, param)
         resp = await client.post(path, json=body)
         assert resp.status == 200, await resp.text()
     sampling = engine.requests[0][0].sampling
-    assert (sampling.structured_kind, sampling.structured_spec, sampling.structured_param) == (kind, spec, param)
+    assert sampling.structured_output == StructuredOutput(GrammarKind(kind), spec, param)
 
 
 @pytest.mark.parametrize("path, body, param, message", [

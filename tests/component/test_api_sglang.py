@@ -3,7 +3,7 @@
 import pytest
 from fake_engine import FakeEngine, api_client, bad_request, sse_events
 
-from disagg.wire.engine_msgs import SamplingMsg
+from disagg.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,7 +45,7 @@ async def test_generate_sampling_params_and_ignored_router_fields():
     msg = engine.requests[0][0]
     assert msg.prompt_token_ids == [3, 4, 5] and msg.prompt is None
     assert (msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room) == ("10.0.0.1", 8998, 12345)
-    assert msg.sampling == SamplingMsg(max_tokens=2, min_tokens=1, temperature=0.0, top_p=0.8, top_k=5, min_p=0.05,
+    assert msg.sampling == SamplingParams(max_tokens=2, min_tokens=1, temperature=0.0, top_p=0.8, top_k=5, min_p=0.05,
                                        seed=11, stop=["x"], stop_token_ids=[7], ignore_eos=True,
                                        include_stop_str_in_output=True, skip_special_tokens=False,
                                        default_max_tokens=128)

@@ -12,12 +12,13 @@ from disagg.dp.controller import DPController
 from disagg.dp.protocol import UtilityFailed, WorkerUnavailable
 from disagg.engine.core import EngineCore
 from disagg.types import SamplingParams
-from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg
 from engine_runs import run_requests
 
 pytestmark = pytest.mark.timeout(120)
 ENGINE = EngineConfig(model=ModelConfig(model="tiny", dtype="float32"), cache=CacheConfig(num_blocks=64, block_size=4))
-GREEDY = SamplingMsg(max_tokens=6, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 GREEDY_PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
@@ -69,7 +70,7 @@ async def test_utilities_fan_out_and_one_sleeping_worker_disagrees(controller):
 
 
 async def test_closing_the_stream_early_aborts_and_frees_blocks(controller):
-    long = SamplingMsg(max_tokens=200, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     stream = controller.generate(GenerateMsg("long", long, prompt="x" * 30), 0)
     first = await stream.__anext__()
     assert first.new_token_ids
@@ -83,7 +84,7 @@ async def test_closing_the_stream_early_aborts_and_frees_blocks(controller):
 
 
 async def test_a_dead_worker_fails_its_requests_with_503_not_a_hang(controller):
-    long = SamplingMsg(max_tokens=400, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     stream = controller.generate(GenerateMsg("doomed", long, prompt="y" * 30), 1)
     await stream.__anext__()
     os.kill(controller.workers[1].process.pid, signal.SIGKILL)

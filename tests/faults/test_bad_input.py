@@ -10,7 +10,8 @@ import pytest_asyncio
 from disagg.config import DisaggConfig, ServerConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import start_server
-from disagg.wire.engine_msgs import GenerateMsg, SamplingMsg
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 ENGINE = EngineConfig(
@@ -108,7 +109,7 @@ async def test_chat_without_max_tokens_fills_the_rest_of_the_context(server):
 async def test_the_only_worker_survives_a_request_that_raises_while_it_is_admitted(server):
     # The front now flattens content parts; a message that still reaches the worker unflattened (an older
     # front, another client of the worker protocol) makes the chat template raise TypeError in the worker.
-    msg = GenerateMsg("raw-parts", SamplingMsg(max_tokens=2), messages=[{"role": "user", "content": [{"type": "text"}]}])
+    msg = GenerateMsg("raw-parts", SamplingParams(max_tokens=2), messages=[{"role": "user", "content": [{"type": "text"}]}])
     outputs = [out async for out in server.controller.generate(msg, 0)]
     assert [(o.error_status, o.error) for o in outputs] == [
         (500, 'the worker could not admit the request: TypeError: can only concatenate str (not "list") to str')]

@@ -10,7 +10,7 @@ from disagg.dp.worker_role import WorkerRole
 from disagg.dp.worker import apply
 from disagg.engine.core import EngineCore
 from disagg.types import SEED_MAX, SEED_MIN, FinishReason, InvalidRequest, SamplingParams
-from disagg.wire.engine_msgs import AbortMsg, GenerateMsg, OutputMsg, SamplingMsg
+from disagg.wire.engine_msgs import AbortMsg, GenerateMsg, OutputMsg
 from engine_runs import run_requests
 
 CONTEXT = 512  # the tiny model's max_position_embeddings
@@ -125,7 +125,7 @@ def test_the_whole_seed_range_seeds_a_generator(core, seed):
 
 
 def chat(request_id: str, content: object, max_tokens: int | None = 4) -> GenerateMsg:
-    return GenerateMsg(request_id, SamplingMsg(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    return GenerateMsg(request_id, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                        messages=[{"role": "user", "content": content}], add_special_tokens=False)
 
 
@@ -144,7 +144,7 @@ async def test_an_unexpected_admission_error_answers_500_and_the_role_goes_on(co
 
 async def test_admission_answers_a_refused_request_with_a_400_naming_the_field(core):
     role = WorkerRole(core, 0, "tiny")
-    [out] = await role.submit(GenerateMsg("big", SamplingMsg(max_tokens=503), prompt_token_ids=list(range(1, 11))))
+    [out] = await role.submit(GenerateMsg("big", SamplingParams(max_tokens=503), prompt_token_ids=list(range(1, 11))))
     assert out == OutputMsg("big", finish_reason=FinishReason.ABORT, error_status=400, error_param="max_tokens",
                             error=VLLM_CONTEXT_MESSAGE)
 

@@ -19,8 +19,8 @@ import structlog
 
 from decode.peers import PrefillPeers
 from decode.pull import Ticket, check_engine, ticket_of, wait_read
-from decode.resolver import QUERY, decide_prefill_dp_rank
 from disagg.config import DisaggConfig
+from disagg.dp.rank_rule import QUERY, resolve_prefill_rank
 from disagg.dp.worker_role import WorkerRole, error_output
 from disagg.engine.core import EngineCore
 from disagg.types import FinishReason, InvalidRequest
@@ -167,7 +167,8 @@ class DecodeRole(WorkerRole):
         host, port, room = msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room
         remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
         topology = await self.peers.topology(host, port, remaining())
-        rank = decide_prefill_dp_rank(room, msg.disagg_prefill_dp_rank, topology, self.config.force_query_prefill_dp_rank)
+        rank = resolve_prefill_rank(room, msg.disagg_prefill_dp_rank, dp_size=topology.dp_size,
+                                    method=topology.load_balance_method, force_query=self.config.force_query_prefill_dp_rank)
         if rank == QUERY:
             rank = await self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining())
         client = await self.peers.client(host, port, rank, remaining())

@@ -15,7 +15,7 @@ from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg
-from prefill.dispatch import plan_room
+from disagg.dp.rank_rule import plan_room
 
 log = structlog.get_logger(__name__)
 LEASE_POLL_S = 0.05

@@ -6,11 +6,12 @@ import itertools
 from collections.abc import Sequence
 
 from disagg.config import LoadBalanceMethod
+from disagg.dp.rank_rule import implied_rank
 from disagg.types import InvalidRequest
 
 
 class Dispatcher:
-    """`round_robin`, `least_load` (fewest outstanding tokens) or `follow_bootstrap_room` (room % dp_size)."""
+    """`round_robin`, `least_load` (fewest outstanding tokens) or `follow_bootstrap_room` (rank_rule.implied_rank)."""
 
     def __init__(self, method: LoadBalanceMethod, dp_size: int):
         self.method = method
@@ -27,7 +28,7 @@ class Dispatcher:
         if routed_dp_rank is not None:
             return self.check_rank(routed_dp_rank)
         if self.method == LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and bootstrap_room is not None:
-            return bootstrap_room % self.dp_size
+            return implied_rank(bootstrap_room, self.dp_size)
         # follow_bootstrap_room without a room (a pull-flow or health request): the least loaded.
         candidates = [r for r in range(self.dp_size) if alive[r]] or list(range(self.dp_size))
         if self.method == LoadBalanceMethod.ROUND_ROBIN:

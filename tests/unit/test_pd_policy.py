@@ -1,11 +1,12 @@
-"""The pure P/D decisions: prefill room planning, decode rank resolution, which blocks may go out."""
+"""The pure P/D decisions: the rank rule (prefill room planning, decode rank resolution), which blocks may go out."""
+
+import ast
+import pathlib
 
 import pytest
 
-from decode.resolver import QUERY, decide_prefill_dp_rank
+from disagg.dp.rank_rule import QUERY, RoomPlan, plan_room, resolve_prefill_rank
 from disagg.types import InvalidRequest
-from disagg.wire.bootstrap_msgs import TopologyMsg
-from prefill.dispatch import RoomPlan, plan_room
 from prefill.rooms import PrefillRoom
 
 
@@ -30,18 +31,30 @@ def test_plan_room():
                              "the rank through the bootstrap registry, or send disagg_prefill_dp_rank=0")
 
 
-def topo(dp_size=4, method="follow_bootstrap_room"):
-    return TopologyMsg(dp_size=dp_size, load_balance_method=method)
+def resolve(requested, dp_size=4, method="follow_bootstrap_room", force_query=False):
+    return resolve_prefill_rank(10, requested, dp_size=dp_size, method=method, force_query=force_query)
 
 
 def test_decode_resolution_order():
-    assert decide_prefill_dp_rank(10, 3, topo(), force_query=True) == 3  # the request's field first
-    assert decide_prefill_dp_rank(10, None, topo(dp_size=1), force_query=True) == 0
-    assert decide_prefill_dp_rank(10, None, topo(), force_query=False) == 2  # 10 % 4, no round trip
-    assert decide_prefill_dp_rank(10, None, topo(), force_query=True) == QUERY
-    assert decide_prefill_dp_rank(10, None, topo(method="round_robin"), force_query=False) == QUERY
+    assert resolve(3, force_query=True) == 3  # the request's field first
+    assert resolve(None, dp_size=1, force_query=True) == 0
+    assert resolve(None) == 2  # 10 % 4, no round trip
+    assert resolve(None, force_query=True) == QUERY
+    assert resolve(None, method="round_robin") == QUERY
     with pytest.raises(InvalidRequest, match=r"^disagg_prefill_dp_rank 4 is not active \(prefill dp_size=4\)$"):
-        decide_prefill_dp_rank(10, 4, topo(), force_query=False)
+        resolve(4)
+
+
+def test_the_rule_has_one_modulo_in_the_package():
+    """DESIGN's rank rule is defined once (rank_rule.implied_rank); every other place calls it."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    found = []
+    for pkg in ("disagg", "prefill", "decode", "bootstrap", "kvtransfer"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and "dp_size" in ast.unparse(node.right):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == ["disagg/dp/rank_rule.py:20"]
 
 
 def test_blocks_go_out_as_chunks_complete():

@@ -14,7 +14,7 @@ from disagg.engine_config import EngineConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.types import FinishReason
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg, Utility
 from disagg.dp.rank_rule import plan_room
 
 log = structlog.get_logger(__name__)
@@ -59,11 +59,11 @@ class PrefillController(DPController):
         if not ranks:
             return 0
         try:
-            stats = await self.call_utility("stats", ranks=ranks, timeout_s=timeout_s)
+            stats = await self.call_utility(Utility.STATS, ranks=ranks, timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a drain never fails on a worker that stopped answering
             log.warning("could not count the leases", error=f"{type(exc).__name__}: {exc}")
             return None
-        return sum(s["num_leases"] for s in stats)
+        return sum(s.num_leases for s in stats)
 
     def announce_room(self, room: int, dp_rank: int) -> None:
         """Every other worker learns where the room went, so a decode told the wrong rank (its

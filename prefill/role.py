@@ -24,7 +24,7 @@ from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import (
     AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg,
 )
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg, StatsMsg
 from kvtransfer import KVTransferError
 from kvtransfer import TransferState as BackendState
 from kvtransfer.control import ControlServer
@@ -97,11 +97,9 @@ class PrefillRole(WorkerRole):
         await self.bootstrap.close()
         self.backend.close()
 
-    def utility(self, method: str, args: list) -> object:
-        result = super().utility(method, args)
-        if method == "stats":  # a drain waits for the tickets it issued (PrefillController.settle)
-            result = dict(result, num_leases=len(self.pull.leases.leases))
-        return result
+    def stats(self) -> StatsMsg:
+        # A drain waits for the tickets it issued (PrefillController.settle).
+        return msgspec.structs.replace(super().stats(), num_leases=len(self.pull.leases.leases))
 
     def idle_wait_s(self, default_s: float) -> float:
         return BUSY_WAIT_S if self.rooms or self.early_infos else default_s

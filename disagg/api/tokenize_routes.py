@@ -19,7 +19,7 @@ from disagg.api.requests import check_model, read_body
 from disagg.api.serving import json_response
 from disagg.api.state import state_of
 from disagg.dp.protocol import EngineClient, WorkerUnavailable
-from disagg.wire.engine_msgs import TokenizeMsg, TokenizeResultMsg
+from disagg.wire.engine_msgs import TokenizeMsg, TokenizeResultMsg, Utility
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -72,7 +72,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = decode_body(await read_body(request), TokenizeBody)
     check_model(body.model, engine.model.name)
     msg = tokenize_msg(body)
-    [raw] = await engine.call_utility("tokenize", msg, ranks=[ready_rank(engine)])
+    [raw] = await engine.call_utility(Utility.TOKENIZE, msg, ranks=[ready_rank(engine)])
     result = msgspec.convert(raw, TokenizeResultMsg)
     if result.error is not None:
         raise BadRequest(result.error, result.error_param)
@@ -91,7 +91,7 @@ async def detokenize(request: web.Request) -> web.Response:
     for token_id in body.tokens:
         if not 0 <= token_id < vocab_size:
             raise BadRequest(f"token id {token_id} in tokens is out of vocabulary (vocab_size={vocab_size})", "tokens")
-    [text] = await engine.call_utility("detokenize", body.tokens, ranks=[ready_rank(engine)])
+    [text] = await engine.call_utility(Utility.DETOKENIZE, body.tokens, ranks=[ready_rank(engine)])
     return json_response({"prompt": text})
 
 

@@ -17,6 +17,7 @@ from disagg.api.serving import json_response
 from disagg.api.state import state_of
 from disagg.dp.aggregate import all_agree, all_true
 from disagg.dp.protocol import EngineClient, UtilityFailed
+from disagg.wire.engine_msgs import Utility
 
 SLEEP_LEVELS = (1, 2)
 
@@ -27,7 +28,7 @@ class SleepBody(msgspec.Struct, kw_only=True):
     level: int | None = None
 
 
-async def fan_out(engine: EngineClient, method: str, *args: object) -> list[object]:
+async def fan_out(engine: EngineClient, method: Utility, *args: object) -> list[object]:
     """One result per DP worker; an empty list is an error, never an index crash."""
     results = await engine.call_utility(method, *args)
     if not results:
@@ -44,7 +45,7 @@ def require_all_succeeded(method: str, results: list[object]) -> None:
 
 async def is_sleeping(request: web.Request) -> web.Response:
     """GET /is_sleeping: `{"is_sleeping": bool}` when every worker agrees."""
-    results = await fan_out(state_of(request).engine, "is_sleeping")
+    results = await fan_out(state_of(request).engine, Utility.IS_SLEEPING)
     return json_response({"is_sleeping": bool(all_agree("is_sleeping", results))})
 
 
@@ -66,19 +67,19 @@ async def _sleep_level(request: web.Request) -> int:
 async def sleep(request: web.Request) -> web.Response:
     """POST /sleep?level=1|2 (or a JSON body `{"level": ...}`): level 1 frees the KV cache, 2 the weights."""
     level = await _sleep_level(request)
-    require_all_succeeded("sleep", await fan_out(state_of(request).engine, "sleep", level))
+    require_all_succeeded("sleep", await fan_out(state_of(request).engine, Utility.SLEEP, level))
     return json_response({"success": True, "level": level})
 
 
 async def wake_up(request: web.Request) -> web.Response:
     """POST /wake_up."""
-    require_all_succeeded("wake_up", await fan_out(state_of(request).engine, "wake_up"))
+    require_all_succeeded("wake_up", await fan_out(state_of(request).engine, Utility.WAKE_UP))
     return json_response({"success": True})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """POST /reset_prefix_cache (and SGLang's /flush_cache)."""
-    all_true("reset_prefix_cache", await fan_out(state_of(request).engine, "reset_prefix_cache"))
+    all_true("reset_prefix_cache", await fan_out(state_of(request).engine, Utility.RESET_PREFIX_CACHE))
     return json_response({"success": True})
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+import msgspec
 import structlog
 
 from disagg.config import ServerConfig
@@ -30,8 +31,8 @@ from disagg.dp.protocol import ModelCard, WorkerState, WorkerUnavailable
 from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
-    AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, UtilityMsg, UtilityResultMsg,
-    decode_from_worker, encode,
+    UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, Utility, UtilityMsg,
+    UtilityResultMsg, decode_from_worker, encode,
 )
 
 log = structlog.get_logger(__name__)
@@ -268,8 +269,10 @@ class DPController:
                 return True
         return False
 
-    async def call_utility(self, method: str, *args, ranks: list[int] | None = None, timeout_s: float = 60.0) -> list[object]:
-        """Run `method` on every worker (or on `ranks`); one result per worker (errors raise UtilityFailed)."""
+    async def call_utility(self, method: Utility, *args, ranks: list[int] | None = None, timeout_s: float = 60.0) -> list[object]:
+        """Run `method` on every worker (or on `ranks`); one result per worker, typed by UTILITY_RESULTS
+        (errors raise UtilityFailed)."""
+        method = Utility(method)
         futures = []
         for worker in self.workers if ranks is None else [self.workers[r] for r in ranks]:
             call_id = next(self._call_ids)
@@ -280,7 +283,9 @@ class DPController:
             except WorkerUnavailable as exc:
                 future.set_result(UtilityResultMsg(call_id, error=str(exc)))
         done = await asyncio.wait_for(asyncio.gather(*futures), timeout=timeout_s)
-        return check_results(method, done)
+        results = check_results(method, done)
+        kind = UTILITY_RESULTS.get(method)
+        return results if kind is None else [msgspec.convert(r, kind) for r in results]
 
     async def settle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> int:
         """Drain, once no HTTP request is in flight: wait up to `timeout_s` (less if `hurry` is set)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from disagg.config import LoadBalanceMethod
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, Utility
 
 
 class WorkerUnavailable(RuntimeError):
@@ -72,7 +72,7 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> bool:
         """Abort wherever it runs; True if it was found."""
 
-    async def call_utility(self, method: str, *args, ranks: list[int] | None = None) -> list[object]:
+    async def call_utility(self, method: Utility, *args, ranks: list[int] | None = None) -> list[object]:
         """Run on every worker (or on `ranks`); one result per worker called. Raises UtilityFailed,
         WorkerUnavailable."""
 

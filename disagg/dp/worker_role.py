@@ -6,7 +6,9 @@ tokenizer-free. One bad request becomes one error OutputMsg; it never stops the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import structlog
@@ -14,12 +16,9 @@ import structlog
 from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
 
 log = structlog.get_logger(__name__)
-
-UTILITIES = ("is_sleeping", "sleep", "wake_up", "reset_prefix_cache", "stats", "tokenize", "detokenize")
-
 
 def error_output(request_id: str, exc: Exception) -> OutputMsg:
     status = 400 if isinstance(exc, InvalidRequest) else 503 if isinstance(exc, EngineSleeping) else 500
@@ -196,22 +195,23 @@ class WorkerRole:
             self.core.fail(request_id, f"engine step failed: {type(exc).__name__}: {exc}")
         return self._convert(self.core.take_outputs())
 
-    def utility(self, method: str, args: list) -> object:
-        if method not in UTILITIES:
-            raise InvalidRequest(f"unknown utility {method!r}; known: {', '.join(UTILITIES)}", "method")
-        if method == "stats":
-            return self.core.stats()
-        if method == "tokenize":
-            return tokenization.tokenize(self.core.tokenizer, *args)
-        if method == "detokenize":
-            return tokenization.detokenize(self.core.tokenizer, *args)
-        if method == "sleep" and not self.can_sleep:
+    def utility(self, method: Utility, args: list) -> object:
+        """Run one utility call: a table, one entry per Utility member."""
+        core, tokenizer = self.core, self.core.tokenizer
+        table: dict[Utility, Callable[..., object]] = {
+            Utility.IS_SLEEPING: core.is_sleeping, Utility.SLEEP: self._sleep, Utility.WAKE_UP: core.wake_up,
+            Utility.RESET_PREFIX_CACHE: core.reset_prefix_cache, Utility.STATS: self.stats,
+            Utility.TOKENIZE: partial(tokenization.tokenize, tokenizer),
+            Utility.DETOKENIZE: partial(tokenization.detokenize, tokenizer),
+        }
+        return table[method](*args)
+
+    def _sleep(self, level: int = 1) -> None:
+        if not self.can_sleep:
             raise InvalidRequest(
                 "sleep is not supported on prefill/decode workers: their KV cache is registered with the "
                 "transfer backend and its peers", "method")
-        return getattr(self.core, method)(*args)
+        self.core.sleep(level)
 
     def stats(self) -> StatsMsg:
-        s = self.core.stats()
-        return StatsMsg(s["num_running"], s["num_waiting"], s["num_free_blocks"], s["num_total_blocks"],
-                        s["num_quarantined_blocks"])
+        return StatsMsg(**dataclasses.asdict(self.core.stats()))

@@ -52,6 +52,17 @@ class CacheSpec:
     device: str
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Load and KV cache occupancy (the DP workers report it as StatsMsg)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_quarantined_blocks: int  # a remote writer may still write them: neither free nor in use
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
@@ -342,14 +353,10 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_free_blocks": self.kv.num_free_blocks,
-            "num_quarantined_blocks": self.scheduler.num_quarantined_blocks,
-            "num_total_blocks": self.num_blocks,
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.num_blocks,
+                           num_quarantined_blocks=self.scheduler.num_quarantined_blocks)
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

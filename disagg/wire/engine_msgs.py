@@ -6,6 +6,8 @@ workers tokenize, detokenize and apply chat templates; the front never needs tor
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from disagg.types import FinishReason, SamplingParams
@@ -61,12 +63,26 @@ class AbortMsg(msgspec.Struct, frozen=True, tag="abort"):
     request_id: str
 
 
+class Utility(str, enum.Enum):
+    """The calls a front makes on every DP worker (or on some); UTILITY_RESULTS types their answers."""
+
+    IS_SLEEPING = "is_sleeping"
+    SLEEP = "sleep"  # args: [level]
+    WAKE_UP = "wake_up"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    STATS = "stats"  # a StatsMsg
+    TOKENIZE = "tokenize"  # args: [TokenizeMsg]; a TokenizeResultMsg
+    DETOKENIZE = "detokenize"  # args: [token ids]; the text
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class UtilityMsg(msgspec.Struct, frozen=True, tag="utility"):
-    """Call an engine utility (`is_sleeping`, `sleep`, `wake_up`, `reset_prefix_cache`, `stats`,
-    `tokenize` with a TokenizeMsg, `detokenize` with a list of token ids)."""
+    """Call an engine utility; a method outside the enum is refused when the worker decodes it."""
 
     call_id: int
-    method: str
+    method: Utility
     args: list = []
 
 
@@ -158,6 +174,7 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     num_free_blocks: int
     num_total_blocks: int
     num_quarantined_blocks: int = 0  # blocks a remote writer may still write (not free, not in use)
+    num_leases: int = 0  # prefill: pull-flow tickets whose blocks are still leased (a drain waits for them)
 
 
 class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):
@@ -172,6 +189,9 @@ class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):
 
 
 FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg | RoomMisroutedMsg
+
+# The struct a utility's answer is converted to on the front (the others are plain values).
+UTILITY_RESULTS: dict[Utility, type[msgspec.Struct]] = {Utility.STATS: StatsMsg, Utility.TOKENIZE: TokenizeResultMsg}
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -77,10 +77,10 @@ async def test_closing_the_stream_early_aborts_and_frees_blocks(controller):
     await stream.aclose()
     for _ in range(50):
         [stats] = await controller.call_utility("stats", ranks=[0])
-        if stats["num_free_blocks"] == 64 and stats["num_running"] == 0:
+        if stats.num_free_blocks == 64 and stats.num_running == 0:
             break
         await asyncio.sleep(0.05)
-    assert (stats["num_free_blocks"], stats["num_running"]) == (64, 0)
+    assert (stats.num_free_blocks, stats.num_running) == (64, 0)
 
 
 async def test_a_dead_worker_fails_its_requests_with_503_not_a_hang(controller):

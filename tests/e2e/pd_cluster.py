@@ -53,7 +53,7 @@ class Cluster:
 
     async def free_blocks(self) -> tuple[list[int], list[int]]:
         stats = [await s.controller.call_utility("stats") for s in (self.prefill, self.decode)]
-        return [w["num_free_blocks"] for w in stats[0]], [w["num_free_blocks"] for w in stats[1]]
+        return [w.num_free_blocks for w in stats[0]], [w.num_free_blocks for w in stats[1]]
 
     async def close(self) -> None:
         await self.session.close()

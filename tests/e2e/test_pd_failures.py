@@ -62,10 +62,10 @@ async def test_a_dead_prefill_worker_fails_waiting_decodes_with_lost_connection(
         # The lost prefill is cut off (tcp), then the quarantined blocks go back.
         for _ in range(40):
             stats = await cluster.decode.controller.call_utility("stats")
-            if [w["num_free_blocks"] for w in stats] == before[1]:
+            if [w.num_free_blocks for w in stats] == before[1]:
                 break
             await asyncio.sleep(0.05)
-        assert [(w["num_free_blocks"], w["num_quarantined_blocks"]) for w in stats] == [(b, 0) for b in before[1]]
+        assert [(w.num_free_blocks, w.num_quarantined_blocks) for w in stats] == [(b, 0) for b in before[1]]
     finally:
         await cluster.close()
 

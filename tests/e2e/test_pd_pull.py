@@ -26,7 +26,7 @@ async def cluster(request):
 async def idle(cluster):
     for _ in range(100):
         stats = [await s.controller.call_utility("stats") for s in (cluster.prefill, cluster.decode)]
-        if all(w["num_free_blocks"] == w["num_total_blocks"] for side in stats for w in side):
+        if all(w.num_free_blocks == w.num_total_blocks for side in stats for w in side):
             return True
         await asyncio.sleep(0.05)
     return False
@@ -65,7 +65,7 @@ async def test_pull_flow_equals_unified(cluster, unified, prompt, stream):
 async def test_an_unclaimed_lease_expires_and_frees_the_prefill(cluster):
     await prefill_leg(cluster, {"model": "tiny", "prompt": LONG, "max_tokens": 4, **GREEDY})
     stats = await cluster.prefill.controller.call_utility("stats")
-    assert any(w["num_free_blocks"] < w["num_total_blocks"] for w in stats)  # leased
+    assert any(w.num_free_blocks < w.num_total_blocks for w in stats)  # leased
     assert await idle(cluster)  # kv_lease_s=2: expired
 
 

@@ -105,7 +105,7 @@ async def test_a_foreign_bootstrap_server_is_named_never_echoed(cluster):
 
 
 async def decode_free_blocks(decode) -> list[int]:
-    return [w["num_free_blocks"] for w in await decode.controller.call_utility("stats")]
+    return [w.num_free_blocks for w in await decode.controller.call_utility("stats")]
 
 
 async def test_a_decode_with_another_secret_fails_fast_and_frees_both_sides(cluster):

@@ -71,7 +71,7 @@ async def test_client_disconnect_mid_stream_frees_its_blocks(server):
         async with s.post(url(server) + "/generate", json=body) as resp:
             await resp.content.readline()
             [stats] = await server.controller.call_utility("stats", ranks=[1])
-            assert stats["num_running"] == 1 and stats["num_free_blocks"] < 96  # still generating: holds blocks
+            assert stats.num_running == 1 and stats.num_free_blocks < 96  # still generating: holds blocks
         for _ in range(50):
             if await free_blocks(s, server) == start:
                 break

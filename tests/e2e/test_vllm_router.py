@@ -88,10 +88,10 @@ async def test_vllm_router_pd_equals_unified(router, unified_url, path, stream, 
     assert got == expected and got
     for _ in range(100):  # the decode released the prefill's lease: every block is free again
         stats = [await srv.controller.call_utility("stats") for srv in (cluster.prefill, cluster.decode)]
-        if all(w["num_free_blocks"] == w["num_total_blocks"] for side in stats for w in side):
+        if all(w.num_free_blocks == w.num_total_blocks for side in stats for w in side):
             break
         await asyncio.sleep(0.05)
-    assert all(w["num_free_blocks"] == w["num_total_blocks"] for side in stats for w in side)
+    assert all(w.num_free_blocks == w.num_total_blocks for side in stats for w in side)
 
 
 async def served_by_engine(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

@@ -41,7 +41,7 @@ async def unified_outputs(texts: list[str]) -> list[list[int]]:
 
 async def gauges(server) -> list[tuple[int, int]]:
     """(free, quarantined) blocks of every worker of one server."""
-    return [(w["num_free_blocks"], w["num_quarantined_blocks"]) for w in await server.controller.call_utility("stats")]
+    return [(w.num_free_blocks, w.num_quarantined_blocks) for w in await server.controller.call_utility("stats")]
 
 
 async def wait_gauges(servers, expected, timeout_s: float = 5.0):
@@ -68,7 +68,7 @@ async def same_worker_outputs(cluster, texts, room_base):
 async def wait_for_prefill_to_hold_blocks(cluster, idle):
     """Until prefill worker 0 has blocks allocated (it computes, or holds them for the decode)."""
     for _ in range(400):
-        if (await cluster.prefill.controller.call_utility("stats", ranks=[0]))[0]["num_free_blocks"] < idle[0][0][0]:
+        if (await cluster.prefill.controller.call_utility("stats", ranks=[0]))[0].num_free_blocks < idle[0][0][0]:
             return
         await asyncio.sleep(0.002)
     raise AssertionError("prefill worker 0 never started the request")

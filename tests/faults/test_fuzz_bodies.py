@@ -93,7 +93,7 @@ async def wait_all_blocks_free(stats, deadline_s: float = 15.0) -> list[dict]:
     deadline = time.monotonic() + deadline_s
     while True:
         states = await stats()
-        if all(s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == s["num_waiting"] == 0 for s in states):
+        if all(s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0 for s in states):
             return states
         assert time.monotonic() < deadline, f"blocks not freed: {states}"
         await asyncio.sleep(0.2)
@@ -126,7 +126,7 @@ async def test_fuzzed_bodies_on_a_unified_server_never_get_a_5xx(capfd):
                 states = (await resp.json())["internal_states"]
             assert [(s["dp_rank"], s["alive"], s["ready"]) for s in states] == [(0, True, True), (1, True, True)]
             stats = await wait_all_blocks_free(lambda: server.controller.call_utility("stats"))
-            assert [s["num_free_blocks"] for s in stats] == [64, 64]
+            assert [s.num_free_blocks for s in stats] == [64, 64]
             assert [await greedy_ids(session, url, rank) for rank in (0, 1)] == before
     finally:
         await server.close()

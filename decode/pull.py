@@ -14,10 +14,18 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import structlog
+
+from decode.peers import PrefillPeers
+from decode.waiting import Fences, PendingKV
+from disagg.config import DisaggConfig
+from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
+from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
-from kvtransfer import TransferState
 from kvtransfer.base import KVTransferBackend, TransferFailed
+
+log = structlog.get_logger(__name__)
 
 TICKET_FIELDS = (("remote_engine_id", str), ("remote_host", str), ("remote_port", int),
                  ("remote_request_id", str), ("remote_block_ids", list))
@@ -71,3 +79,99 @@ def check_engine(ticket: Ticket, prefill_name: str) -> None:
         raise InvalidRequest(f"the ticket names prefill engine {ticket.engine_id!r}, but {ticket.host}:{ticket.port} "
                              f"is {prefill_name!r} now (it restarted, or the ticket is not from this cluster)",
                              "kv_transfer_params")
+
+
+class PullFetch:
+    def __init__(self, core: EngineCore, config: DisaggConfig, backend: KVTransferBackend, peers: PrefillPeers,
+                 fences: Fences):
+        self.core, self.config, self.backend, self.peers, self.fences = core, config, backend, peers, fences
+        self._read_peers: dict[str, tuple] = {}  # prefill agent -> (its ControlClient, backend peer)
+
+    def check(self, msg: GenerateMsg, ticket: Ticket) -> None:
+        """Refuse, before any connection, what the pull flow cannot serve."""
+        if msg.sampling.prompt_logprobs is not None:
+            raise InvalidRequest("prompt logprobs are not available in the pull flow (kv_transfer_params): "
+                                 "the decode reads the prompt's KV, not its logprobs", "prompt_logprobs")
+        if not self.config.allows_bootstrap_host(ticket.host):
+            raise InvalidRequest(f"remote_host {ticket.host!r} is not allowed on this decode server "
+                                 "(see its --allowed-bootstrap-hosts)", "kv_transfer_params")
+
+    async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
+        """Read the KV of every prompt token but the last from the ticket's prefill."""
+        ticket = pending.ticket
+        client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), max(deadline - time.monotonic(), 1e-3))
+        check_engine(ticket, client.remote.peer_name)
+        pending.lease = (client, ticket.request_id)
+        prefill = await self._read_peer(client)
+        claim = await client.claim(ticket.request_id)
+        if not claim.ok:
+            raise TransferFailed(f"prefill {ticket.host}:{ticket.port} refused the claim of {ticket.request_id}: {claim.reason}",
+                                 peer_lost=claim.peer_lost)
+        num_blocks = -(-(num_prompt_tokens - 1) // self.core.block_size)
+        num_read = min(num_blocks, len(claim.block_ids), len(blocks))
+        num_bytes = 0
+        if num_read:
+            pending.read_peer = prefill
+            pending.read = self.backend.read(prefill, blocks[:num_read], list(claim.block_ids[:num_read]),
+                                             f"pull:{ticket.request_id}".encode())
+            num_bytes = pending.read.num_bytes
+            await wait_read(self.backend, pending.read, deadline)
+            pending.read = None
+        pending.lease = None
+        released = await client.release(ticket.request_id)
+        if not released.ok:
+            raise TransferFailed(f"the KV of {ticket.request_id} was not held through the read: {released.reason}",
+                                 peer_lost=released.peer_lost)
+        return TransferStatusMsg(room=0, state=TransferState.SUCCESS, num_bytes=num_bytes)
+
+    def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
+        """Every prompt token but the last is in our blocks: the last one and the first output are ours."""
+        progress = self.core.request_progress(request_id)
+        return progress is not None and self.core.admit_remote_prefix(request_id, progress.num_prompt_tokens - 1)
+
+    async def _read_peer(self, client) -> str:
+        """The backend peer to READ from a prefill, added once per incarnation; peers of prefills whose
+        stream is gone (lost, restarted under a new name) are removed first, so none piles up."""
+        for name, (old, peer) in list(self._read_peers.items()):
+            if not old.is_alive:
+                del self._read_peers[name]
+                await asyncio.to_thread(self.backend.remove_peer, peer)
+        entry = self._read_peers.get(client.remote.peer_name)
+        if entry is None:  # a tcp connect and handshake: off the loop
+            peer = await asyncio.to_thread(self.backend.add_peer, client.remote.agent_metadata)
+            entry = self._read_peers[client.remote.peer_name] = (client, peer)
+        return entry[1]
+
+    def end(self, request_id: str, pending: PendingKV, reason: str) -> bool:
+        """Stop waiting; True when the blocks may go back now. A READ in flight is cut off first; the
+        prefill frees its leased blocks now, not at the lease's expiry."""
+        reading = pending.read is not None
+        if reading:  # our own read is what writes into the blocks
+            self.backend.abort(pending.read, reason)
+            self.fences.start(f"read:{request_id}", self._cut_read(request_id, pending.read_peer))
+        if pending.lease is not None:
+            client, remote_request_id = pending.lease
+            client.release(remote_request_id, reason)
+        else:  # gave up before reaching the prefill
+            self.fences.start(f"release:{request_id}", self._release_ticket(pending.ticket, reason))
+        return not reading
+
+    async def _cut_read(self, request_id: str, peer: str) -> None:
+        """An aborted READ may be mid-copy (cancelling is best effort): drop that prefill's backend
+        peer (tcp: close its connection and join its threads) before the blocks go back. Other reads
+        from that prefill fail with it; the next one adds the peer again."""
+        try:
+            for name, (_, known) in list(self._read_peers.items()):
+                if known == peer:
+                    del self._read_peers[name]
+            await asyncio.to_thread(self.backend.remove_peer, peer)
+        finally:
+            self.fences.fenced(request_id)
+
+    async def _release_ticket(self, ticket: Ticket, reason: str) -> None:
+        """Tell a ticket's prefill to free the blocks we will not read (bounded)."""
+        try:
+            client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), self.config.waiting_timeout_s)
+            await asyncio.wait_for(client.release(ticket.request_id, reason), self.config.waiting_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own then
+            log.warning("could not release a ticket's lease", request_id=ticket.request_id, error=str(exc))

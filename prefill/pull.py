@@ -8,10 +8,14 @@ decode that read them releases them, the lease expires unclaimed, or the claimin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import structlog
 
+from disagg.dp.worker_role import error_output
 from disagg.engine.core import EngineCore
+from disagg.types import SamplingParams
 from disagg.wire.control_msgs import LeaseMsg, LeaseStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from prefill.leases import LeaseTable
@@ -31,8 +35,14 @@ class PullRequests:
         self.leases = LeaseTable(lease_s)
         self.finals: dict[str, OutputMsg | None] = {}  # computing (None) or finished, not answered yet
 
-    def track(self, request_id: str) -> None:
-        self.finals[request_id] = None
+    def submit(self, msg: GenerateMsg, prompt_ids: Callable[[GenerateMsg], list[int]], params: SamplingParams) -> list[OutputMsg]:
+        """Compute a pull request's prompt, holding its blocks for the ticket."""
+        try:
+            self.core.add_request(msg.request_id, prompt_ids(msg), params, hold_blocks=True)
+        except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
+            return [error_output(msg.request_id, exc)]
+        self.finals[msg.request_id] = None
+        return []
 
     def hold(self, msg: OutputMsg) -> bool:
         """Keep a pull request's output until its ticket is ready (may run in the engine-step thread)."""

@@ -35,7 +35,7 @@ def admission_error(request_id: str, exc: Exception) -> OutputMsg:
     return error_output(request_id, RuntimeError(f"the worker could not admit the request: {type(exc).__name__}: {exc}"))
 
 
-def _pairs(top: dict[int, float], sampled: int, num_top: int, extra_ids: tuple[int, ...] = ()) -> list[tuple[int, float]]:
+def logprob_pairs(top: dict[int, float], sampled: int, num_top: int, extra_ids: tuple[int, ...] = ()) -> list[tuple[int, float]]:
     """The sampled (or actual) token first, then the top `num_top` by descending logprob, which
     include that token again when it ranks among them (as OpenAI's top_logprobs do), then the
     `extra_ids` asked for by id. The top-n of `top` are its `num_top` largest: it holds them all."""
@@ -48,11 +48,11 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
     logprobs = None
     if out.outputs.logprobs is not None and new:
         tops = out.outputs.logprobs[len(out.outputs.logprobs) - len(new) :]
-        logprobs = [_pairs(top, tok, out.num_logprobs or 0, out.logprob_token_ids) for top, tok in zip(tops, new)]
+        logprobs = [logprob_pairs(top, tok, out.num_logprobs or 0, out.logprob_token_ids) for top, tok in zip(tops, new)]
     prompt_logprobs = None
     if first and out.prompt_logprobs is not None:
         prompt_logprobs = [
-            None if top is None else _pairs(top, tok, out.num_prompt_logprobs or 0, out.logprob_token_ids)
+            None if top is None else logprob_pairs(top, tok, out.num_prompt_logprobs or 0, out.logprob_token_ids)
             for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
         ]
     return OutputMsg(

@@ -1,0 +1,107 @@
+"""Decode side of the push flow (SGLang's protocol): the prefill writes into our reserved blocks.
+
+Steps, each bounded by the caller's deadline: resolve the prefill DP rank (disagg/dp/rank_rule.py,
+asking the registry when the rule says so), open (or reuse) the control stream to that rank, send
+TransferInfo (room, destination blocks), wait for its verdict. SUCCESS carries the first token.
+A request that ends first is fenced: its blocks stay quarantined until the prefill acknowledges the
+abort of its room, or, when it does not in time, until that prefill is cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from decode.peers import PrefillPeers
+from decode.waiting import Fences, PendingKV
+from disagg.config import DisaggConfig
+from disagg.dp.rank_rule import QUERY, resolve_prefill_rank
+from disagg.engine.core import EngineCore
+from disagg.types import InvalidRequest
+from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
+from disagg.wire.engine_msgs import GenerateMsg
+
+log = structlog.get_logger(__name__)
+BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
+
+
+def first_token_logprobs(status: TransferStatusMsg) -> dict[int, float] | None:
+    """The first token's logprobs as the engine keeps them (top-n plus the sampled token), if asked for."""
+    if status.first_token_top_logprobs:
+        return dict(status.first_token_top_logprobs)
+    if status.first_token_logprob is not None:
+        return {status.first_token_id: status.first_token_logprob}
+    return None
+
+
+def remote_prompt_logprobs(msg: GenerateMsg, status: TransferStatusMsg) -> list[dict[int, float] | None] | None:
+    """The prompt logprobs the prefill computed, as the engine keeps them (first entry None), if asked for."""
+    if msg.sampling.prompt_logprobs is None:
+        return None
+    return [None] + [dict(entry) for entry in status.prompt_logprobs]
+
+
+class PushFetch:
+    def __init__(self, core: EngineCore, dp_rank: int, config: DisaggConfig, backend, peers: PrefillPeers, fences: Fences):
+        self.core, self.dp_rank, self.config = core, dp_rank, config
+        self.backend, self.peers, self.fences = backend, peers, fences
+
+    def check(self, msg: GenerateMsg) -> None:
+        """Refuse, before any connection, a request that cannot be served: a missing bootstrap field
+        or a host the decode may not reach."""
+        missing = [f for f in BOOTSTRAP_FIELDS if getattr(msg, f) is None]
+        if missing:
+            raise InvalidRequest(
+                f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
+                "locally (send it through a P/D router)", missing[0])
+        if not self.config.allows_bootstrap_host(msg.bootstrap_host):
+            raise InvalidRequest(f"bootstrap_host {msg.bootstrap_host!r} is not allowed on this decode server "
+                                 "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
+
+    async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
+        msg = pending.msg
+        host, port, room = msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room
+        remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
+        topology = await self.peers.topology(host, port, remaining())
+        rank = resolve_prefill_rank(room, msg.disagg_prefill_dp_rank, dp_size=topology.dp_size,
+                                    method=topology.load_balance_method, force_query=self.config.force_query_prefill_dp_rank)
+        if rank == QUERY:
+            rank = await self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining())
+        client = await self.peers.client(host, port, rank, remaining())
+        pending.client = client
+        info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(blocks),
+                               dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
+        return await client.send_transfer(info)
+
+    def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
+        """The prompt's KV is in our blocks and the first token came with it: an ordinary running request."""
+        return self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status),
+                                         remote_prompt_logprobs(pending.msg, status))
+
+    def end(self, request_id: str, pending: PendingKV, reason: str) -> bool:
+        """Stop waiting; True when the blocks may go back now (the TransferInfo never went out, or
+        the prefill already confirmed the room is final), else they are fenced."""
+        if pending.client is None:
+            return True
+        fence = pending.client.abort(pending.room, reason)
+        if fence.done() and fence.result():
+            return True
+        self.fences.start(request_id, self._await_fence(request_id, pending.client, fence))
+        return False
+
+    async def _await_fence(self, request_id: str, client, fence: asyncio.Future) -> None:
+        try:
+            acked = await asyncio.wait_for(asyncio.shield(fence), self.config.abort_ack_timeout_s)
+        except asyncio.TimeoutError:
+            acked = False
+            client.drop(f"no acknowledgement of an abort within {self.config.abort_ack_timeout_s:g} s")
+        if not acked and client.remote is not None:
+            prefill = client.remote.peer_name
+            if await asyncio.to_thread(self.backend.cut_inbound, prefill):
+                log.warning("prefill cut off before reusing its blocks", prefill=prefill, request_id=request_id)
+            else:  # NIXL: one-sided writes cannot be refused here; the prefill fences its own writes
+                log.warning("prefill lost; its writes cannot be refused on this backend", prefill=prefill,
+                            request_id=request_id, backend=self.config.transfer_backend)
+        self.fences.fenced(request_id)

@@ -27,8 +27,8 @@ from disagg.wire.control_msgs import (
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
 from kvtransfer import TransferState as BackendState
-from kvtransfer.control import ControlServer
-from kvtransfer.endpoint import open_endpoint
+from kvtransfer.control.endpoint import open_endpoint
+from kvtransfer.control.server import ControlServer
 from prefill.pull import PullRequests, is_pull
 from prefill.rooms import PrefillRoom, RoomTable, Settling
 

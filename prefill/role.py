@@ -26,7 +26,6 @@ from disagg.wire.control_msgs import (
 )
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
-from kvtransfer import TransferState as BackendState
 from kvtransfer.control.endpoint import open_endpoint
 from kvtransfer.control.server import ControlServer
 from prefill.pull import PullRequests, is_pull
@@ -299,10 +298,10 @@ class PrefillRole(WorkerRole):
         if progress is not None and self.control.is_writable(state.room):  # never after an abort or a lost stream
             self._send_ready_blocks(state, progress)
         statuses = [self.backend.poll(handle) for handle in state.handles]
-        failed = next((s for s in statuses if s.state is BackendState.FAILED), None)
+        failed = next((s for s in statuses if s.state is TransferState.FAILED), None)
         if failed is not None:
             return self._fail(state, f"KV transfer failed: {failed.reason}")
-        done = all(s.state is BackendState.SUCCESS for s in statuses)
+        done = all(s.state is TransferState.SUCCESS for s in statuses)
         if state.final is not None and state.all_sent and done:
             return self._succeed(state)
         return []

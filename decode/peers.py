@@ -13,8 +13,8 @@ from bootstrap.client import BootstrapClient
 from disagg.config import ControlConfig
 from disagg.wire.bootstrap_msgs import TopologyMsg
 from disagg.wire.control_msgs import PeerMsg
-from kvtransfer.control import format_address
-from kvtransfer.control_client import ControlClient
+from kvtransfer.control.client import ControlClient
+from kvtransfer.control.server import format_address
 
 
 class PrefillPeers:

@@ -28,7 +28,7 @@ from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 from kvtransfer.base import PeerUnavailable
-from kvtransfer.endpoint import open_endpoint
+from kvtransfer.control.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
 

@@ -167,7 +167,7 @@ class TransferBackend(Choice):
     endpoints of one process only: tests, never a server)."""
 
     NIXL = "nixl"  # NIXL agents over UCX: RDMA or NVLink on GPUs, shared memory or TCP on CPUs
-    TCP = "tcp"  # asyncio sockets, always available
+    TCP = "tcp"  # plain sockets and threads, always available
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,16 @@
         backend.register(layout)
         ...
 
-Light on purpose: importing kvtransfer loads neither NIXL nor torch.
+Backends: nixl.py (NIXL agents over UCX), tcp/ (plain sockets and threads), loopback.py (in-process);
+the machinery they share: core.py (BackendCore), handshake.py (PeerInfo), transfers.py (TransferTable),
+descriptors.py; factory.py picks one by name. They know layouts, block ids, peers and opaque tags,
+never a request.
+
+kvtransfer.control is the P/D control plane over gRPC (rooms, leases, heartbeats, request ids) that
+the roles drive the backends with: it imports the backends' interface, no backend imports it.
+
+Light on purpose: importing kvtransfer loads neither NIXL nor torch (nor grpc: the control plane
+loads only when kvtransfer.control.* is imported).
 """
 
 from kvtransfer.base import (

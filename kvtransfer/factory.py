@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvtransfer.base import BackendUnavailable, KVTransferBackend
 from kvtransfer.loopback import LoopbackBackend, LoopbackFabric
 from kvtransfer.nixl import NixlBackend, nixl_installed
-from kvtransfer.tcp import TcpBackend
+from kvtransfer.tcp.backend import TcpBackend
 
 BACKEND_NAMES = ("nixl", "tcp", "loopback")
 

@@ -25,7 +25,7 @@ from disagg.types import FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
-from kvtransfer.control import ControlServer
+from kvtransfer.control.server import ControlServer
 from prefill.rooms import PrefillRoom, RoomTable, Settling
 
 log = structlog.get_logger(__name__)

@@ -23,8 +23,8 @@ from disagg.types import RequestOutput, SamplingParams
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, StatsMsg
-from kvtransfer.control import ControlServer
-from kvtransfer.endpoint import open_endpoint
+from kvtransfer.control.endpoint import open_endpoint
+from kvtransfer.control.server import ControlServer
 from prefill.pull import PullRequests, is_pull
 from prefill.push import PushRooms
 

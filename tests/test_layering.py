@@ -27,6 +27,13 @@ SAME_LAYER_OK = {
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests"}
 NO_TORCH = ("disagg.api", "disagg.router", "bootstrap", "disagg.config", "disagg.engine_config", "disagg.types",
             "disagg.wire")
+# The P/D control plane (rooms, leases, request ids) builds on the transfer backends, never the other
+# way round: every other kvtransfer module stays request-agnostic and imports neither it nor its wire.
+CONTROL = "kvtransfer.control"
+CONTROL_WIRE = ("disagg.wire.control_msgs", "disagg.wire.kv_control_pb2", "disagg.wire.kv_control_pb2_grpc")
+# What the control plane may take from the rest of kvtransfer: the backends' base (Protocol, states,
+# errors) and the factory that picks one by name; never one backend's internals.
+CONTROL_BUILDS_ON = ("kvtransfer", "kvtransfer.base", "kvtransfer.factory")
 
 
 def unit_of(module: str) -> str:
@@ -47,6 +54,16 @@ def modules() -> list[tuple[str, pathlib.Path]]:
                 parts.pop()
             found.append((".".join(parts), path))
     return found
+
+
+def is_module(name: str) -> bool:
+    """True when `name` is one of our modules or packages (not a name imported from one)."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def imports_of(module: str, path: pathlib.Path) -> list[str]:
@@ -79,6 +96,12 @@ def violations(extra: list[tuple[str, pathlib.Path]] = ()) -> list[str]:
                 bad.append(f"{module} imports {target}: the engine stays free of network and roles")
             if src == "kvtransfer" and target.startswith("disagg.engine"):
                 bad.append(f"{module} imports {target}: kvtransfer never imports the engine")
+            if src == "kvtransfer" and not within(module, CONTROL) and (
+                    target in CONTROL_WIRE or (within(target, CONTROL) and is_module(target))):
+                bad.append(f"{module} imports {target}: the backends stay request-agnostic (rooms live in {CONTROL})")
+            if (within(module, CONTROL) and within(target, "kvtransfer") and not within(target, CONTROL)
+                    and is_module(target) and target not in CONTROL_BUILDS_ON):
+                bad.append(f"{module} imports {target}: {CONTROL} builds on the backends' base, never on one backend")
             if {src, top} == {"prefill", "decode"}:
                 bad.append(f"{module} imports {target}: prefill and decode never import each other")
             if any(src == p or src.startswith(p + ".") for p in NO_TORCH) and top == "torch":
@@ -105,13 +128,22 @@ def test_rule_catches_bad_imports(tmp_path):
     router.write_text("import torch\nfrom prefill import role\n")
     engine = tmp_path / "engine_probe.py"
     engine.write_text("import aiohttp\n")
-    found = violations([("disagg.ops.probe", ops), ("disagg.router.probe", router), ("disagg.engine.probe", engine)])
+    backend = tmp_path / "backend_probe.py"
+    backend.write_text("from kvtransfer.control.server import ControlServer\nfrom disagg.wire.control_msgs import PeerMsg\n")
+    control = tmp_path / "control_probe.py"
+    control.write_text("from kvtransfer.base import KVLayout\nfrom kvtransfer.factory import create_backend\n"
+                       "from kvtransfer.tcp.backend import TcpBackend\n")
+    found = violations([("disagg.ops.probe", ops), ("disagg.router.probe", router), ("disagg.engine.probe", engine),
+                        ("kvtransfer.tcp.probe", backend), ("kvtransfer.control.probe", control)])
     assert found == [
         "disagg.ops.probe (L1) imports disagg.engine (L2)",
         "disagg.router.probe imports torch: the front door stays torch-free",
         "disagg.router.probe (L3) imports prefill (L3)",
         "disagg.router.probe (L3) imports prefill.role (L3)",
         "disagg.engine.probe imports aiohttp: the engine stays free of network and roles",
+        "kvtransfer.tcp.probe imports kvtransfer.control.server: the backends stay request-agnostic (rooms live in kvtransfer.control)",
+        "kvtransfer.tcp.probe imports disagg.wire.control_msgs: the backends stay request-agnostic (rooms live in kvtransfer.control)",
+        "kvtransfer.control.probe imports kvtransfer.tcp.backend: kvtransfer.control builds on the backends' base, never on one backend",
     ]
 
 

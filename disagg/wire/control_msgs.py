@@ -1,6 +1,6 @@
 """KV control-plane values (msgspec structs) and their translation to and from proto/kv_control.proto.
 
-The gRPC layer (kvtransfer/control.py) sends protobuf; everything on either side of it (prefill and
+The gRPC layer (kvtransfer/control/) sends protobuf; everything on either side of it (prefill and
 decode roles) sees only these frozen structs and the TransferState enum.
 """
 

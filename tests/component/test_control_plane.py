@@ -32,8 +32,8 @@ from disagg.wire.control_msgs import (
     status_to_pb,
     transfer_msg,
 )
-from kvtransfer.control import AuthenticationFailed, ControlError, ControlServer, PeerRejected, PeerUnavailable
-from kvtransfer.control_client import ControlClient
+from kvtransfer.control.client import ControlClient
+from kvtransfer.control.server import AuthenticationFailed, ControlError, ControlServer, PeerRejected, PeerUnavailable
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -21,8 +21,8 @@ from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg, TransferInfoMsg, TransferState
 from kvtransfer.base import KVLayout
-from kvtransfer.control import format_address
-from kvtransfer.control_client import ControlClient
+from kvtransfer.control.client import ControlClient
+from kvtransfer.control.server import format_address
 from kvtransfer.handshake import PeerInfo, encode_peer_info
 from pd_cluster import pd_config, start_decode, start_pd
 

@@ -16,7 +16,7 @@ from disagg.config import BootstrapConfig, DisaggConfig, ServerConfig
 from disagg.engine_config import EngineConfig
 from disagg.dp.worker import RoleSpec
 from disagg.launch import RunningServer
-from kvtransfer.tcp_wire import FrameKind
+from kvtransfer.tcp.wire import FrameKind
 from prefill.controller import PrefillController
 from prefill.role import PrefillRole
 

@@ -9,13 +9,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from disagg.wire.auth import challenge_answer
-from kvtransfer import tcp_auth
 from kvtransfer.base import BackendUnavailable, KVLayout, Notification, PeerUnavailable
 from kvtransfer.descriptors import Segment
 from kvtransfer.handshake import PeerInfo, encode_peer_info
-from kvtransfer.tcp import TcpBackend
-from kvtransfer.tcp_auth import NO_ANSWER
-from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, encode_head, read_head, send_frame
+from kvtransfer.tcp import auth as tcp_auth
+from kvtransfer.tcp.auth import NO_ANSWER
+from kvtransfer.tcp.backend import TcpBackend
+from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, encode_head, read_head, send_frame
 
 pytestmark = pytest.mark.timeout(30)
 

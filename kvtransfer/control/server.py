@@ -1,6 +1,6 @@
 """KV control plane over gRPC, prefill side: ControlServer, the checks it applies, shared errors.
 
-The decode side is kvtransfer.control_client.ControlClient.
+The decode side is kvtransfer.control.client.ControlClient.
 
 One long-lived bidirectional stream per (decode worker, prefill worker) pair, defined in
 proto/kv_control.proto. The decode side registers (name, backend metadata, KV layout), then sends
@@ -40,7 +40,7 @@ from disagg.wire.control_msgs import (
     transfer_info_from_pb,
 )
 from kvtransfer.base import AuthenticationFailed, IncompatiblePeer, KVTransferError, PeerUnavailable
-from kvtransfer.control_checks import check_peer, check_transfer
+from kvtransfer.control.checks import check_peer, check_transfer
 
 __all__ = ["AuthenticationFailed", "ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer",
            "check_transfer"]

@@ -2,7 +2,7 @@
 
 One thread accepts; one thread per connection reads frames, lands WRITE payloads straight into the
 region (recv_into over a view of the caller's memory), answers READs from it and queues notifications.
-A connection serves frames only after the handshake of tcp_auth (the cluster secret's challenge).
+A connection serves frames only after the handshake of tcp/auth.py (the cluster secret's challenge).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import structlog
 
 from kvtransfer.base import Notification
 from kvtransfer.descriptors import segment_in_bounds
-from kvtransfer.tcp_auth import HandshakeRefused, admit
-from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
+from kvtransfer.tcp.auth import HandshakeRefused, admit
+from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 
 JOIN_TIMEOUT_S = 2.0
 log = structlog.get_logger("kvtransfer.tcp")

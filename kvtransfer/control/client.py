@@ -37,7 +37,7 @@ from disagg.wire.control_msgs import (
     status_from_pb,
     transfer_msg,
 )
-from kvtransfer.control import (
+from kvtransfer.control.server import (
     AuthenticationFailed, Clock, ControlError, PeerRejected, PeerUnavailable, grpc_options,
 )
 

@@ -6,7 +6,7 @@
              CHALLENGE, HMAC answer for AUTH)
     payload  payload_bytes bytes (WRITE: the blocks, in segment order; DATA: the blocks read)
 
-Conversation: the connecting side sends HELLO(name) once and completes the handshake of tcp_auth
+Conversation: the connecting side sends HELLO(name) once and completes the handshake of tcp/auth.py
 (ACK at once, or CHALLENGE / AUTH / ACK when the listener holds a cluster secret), then WRITE / READ /
 NOTIF requests; the listening side answers WRITE with ACK (after the bytes landed), READ with DATA, bad
 requests with ERROR.

@@ -19,7 +19,7 @@ import socket
 
 from disagg.wire.auth import challenge_answer, challenge_answer_matches
 from kvtransfer.base import AuthenticationFailed
-from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, read_head, send_frame
+from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, read_head, send_frame
 
 HANDSHAKE_TIMEOUT_S = 10.0
 CHALLENGE_BYTES = 32

@@ -1,7 +1,7 @@
 """TCP backend: length-prefixed frames over plain sockets, background threads, no extra dependency.
 
 Per peer we hold one outgoing connection (a sender thread posting WRITE/READ/NOTIF frames in order, a
-receiver thread taking ACK/DATA/ERROR); peers connect to our listener (tcp_server) to move bytes into
+receiver thread taking ACK/DATA/ERROR); peers connect to our listener (tcp/server.py) to move bytes into
 or out of our region. Host memory only. A lost connection fails every transfer on it with a reason.
 """
 
@@ -19,9 +19,9 @@ from kvtransfer.base import (
 from kvtransfer.core import BackendCore, drain
 from kvtransfer.descriptors import BlockRun, Segment, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
-from kvtransfer.tcp_auth import greet
-from kvtransfer.tcp_server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
-from kvtransfer.tcp_wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
+from kvtransfer.tcp.auth import greet
+from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
+from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 from kvtransfer.transfers import TransferTable
 
 

@@ -6,9 +6,10 @@ import msgspec
 import pytest
 
 from disagg.config import ConfigError
+from disagg.http_edge import BadRequest
 from disagg.router import bodies
 from disagg.router.config import PrefillEndpoint, RouterConfig, parse_prefill
-from disagg.router.errors import BadRequest, DpRankMismatch, NoHealthyServer, ServerError, ServerUnreachable
+from disagg.router.errors import DpRankMismatch, NoHealthyServer, ServerError, ServerUnreachable
 from disagg.router.policy import (
     PairPicker, Policy, ServerLoad, ServerPicker, draw_bootstrap_room, draw_rooms, pick_dp_rank,
 )

@@ -23,7 +23,7 @@ from aiohttp import web
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.router import bodies
-from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
 from disagg.router.errors import RequestShutDown, ServerDraining
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
@@ -123,7 +123,7 @@ class Proxy:
             try:
                 log.debug("request routed", prefill=plan.prefill.server, decode=plan.decode.server)
                 prefill = None
-                if self._config.protocol == "pull":
+                if self._config.protocol is PdProtocol.PULL:
                     plan, prefill = await self._pull_ticket(plan, headers)
                 if plan.stream:
                     return await self._stream(request, plan, headers, prefill)
@@ -156,7 +156,7 @@ class Proxy:
             p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
             expected = pick_dp_rank(await self._health.ensure_dp_size(Role.DECODE, d), self._rng)
             prefill_body, decode_body = (bodies.encode_body(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
-        elif self._config.protocol == "pull":
+        elif self._config.protocol is PdProtocol.PULL:
             prefill_body = bodies.encode_body(dict(body, stream=False, kv_transfer_params=PULL_REQUEST))
             decode_body = bodies.encode_body(body)
         else:

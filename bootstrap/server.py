@@ -36,6 +36,7 @@ from bootstrap.registry import (
     UnknownRank,
 )
 from disagg.config import BootstrapConfig
+from disagg.http_edge import BadRequest, Edge, HttpError, decode_json, error_middleware
 from disagg.http_site import start_site
 from disagg.wire.auth import bearer_matches
 from disagg.wire.bootstrap_msgs import (
@@ -50,7 +51,6 @@ from disagg.wire.bootstrap_msgs import (
     rank_address,
     sglang_topology,
 )
-from disagg.wire.errors import JSON_TOO_DEEP
 
 Clock = Callable[[], float]
 REGISTRY_KEY = web.AppKey("registry", BootstrapRegistry)
@@ -60,32 +60,25 @@ _STATUS_OF = {InvalidRegistration: 400, UnknownRank: 404, ConflictingRegistratio
 log = structlog.get_logger("bootstrap")
 
 
-class BadRequest(Exception):
-    """Malformed request: wrong JSON, wrong types, missing query parameters (HTTP 400)."""
+def _error_body(err: HttpError) -> bytes:
+    return msgspec.json.encode(ErrorMsg(err.message))
+
+
+def _registry_error(exc: Exception) -> HttpError | None:
+    """BadRequest as it is, a RegistryError with its status; anything else is aiohttp's own 500."""
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, RegistryError):
+        return HttpError(_STATUS_OF.get(type(exc), 400), str(exc))
+    return None
+
+
+# Errors are `{"error": message}`; aiohttp's own (unknown path, wrong method, body too large) keep its texts.
+REGISTRY_EDGE = Edge(error_of=_registry_error, render=_error_body, aiohttp_texts=True)
 
 
 def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
-
-
-def _error(status: int, message: str) -> web.Response:
-    return _json(ErrorMsg(message), status)
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except BadRequest as exc:
-        return _error(400, str(exc))
-    except RegistryError as exc:
-        return _error(_STATUS_OF.get(type(exc), 400), str(exc))
-    except web.HTTPException as exc:  # unknown path, wrong method, body too large
-        if exc.status < 400:
-            raise
-        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
-        return web.Response(body=msgspec.json.encode(ErrorMsg(exc.text or exc.reason)), status=exc.status,
-                            headers=headers, content_type="application/json")
 
 
 def cluster_secret_middleware(secret: str):
@@ -96,28 +89,17 @@ def cluster_secret_middleware(secret: str):
         if (request.method, request.path) in WRITE_ROUTES and not bearer_matches(
                 request.headers.get("Authorization"), secret):
             log.warning("registry write refused", method=request.method, path=request.path, remote=request.remote)
-            return web.Response(
-                body=msgspec.json.encode(ErrorMsg(
-                    f"{request.method} {request.path} needs 'Authorization: Bearer <cluster secret>': "
-                    "missing or wrong cluster secret")),
-                status=401, headers={"WWW-Authenticate": "Bearer"}, content_type="application/json")
+            err = HttpError(401, f"{request.method} {request.path} needs 'Authorization: Bearer <cluster secret>': "
+                                 "missing or wrong cluster secret")
+            return REGISTRY_EDGE.response(err, {"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return check_cluster_secret
 
 
 async def _decode(request: web.Request, kind: type):
-    raw = await request.read()
-    try:
-        return msgspec.json.decode(raw, type=kind, strict=False)
-    except msgspec.ValidationError as exc:  # a DecodeError subclass: catch it first
-        raise BadRequest(f"invalid {request.method} {request.path} body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"invalid JSON body: {exc}") from None
-    except UnicodeDecodeError:
-        raise BadRequest("invalid JSON body: it is not valid UTF-8") from None
-    except RecursionError:
-        raise BadRequest(f"invalid JSON body: {JSON_TOO_DEEP}") from None
+    return decode_json(await request.read(), kind, malformed="invalid JSON body",
+                       invalid=f"invalid {request.method} {request.path} body", strict=False)
 
 
 async def put_route(request: web.Request) -> web.Response:
@@ -180,7 +162,7 @@ def create_app(
     registry: BootstrapRegistry | None = None,
 ) -> web.Application:
     """The aiohttp application; `clock` timestamps room entries (tests pass a fake one)."""
-    middlewares = [_errors_as_json]
+    middlewares = [error_middleware(REGISTRY_EDGE)]
     if config.cluster_secret is not None:
         middlewares.append(cluster_secret_middleware(config.cluster_secret))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)

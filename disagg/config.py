@@ -26,12 +26,17 @@ class Choice(str, enum.Enum):
         return self.value
 
     @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's value, in order (a CLI option's `choices`)."""
+        return tuple(member.value for member in cls)
+
+    @classmethod
     def parse(cls, name: str, value: str) -> Choice:
         """The member for `value`; ConfigError naming the field `name` and the values it takes."""
         try:
             return cls(value)
         except ValueError:
-            raise ConfigError(f"{name} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
+            raise ConfigError(f"{name} must be one of {', '.join(cls.values())}, got {value!r}") from None
 
     @classmethod
     def coerce_field(cls, config, name: str) -> None:

@@ -11,11 +11,12 @@ from aiohttp import web
 
 from disagg import __version__
 from disagg.api.bodies import decode_body
-from disagg.api.errors import ApiError, BadRequest, draining_error, error_response
+from disagg.api.errors import API_EDGE, draining_error
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.config import DisaggregationMode
 from disagg.dp.protocol import EngineClient
+from disagg.http_edge import BadRequest, HttpError
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 
@@ -40,7 +41,7 @@ async def health(request: web.Request) -> web.Response:
     their own: keep the server in rotation); 503 when none can serve or while draining (docs/faults.md)."""
     state = state_of(request)
     if state.drain.draining:
-        return error_response(draining_error(state.drain))
+        return API_EDGE.response(draining_error(state.drain))
     engine = state.engine
     if engine.healthy():
         return web.Response(status=200)
@@ -49,7 +50,7 @@ async def health(request: web.Request) -> web.Response:
     if len(down) < len(states):
         return json_response({"status": "degraded", "message": f"DP workers down: {_listed(down)}",
                               "dp_ranks_down": [s.dp_rank for s in down]})
-    return error_response(ApiError(503, f"engine is not healthy ({_listed(down)})"))
+    return API_EDGE.response(HttpError(503, f"engine is not healthy ({_listed(down)})"))
 
 
 async def _probe(engine: EngineClient, dp_rank: int) -> str | None:
@@ -90,7 +91,7 @@ async def health_generate(request: web.Request) -> web.Response:
     failures = await asyncio.gather(*(_probe_in_time(engine, r) for r in range(engine.dp_size)))
     listed = ", ".join(f"dp_rank {r}: {f}" for r, f in enumerate(failures) if f is not None)
     if listed:
-        return error_response(ApiError(503, f"health generation failed ({listed})"))
+        return API_EDGE.response(HttpError(503, f"health generation failed ({listed})"))
     return web.Response(status=200)
 
 

@@ -23,7 +23,7 @@ ADMIN_PATHS = frozenset({
 
 
 def check_access(path: str, authorization: str | None, api_key: str | None, admin_key: str | None) -> None:
-    """Raise the ApiError a request for `path` with this Authorization header gets, or return."""
+    """Raise the HttpError a request for `path` with this Authorization header gets, or return."""
     if path in OPEN_PATHS:
         return
     if path in ADMIN_PATHS:

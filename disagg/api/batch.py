@@ -14,13 +14,14 @@ from typing import Protocol
 import structlog
 from aiohttp import web
 
-from disagg.api.errors import BadRequest, draining_error, to_api_error
+from disagg.api.errors import draining_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.serving import end_stream_if_drained, json_response, shutdown_if_drained
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import ApiState, state_of
 from disagg.drain import Drain
+from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 

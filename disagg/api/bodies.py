@@ -10,19 +10,16 @@ no value overflows downstream; seeds stay unbounded here so SamplingParams names
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, TypeVar
 
 import msgspec
 
-from disagg.api.errors import BadRequest
-from disagg.wire.errors import JSON_TOO_DEEP
+from disagg.http_edge import decode_json
 
 T = TypeVar("T")
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Room = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # as SGLang draws them (63 bits)
-_PATH_RE = re.compile(r"at `\$\.([A-Za-z_][\w.]*)")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -174,14 +171,4 @@ class TokensBody(msgspec.Struct, kw_only=True):
 
 def decode_body(raw: bytes, kind: type[T]) -> T:
     """Decode a JSON object into `kind`; malformed JSON and wrong types are 400s naming the field."""
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:  # a DecodeError subclass: catch it first
-        match = _PATH_RE.search(str(exc))
-        raise BadRequest(f"invalid request body: {exc}", match.group(1) if match else None) from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"malformed JSON body: {exc}") from None
-    except UnicodeDecodeError:
-        raise BadRequest("malformed JSON body: it is not valid UTF-8") from None
-    except RecursionError:
-        raise BadRequest(f"malformed JSON body: {JSON_TOO_DEEP}") from None
+    return decode_json(raw, kind, malformed="malformed JSON body")

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from disagg.api.errors import ApiError, BadRequest, engine_error
+from disagg.api.errors import engine_error
 from disagg.api.state import ApiState
+from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 
@@ -122,7 +123,7 @@ class Generation:
                     done = True
                     break
             if not done:
-                raise ApiError(500, f"the engine ended request {rid} without a finish reason")
+                raise HttpError(500, f"the engine ended request {rid} without a finish reason")
         finally:
             self._state.inflight.pop(rid, None)
             await self._close(stream, done)

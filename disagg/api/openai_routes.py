@@ -5,7 +5,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, StreamOptions, decode_body
-from disagg.api.errors import BadRequest
 from disagg.api.batch import serve_batch
 from disagg.api.openai_render import ChatRenderer, CompletionBatchRenderer, CompletionRenderer
 from disagg.api.requests import (
@@ -22,6 +21,7 @@ from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
+from disagg.http_edge import BadRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the context; chat's is the rest of the context
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from disagg.api.errors import BadRequest, draining_error, to_api_error
+from disagg.api.errors import draining_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.serving import (
@@ -25,6 +25,7 @@ from disagg.api.serving import (
 )
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
+from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 

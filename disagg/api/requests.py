@@ -13,10 +13,11 @@ import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import SamplingFields, StreamOptions
-from disagg.api.errors import BadRequest, ModelNotFound
+from disagg.api.errors import ModelNotFound
 from disagg.api.logging import bind_request
 from disagg.api.routing import Routing
 from disagg.api.structured import from_openai
+from disagg.http_edge import BadRequest
 from disagg.types import SAMPLING_FIELDS, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 from disagg.wire.headers import REQUEST_ID_HEADER

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from aiohttp import web
 
 from disagg.api.bodies import RoutedBody, decode_body
-from disagg.api.errors import BadRequest
+from disagg.http_edge import BadRequest
 from disagg.wire.headers import DP_RANK_HEADER
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")

@@ -15,12 +15,13 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from disagg.api.errors import ApiError, draining_error, shutdown_error, to_api_error
+from disagg.api.errors import draining_error, shutdown_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
 from disagg.drain import Drain
+from disagg.http_edge import HttpError
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 
@@ -106,7 +107,7 @@ async def _stream(request: web.Request, generation: Generation, renderer: Render
     return sse.response
 
 
-async def _end_with_error(sse: SSEWriter, err: ApiError) -> None:
+async def _end_with_error(sse: SSEWriter, err: HttpError) -> None:
     """One error event, then `[DONE]`; a client that already left is not an error."""
     log.warning("request aborted mid-stream", status=err.status, error=err.message)
     try:

@@ -13,7 +13,6 @@ from aiohttp import web
 
 from disagg.api.batch import serve_batch
 from disagg.api.bodies import SGLangBody, SGLangSampling, decode_body
-from disagg.api.errors import BadRequest
 from disagg.api.requests import (
     build_generate_msg,
     check_token_ids,
@@ -28,6 +27,7 @@ from disagg.api.sglang_render import LogprobFields, SGLangBatchRenderer, SGLangR
 from disagg.api.state import state_of
 from disagg.api.structured import from_sglang
 from disagg.api.upstream_fields import SGLANG_REFUSED, SGLANG_SAMPLING_REFUSED, check_upstream
+from disagg.http_edge import BadRequest
 from disagg.types import SAMPLING_FIELDS, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from disagg.api.errors import ApiError
+from disagg.http_edge import HttpError
 
 
 class ClientGone(Exception):
@@ -37,9 +37,9 @@ class SSEWriter:
         for payload in payloads:
             await self.send(payload)
 
-    async def send_error(self, err: ApiError) -> None:
+    async def send_error(self, err: HttpError) -> None:
         """The error event (the OpenAI error body); the stream then ends with `[DONE]`."""
-        await self.send(err.body())
+        await self.send(err.error())
 
     async def done(self) -> None:
         """`data: [DONE]` and the end of the response."""

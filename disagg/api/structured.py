@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from disagg.api.errors import BadRequest
+from disagg.http_edge import BadRequest
 from disagg.types import GrammarKind, StructuredOutput
 
 JSON_OBJECT = '{"type": "object"}'

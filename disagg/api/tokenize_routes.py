@@ -13,12 +13,12 @@ import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import Int64, decode_body
-from disagg.api.errors import BadRequest
 from disagg.api.openai_routes import chat_messages
 from disagg.api.requests import check_model, read_body
 from disagg.api.serving import json_response
 from disagg.api.state import state_of
 from disagg.dp.protocol import EngineClient, WorkerUnavailable
+from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import TokenizeMsg, TokenizeResultMsg, Utility
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from disagg.api.bodies import StreamOptions, TokensBody, TokensSampling, decode_body
-from disagg.api.errors import BadRequest
 from disagg.api.generation import TokenLogprobs, Totals
 from disagg.api.openai_render import chat_logprobs
 from disagg.api.requests import (
@@ -28,6 +27,7 @@ from disagg.api.routing import read_routing
 from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.state import state_of
 from disagg.api.upstream_fields import TOKENS_REFUSED, VLLM_SAMPLING_REFUSED, check_upstream
+from disagg.http_edge import BadRequest
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import OutputMsg
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import msgspec
 
 from disagg.api.bodies import decode_body
-from disagg.api.errors import BadRequest
+from disagg.http_edge import BadRequest
 
 Neutral = tuple[object, ...]
 _OFF: Neutral = (None, False)

@@ -12,11 +12,11 @@ import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import decode_body
-from disagg.api.errors import ApiError, BadRequest
 from disagg.api.serving import json_response
 from disagg.api.state import state_of
 from disagg.dp.aggregate import all_agree, all_true
 from disagg.dp.protocol import EngineClient, UtilityFailed
+from disagg.http_edge import BadRequest, HttpError
 from disagg.wire.engine_msgs import Utility
 
 SLEEP_LEVELS = (1, 2)
@@ -32,7 +32,7 @@ async def fan_out(engine: EngineClient, method: Utility, *args: object) -> list[
     """One result per DP worker; an empty list is an error, never an index crash."""
     results = await engine.call_utility(method, *args)
     if not results:
-        raise ApiError(500, f"{method}: no DP worker answered", error_type="UtilityFailed")
+        raise HttpError(500, f"{method}: no DP worker answered", error_type="UtilityFailed")
     return list(results)
 
 

@@ -14,6 +14,7 @@ and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import secrets
 from collections.abc import Callable
@@ -24,20 +25,22 @@ import structlog
 from aiohttp import web
 
 from disagg.drain import Drain
+from disagg.http_edge import Edge, HttpError, error_middleware, http_error_of
 from disagg.router.config import RouterConfig
 from disagg.router.discovery import Discovery
-from disagg.router.errors import NoHealthyServer, RouterDraining, RouterError
+from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegClient, leg_errors
 from disagg.router.policy import PairPicker
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.auth import bearer_matches
-from disagg.wire.errors import http_exception_error
 
 log = structlog.get_logger("disagg.router")
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Every failure leaves as JSON with the right status; one request never kills the router.
+ROUTER_EDGE = Edge(error_of=functools.partial(http_error_of, log=log))
 
 
 class Router:
@@ -132,7 +135,7 @@ async def health_generate(request: web.Request) -> web.Response:
         elif not 200 <= outcome[0] < 300:
             failed.append(f"{info.role} {info.url}: answered {outcome[0]}")
     if failed or not targets:
-        raise RouterError(503, "health_generate failed: " + ("; ".join(failed) or "no eligible server"))
+        raise HttpError(503, "health_generate failed: " + ("; ".join(failed) or "no eligible server"))
     return _json({"status": "ok", "checked": [info.url for info in targets]})
 
 
@@ -173,35 +176,14 @@ async def _get(router: Router, role: Role, server: str, path: str, headers: dict
             return resp.status, resp.headers.get("Content-Type", "application/json"), await resp.read()
 
 
-@web.middleware
-async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure leaves as JSON with the right status; one request never kills the router."""
-    try:
-        return await handler(request)
-    except RouterError as exc:
-        return web.Response(body=exc.body(), status=exc.status, content_type=exc.content_type)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        err = http_exception_error(RouterError, exc.status, exc.text or exc.reason, request.method, request.path)
-        keep = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        return web.Response(body=err.body(), status=err.status, content_type=err.content_type, headers=keep)
-    except ConnectionResetError:  # the client left; nobody to answer
-        raise
-    except Exception as exc:  # noqa: BLE001 - the boundary: one request's failure never kills the router
-        log.error("internal error", exc_info=exc)
-        err = RouterError(500, f"internal error: {type(exc).__name__}: {exc}")
-        return web.Response(body=err.body(), status=500, content_type=err.content_type)
-
-
 def api_key_middleware(api_key: str):
     """401 unless the request carries `Authorization: Bearer <api_key>` (the probes stay open)."""
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization"), api_key):
-            raise RouterError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+            raise HttpError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
         return await handler(request)
 
     return check_api_key
@@ -209,7 +191,7 @@ def api_key_middleware(api_key: str):
 
 def create_app(router: Router) -> web.Application:
     """The application; `router` is started on app startup and closed on cleanup."""
-    middlewares = [errors_middleware]
+    middlewares = [error_middleware(ROUTER_EDGE)]
     if router.config.api_key is not None:
         middlewares.append(api_key_middleware(router.config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=router.config.max_body_bytes)

@@ -11,25 +11,19 @@ from dataclasses import dataclass
 
 import msgspec
 
-from disagg.router.errors import BadRequest, DpRankMismatch
-from disagg.wire.errors import JSON_TOO_DEEP
+from disagg.http_edge import JSON_TOO_DEEP, BadRequest, decode_json
+from disagg.router.errors import DpRankMismatch
 
 GENERATE_PATH = "/generate"
 COMPLETIONS_PATH = "/v1/completions"
+NOT_JSON = "request body is not valid JSON"  # the words before why a body is refused
 # Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
 PROMPT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 def parse_request_body(raw: bytes) -> dict:
     """The client's body as a dict; BadRequest unless it is a JSON object."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    except UnicodeDecodeError:
-        raise BadRequest("request body is not valid JSON: it is not valid UTF-8") from None
-    except RecursionError:
-        raise BadRequest(f"request body is not valid JSON: {JSON_TOO_DEEP}") from None
+    body = decode_json(raw, malformed=NOT_JSON)
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -85,7 +79,7 @@ def encode_body(body: dict) -> bytes:
     try:
         return msgspec.json.encode(body)
     except RecursionError:
-        raise BadRequest(f"request body is not valid JSON: {JSON_TOO_DEEP}") from None
+        raise BadRequest(f"{NOT_JSON}: {JSON_TOO_DEEP}") from None
 
 
 def with_bootstrap(body: dict, bootstrap: Bootstrap) -> dict:

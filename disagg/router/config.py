@@ -10,12 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, check_shutdown_timeout
+from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, Choice, ConfigError, check_shutdown_timeout
+from disagg.router.policy import Policy
 
 DEFAULT_BOOTSTRAP_PORT = 8998
-POLICIES = ("round_robin", "random", "least_load")
-PROTOCOLS = ("push", "pull")
 LOG_FORMATS = ("console", "json")
+
+
+class PdProtocol(Choice):
+    """How the router runs a request's two legs."""
+
+    PUSH = "push"  # SGLang's: both legs at once, the bootstrap fields tell the decode where the KV is
+    PULL = "pull"  # vLLM's: the prefill first, then its kv_transfer_params ticket to the decode
 
 
 def _check_url(url: str, flag: str) -> str:
@@ -147,13 +153,15 @@ class RouterConfig:
     port: int = field(default=30000, metadata={"help": "HTTP port (0: any free port)"})
     prefill: tuple[PrefillEndpoint, ...] = field(default=(), metadata={"help": "prefill servers"})
     decode: tuple[str, ...] = field(default=(), metadata={"help": "decode server URLs"})
-    policy: str = field(
-        default="round_robin", metadata={"help": "pair selection: round_robin, random or least_load", "choices": POLICIES}
+    policy: Policy = field(
+        default=Policy.ROUND_ROBIN,
+        metadata={"help": "pair selection: round_robin, random or least_load", "choices": Policy.values()},
     )
-    protocol: str = field(
-        default="push", metadata={"help": "P/D protocol: push (SGLang: both legs at once, bootstrap fields) or pull "
-                                          "(vLLM: the prefill first, its kv_transfer_params ticket to the decode)",
-                                  "choices": PROTOCOLS}
+    protocol: PdProtocol = field(
+        default=PdProtocol.PUSH,
+        metadata={"help": "P/D protocol: push (SGLang: both legs at once, bootstrap fields) or pull "
+                          "(vLLM: the prefill first, its kv_transfer_params ticket to the decode)",
+                  "choices": PdProtocol.values()},
     )
     test_external_dp_routing: bool = field(
         default=False,
@@ -191,10 +199,8 @@ class RouterConfig:
             raise ConfigError("the router needs at least one --prefill and one --decode server (or --service-discovery)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.protocol not in PROTOCOLS:
-            raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        Policy.coerce_field(self, "policy")
+        PdProtocol.coerce_field(self, "protocol")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
         for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s"):

@@ -1,4 +1,4 @@
-"""Typed router errors; each knows the HTTP status and the body the client gets.
+"""Typed router errors (disagg.http_edge's HttpError); each knows the HTTP status and the body the client gets.
 
 Bodies are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), except a server's
 own error answer, which is passed through unchanged when it is JSON.
@@ -8,30 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
-from disagg.wire.errors import DRAINING_CODE, SHUTDOWN_CODE, HttpError
+from disagg.http_edge import DRAINING_CODE, SHUTDOWN_CODE, HttpError
 
 
-class RouterError(HttpError):
-    """A request the router answers with an error; `status` and `body()` are what the client sees."""
-
-    def body(self) -> bytes:
-        """The JSON body of the error answer."""
-        return msgspec.json.encode(self.error())
-
-    @property
-    def content_type(self) -> str:
-        """The media type of `body()`."""
-        return "application/json"
-
-
-class BadRequest(RouterError):
-    """400: the client's body is not a JSON object, or cannot be routed as sent."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(400, message, param=param)
-
-
-class NoHealthyServer(RouterError):
+class NoHealthyServer(HttpError):
     """503: every server of a role is unhealthy, so no pair can be formed."""
 
     def __init__(self, role: str):
@@ -39,21 +19,21 @@ class NoHealthyServer(RouterError):
         self.role = role
 
 
-class RouterDraining(RouterError):
+class RouterDraining(HttpError):
     """503: the router is shutting down and takes no new requests (its /health says the same)."""
 
     def __init__(self, message: str):
         super().__init__(503, message, code=DRAINING_CODE)
 
 
-class RequestShutDown(RouterError):
+class RequestShutDown(HttpError):
     """503 (or the stream's error event): the router shut down before this request finished."""
 
     def __init__(self, message: str):
         super().__init__(503, message, code=SHUTDOWN_CODE)
 
 
-class ServerUnreachable(RouterError):
+class ServerUnreachable(HttpError):
     """502: a server could not be reached, or dropped the connection."""
 
     def __init__(self, role: str, url: str, reason: str):
@@ -62,7 +42,7 @@ class ServerUnreachable(RouterError):
         self.url = url
 
 
-class ServerTimeout(RouterError):
+class ServerTimeout(HttpError):
     """504: a server did not answer within the request timeout."""
 
     def __init__(self, role: str, url: str, timeout_s: float):
@@ -71,7 +51,7 @@ class ServerTimeout(RouterError):
         self.url = url
 
 
-class DpRankMismatch(RouterError):
+class DpRankMismatch(HttpError):
     """500 (external-DP-routing test mode): the decode served the request on another DP rank."""
 
     def __init__(self, sent: int, reported: object):
@@ -81,7 +61,7 @@ class DpRankMismatch(RouterError):
         )
 
 
-class ServerError(RouterError):
+class ServerError(HttpError):
     """A server answered with a non-2xx status: its status and body go to the client as they are.
 
     A JSON body is passed through unchanged; any other body is wrapped into an OpenAI-shaped error

@@ -13,11 +13,11 @@ import aiohttp
 import msgspec
 import structlog
 
+from disagg.http_edge import HttpError, is_draining_answer
 from disagg.router.config import RouterConfig
-from disagg.router.errors import RouterError, ServerTimeout, ServerUnreachable
+from disagg.router.errors import ServerTimeout, ServerUnreachable
 from disagg.router.legs import json_or_none
 from disagg.router.workers import Health, Role, WorkerPool
-from disagg.wire.errors import is_draining_answer
 
 log = structlog.get_logger("disagg.router")
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
@@ -66,7 +66,7 @@ async def fetch_dp_size(session: aiohttp.ClientSession, role: Role, url: str, ti
             raise ServerUnreachable(str(role), url, f"{type(exc).__name__}: {exc}") from None
         except msgspec.DecodeError:
             last = f"{path} answered invalid JSON"
-    raise RouterError(502, f"cannot read dp_size of {role} server {url}: {last}", code="dp_size_unknown")
+    raise HttpError(502, f"cannot read dp_size of {role} server {url}: {last}", code="dp_size_unknown")
 
 
 class HealthChecker:
@@ -128,6 +128,6 @@ class HealthChecker:
             report = log.info if health is Health.HEALTHY else log.warning
             report("server health changed", role=str(role), url=url, health=str(health), reason=error)
         if health is Health.HEALTHY and self._config.test_external_dp_routing:
-            with contextlib.suppress(RouterError, KeyError):  # read lazily per request instead
+            with contextlib.suppress(HttpError, KeyError):  # read lazily per request instead
                 await self.ensure_dp_size(role, index)
         return health

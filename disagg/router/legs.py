@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
+from disagg.http_edge import is_draining_answer
 from disagg.router.errors import ServerDraining, ServerError, ServerTimeout, ServerUnreachable
 from disagg.router.workers import Role
-from disagg.wire.errors import is_draining_answer
 from disagg.wire.headers import DP_RANK_HEADER
 
 

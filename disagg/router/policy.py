@@ -6,26 +6,23 @@ No I/O and no clock; randomness is injected, so tests assert exact picks.
 
 from __future__ import annotations
 
-import enum
 import random
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from disagg.config import Choice
 from disagg.router.errors import NoHealthyServer
 
 ROOM_BITS = 63  # SGLang draws rooms in [0, 2**63): they fit a signed 64-bit integer everywhere
 
 
-class Policy(str, enum.Enum):
+class Policy(Choice):
     """How one server is picked among the healthy servers of a role."""
 
     ROUND_ROBIN = "round_robin"  # next healthy server after the previous pick
     RANDOM = "random"  # uniform among healthy servers
     LEAST_LOAD = "least_load"  # fewest requests in flight; ties go round-robin
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

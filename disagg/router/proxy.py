@@ -21,9 +21,10 @@ import structlog
 from aiohttp import web
 
 from disagg.drain import Drain
+from disagg.http_edge import HttpError
 from disagg.router import bodies
-from disagg.router.config import PrefillEndpoint, RouterConfig
-from disagg.router.errors import RequestShutDown, RouterError, ServerDraining
+from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
+from disagg.router.errors import RequestShutDown, ServerDraining
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
@@ -60,12 +61,12 @@ def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[st
     return out
 
 
-def sse_error_event(err: RouterError) -> bytes:
+def sse_error_event(err: HttpError) -> bytes:
     """One `data:` event holding the error body (compact JSON, so one line), then `data: [DONE]`."""
     try:
         payload = msgspec.json.encode(msgspec.json.decode(err.body()))
     except msgspec.DecodeError:
-        payload = RouterError.body(err)
+        payload = HttpError.body(err)
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
@@ -99,7 +100,7 @@ class Proxy:
             if not self._drain.claim_abort():
                 raise
             raise RequestShutDown(self._drain.abort_message()) from None
-        except RouterError as exc:
+        except HttpError as exc:
             (log.warning if exc.status >= 500 else log.info)("request failed", status=exc.status, error=exc.message)
             raise
 
@@ -122,7 +123,7 @@ class Proxy:
             try:
                 log.debug("request routed", prefill=plan.prefill.server, decode=plan.decode.server)
                 prefill = None
-                if self._config.protocol == "pull":
+                if self._config.protocol is PdProtocol.PULL:
                     plan, prefill = await self._pull_ticket(plan, headers)
                 if plan.stream:
                     return await self._stream(request, plan, headers, prefill)
@@ -155,7 +156,7 @@ class Proxy:
             p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
             expected = pick_dp_rank(await self._health.ensure_dp_size(Role.DECODE, d), self._rng)
             prefill_body, decode_body = (bodies.encode_body(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
-        elif self._config.protocol == "pull":
+        elif self._config.protocol is PdProtocol.PULL:
             prefill_body = bodies.encode_body(dict(body, stream=False, kv_transfer_params=PULL_REQUEST))
             decode_body = bodies.encode_body(body)
         else:
@@ -176,8 +177,8 @@ class Proxy:
         answer = await self._legs.fetch(plan.prefill, headers)
         ticket = (json_or_none(answer.body) or {}).get("kv_transfer_params")
         if not isinstance(ticket, dict):
-            raise RouterError(502, f"prefill server {plan.prefill.server} answered without kv_transfer_params "
-                                   "(is it a prefill server that speaks the pull flow?)")
+            raise HttpError(502, f"prefill server {plan.prefill.server} answered without kv_transfer_params "
+                                 "(is it a prefill server that speaks the pull flow?)")
         decode_body = dict(msgspec.json.decode(plan.decode.body), kv_transfer_params=ticket)
         done = asyncio.get_running_loop().create_future()
         done.set_result(answer)
@@ -201,7 +202,7 @@ class Proxy:
             answer = msgspec.json.decode(decode.body)
         except msgspec.DecodeError:
             if plan.expected_decode_rank is not None:
-                raise RouterError(502, f"decode server {plan.decode.server} answered invalid JSON") from None
+                raise HttpError(502, f"decode server {plan.decode.server} answered invalid JSON") from None
             return decode.body
         if plan.expected_decode_rank is not None:
             bodies.check_decode_dp_rank(plan.expected_decode_rank, answer, decode.dp_rank_header)
@@ -257,7 +258,7 @@ class Proxy:
                     continue
                 chunk = await _await_unless_other_fails(
                     asyncio.create_task(self._legs.read_chunk(plan.decode, resp)), prefill)
-        except RouterError as exc:
+        except HttpError as exc:
             log.warning("stream failed after it started", status=exc.status, error=exc.message)
             await out.write(sse_error_event(exc))
 

@@ -178,7 +178,7 @@ async def test_generate_token_ids_logprob_and_text_in_logprobs_in_sglangs_shapes
     async with api_client(engine) as client:
         _, got = await post(client, "/generate", body)
     [(msg, _)] = engine.requests
-    assert (msg.sampling.logprob_token_ids, msg.return_prompt, msg.return_token_texts) == ([9, 3], True, True)
+    assert (msg.sampling.logprob_token_ids, msg.return_prompt, msg.return_token_texts) == ((9, 3), True, True)
     meta = got["meta_info"]
     assert meta["input_token_logprobs"] == [[None, 4, " w4"], [-1.0, 5, " w5"], [-1.0, 6, " w6"]]
     assert meta["input_top_logprobs"] == [None, [[-1.0, 5, " w5"]], [[-1.0, 6, " w6"]]]
@@ -195,7 +195,7 @@ async def test_generate_batch_token_ids_logprob_per_prompt():
             "token_ids_logprob": [[7], [8, 9]]}
     async with api_client(engine) as client:
         _, got = await post(client, "/generate", body)
-    assert [m.sampling.logprob_token_ids for m, _ in engine.requests] == [[7], [8, 9]]
+    assert [m.sampling.logprob_token_ids for m, _ in engine.requests] == [(7,), (8, 9)]
     assert [g["meta_info"]["output_token_ids_logprobs"] for g in got] == [
         [[[-9.0, 7, None]]], [[[-9.0, 8, None], [-9.0, 9, None]]]]
 

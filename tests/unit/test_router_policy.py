@@ -6,9 +6,10 @@ import msgspec
 import pytest
 
 from disagg.config import ConfigError
+from disagg.http_edge import BadRequest
 from disagg.router import bodies
-from disagg.router.config import PrefillEndpoint, RouterConfig, parse_prefill
-from disagg.router.errors import BadRequest, DpRankMismatch, NoHealthyServer, ServerError, ServerUnreachable
+from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig, parse_prefill
+from disagg.router.errors import DpRankMismatch, NoHealthyServer, ServerError, ServerUnreachable
 from disagg.router.policy import (
     PairPicker, Policy, ServerLoad, ServerPicker, draw_bootstrap_room, draw_rooms, pick_dp_rank,
 )
@@ -218,6 +219,20 @@ def test_router_config_validation():
         RouterConfig(prefill=(PrefillEndpoint("http://p:1"),))
     with pytest.raises(ConfigError, match="policy must be one of round_robin, random, least_load"):
         RouterConfig(prefill=(PrefillEndpoint("http://p:1"),), decode=("http://d:2",), policy="x")
+
+
+def test_policy_and_protocol_are_members_that_read_as_their_values():
+    servers = {"prefill": (PrefillEndpoint("http://p:1"),), "decode": ("http://d:2",)}
+    default = RouterConfig(**servers)
+    assert default.policy is Policy.ROUND_ROBIN and default.protocol is PdProtocol.PUSH
+    config = RouterConfig(**servers, policy="least_load", protocol="pull")
+    assert config.policy is Policy.LEAST_LOAD and config.protocol is PdProtocol.PULL
+    assert (str(config.policy), f"{config.protocol}") == ("least_load", "pull")
+    assert msgspec.json.encode({"policy": config.policy, "protocol": config.protocol}) == \
+        b'{"policy":"least_load","protocol":"pull"}'
+    with pytest.raises(ConfigError) as info:
+        RouterConfig(**servers, protocol="tcp")
+    assert str(info.value) == "protocol must be one of push, pull, got 'tcp'"
 
 
 # --- worker pool -----------------------------------------------------------------------------------

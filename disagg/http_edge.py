@@ -1,0 +1,172 @@
+"""The HTTP edge of our three servers (the API, the router, the bootstrap registry): the error body
+every answer uses, HttpError and BadRequest, the JSON body decoder and the error middleware.
+
+A request body is limited in size by aiohttp (`client_max_size`; the middleware answers 413), in
+nesting depth by the decoder's recursion, and must be UTF-8; a body past a limit is a 400, never a
+500. The servers differ only in values: the words of a refused body (`decode_json`'s arguments) and
+how a failure is answered (an `Edge`: the registry's error body is `{"error": message}` and keeps
+aiohttp's own texts, as SGLang's does).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+T = TypeVar("T")
+# Why a JSON body that exhausts the decoder's recursion is refused; each server puts its own words before it.
+JSON_TOO_DEEP = "it is nested too deeply"
+_PATH_RE = re.compile(r"at `\$\.([A-Za-z_][\w.]*)")
+# Headers of aiohttp's own errors that the answer keeps (405's Allow, a 401's challenge).
+KEPT_HEADERS = ("allow", "www-authenticate")
+
+TYPE_OF_STATUS = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+    413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+# Error codes of the drain (disagg.drain): a 503 with DRAINING_CODE refuses a new request because the
+# server is shutting down (a router sends the request to another server); SHUTDOWN_CODE ends a request
+# the shutdown aborted.
+DRAINING_CODE = "draining"
+SHUTDOWN_CODE = "shutdown"
+
+
+def is_draining_answer(status: int, body: object) -> bool:
+    """True for a server's 503 whose JSON error body carries DRAINING_CODE."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return status == 503 and isinstance(error, dict) and error.get("code") == DRAINING_CODE
+
+
+def error_type_of(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    return TYPE_OF_STATUS.get(status, "APIError")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               error_type: str | None = None) -> dict:
+    """The JSON error object for an HTTP `status` (the type defaults from the status)."""
+    return {"error": {"message": message, "type": error_type or error_type_of(status), "param": param, "code": code}}
+
+
+class HttpError(Exception):
+    """An error answered with `status` and an OpenAI-shaped body (`error()` is the JSON object)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 error_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or error_type_of(status)
+
+    def error(self) -> dict:
+        """The JSON object: `{"error": {"message", "type", "param", "code"}}`."""
+        return error_body(self.status, self.message, param=self.param, code=self.code, error_type=self.error_type)
+
+    def body(self) -> bytes:
+        """The answer's JSON bytes: `error()` encoded (an error relaying a server's own answer overrides it)."""
+        return msgspec.json.encode(self.error())
+
+
+class BadRequest(HttpError):
+    """400: the request cannot be served as sent; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(400, message, param=param)
+
+
+def decode_json(raw: bytes, kind: type[T] = Any, *, malformed: str, invalid: str = "invalid request body",
+                strict: bool = True) -> T:
+    """`raw` decoded as `kind`, else BadRequest: `<malformed>: <why>` for a body that is not JSON, not
+    UTF-8 or nested too deeply; `<invalid>: <why>` for JSON of the wrong shape, `param` naming the field.
+    `strict=False` takes numbers and booleans written as strings."""
+    try:
+        return msgspec.json.decode(raw, type=kind, strict=strict)
+    except msgspec.ValidationError as exc:  # a DecodeError subclass: catch it first
+        match = _PATH_RE.search(str(exc))
+        raise BadRequest(f"{invalid}: {exc}", match.group(1) if match else None) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"{malformed}: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadRequest(f"{malformed}: it is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest(f"{malformed}: {JSON_TOO_DEEP}") from None
+
+
+def http_exception_error(status: int, text: str, method: str, path: str) -> HttpError:
+    """The error for an HTTP framework exception (unknown route, wrong method, body too large)."""
+    if status == 404:
+        return HttpError(404, f"Not Found: {method} {path}", code="route_not_found")
+    if status == 405:
+        return HttpError(405, f"Method Not Allowed: {method} {path}")
+    if status == 413:
+        return HttpError(413, f"request body too large: {text}")
+    return HttpError(status, text)
+
+
+def http_error_of(exc: Exception, log) -> HttpError:
+    """The answer to an exception a handler let out: an HttpError itself, anything else a 500
+    `internal error` (logged on `log` with its traceback)."""
+    if isinstance(exc, HttpError):
+        return exc
+    log.error("internal error", exc_info=exc)
+    return HttpError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _own_body(err: HttpError) -> bytes:
+    return err.body()
+
+
+@dataclass(frozen=True)
+class Edge:
+    """How one server answers a request that failed."""
+
+    # The answer to an exception a handler let out; None leaves it to aiohttp (a plain 500).
+    error_of: Callable[[Exception], HttpError | None]
+    # The error's JSON bytes (the registry's: `{"error": message}`).
+    render: Callable[[HttpError], bytes] = _own_body
+    # True: aiohttp's own texts for its errors (unknown path, wrong method, body too large).
+    aiohttp_texts: bool = False
+
+    def response(self, err: HttpError, headers: dict[str, str] | None = None) -> web.Response:
+        """The JSON answer carrying `err`."""
+        return web.Response(body=self.render(err), status=err.status, content_type="application/json",
+                            headers=headers)
+
+    def framework_error(self, exc: web.HTTPException, request: web.Request) -> HttpError:
+        """The error for one of aiohttp's own exceptions."""
+        text = exc.text or exc.reason
+        if self.aiohttp_texts:
+            return HttpError(exc.status, text)
+        return http_exception_error(exc.status, text, request.method, request.path)
+
+
+def error_middleware(edge: Edge):
+    """The middleware that answers every failure as JSON with its status, as `edge` says."""
+
+    @web.middleware
+    async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # unknown path, wrong method, body too large
+            if exc.status < 400:
+                raise
+            keep = {k: v for k, v in exc.headers.items() if k.lower() in KEPT_HEADERS}
+            return edge.response(edge.framework_error(exc, request), keep)
+        except ConnectionResetError:  # the client left; there is nobody to answer
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary: one request's failure never kills the server
+            err = edge.error_of(exc)
+            if err is None:
+                raise
+            return edge.response(err)
+
+    return errors_as_json

@@ -17,7 +17,7 @@ from disagg.engine_config import EngineConfig
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.loader import LoadedModel, load_model
-from disagg.engine.model_runner import ModelRunner, kv_bytes_per_block
+from disagg.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from disagg.engine.models.llama import LlamaModel
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
@@ -260,18 +260,23 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.seqs:
             result = self.runner.execute(scheduled)
-            for request_id, reason in result.failed.items():
-                self.fail(request_id, f"engine step failed for request {request_id}: {reason}")
-            for request_id, logprobs in result.prompt_logprobs.items():
-                request = self.scheduler.requests.get(request_id)
-                if request is not None and not request.prompt_logprobs:
-                    request.prompt_logprobs.append(None)  # the first prompt token has none
-                if request is not None:
-                    request.prompt_logprobs.extend(logprobs)
+            self._record(result)
             for request in self.scheduler.update(scheduled, result.sampled):
                 self._collect(request)
         self._collect_scheduler_finished()
         return self.take_outputs()
+
+    def _record(self, result: RunnerOutput) -> None:
+        """What a run tells besides the sampled tokens: requests whose part failed (they fail alone)
+        and the prompt logprobs it computed."""
+        for request_id, reason in result.failed.items():
+            self.fail(request_id, f"engine step failed for request {request_id}: {reason}")
+        for request_id, logprobs in result.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first prompt token has none
+            if request is not None:
+                request.prompt_logprobs.extend(logprobs)
 
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs queued outside a step (aborts, remote admissions), without stepping."""

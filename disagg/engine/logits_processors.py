@@ -10,6 +10,8 @@ truncation; greedy rows take the argmax of what they return. Penalties (vLLM's d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from disagg.engine.scheduler import ScheduledSeq
@@ -19,18 +21,27 @@ def apply_processors(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[to
     """`logits` [len(seqs), vocab] with every row's processors applied (a copy when any applies).
     Returns the logits and the rows whose processors raised (with why); those rows are left as they were."""
     rows = [i for i, s in enumerate(seqs) if s.sampling_params.has_processors]
+    logits, failed = per_row(logits, rows, lambda i, row: _masks_and_bias(row, seqs[i]))
+    penalized = [i for i in rows if i not in failed and seqs[i].sampling_params.has_penalties]
+    if penalized:
+        logits[penalized] = apply_penalties(logits[penalized], [seqs[i] for i in penalized])
+    return logits, failed
+
+
+def per_row(logits: torch.Tensor, rows: list[int], apply: Callable[[int, torch.Tensor], torch.Tensor]
+            ) -> tuple[torch.Tensor, dict[int, str]]:
+    """A copy of `logits` whose row i is `apply(i, row)` for each of `rows` (`logits` itself when
+    `rows` is empty). A row whose apply raises keeps its values and comes back with why; the
+    others go on."""
     failed: dict[int, str] = {}
     if not rows:
         return logits, failed
     logits = logits.clone()
     for i in rows:
         try:
-            logits[i] = _masks_and_bias(logits[i].clone(), seqs[i])
+            logits[i] = apply(i, logits[i].clone())
         except Exception as exc:  # noqa: BLE001 - this row only
             failed[i] = f"{type(exc).__name__}: {exc}"
-    penalized = [i for i in rows if i not in failed and seqs[i].sampling_params.has_penalties]
-    if penalized:
-        logits[penalized] = apply_penalties(logits[penalized], [seqs[i] for i in penalized])
     return logits, failed
 
 

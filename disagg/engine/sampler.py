@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from disagg.engine.grammar import GrammarCompiler, GrammarMatcher
-from disagg.engine.logits_processors import apply_processors
+from disagg.engine.logits_processors import apply_processors, per_row
 from disagg.engine.scheduler import SampledToken, ScheduledSeq
 from disagg.ops.reference import TorchOps
 from disagg.types import SamplingParams, TopLogprobs
@@ -82,19 +82,13 @@ class Sampler:
         """Only the tokens each structured request's grammar allows next (the matcher first consumes
         the output tokens it has not seen). Returns the masked logits and the rows that failed."""
         rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured_output is not None]
-        failed: dict[int, str] = {}
-        if not rows:
-            return logits, failed
-        logits = logits.clone()
-        for i in rows:
-            try:
-                allowed = self._matcher(seqs[i]).allowed()
-                if not allowed.any():
-                    raise RuntimeError("the grammar allows no token here")
-                logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
-            except Exception as exc:  # noqa: BLE001 - this row only
-                failed[i] = f"{type(exc).__name__}: {exc}"
-        return logits, failed
+        return per_row(logits, rows, lambda i, row: self._grammar_row(row, seqs[i]))
+
+    def _grammar_row(self, row: torch.Tensor, seq: ScheduledSeq) -> torch.Tensor:
+        allowed = self._matcher(seq).allowed()
+        if not allowed.any():
+            raise RuntimeError("the grammar allows no token here")
+        return row.masked_fill_(~allowed.to(row.device), float("-inf"))
 
     def _matcher(self, seq: ScheduledSeq) -> GrammarMatcher:
         matcher = self.matchers.get(seq.request_id)

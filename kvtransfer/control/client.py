@@ -105,6 +105,17 @@ class ControlClient:
         """
         if self._channel is not None:
             raise ControlError("control client already connected")
+        proof, first, reply = await self._open_with_retries()
+        await self._check_registration(proof, first, reply)
+        self.remote = peer_from_pb(first.register_ack.peer)
+        self._dead = None
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+        log.info("control stream open", prefill=self.address, peer=self.remote.peer_name)
+        return self.remote
+
+    async def _open_with_retries(self):
+        """Open the stream, retrying what says nothing about the prefill yet (a stream torn down
+        under us) until connect_timeout_s; (our proof, the first reply, the prefill's auth reply)."""
         limit_s = self.config.connect_timeout_s
         deadline = self._clock() + limit_s
         backoff_s = CONNECT_RETRY_FIRST_S
@@ -113,12 +124,10 @@ class ControlClient:
                                                                             os.urandom(NONCE_BYTES))
             try:
                 first, reply = await self._open_stream(proof, deadline)
-                break
+                return proof, first, reply
             except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
                 code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
                 if code in RETRYABLE_CODES and self._clock() + backoff_s < deadline:
-                    # A stream torn down under us (e.g. while the prefill refused it) says nothing
-                    # about the prefill yet: try again until the deadline.
                     await self._drop_attempt()
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(2 * backoff_s, CONNECT_RETRY_MAX_S)
@@ -128,6 +137,9 @@ class ControlClient:
                     raise AuthenticationFailed(f"prefill {self.address} refused the control stream: {exc.details()}") from None
                 detail = "timed out" if code is None else code.name
                 raise PeerUnavailable(f"cannot reach prefill {self.address} within {limit_s:g} s ({detail})") from None
+
+    async def _check_registration(self, proof: str | None, first, reply) -> None:
+        """The prefill proved the cluster secret (when we hold one) and accepted our registration."""
         if proof is not None and not control_reply_matches(self._cluster_secret, proof, reply):
             await self.close()
             raise AuthenticationFailed(f"prefill {self.address} did not prove it holds the cluster secret "
@@ -138,11 +150,6 @@ class ControlClient:
         if not first.register_ack.accepted:
             await self.close()
             raise PeerRejected(self.address, first.register_ack.reason)
-        self.remote = peer_from_pb(first.register_ack.peer)
-        self._dead = None
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
-        log.info("control stream open", prefill=self.address, peer=self.remote.peer_name)
-        return self.remote
 
     async def _open_stream(self, proof: str | None, deadline: float):
         """One attempt: a channel, the stream, our registration; (the first reply, the prefill's auth reply)."""

@@ -7,8 +7,6 @@ the control streams prove it (and check the prefill proves it back)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-
 from bootstrap.client import BootstrapClient
 from disagg.config import ControlConfig
 from disagg.wire.bootstrap_msgs import TopologyMsg
@@ -24,8 +22,9 @@ class PrefillPeers:
         self._cluster_secret = cluster_secret
         self.bootstraps: dict[tuple[str, int], BootstrapClient] = {}
         self.topologies: dict[tuple[str, int], TopologyMsg] = {}
-        self.clients: dict[tuple[str, int, int], ControlClient] = {}
-        self._locks: dict[tuple, asyncio.Lock] = {}
+        self.addresses: dict[tuple[str, int, int], str] = {}  # (registry host, port, prefill DP rank) -> control address
+        self.clients: dict[str, ControlClient] = {}  # control address -> its stream
+        self._locks: dict[str, asyncio.Lock] = {}
 
     def bootstrap(self, host: str, port: int) -> BootstrapClient:
         key = (host, port)
@@ -40,35 +39,36 @@ class PrefillPeers:
         return self.topologies[key]
 
     async def client(self, host: str, port: int, dp_rank: int, deadline_s: float) -> ControlClient:
-        """A live control stream to that prefill rank (reconnecting after a loss).
+        """A live control stream to that prefill rank (reconnecting after a loss, at the address the
+        registry gives then).
 
         Push flow: the prefill writes into our blocks, so it loads our metadata (sent at
         registration); we need none of its own."""
-        async def address() -> str:
-            found = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
-            return format_address(found.rank_ip, found.rank_port)
-
-        return await self._live_client((host, port, dp_rank), address)
+        key = (host, port, dp_rank)
+        known = self.clients.get(self.addresses.get(key, ""))
+        if known is not None and known.is_alive:
+            return known
+        found = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
+        self.addresses[key] = format_address(found.rank_ip, found.rank_port)
+        return await self._live_client(self.addresses[key])
 
     async def client_at(self, host: str, port: int) -> ControlClient:
         """Pull flow: a live control stream to the prefill worker a ticket names (`remote_host`,
         `remote_port`: its control address), reconnecting after a loss."""
-        async def address() -> str:
-            return format_address(host, port)
+        return await self._live_client(format_address(host, port))
 
-        return await self._live_client((host, port, -1), address)
-
-    async def _live_client(self, key: tuple[str, int, int], address: Callable[[], Awaitable[str]]) -> ControlClient:
-        """The client cached under `key`, or, when it is missing or dead, a new one connected to
-        `await address()` (one connect at a time per key)."""
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            client = self.clients.get(key)
+    async def _live_client(self, address: str) -> ControlClient:
+        """The client of `address`, or, when it is missing or dead, a new one (one connect at a time
+        per address). One stream per prefill worker, whichever flow asks: a second registration of
+        this decode on another stream would end the first."""
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            client = self.clients.get(address)
             if client is None or not client.is_alive:
                 if client is not None:
                     await client.close()
-                client = ControlClient(await address(), self.local, self.control_config, cluster_secret=self._cluster_secret)
+                client = ControlClient(address, self.local, self.control_config, cluster_secret=self._cluster_secret)
                 await client.connect()
-                self.clients[key] = client
+                self.clients[address] = client
         return client
 
     async def close(self) -> None:

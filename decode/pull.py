@@ -3,8 +3,9 @@ prefill worker a ticket names, then compute the last prompt token here.
 
 The ticket is the prefill's `kv_transfer_params`: `remote_engine_id` (the prefill worker's transfer
 agent), `remote_host`/`remote_port` (its control address), `remote_block_ids`, `remote_request_id`.
-Steps, each bounded by the caller's deadline: connect (or reuse the stream), check the engine, claim
-the lease, READ the blocks that hold every prompt token but the last, release the lease. Only a
+Steps, each bounded by the request's deadline: as soon as the request arrives, connect (or reuse the
+stream), check the engine and claim the lease (held while the request waits for room in our KV
+cache); then READ the blocks that hold every prompt token but the last, and release the lease. Only a
 release answered `ok` (the blocks stayed leased through the read) makes the read KV the request's.
 """
 
@@ -21,7 +22,7 @@ from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
-from disagg.wire.control_msgs import TransferState, TransferStatusMsg
+from disagg.wire.control_msgs import LeaseStatusMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
 from kvtransfer.base import KVTransferBackend, TransferFailed
 
@@ -96,17 +97,30 @@ class PullFetch:
             raise InvalidRequest(f"remote_host {ticket.host!r} is not allowed on this decode server "
                                  "(see its --allowed-bootstrap-hosts)", "kv_transfer_params")
 
-    async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
-        """Read the KV of every prompt token but the last from the ticket's prefill."""
+    def hold(self, pending: PendingKV) -> None:
+        """Claim the ticket's lease as soon as the request arrives, before it waits for room in our KV
+        cache: a claimed lease lives as long as our control stream (its heartbeats keep it), so a
+        request that queues longer than the prefill's lease still finds its blocks."""
+        pending.hold = asyncio.create_task(self._claim(pending, time.monotonic() + self.config.waiting_timeout_s))
+        pending.hold.add_done_callback(lambda task: task.cancelled() or task.exception())  # fetch() reads it; an abort may not
+
+    async def _claim(self, pending: PendingKV, deadline: float) -> LeaseStatusMsg:
         ticket = pending.ticket
         client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), max(deadline - time.monotonic(), 1e-3))
         check_engine(ticket, client.remote.peer_name)
         pending.lease = (client, ticket.request_id)
-        prefill = await self._read_peer(client)
         claim = await client.claim(ticket.request_id)
         if not claim.ok:
             raise TransferFailed(f"prefill {ticket.host}:{ticket.port} refused the claim of {ticket.request_id}: {claim.reason}",
                                  peer_lost=claim.peer_lost)
+        return claim
+
+    async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
+        """Read the KV of every prompt token but the last from the ticket's prefill, once our claim holds."""
+        ticket = pending.ticket
+        claim = await pending.hold
+        client = pending.lease[0]
+        prefill = await self._read_peer(client)
         num_blocks = -(-(num_prompt_tokens - 1) // self.core.block_size)
         num_read = min(num_blocks, len(claim.block_ids), len(blocks))
         num_bytes = 0
@@ -145,6 +159,8 @@ class PullFetch:
     def end(self, request_id: str, pending: PendingKV, reason: str) -> bool:
         """Stop waiting; True when the blocks may go back now. A READ in flight is cut off first; the
         prefill frees its leased blocks now, not at the lease's expiry."""
+        if pending.hold is not None:
+            pending.hold.cancel()  # a claim in flight is answered before the release that follows it
         reading = pending.read is not None
         if reading:  # our own read is what writes into the blocks
             self.backend.abort(pending.read, reason)

@@ -54,8 +54,10 @@ class DecodeRole(WorkerRole):
         self.pull = PullFetch(self.core, self.config, self.backend, self.peers, self.fences)
 
     async def close(self) -> None:
-        for pending in self.pending.values():
-            pending.task.cancel()
+        for pending in [p for p, _ in self.queued] + list(self.pending.values()):
+            for task in (pending.task, pending.hold):
+                if task is not None:
+                    task.cancel()
         self.fences.cancel()
         await self.peers.close()
         self.backend.close()
@@ -73,7 +75,10 @@ class DecodeRole(WorkerRole):
             prompt_ids = self.prompt_ids(msg)
         except Exception as exc:
             return [error_output(msg.request_id, exc)]
-        self.queued.append((PendingKV(msg, ticket, time.monotonic()), prompt_ids))
+        pending = PendingKV(msg, ticket, time.monotonic())
+        if ticket is not None:
+            self.pull.hold(pending)
+        self.queued.append((pending, prompt_ids))
         return self._reserve_queued()
 
     def _reserve_queued(self) -> list[OutputMsg]:
@@ -87,13 +92,15 @@ class DecodeRole(WorkerRole):
                 blocks = self.core.reserve_for_remote_kv(request_id, prompt_ids, pending.msg.sampling)
             except Exception as exc:
                 self.queued.popleft()
+                self._flow(pending).end(request_id, pending, str(exc))
                 out.append(error_output(request_id, exc))
                 continue
             if blocks is None:
                 if time.monotonic() - pending.started > self.config.waiting_timeout_s:
                     self.queued.popleft()
-                    out.append(OutputMsg(request_id, finish_reason=FinishReason.ABORT, error_status=503, error=(
-                        f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s")))
+                    reason = f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s"
+                    self._flow(pending).end(request_id, pending, reason)
+                    out.append(OutputMsg(request_id, finish_reason=FinishReason.ABORT, error_status=503, error=reason))
                     continue
                 break
             self.queued.popleft()
@@ -173,8 +180,9 @@ class DecodeRole(WorkerRole):
 
     async def abort(self, request_id: str) -> list[OutputMsg]:
         for queued in self.queued:
-            if queued[0].msg.request_id == request_id:
+            if queued[0].msg.request_id == request_id:  # nothing reserved yet: only the flow lets go
                 self.queued.remove(queued)
+                self._flow(queued[0]).end(request_id, queued[0], "aborted on the decode side")
                 return [OutputMsg(request_id, finish_reason=FinishReason.ABORT)]
         pending = self.pending.pop(request_id, None)
         out = await super().abort(request_id)  # the engine ends it and quarantines its reserved blocks

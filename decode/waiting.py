@@ -24,6 +24,7 @@ class PendingKV:
     read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
     read_peer: str = ""  # ... and the backend peer it reads from
     lease: tuple | None = None  # pull flow: (ControlClient, remote request id) once we may hold a lease
+    hold: asyncio.Task | None = None  # pull flow: the early claim of the lease (its answer)
 
     @property
     def room(self) -> int | None:

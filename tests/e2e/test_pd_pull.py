@@ -116,3 +116,62 @@ async def test_our_router_in_pull_mode_equals_unified(cluster, unified, stream):
         assert await idle(cluster)
     finally:
         await router.close()
+
+
+async def fill_decode_rank0(cluster, request_id: str) -> asyncio.Task:
+    """A push request on decode DP worker 0 whose prefill never comes: it holds 85 of the worker's 96
+    blocks (340 prompt tokens) until it is aborted."""
+    body = cluster.pd_body({"model": "tiny", "prompt": [7] * 340, "max_tokens": 2, "routed_dp_rank": 0,
+                            "request_id": request_id, **GREEDY})
+    filler = asyncio.create_task(cluster.post(cluster.decode_url + "/v1/completions", body, None))
+    for _ in range(200):
+        [free, _] = [w.num_free_blocks for w in await cluster.decode.controller.call_utility("stats")]
+        if free == 96 - 85:
+            return filler
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the filler did not reserve its blocks: {free} free")
+
+
+async def abort(cluster, filler: asyncio.Task, request_id: str) -> None:
+    status, data, _ = await cluster.post(cluster.decode_url + "/abort_request", {"rid": request_id}, None)
+    assert status == 200, data
+    status, data, _ = await filler
+    assert status in (200, 499, 503), data  # ended by the abort, whatever the client was told
+
+
+async def test_a_claim_holds_the_lease_while_the_request_waits_for_room(cluster, unified):
+    """The lease is 2 s. A pull request waits 3 s for room in the decode's KV cache; the claim it
+    sent on arrival keeps the prefill's blocks for it, so it completes equal to unified."""
+    filler = await fill_decode_rank0(cluster, "filler-wait")
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 12, **GREEDY}
+    async with cluster.session.post(f"http://127.0.0.1:{unified.port}/v1/completions", json=body) as r:
+        expected = (await r.json())["choices"][0]["text"]
+    ticket = (await prefill_leg(cluster, body))["kv_transfer_params"]
+    decode = asyncio.create_task(cluster.post(cluster.decode_url + "/v1/completions",
+                                              dict(body, kv_transfer_params=ticket, routed_dp_rank=0), None))
+    await asyncio.sleep(3.0)
+    assert not decode.done()
+    assert [w.num_leases for w in await cluster.prefill.controller.call_utility("stats")].count(1) == 1  # still held
+    await abort(cluster, filler, "filler-wait")
+    status, data, _ = await decode
+    assert (status, data["choices"][0]["text"]) == (200, expected)
+    assert await idle(cluster)
+
+
+async def test_a_request_aborted_while_it_waits_for_room_releases_its_lease_at_once(cluster):
+    """Released on abort, not at the lease's expiry (2 s after the ticket was granted)."""
+    filler = await fill_decode_rank0(cluster, "filler-abort")
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 12, "request_id": "queued-pull", **GREEDY}
+    ticket = (await prefill_leg(cluster, body))["kv_transfer_params"]
+    granted = asyncio.get_running_loop().time()
+    decode = asyncio.create_task(cluster.post(cluster.decode_url + "/v1/completions",
+                                              dict(body, kv_transfer_params=ticket, routed_dp_rank=0), None))
+    await asyncio.sleep(0.3)
+    status, data, _ = await cluster.post(cluster.decode_url + "/abort_request", {"rid": "queued-pull"}, None)
+    assert status == 200, data
+    while sum(w.num_leases for w in await cluster.prefill.controller.call_utility("stats")):
+        await asyncio.sleep(0.02)
+    assert asyncio.get_running_loop().time() - granted < 2.0  # before the lease would have expired
+    await decode
+    await abort(cluster, filler, "filler-abort")
+    assert await idle(cluster)

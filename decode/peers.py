@@ -45,12 +45,17 @@ class PrefillPeers:
         Push flow: the prefill writes into our blocks, so it loads our metadata (sent at
         registration); we need none of its own."""
         key = (host, port, dp_rank)
-        known = self.clients.get(self.addresses.get(key, ""))
-        if known is not None and known.is_alive:
+        known = self.cached(host, port, dp_rank)
+        if known is not None:
             return known
         found = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
         self.addresses[key] = format_address(found.rank_ip, found.rank_port)
         return await self._live_client(self.addresses[key])
+
+    def cached(self, host: str, port: int, dp_rank: int) -> ControlClient | None:
+        """The live stream to that prefill rank, if one is open."""
+        client = self.clients.get(self.addresses.get((host, port, dp_rank), ""))
+        return client if client is not None and client.is_alive else None
 
     async def client_at(self, host: str, port: int) -> ControlClient:
         """Pull flow: a live control stream to the prefill worker a ticket names (`remote_host`,

@@ -22,6 +22,7 @@ from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
+from kvtransfer.control.client import ControlClient
 
 log = structlog.get_logger(__name__)
 BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
@@ -69,11 +70,37 @@ class PushFetch:
                                     method=topology.load_balance_method, force_query=self.config.force_query_prefill_dp_rank)
         if rank == QUERY:
             rank = await self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining())
-        client = await self.peers.client(host, port, rank, remaining())
+        if msg.disagg_prefill_dp_rank is None and topology.dp_size > 1:  # the implied rank, or the registry's
+            client = await self._implied_client(host, port, room, rank, remaining)
+        else:
+            client = await self.peers.client(host, port, rank, remaining())
         pending.client = client
         info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(blocks),
                                dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
         return await client.send_transfer(info)
+
+    async def _implied_client(self, host: str, port: int, room: int, rank: int, remaining) -> ControlClient:
+        """The stream to `rank`, unless the room lives elsewhere: while we (re)connect, the registry is
+        asked for the room too (a prefill whose implied rank was down placed it on a live rank and
+        registered it there). A live stream already open is used at once."""
+        cached = self.peers.cached(host, port, rank)
+        if cached is not None:
+            return cached
+        connect = asyncio.create_task(self.peers.client(host, port, rank, remaining()))
+        moved = asyncio.create_task(self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining()))
+        pending = {connect, moved}
+        try:
+            while True:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                elsewhere = _elsewhere(moved, rank)
+                if elsewhere is not None:
+                    log.info("room placed off its implied prefill rank", bootstrap_room=room, implied=rank, dp_rank=elsewhere)
+                    return await self.peers.client(host, port, elsewhere, remaining())
+                if connect.done() and (connect.exception() is None or moved.done()):
+                    return connect.result()  # connected, or failed with nowhere else to go
+        finally:
+            for task in (connect, moved):
+                task.cancel()
 
     def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
         """The prompt's KV is in our blocks and the first token came with it: an ordinary running request."""
@@ -105,3 +132,10 @@ class PushFetch:
                 log.warning("prefill lost; its writes cannot be refused on this backend", prefill=prefill,
                             request_id=request_id, backend=self.config.transfer_backend)
         self.fences.fenced(request_id)
+
+
+def _elsewhere(moved: asyncio.Task, rank: int) -> int | None:
+    """The rank the registry named for the room, when it answered one other than `rank`."""
+    if not moved.done() or moved.cancelled() or moved.exception() is not None:
+        return None
+    return None if moved.result() == rank else moved.result()

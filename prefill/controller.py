@@ -15,7 +15,7 @@ from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg, Utility
-from disagg.dp.rank_rule import plan_room
+from disagg.dp.rank_rule import implied_rank, plan_room
 
 log = structlog.get_logger(__name__)
 LEASE_POLL_S = 0.05
@@ -28,8 +28,11 @@ class PrefillController(DPController):
         self.disagg = disagg
 
     async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
-        plan = plan_room(dp_size=self.dp_size, method=self.load_balance_method, dp_rank=dp_rank, room=msg.bootstrap_room,
-                         decode_told=msg.disagg_prefill_dp_rank is not None, force_query=self.disagg.force_query_prefill_dp_rank)
+        room = msg.bootstrap_room
+        implied_alive = room is None or self.workers[implied_rank(room, self.dp_size)].available
+        plan = plan_room(dp_size=self.dp_size, method=self.load_balance_method, dp_rank=dp_rank, room=room,
+                         decode_told=msg.disagg_prefill_dp_rank is not None,
+                         force_query=self.disagg.force_query_prefill_dp_rank, implied_alive=implied_alive)
         if plan.conflict is not None:
             self.broadcast_room_failure(msg.bootstrap_room, plan.conflict)
             yield OutputMsg(msg.request_id, finish_reason=FinishReason.ABORT, error=plan.conflict, error_status=400, error_param="routed_dp_rank")

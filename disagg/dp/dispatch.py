@@ -28,7 +28,10 @@ class Dispatcher:
         if routed_dp_rank is not None:
             return self.check_rank(routed_dp_rank)
         if self.method == LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and bootstrap_room is not None:
-            return implied_rank(bootstrap_room, self.dp_size)
+            rank = implied_rank(bootstrap_room, self.dp_size)
+            if alive[rank] or not any(alive):
+                return rank
+            # Its rank is down: the least loaded live one takes the room (and registers it).
         # follow_bootstrap_room without a room (a pull-flow or health request): the least loaded.
         candidates = [r for r in range(self.dp_size) if alive[r]] or list(range(self.dp_size))
         if self.method == LoadBalanceMethod.ROUND_ROBIN:

@@ -27,10 +27,12 @@ class RoomPlan:
 
 
 def plan_room(*, dp_size: int, method: LoadBalanceMethod, dp_rank: int, room: int | None, decode_told: bool,
-              force_query: bool) -> RoomPlan:
+              force_query: bool, implied_alive: bool = True) -> RoomPlan:
     """Prefill side: what the front does with a room dispatched to `dp_rank`.
 
-    `decode_told`: the request carries disagg_prefill_dp_rank, so the decode skips the registry."""
+    `decode_told`: the request carries disagg_prefill_dp_rank, so the decode skips the registry.
+    `implied_alive`: the rank follow_bootstrap_room implies is up; when it is down the room lives on
+    another rank, registered, and a decode that cannot reach the implied rank asks the registry."""
     if room is None or dp_size == 1 or decode_told:
         return RoomPlan(register=False)
     if method != LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM or force_query:
@@ -38,6 +40,8 @@ def plan_room(*, dp_size: int, method: LoadBalanceMethod, dp_rank: int, room: in
     implied = implied_rank(room, dp_size)
     if dp_rank == implied:
         return RoomPlan(register=False)
+    if not implied_alive:
+        return RoomPlan(register=True)
     return RoomPlan(register=False, conflict=(
         f"bootstrap_room {room} was dispatched to prefill DP rank {dp_rank}, but load_balance_method "
         f"follow_bootstrap_room implies rank {implied} (room % dp_size={dp_size}), where the decode looks for its KV; "

@@ -170,6 +170,10 @@ class RouterConfig:
     request_timeout_s: float = field(default=300.0, metadata={"help": "limit of one request, both legs",
                                                               "aliases": ("--request-timeout-secs",)})  # sglang-router's
     connect_timeout_s: float = field(default=10.0, metadata={"help": "limit for opening a connection to a server"})
+    retry_max_retries: int = field(
+        default=2, metadata={"help": "a request whose leg failed before any byte reached the client (a server "
+                                     "unreachable, or a 503 such as a dead DP rank) is sent again to a pair with a "
+                                     "fresh room, at most this many times (0: never)"})
     health_check_interval_s: float = field(
         default=5.0, metadata={"help": "seconds between health checks of every server (0: no checks)"}
     )
@@ -208,6 +212,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.health_check_interval_s < 0:
             raise ConfigError(f"health_check_interval_s must be >= 0, got {self.health_check_interval_s}")
+        if self.retry_max_retries < 0:
+            raise ConfigError(f"retry_max_retries must be >= 0, got {self.retry_max_retries}")
         for name in ("max_body_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

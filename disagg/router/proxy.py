@@ -24,12 +24,12 @@ from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.router import bodies
 from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
-from disagg.router.errors import RequestShutDown, ServerDraining
+from disagg.router.errors import RequestShutDown, ServerDraining, ServerError, ServerUnreachable
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
-from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
+from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
 
 log = structlog.get_logger("disagg.router")
 DRAINING_REFUSAL = "refused a request with 503 (draining)"  # `last_error` of a server found draining that way
@@ -59,6 +59,12 @@ def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[st
         if name in headers:
             out[name] = headers[name]
     return out
+
+
+def retryable(exc: HttpError) -> bool:
+    """A failure that says nothing against another pair: a server unreachable, or one answering 503
+    (a dead or restarting DP rank, a full KV cache, a lost prefill)."""
+    return isinstance(exc, ServerUnreachable) or (isinstance(exc, ServerError) and exc.status == 503)
 
 
 def sse_error_event(err: HttpError) -> bytes:
@@ -95,7 +101,7 @@ class Proxy:
         body = bodies.parse_request_body(await request.read())
         headers = forwarded_headers(request.headers, self._config.test_external_dp_routing)
         try:
-            return await self._serve_elsewhere_if_draining(request, path, body, headers)
+            return await self._serve_with_retries(request, path, body, headers)
         except asyncio.CancelledError:
             if not self._drain.claim_abort():
                 raise
@@ -104,20 +110,31 @@ class Proxy:
             (log.warning if exc.status >= 500 else log.info)("request failed", status=exc.status, error=exc.message)
             raise
 
-    async def _serve_elsewhere_if_draining(self, request: web.Request, path: str, body: dict,
-                                           headers: dict[str, str]) -> web.StreamResponse:
-        refused: ServerDraining | None = None
-        # Every refusal marks one more server unhealthy, so this many tries end with no pair left.
-        for _ in range(self._pool.size(Role.PREFILL) + self._pool.size(Role.DECODE)):
+    async def _serve_with_retries(self, request: web.Request, path: str, body: dict,
+                                  headers: dict[str, str]) -> web.StreamResponse:
+        """Serve on a fresh pair and room again when a leg failed before any byte reached the client:
+        a draining server (marked unhealthy; every refusal marks one more, so the tries are bounded by
+        the servers), or a retryable failure (at most `retry_max_retries` times)."""
+        num_draining = self._pool.size(Role.PREFILL) + self._pool.size(Role.DECODE)
+        num_retries = 0
+        while True:
             try:
-                return await self._serve_plan(request, path, await self.plan(path, body), headers)
+                return await self._serve_plan(request, path, await self.plan(path, body), headers, num_retries)
             except ServerDraining as exc:
                 log.info("server is draining; sending the request elsewhere", role=exc.role, url=exc.url)
                 self._pool.set_health(Role(exc.role), exc.index, Health.UNHEALTHY, DRAINING_REFUSAL)
-                refused = exc
-        raise refused
+                num_draining -= 1
+                if num_draining <= 0:
+                    raise
+            except (ServerError, ServerUnreachable) as exc:
+                if not retryable(exc) or num_retries >= self._config.retry_max_retries:
+                    raise
+                num_retries += 1
+                log.warning("a leg failed before any byte reached the client; sending the request again",
+                            status=exc.status, error=exc.message, retry=num_retries)
 
-    async def _serve_plan(self, request: web.Request, path: str, plan: Plan, headers: dict[str, str]) -> web.StreamResponse:
+    async def _serve_plan(self, request: web.Request, path: str, plan: Plan, headers: dict[str, str],
+                          num_retries: int = 0) -> web.StreamResponse:
         room = plan.room if isinstance(plan.room, int) else plan.room[0]
         with structlog.contextvars.bound_contextvars(bootstrap_room=room, path=path):
             try:
@@ -125,9 +142,10 @@ class Proxy:
                 prefill = None
                 if self._config.protocol is PdProtocol.PULL:
                     plan, prefill = await self._pull_ticket(plan, headers)
+                out_headers = {RETRIES_HEADER: str(num_retries)} if num_retries else {}
                 if plan.stream:
-                    return await self._stream(request, plan, headers, prefill)
-                return await self._unary(plan, headers, prefill)
+                    return await self._stream(request, plan, headers, prefill, out_headers)
+                return await self._unary(plan, headers, prefill, out_headers)
             finally:
                 self._end(plan)
 
@@ -184,12 +202,13 @@ class Proxy:
         done.set_result(answer)
         return replace(plan, decode=replace(plan.decode, body=bodies.encode_body(decode_body))), done
 
-    async def _unary(self, plan: Plan, headers: dict[str, str], prefill: asyncio.Future | None = None) -> web.Response:
+    async def _unary(self, plan: Plan, headers: dict[str, str], prefill: asyncio.Future | None = None,
+                     out_headers: dict[str, str] | None = None) -> web.Response:
         prefill = prefill or asyncio.create_task(self._legs.fetch(plan.prefill, headers))
         decode = asyncio.create_task(self._legs.fetch(plan.decode, headers))
         prefill_answer, decode_answer = await both_or_first_error(prefill, decode)
         body = self._decode_body(plan, prefill_answer, decode_answer)
-        out_headers = {"Content-Type": decode_answer.content_type}
+        out_headers = {**(out_headers or {}), "Content-Type": decode_answer.content_type}
         if decode_answer.dp_rank_header is not None:
             out_headers[DP_RANK_HEADER] = decode_answer.dp_rank_header
         return web.Response(body=body, status=decode_answer.status, headers=out_headers)
@@ -211,7 +230,7 @@ class Proxy:
         return decode.body
 
     async def _stream(self, request: web.Request, plan: Plan, headers: dict[str, str],
-                      prefill: asyncio.Future | None = None) -> web.StreamResponse:
+                      prefill: asyncio.Future | None = None, out_headers: dict[str, str] | None = None) -> web.StreamResponse:
         prefill = prefill or asyncio.create_task(self._legs.fetch(plan.prefill, headers))
         opening = asyncio.create_task(self._legs.open_stream(plan.decode, headers))
         resp = None
@@ -220,7 +239,7 @@ class Proxy:
             reported = resp.headers.get(DP_RANK_HEADER)
             if plan.expected_decode_rank is not None and reported is not None:
                 bodies.check_decode_dp_rank(plan.expected_decode_rank, None, reported)
-            out = web.StreamResponse(status=resp.status, headers=_stream_headers(resp.headers))
+            out = web.StreamResponse(status=resp.status, headers={**(out_headers or {}), **_stream_headers(resp.headers)})
             await out.prepare(request)
             await self._relay_unless_aborted(out, plan, resp, first, prefill)
             await out.write_eof()

@@ -7,3 +7,5 @@ from __future__ import annotations
 DP_RANK_HEADER = "X-data-parallel-rank"
 # The client's request id, kept through the router's legs and echoed on the answer.
 REQUEST_ID_HEADER = "X-Request-Id"
+# On our router's answer: how many times it sent the request again (to a fresh pair) before answering.
+RETRIES_HEADER = "X-Disagg-Retries"

@@ -275,6 +275,48 @@ async def test_dead_decode_is_a_502_naming_it():
     assert err["message"].startswith(f"decode server {url} unreachable: ")
 
 
+DEAD_RANK = {"error": {"message": "DP worker 0 died (exited with code -9)", "type": "ServiceUnavailableError",
+                       "param": None, "code": None}}
+
+
+def fail_first(times: int, failure, then):
+    """Answer `failure` to the first `times` requests, then `then`."""
+    seen = []
+
+    async def answer(request, body):
+        seen.append(body["bootstrap_room"])
+        return await (failure if len(seen) <= times else then)(request, body)
+    return answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_503_before_any_byte_is_sent_again_with_a_fresh_room(stream):
+    rooms = iter([11, 12, 13])
+    ok = sse_answer(SSE_CHUNKS) if stream else json_answer({"text": "ok"})
+    prefill, decode = FakeServer(sleep_then(0.2)), FakeServer(fail_first(1, json_answer(DEAD_RANK, status=503), ok))
+    async with cluster([prefill], [decode], randbits=lambda bits: next(rooms)) as router:
+        status, headers, raw = await post(router, "/generate", {"text": "hi", "stream": stream})
+    assert (status, headers["X-Disagg-Retries"]) == (200, "1")
+    assert raw == (b"".join(SSE_CHUNKS) if stream else b'{"text": "ok"}')
+    assert [b["bootstrap_room"] for b in decode.bodies] == [b["bootstrap_room"] for b in prefill.bodies] == [11, 12]
+
+
+@pytest.mark.parametrize("max_retries, attempts", [(2, 3), (0, 1)])
+async def test_retries_are_bounded_and_the_last_answer_is_passed_on(max_retries, attempts):
+    prefill, decode = FakeServer(sleep_then(0.2)), FakeServer(json_answer(DEAD_RANK, status=503))
+    async with cluster([prefill], [decode], retry_max_retries=max_retries) as router:
+        status, headers, raw = await post(router, "/generate", {"text": "hi"})
+    assert (status, msgspec.json.decode(raw), len(decode.bodies)) == (503, DEAD_RANK, attempts)
+    assert "X-Disagg-Retries" not in headers
+
+
+async def test_a_failure_that_is_not_retryable_is_answered_at_once():
+    prefill, decode = FakeServer(sleep_then(0.2)), FakeServer(json_answer(BAD_REQUEST, status=400))
+    async with cluster([prefill], [decode]) as router:
+        status, _, raw = await post(router, "/generate", {"text": "hi"})
+    assert (status, msgspec.json.decode(raw), len(decode.bodies)) == (400, BAD_REQUEST, 1)
+
+
 async def test_client_leaving_cancels_both_legs():
     prefill, decode = FakeServer(sleep_then(30.0)), FakeServer(sleep_then(30.0))
     async with cluster([prefill], [decode]) as router:

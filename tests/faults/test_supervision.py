@@ -46,13 +46,18 @@ async def test_kill_prefill_worker_restarts_it_and_the_cluster_keeps_serving():
         old_pid = cluster.prefill.controller.workers[0].process.pid
         os.kill(old_pid, signal.SIGKILL)
         assert await wait_for(lambda: _degraded(cluster), 5)
-        # A room of rank 1 is served meanwhile; a room of rank 0 fails at once, naming the rank.
+        # A room of rank 1 is served meanwhile; so is a room of rank 0: the prefill places it on rank 1
+        # and registers it, and the decode, unable to reach rank 0, finds it in the registry.
         ok = cluster.pd_body(body("kill me"), room=2 * 11 + 1)
         (p1, _, _), (d1, d1_data, _) = await cluster.post_both("/generate", ok, ok)
         assert (p1, d1, d1_data["output_ids"]) == (200, 200, expected)
-        down = cluster.pd_body(body("kill me"), room=2 * 11)
+        moved = cluster.pd_body(body("kill me"), room=2 * 11)
+        (p0, p0_data, _), (d0, d0_data, _) = await cluster.post_both("/generate", moved, moved)
+        assert (p0, p0_data["meta_info"]["dp_rank"], d0, d0_data["output_ids"]) == (200, 1, 200, expected)
+        # Pinned to the dead rank, it fails at once, naming the rank.
+        down = cluster.pd_body(body("kill me"), room=2 * 12)
         start = time.monotonic()
-        status, data, _ = await cluster.post(cluster.prefill_url + "/generate", down, None)
+        status, data, _ = await cluster.post(cluster.prefill_url + "/generate", dict(down, routed_dp_rank=0), None)
         assert status == 503 and data["error"]["message"].startswith("DP worker 0 is not available: ")
         assert time.monotonic() - start < 1
         # The next incarnation: a new process, registered again; rank 0 serves again.
@@ -96,3 +101,49 @@ async def _degraded(cluster, url=None):
 
 async def _healthy(cluster, url=None):
     return await health(cluster, url or cluster.prefill_url) == (200, "")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_kill_one_worker_of_two_while_requests_arrive_through_our_router_loses_none(role):
+    """20 requests over 2 s through our router; one DP worker of `role` is killed after the fifth.
+    Every request answers 200 with the unified tokens (a leg that failed before any byte reached the
+    client is sent again on a fresh room; a room whose prefill rank is down is placed on the live
+    one), and every gauge is back at its start once the worker restarted."""
+    from disagg.router.config import PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    unified = await start_unified()
+    cluster = await start_pd("tcp", **FAST)
+    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, retry_max_retries=2,
+                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),),
+                                       decode=(cluster.decode_url,)))
+    await router.start()
+    try:
+        texts = [f"request {i} of twenty" for i in range(20)]
+        expected = []
+        for text in texts:
+            async with cluster.session.post(f"http://127.0.0.1:{unified.port}/generate", json=body(text)) as r:
+                expected.append((await r.json())["output_ids"])
+        before = await cluster.free_blocks()
+        server, url = (cluster.prefill, cluster.prefill_url) if role == "prefill" else (cluster.decode, cluster.decode_url)
+
+        async def send(i: int):
+            await asyncio.sleep(0.1 * i)
+            if i == 5:
+                os.kill(server.controller.workers[1].process.pid, signal.SIGKILL)
+            async with cluster.session.post(router.url + "/generate", json=body(texts[i])) as r:
+                return r.status, (await r.json()).get("output_ids")
+
+        answers = await asyncio.gather(*(send(i) for i in range(20)))
+        assert answers == [(200, ids) for ids in expected]
+        assert await wait_for(lambda: _healthy(cluster, url), 60, 0.2)
+        assert [w.num_restarts for w in server.controller.worker_states()] == [0, 1]
+        assert await wait_for(lambda: _gauges_are(cluster, before), 10)
+    finally:
+        await router.close()
+        await cluster.close()
+        await unified.close()
+
+
+async def _gauges_are(cluster, expected) -> bool:
+    return await cluster.free_blocks() == expected

@@ -51,3 +51,9 @@ def test_aggregation():
         all_agree("is_sleeping", [True, False])
     with pytest.raises(UtilityFailed, match=r"^reset_prefix_cache failed on 1 DP worker\(s\) \(dp_rank 0: returned False\)$"):
         all_true("reset_prefix_cache", [False, True])
+
+
+def test_follow_bootstrap_room_places_a_room_whose_rank_is_down_on_the_least_loaded_live_rank():
+    d = Dispatcher("follow_bootstrap_room", 3)
+    assert d.pick(None, 7, [5, 9, 2], [True, False, True]) == 2  # 7 % 3 = 1 is down
+    assert d.pick(None, 7, [5, 9, 2], [False, False, False]) == 1  # none alive: the rule's rank (it answers 503)

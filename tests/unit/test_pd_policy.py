@@ -24,6 +24,7 @@ def test_plan_room():
     assert plan(dp_rank=0, decode_told=True) == RoomPlan(register=False)
     assert plan(dp_rank=0, force_query=True) == RoomPlan(register=True)
     assert plan(force_query=True) == RoomPlan(register=True)  # the flag's decode always asks, even on the implied rank
+    assert plan(dp_rank=0, implied_alive=False) == RoomPlan(register=True)  # rank 1 is down: placed on 0, registered
     conflict = plan(dp_rank=0).conflict
     assert conflict.startswith("bootstrap_room 7 was dispatched to prefill DP rank 0, but load_balance_method "
                                "follow_bootstrap_room implies rank 1 (room % dp_size=2)")

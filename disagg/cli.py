@@ -12,7 +12,7 @@ from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, ConfigError, ControlConfig, DisaggConfig,
-    DisaggregationMode, LoadBalanceMethod, ServerConfig, check_shutdown_timeout,
+    DisaggregationMode, LoadBalanceMethod, ServerConfig, check_cluster_secret, check_shutdown_timeout,
 )
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser_.set_defaults(load_balance_method=method, **secret_defaults())
     serve = sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router")
     add_engine_args(serve)
-    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host"))
+    # serve draws a cluster secret of its own when none is given: there is nothing to opt out of
+    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"))
     serve.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
     serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
@@ -124,7 +125,9 @@ def run(argv: list[str]) -> int:
 
         mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
         disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
-        return launch.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
+        server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode)
+        check_cluster_secret(server, disagg)  # before anything binds or loads
+        return launch.run(server, engine_from_args(args), disagg)
     if args.command == "serve":
         from disagg import cluster
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -81,7 +82,37 @@ def _check_secret(name: str, value: str | None) -> None:
 
 
 _CLUSTER_SECRET_HELP = ("shared secret authenticating the KV control stream, the tcp KV listener and bootstrap "
-                        "registry writes (env DISAGG_CLUSTER_SECRET; unset: no authentication)")
+                        "registry writes (env DISAGG_CLUSTER_SECRET; unset: no authentication, refused on a "
+                        "non-loopback address without --insecure-no-cluster-secret)")
+_INSECURE_HELP = ("start without a cluster secret although this process binds a non-loopback address: its KV "
+                  "control plane, KV listeners and bootstrap registry writes are then open to anyone who reaches "
+                  "them (SGLang's and vLLM's default; only on a network you trust)")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for an address of 127.0.0.0/8, ::1 or `localhost`, as written (no DNS lookup: any other
+    name may resolve to a reachable address)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_open_binds(command: str, binds: dict[str, str], secret: str | None, insecure: bool) -> None:
+    """ConfigError when `disagg COMMAND` would bind a non-loopback address ({flag: address} in `binds`)
+    with neither a cluster secret nor the explicit opt-out: its internal planes would be open to
+    anyone who reaches the ports."""
+    exposed = [f"{host} ({flag})" for flag, host in binds.items() if not is_loopback_host(host)]
+    if not exposed or secret is not None or insecure:
+        return
+    raise ConfigError(
+        f"disagg {command} binds {', '.join(exposed)} without a cluster secret: anyone who reaches its ports could "
+        "write bootstrap registry routes, open KV control streams and read or write KV blocks. Give every prefill, "
+        "decode and bootstrap of the cluster the same secret with --cluster-secret or the environment variable "
+        "DISAGG_CLUSTER_SECRET (not shown by ps), bind loopback addresses only, or pass "
+        "--insecure-no-cluster-secret to run the internal planes open, as SGLang and vLLM do")
 
 
 # --- HTTP front door and data-parallel workers ----------------------------------------------------
@@ -211,6 +242,7 @@ class DisaggConfig:
     control: ControlConfig = field(default_factory=lambda: ControlConfig())
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
+    insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
     allowed_bootstrap_hosts: tuple[str, ...] = field(
         default=(), metadata={"help": "decode: the only bootstrap_host values a request may name, comma-separated, "
                                       "compared as written (default: any host, as SGLang)"})
@@ -230,6 +262,19 @@ class DisaggConfig:
     def allows_bootstrap_host(self, host: str) -> bool:
         """True when a request may name `host` as its bootstrap_host (any host when the list is empty)."""
         return not self.allowed_bootstrap_hosts or host.lower() in (h.lower() for h in self.allowed_bootstrap_hosts)
+
+
+def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:
+    """ConfigError when a prefill or decode server binds a non-loopback address (its HTTP front, its
+    workers' KV control and transfer endpoints, a prefill's bootstrap registry) with neither a cluster
+    secret nor `insecure_no_cluster_secret`. A unified server has no internal planes: never refused."""
+    mode = server.disaggregation_mode
+    if mode is DisaggregationMode.NULL:
+        return
+    binds = {"--host": server.host, "--rank-host": disagg.rank_host}
+    if mode is DisaggregationMode.PREFILL:
+        binds["--bootstrap-host"] = disagg.bootstrap_host
+    refuse_open_binds(mode.value, binds, disagg.cluster_secret, disagg.insecure_no_cluster_secret)
 
 
 # --- Bootstrap registry and KV control plane ----------------------------------------------------
@@ -269,10 +314,13 @@ class BootstrapConfig:
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,
         metadata={"help": "require 'Authorization: Bearer SECRET' on PUT /route and POST /register_dp_rank "
-                          "(env DISAGG_CLUSTER_SECRET; reads stay open)"})
+                          "(env DISAGG_CLUSTER_SECRET; reads stay open; refused on a non-loopback --host "
+                          "without --insecure-no-cluster-secret)"})
+    insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
 
     def __post_init__(self) -> None:
         _check_secret("cluster_secret", self.cluster_secret)
+        refuse_open_binds("bootstrap", {"--host": self.host}, self.cluster_secret, self.insecure_no_cluster_secret)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.room_ttl_s <= 0:

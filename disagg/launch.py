@@ -21,7 +21,7 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import BootstrapConfig, DisaggConfig, DisaggregationMode, ServerConfig
+from disagg.config import BootstrapConfig, DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
 from disagg.engine_config import EngineConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
@@ -62,7 +62,8 @@ class RunningServer:
 async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> tuple[DPController, BootstrapServer | None]:
     if server.disaggregation_mode is DisaggregationMode.PREFILL:
         bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
-                                                    cluster_secret=disagg.cluster_secret))
+                                                    cluster_secret=disagg.cluster_secret,
+                                                    insecure_no_cluster_secret=disagg.insecure_no_cluster_secret))
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
         role = RoleSpec("prefill.role:PrefillRole", dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
@@ -74,7 +75,12 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
 
 async def start_server(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig(),
                        progress: Callable[[str], None] = say) -> RunningServer:
-    """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure."""
+    """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure. A
+    prefill or decode open to the network without a cluster secret is refused first (ConfigError)."""
+    check_cluster_secret(server, disagg)
+    if disagg.insecure_no_cluster_secret and disagg.cluster_secret is None:
+        log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
+                    mode=server.disaggregation_mode)
     controller, bootstrap = await _controller(server, engine, disagg)
     try:
         await controller.start(progress)

@@ -12,7 +12,7 @@ from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, ConfigError, ControlConfig, DisaggConfig,
-    DisaggregationMode, LoadBalanceMethod, ServerConfig, check_cluster_secret, check_shutdown_timeout,
+    DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
 )
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -33,6 +33,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
+    add_dataclass_args(parser.add_argument_group("TlsConfig (HTTPS on this server's port)"), TlsConfig)
     parser.set_defaults(admin_key=ServerConfig().admin_key)  # from the environment, kept out of --help
 
 
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
     serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
+    add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
     add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
@@ -125,7 +127,7 @@ def run(argv: list[str]) -> int:
 
         mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
         disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
-        server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode)
+        server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
         check_cluster_secret(server, disagg)  # before anything binds or loads
         return launch.run(server, engine_from_args(args), disagg)
     if args.command == "serve":
@@ -134,7 +136,7 @@ def run(argv: list[str]) -> int:
         disagg = disagg_from_args(args, bootstrap_port=0)
         check_shutdown_timeout(args.shutdown_timeout_s)
         return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
-                           args.shutdown_timeout_s, args.api_key, args.admin_key)
+                           args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args))
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

@@ -138,6 +138,44 @@ def check_shutdown_timeout(value: float) -> None:
         raise ConfigError(f"shutdown_timeout_s must be >= 0, got {value}")
 
 
+@dataclass(frozen=True)
+class TlsConfig:
+    """HTTPS on an HTTP front (a server's or the router's), with vLLM's flag names: on when a
+    certificate is given. The internal planes (registry, KV control, KV transfer) stay plain."""
+
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "private key (PEM) of --ssl-certfile"})
+    ssl_certfile: str | None = field(
+        default=None, metadata={"help": "certificate chain (PEM) to serve HTTPS with (unset: plain HTTP)"})
+    ssl_ca_certs: str | None = field(
+        default=None, metadata={"help": "CA certificates (PEM) that verify client certificates (see --ssl-cert-reqs)"})
+    ssl_cert_reqs: int = field(
+        default=0, metadata={"help": "client certificates, as Python's ssl.CERT_*: 0 not asked, 1 optional "
+                                     "(verified when sent), 2 required; 1 and 2 need --ssl-ca-certs"})
+
+    def __post_init__(self) -> None:
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"--{name.replace('_', '-')} must not be empty (leave it unset)")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ConfigError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+        if self.ssl_certfile is None and (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs):
+            raise ConfigError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile "
+                              "(without a certificate the server speaks plain HTTP)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ConfigError(f"--ssl-cert-reqs {self.ssl_cert_reqs} needs --ssl-ca-certs: the CA certificates "
+                              "that verify client certificates")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the front serves HTTPS."""
+        return self.ssl_certfile is not None
+
+    @property
+    def scheme(self) -> str:
+        """`https` or `http`: how clients reach the front."""
+        return "https" if self.enabled else "http"
+
+
 class DisaggregationMode(Choice):
     """A server's part: NULL runs whole requests (unified), PREFILL and DECODE the two halves."""
 
@@ -178,6 +216,7 @@ class ServerConfig:
     worker_restart_max_backoff_s: float = field(
         default=30.0, metadata={"help": "longest wait before a restart; a worker up this long resets the backoff"}
     )
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

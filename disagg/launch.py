@@ -26,6 +26,7 @@ from disagg.engine_config import EngineConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.drain import Drain, StopSignals
+from disagg.http_site import server_ssl_context
 from disagg.logs import configure_logging
 from prefill.controller import PrefillController
 
@@ -81,11 +82,12 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
     if disagg.insecure_no_cluster_secret and disagg.cluster_secret is None:
         log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
                     mode=server.disaggregation_mode)
+    ssl_context = server_ssl_context(server.tls)  # a certificate that does not load stops us before the model
     controller, bootstrap = await _controller(server, engine, disagg)
     try:
         await controller.start(progress)
         app = create_app(server, controller)
-        runner, port = await start_http(app, server.host, server.port)
+        runner, port = await start_http(app, server.host, server.port, ssl_context)
     except BaseException:
         await controller.close()
         if bootstrap is not None:
@@ -98,7 +100,7 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     running = await start_server(server, engine, disagg)
     signals = StopSignals()
     signals.install()
-    url = f"http://{server.host}:{running.port}"
+    url = f"{server.tls.scheme}://{server.host}:{running.port}"
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
     card = running.controller.model
     say(f"ready: {url} mode={server.disaggregation_mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")

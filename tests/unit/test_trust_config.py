@@ -1,5 +1,5 @@
 """Where the cluster secret, the admin key and the allowed bootstrap hosts come from: flags, environment; when a
-missing cluster secret refuses a start."""
+missing cluster secret refuses a start; the TLS options."""
 
 import contextlib
 import io
@@ -9,7 +9,7 @@ import pytest
 from disagg.cli import build_parser, disagg_from_args
 from disagg.cli_args import dataclass_from_args
 from disagg.config import (
-    BootstrapConfig, ConfigError, DisaggConfig, ServerConfig, admin_key, check_cluster_secret, cluster_secret,
+    BootstrapConfig, ConfigError, DisaggConfig, ServerConfig, TlsConfig, admin_key, check_cluster_secret, cluster_secret,
 )
 from disagg.router.launch import config_from_args
 
@@ -128,3 +128,36 @@ def test_a_standalone_bootstrap_on_a_non_loopback_address_needs_a_cluster_secret
     assert BootstrapConfig(host="0.0.0.0", cluster_secret="s").cluster_secret == "s"
     args = build_parser().parse_args(["bootstrap", "--host", "10.0.0.5", "--insecure-no-cluster-secret"])
     assert dataclass_from_args(BootstrapConfig, args, cluster_secret=None).insecure_no_cluster_secret is True
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ssl_keyfile="k.pem"), "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile "
+                                "(without a certificate the server speaks plain HTTP)"),
+    (dict(ssl_ca_certs="ca.pem"), "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile "
+                                  "(without a certificate the server speaks plain HTTP)"),
+    (dict(ssl_certfile="c.pem", ssl_cert_reqs=3), "--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got 3"),
+    (dict(ssl_certfile="c.pem", ssl_cert_reqs=2),
+     "--ssl-cert-reqs 2 needs --ssl-ca-certs: the CA certificates that verify client certificates"),
+    (dict(ssl_certfile=""), "--ssl-certfile must not be empty (leave it unset)"),
+])
+def test_tls_options_that_cannot_work_are_config_errors(options, message):
+    with pytest.raises(ConfigError) as info:
+        TlsConfig(**options)
+    assert str(info.value) == message
+
+
+def test_tls_flags_are_vllms_on_every_server_and_the_router():
+    tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2"]
+    expected = TlsConfig(ssl_keyfile="k.pem", ssl_certfile="c.pem", ssl_ca_certs="ca.pem", ssl_cert_reqs=2)
+    for command in ("unified", "prefill", "decode", "serve"):
+        assert dataclass_from_args(TlsConfig, build_parser().parse_args([command, *tls])) == expected
+    assert dataclass_from_args(TlsConfig, build_parser().parse_args(["unified"])) == TlsConfig()
+    assert (TlsConfig().scheme, expected.scheme) == ("http", "https")
+    base = ["router", "--prefill", "https://p:1", "--decode", "https://d:2"]
+    router = config_from_args(build_parser().parse_args([*base, *tls, "--upstream-ca-certs", "up.pem",
+                                                         "--upstream-certfile", "rc.pem", "--upstream-keyfile", "rk.pem"]))
+    assert (router.tls, router.upstream_ca_certs, router.upstream_certfile, router.upstream_keyfile) == (
+        expected, "up.pem", "rc.pem", "rk.pem")
+    with pytest.raises(ConfigError) as info:
+        config_from_args(build_parser().parse_args([*base, "--upstream-keyfile", "rk.pem"]))
+    assert str(info.value) == "--upstream-keyfile needs --upstream-certfile"

@@ -12,7 +12,7 @@ from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, ConfigError, ControlConfig, DisaggConfig,
-    DisaggregationMode, LoadBalanceMethod, ServerConfig, check_shutdown_timeout,
+    DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
 )
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -33,6 +33,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
+    add_dataclass_args(parser.add_argument_group("TlsConfig (HTTPS on this server's port)"), TlsConfig)
     parser.set_defaults(admin_key=ServerConfig().admin_key)  # from the environment, kept out of --help
 
 
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser_.set_defaults(load_balance_method=method, **secret_defaults())
     serve = sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router")
     add_engine_args(serve)
-    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host"))
+    # serve draws a cluster secret of its own when none is given: there is nothing to opt out of
+    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"))
     serve.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
     serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
     serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
+    add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
     add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
     boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
@@ -124,14 +127,16 @@ def run(argv: list[str]) -> int:
 
         mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
         disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
-        return launch.run(dataclass_from_args(ServerConfig, args, disaggregation_mode=mode), engine_from_args(args), disagg)
+        server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
+        check_cluster_secret(server, disagg)  # before anything binds or loads
+        return launch.run(server, engine_from_args(args), disagg)
     if args.command == "serve":
         from disagg import cluster
 
         disagg = disagg_from_args(args, bootstrap_port=0)
         check_shutdown_timeout(args.shutdown_timeout_s)
         return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
-                           args.shutdown_timeout_s, args.api_key, args.admin_key)
+                           args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args))
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

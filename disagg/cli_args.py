@@ -30,7 +30,7 @@ def comma_list(value: str) -> tuple[str, ...]:
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     """One `--field-name` option per dataclass field, typed and documented from the field (plus the
     spellings other servers use, from the field's `aliases` metadata, and its allowed values from
-    `choices`)."""
+    `choices`; a bool field whose metadata says `negatable: False` has no `--no-` form)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or dataclasses.is_dataclass(hints[f.name]):
@@ -39,7 +39,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
-        if kind is bool:
+        if kind is bool and not f.metadata.get("negatable", True):  # a switch that only turns something on
+            parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)
+        elif kind is bool:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         elif typing.get_origin(kind) is tuple:

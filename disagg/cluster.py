@@ -7,7 +7,8 @@ servers), then prefill and decode within what is left of `--shutdown-timeout-s`,
 
 Every part gets the same cluster secret (a random one when none is given), so the control streams,
 the KV listeners and the registry writes are authenticated; `api_key` guards the router and both
-servers, `admin_key` the servers' admin routes.
+servers, `admin_key` the servers' admin routes; `tls` puts HTTPS on the router's port (the servers
+behind it speak plain HTTP to it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import secrets
 import sys
 from dataclasses import replace
 
-from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig
+from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
 from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
 from disagg.launch import RunningServer, drain_server, say, start_server
@@ -28,7 +29,8 @@ from disagg.router.server import RouterServer
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
                         dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
-                        admin_key: str | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
+                        admin_key: str | None = None,
+                        tls: TlsConfig = TlsConfig()) -> tuple[RunningServer, RunningServer, RouterServer]:
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
@@ -49,7 +51,7 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
         raise failed[0]
     prefill, decode = results
     router = RouterServer(RouterConfig(
-        host=host, port=port, log_format=log_format, api_key=api_key,
+        host=host, port=port, log_format=log_format, api_key=api_key, tls=tls,
         prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
         decode=(f"http://{host}:{decode.port}",),
     ))
@@ -64,9 +66,9 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
 
 async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
                         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
-                        admin_key: str | None = None) -> int:
+                        admin_key: str | None = None, tls: TlsConfig = TlsConfig()) -> int:
     prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
-                                                  log_format=log_format, api_key=api_key, admin_key=admin_key)
+                                                  log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls)
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
@@ -95,11 +97,12 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 
 
 def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
-        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None) -> int:
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None,
+        tls: TlsConfig = TlsConfig()) -> int:
     configure_logging(log_format)
     try:
         return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
-                                         api_key, admin_key))
+                                         api_key, admin_key, tls))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

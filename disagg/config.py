@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -81,7 +82,37 @@ def _check_secret(name: str, value: str | None) -> None:
 
 
 _CLUSTER_SECRET_HELP = ("shared secret authenticating the KV control stream, the tcp KV listener and bootstrap "
-                        "registry writes (env DISAGG_CLUSTER_SECRET; unset: no authentication)")
+                        "registry writes (env DISAGG_CLUSTER_SECRET; unset: no authentication, refused on a "
+                        "non-loopback address without --insecure-no-cluster-secret)")
+_INSECURE_HELP = ("start without a cluster secret although this process binds a non-loopback address: its KV "
+                  "control plane, KV listeners and bootstrap registry writes are then open to anyone who reaches "
+                  "them (SGLang's and vLLM's default; only on a network you trust)")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for an address of 127.0.0.0/8, ::1 or `localhost`, as written (no DNS lookup: any other
+    name may resolve to a reachable address)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_open_binds(command: str, binds: dict[str, str], secret: str | None, insecure: bool) -> None:
+    """ConfigError when `disagg COMMAND` would bind a non-loopback address ({flag: address} in `binds`)
+    with neither a cluster secret nor the explicit opt-out: its internal planes would be open to
+    anyone who reaches the ports."""
+    exposed = [f"{host} ({flag})" for flag, host in binds.items() if not is_loopback_host(host)]
+    if not exposed or secret is not None or insecure:
+        return
+    raise ConfigError(
+        f"disagg {command} binds {', '.join(exposed)} without a cluster secret: anyone who reaches its ports could "
+        "write bootstrap registry routes, open KV control streams and read or write KV blocks. Give every prefill, "
+        "decode and bootstrap of the cluster the same secret with --cluster-secret or the environment variable "
+        "DISAGG_CLUSTER_SECRET (not shown by ps), bind loopback addresses only, or pass "
+        "--insecure-no-cluster-secret to run the internal planes open, as SGLang and vLLM do")
 
 
 # --- HTTP front door and data-parallel workers ----------------------------------------------------
@@ -105,6 +136,44 @@ def check_shutdown_timeout(value: float) -> None:
     """ConfigError unless `value` (shutdown_timeout_s of a server or the router) is >= 0."""
     if value < 0:
         raise ConfigError(f"shutdown_timeout_s must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """HTTPS on an HTTP front (a server's or the router's), with vLLM's flag names: on when a
+    certificate is given. The internal planes (registry, KV control, KV transfer) stay plain."""
+
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "private key (PEM) of --ssl-certfile"})
+    ssl_certfile: str | None = field(
+        default=None, metadata={"help": "certificate chain (PEM) to serve HTTPS with (unset: plain HTTP)"})
+    ssl_ca_certs: str | None = field(
+        default=None, metadata={"help": "CA certificates (PEM) that verify client certificates (see --ssl-cert-reqs)"})
+    ssl_cert_reqs: int = field(
+        default=0, metadata={"help": "client certificates, as Python's ssl.CERT_*: 0 not asked, 1 optional "
+                                     "(verified when sent), 2 required; 1 and 2 need --ssl-ca-certs"})
+
+    def __post_init__(self) -> None:
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"--{name.replace('_', '-')} must not be empty (leave it unset)")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ConfigError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+        if self.ssl_certfile is None and (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs):
+            raise ConfigError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile "
+                              "(without a certificate the server speaks plain HTTP)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ConfigError(f"--ssl-cert-reqs {self.ssl_cert_reqs} needs --ssl-ca-certs: the CA certificates "
+                              "that verify client certificates")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the front serves HTTPS."""
+        return self.ssl_certfile is not None
+
+    @property
+    def scheme(self) -> str:
+        """`https` or `http`: how clients reach the front."""
+        return "https" if self.enabled else "http"
 
 
 class DisaggregationMode(Choice):
@@ -147,6 +216,7 @@ class ServerConfig:
     worker_restart_max_backoff_s: float = field(
         default=30.0, metadata={"help": "longest wait before a restart; a worker up this long resets the backoff"}
     )
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -211,6 +281,7 @@ class DisaggConfig:
     control: ControlConfig = field(default_factory=lambda: ControlConfig())
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
+    insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
     allowed_bootstrap_hosts: tuple[str, ...] = field(
         default=(), metadata={"help": "decode: the only bootstrap_host values a request may name, comma-separated, "
                                       "compared as written (default: any host, as SGLang)"})
@@ -230,6 +301,19 @@ class DisaggConfig:
     def allows_bootstrap_host(self, host: str) -> bool:
         """True when a request may name `host` as its bootstrap_host (any host when the list is empty)."""
         return not self.allowed_bootstrap_hosts or host.lower() in (h.lower() for h in self.allowed_bootstrap_hosts)
+
+
+def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:
+    """ConfigError when a prefill or decode server binds a non-loopback address (its HTTP front, its
+    workers' KV control and transfer endpoints, a prefill's bootstrap registry) with neither a cluster
+    secret nor `insecure_no_cluster_secret`. A unified server has no internal planes: never refused."""
+    mode = server.disaggregation_mode
+    if mode is DisaggregationMode.NULL:
+        return
+    binds = {"--host": server.host, "--rank-host": disagg.rank_host}
+    if mode is DisaggregationMode.PREFILL:
+        binds["--bootstrap-host"] = disagg.bootstrap_host
+    refuse_open_binds(mode.value, binds, disagg.cluster_secret, disagg.insecure_no_cluster_secret)
 
 
 # --- Bootstrap registry and KV control plane ----------------------------------------------------
@@ -269,10 +353,13 @@ class BootstrapConfig:
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,
         metadata={"help": "require 'Authorization: Bearer SECRET' on PUT /route and POST /register_dp_rank "
-                          "(env DISAGG_CLUSTER_SECRET; reads stay open)"})
+                          "(env DISAGG_CLUSTER_SECRET; reads stay open; refused on a non-loopback --host "
+                          "without --insecure-no-cluster-secret)"})
+    insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
 
     def __post_init__(self) -> None:
         _check_secret("cluster_secret", self.cluster_secret)
+        refuse_open_binds("bootstrap", {"--host": self.host}, self.cluster_secret, self.insecure_no_cluster_secret)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.room_ttl_s <= 0:

@@ -21,11 +21,12 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import BootstrapConfig, DisaggConfig, DisaggregationMode, ServerConfig
+from disagg.config import BootstrapConfig, DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
 from disagg.engine_config import EngineConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.drain import Drain, StopSignals
+from disagg.http_site import server_ssl_context
 from disagg.logs import configure_logging
 from prefill.controller import PrefillController
 
@@ -62,7 +63,8 @@ class RunningServer:
 async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> tuple[DPController, BootstrapServer | None]:
     if server.disaggregation_mode is DisaggregationMode.PREFILL:
         bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
-                                                    cluster_secret=disagg.cluster_secret))
+                                                    cluster_secret=disagg.cluster_secret,
+                                                    insecure_no_cluster_secret=disagg.insecure_no_cluster_secret))
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
         role = RoleSpec("prefill.role:PrefillRole", dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
@@ -74,12 +76,18 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
 
 async def start_server(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig(),
                        progress: Callable[[str], None] = say) -> RunningServer:
-    """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure."""
+    """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure. A
+    prefill or decode open to the network without a cluster secret is refused first (ConfigError)."""
+    check_cluster_secret(server, disagg)
+    if disagg.insecure_no_cluster_secret and disagg.cluster_secret is None:
+        log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
+                    mode=server.disaggregation_mode)
+    ssl_context = server_ssl_context(server.tls)  # a certificate that does not load stops us before the model
     controller, bootstrap = await _controller(server, engine, disagg)
     try:
         await controller.start(progress)
         app = create_app(server, controller)
-        runner, port = await start_http(app, server.host, server.port)
+        runner, port = await start_http(app, server.host, server.port, ssl_context)
     except BaseException:
         await controller.close()
         if bootstrap is not None:
@@ -92,7 +100,7 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     running = await start_server(server, engine, disagg)
     signals = StopSignals()
     signals.install()
-    url = f"http://{server.host}:{running.port}"
+    url = f"{server.tls.scheme}://{server.host}:{running.port}"
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
     card = running.controller.model
     say(f"ready: {url} mode={server.disaggregation_mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")

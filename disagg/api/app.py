@@ -6,6 +6,8 @@ errors as OpenAI-shaped JSON, then the optional API and admin key checks (disagg
 
 from __future__ import annotations
 
+import ssl
+
 from aiohttp import web
 
 from disagg.api import (
@@ -43,11 +45,13 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
     return app
 
 
-async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0: any free port); returns the runner (`await runner.cleanup()`) and port.
+async def start_server(app: web.Application, host: str, port: int,
+                       ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: any free port), over HTTPS with `ssl_context`; returns the runner
+    (`await runner.cleanup()`) and port.
 
     Handlers are cancelled when their client disconnects, so a non-streaming request whose client
     left is aborted on its worker too (streams notice on their next write either way). Handlers still
     running at `runner.cleanup()` get CLOSE_TIMEOUT_S (drain generate requests before that).
     """
-    return await start_site(app, host, port, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S)
+    return await start_site(app, host, port, ssl_context, handler_cancellation=True, shutdown_timeout=CLOSE_TIMEOUT_S)

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from disagg.drain import Drain
 from disagg.http_edge import Edge, HttpError, error_middleware, http_error_of
+from disagg.http_site import client_ssl_context
 from disagg.router.config import RouterConfig
 from disagg.router.discovery import Discovery
 from disagg.router.errors import NoHealthyServer, RouterDraining
@@ -64,7 +65,8 @@ class Router:
     async def start(self) -> None:
         """Open the session, run the first health checks, start the checker loop (and discovery)."""
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0)
+        upstream_tls = client_ssl_context(cfg.upstream_ca_certs, cfg.upstream_certfile, cfg.upstream_keyfile)
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0, ssl=upstream_tls)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self.health = HealthChecker(self.config, self.pool, self.session)

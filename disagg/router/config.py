@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, Choice, ConfigError, check_shutdown_timeout
+from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, Choice, ConfigError, TlsConfig, check_shutdown_timeout
 from disagg.router.policy import Policy
 
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -191,10 +191,20 @@ class RouterConfig:
                           "goes on to both servers, so start them with the same --api-key"})
     discovery: DiscoveryConfig | None = field(
         default=None, metadata={"help": "find the servers through the Kubernetes API instead of --prefill/--decode"})
+    tls: TlsConfig = field(default_factory=TlsConfig)  # HTTPS on the router's own port
+    upstream_ca_certs: str | None = field(
+        default=None, metadata={"help": "CA certificates (PEM) trusted for https:// --prefill and --decode servers "
+                                        "(default: the system's trust store)"})
+    upstream_certfile: str | None = field(
+        default=None, metadata={"help": "client certificate (PEM) the router shows https:// servers that ask for "
+                                        "one (--ssl-cert-reqs 2 on the servers)"})
+    upstream_keyfile: str | None = field(default=None, metadata={"help": "private key (PEM) of --upstream-certfile"})
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty (leave it unset to turn it off)")
+        if self.upstream_keyfile is not None and self.upstream_certfile is None:
+            raise ConfigError("--upstream-keyfile needs --upstream-certfile")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(_check_url(u, "--decode") for u in self.decode))
         if self.discovery is not None and (self.prefill or self.decode):

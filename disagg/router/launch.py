@@ -15,10 +15,11 @@ import argparse
 import dataclasses
 import typing
 
-from disagg.cli_args import add_dataclass_args, scalar_type
+from disagg.cli_args import add_dataclass_args, dataclass_from_args, scalar_type
+from disagg.config import TlsConfig
 from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, DiscoveryConfig, RouterConfig, parse_prefill
 
-_SERVER_LISTS = ("prefill", "decode", "discovery")  # not scalars: built by hand below
+_SERVER_LISTS = ("prefill", "decode", "discovery", "tls")  # not scalars: built by hand below
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accepted for sglang-router compatibility (this router always disaggregates)")
     add_discovery_arguments(parser.add_argument_group("service discovery (Kubernetes)"))
     add_dataclass_args(parser, RouterConfig, skip=_SERVER_LISTS)  # scalars, with their aliases and choices
+    add_dataclass_args(parser.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
 
 
 def add_discovery_arguments(group) -> None:
@@ -73,7 +75,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
               if f.name not in _SERVER_LISTS and hasattr(args, f.name)}
     prefill = tuple(parse_prefill(list(v)) for v in args.prefill or ())
     decode = tuple(v[0] for v in args.decode or ())
-    return RouterConfig(prefill=prefill, decode=decode, discovery=discovery_from_args(args), **values)
+    return RouterConfig(prefill=prefill, decode=decode, discovery=discovery_from_args(args),
+                        tls=dataclass_from_args(TlsConfig, args), **values)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from disagg.drain import CLOSE_TIMEOUT_S, Drain, StopSignals
-from disagg.http_site import start_site
+from disagg.http_site import server_ssl_context, start_site
 from disagg.logs import configure_logging
 from disagg.router.app import Router, create_app
 from disagg.router.config import RouterConfig
@@ -39,18 +39,19 @@ class RouterServer:
 
     @property
     def url(self) -> str:
-        """http://host:port once started."""
+        """http(s)://host:port once started."""
         if self.port is None:
             raise RuntimeError("router is not started")
-        return f"http://{self.config.host}:{self.port}"
+        return f"{self.config.tls.scheme}://{self.config.host}:{self.port}"
 
     async def start(self) -> int:
         """Run the first health checks, bind and serve; returns the bound port."""
         if self._runner is not None:
             raise RuntimeError("router already started")
+        ssl_context = server_ssl_context(self.config.tls)
         # A client that leaves cancels its handler, which cancels both legs (the servers then abort).
         self._runner, self.port = await start_site(create_app(self.router), self.config.host, self.config.port,
-                                                   access_log=None, handler_cancellation=True,
+                                                   ssl_context, access_log=None, handler_cancellation=True,
                                                    shutdown_timeout=CLOSE_TIMEOUT_S)
         log.info("router started", url=self.url, policy=self.config.policy,
                  prefill=[p.url for p in self.config.prefill], decode=list(self.config.decode),

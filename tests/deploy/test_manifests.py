@@ -5,11 +5,13 @@ policies, grace periods, RBAC and the GPU resources."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from disagg.cli import disagg_from_args
 from disagg.cli_args import dataclass_from_args
-from disagg.config import ServerConfig
+from disagg.config import ConfigError, ServerConfig, check_cluster_secret
 from disagg.router.launch import config_from_args
 from manifests import (
     K8S, NAMESPACE, POD_IP, by_kind, env_values, expand, matches, named_ports, parse_args, pod_spec, render,
@@ -108,6 +110,29 @@ def test_server_command_lines_parse_into_the_configs_the_pods_need(overlay):
             assert container["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
         else:
             assert (args.device, server.dp_size, "nvidia.com/gpu" in container["resources"]["limits"]) == ("cpu", 2, False)
+
+
+def test_every_server_holds_the_cluster_secret_its_network_binds_need(overlay, monkeypatch):
+    """Each prefill and decode binds 0.0.0.0 and the pod IP: it takes DISAGG_CLUSTER_SECRET from the
+    Secret (or says --insecure-no-cluster-secret), and the real check passes with the container's
+    environment and fails without it."""
+    _, objects = overlay
+    for role in ("prefill", "decode"):
+        container = container_of(objects, f"disagg-{role}")
+        refs = [var["valueFrom"]["secretKeyRef"] for var in container.get("env", [])
+                if var["name"] == "DISAGG_CLUSTER_SECRET" and "secretKeyRef" in var.get("valueFrom", {})]
+        opted_out = "--insecure-no-cluster-secret" in container["args"]
+        assert (refs, opted_out) == ([{"name": "disagg-secrets", "key": "cluster-secret"}], False)
+        monkeypatch.setenv("DISAGG_CLUSTER_SECRET", env_values(container)["DISAGG_CLUSTER_SECRET"])
+        _, args = command_line(objects, f"disagg-{role}")
+        server = dataclass_from_args(ServerConfig, args, disaggregation_mode=role)
+        assert disagg_from_args(args).cluster_secret == "secret:cluster-secret"
+        check_cluster_secret(server, disagg_from_args(args))
+        monkeypatch.delenv("DISAGG_CLUSTER_SECRET")
+        _, args = command_line(objects, f"disagg-{role}")
+        binds = f"0.0.0.0 (--host), {POD_IP} (--rank-host)" + (f", {POD_IP} (--bootstrap-host)" if role == "prefill" else "")
+        with pytest.raises(ConfigError, match=re.escape(f"disagg {role} binds {binds} without a cluster secret:")):
+            check_cluster_secret(server, disagg_from_args(args))
 
 
 def test_the_router_discovers_exactly_the_server_pods(overlay):

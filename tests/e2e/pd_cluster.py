@@ -73,16 +73,17 @@ async def start_decode(disagg: DisaggConfig, engine: EngineConfig = TINY, dp_siz
 
 async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig = TINY,
                    prefill_method: str = "follow_bootstrap_room", cluster_secret: str | None = None,
-                   decode_options: dict | None = None, server: dict | None = None, disagg: dict | None = None) -> Cluster:
-    """Prefill and decode servers (dp 2 each) sharing `cluster_secret` (None: none, whatever the
+                   decode_options: dict | None = None, server: dict | None = None, disagg: dict | None = None,
+                   dp_size: int = 2) -> Cluster:
+    """Prefill and decode servers (`dp_size` workers each) sharing `cluster_secret` (None: none, whatever the
     environment says). `server` / `disagg` override config fields of both (fault tests set short
     deadlines there; `disagg["control"]` holds the control plane's timings), `decode_options` the decode's."""
     disagg_config = pd_config(backend, force_query, cluster_secret=cluster_secret, **(disagg or {}))
-    base = ServerConfig(port=0, dp_size=2, **(server or {}))
+    base = ServerConfig(port=0, dp_size=dp_size, **(server or {}))
     prefill, decode = await asyncio.gather(
         start_server(replace(base, load_balance_method=prefill_method, disaggregation_mode="prefill"), engine,
                      disagg_config, lambda _: None),
-        start_decode(replace(disagg_config, **(decode_options or {})), engine, server=server),
+        start_decode(replace(disagg_config, **(decode_options or {})), engine, dp_size, server=server),
     )
     return Cluster(prefill, decode, aiohttp.ClientSession())
 

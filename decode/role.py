@@ -66,6 +66,8 @@ class DecodeRole(WorkerRole):
         return self.push if pending.ticket is None else self.pull
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
+        if msg.resume_token_ids is not None:  # migrated here from a worker that died: computed locally
+            return await super().submit(msg)
         try:
             ticket = ticket_of(msg)
             if ticket is None:

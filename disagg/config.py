@@ -216,6 +216,10 @@ class ServerConfig:
     worker_restart_max_backoff_s: float = field(
         default=30.0, metadata={"help": "longest wait before a restart; a worker up this long resets the backoff"}
     )
+    migration_limit: int = field(
+        default=1, metadata={"help": "how many times a request whose DP worker died goes on on another worker of this "
+                                     "server (its prompt and the tokens already streamed computed again there); 0: "
+                                     "never (it ends with 503); a prefill never migrates"})
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
@@ -232,6 +236,8 @@ class ServerConfig:
                 f"{self.worker_restart_backoff_s}, {self.worker_restart_max_backoff_s}"
             )
         DisaggregationMode.coerce_field(self, "disaggregation_mode")
+        if self.migration_limit < 0:
+            raise ConfigError(f"migration_limit must be >= 0, got {self.migration_limit}")
         check_shutdown_timeout(self.shutdown_timeout_s)
         _check_secret("api_key", self.api_key)
         _check_secret("admin_key", self.admin_key)

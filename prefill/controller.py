@@ -23,6 +23,7 @@ LEASE_COUNT_TIMEOUT_S = 2.0  # one count of the leases; settle's deadline caps i
 
 
 class PrefillController(DPController):
+    migrates = False  # a room's KV lives on the rank that computed it: a dead rank's request fails (503)
     def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec, disagg: DisaggConfig):
         super().__init__(server, engine, role)
         self.disagg = disagg

@@ -17,12 +17,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+import dataclasses
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import structlog
 
-from disagg.config import ServerConfig
+from disagg.config import DisaggregationMode, ServerConfig
 from disagg.engine_config import EngineConfig
 from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher
@@ -72,8 +73,29 @@ class _Worker:
         return f"DP worker {self.rank} is not available: it is not ready yet"
 
 
+@dataclass
+class _Sent:
+    """A request on its way through a worker: which one, and the tokens it streamed so far."""
+
+    msg: GenerateMsg
+    worker: _Worker
+    token_ids: list[int] = field(default_factory=list)
+    num_migrations: int = 0
+
+    def resumed(self) -> GenerateMsg:
+        """The request as another worker takes it over: the tokens streamed so far go with it; what
+        its first answer carried (the prompt, its logprobs) went out already when any token did."""
+        if not self.token_ids:
+            return self.msg
+        sampling = dataclasses.replace(self.msg.sampling, prompt_logprobs=None)
+        return msgspec.structs.replace(self.msg, resume_token_ids=list(self.token_ids), return_prompt=False,
+                                       sampling=sampling)
+
+
 class DPController:
     """Implements disagg.dp.protocol.EngineClient over worker processes."""
+
+    migrates = True  # a request whose worker died goes on on another (ServerConfig.migration_limit)
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec = RoleSpec()):
         self.server = server
@@ -86,6 +108,7 @@ class DPController:
         self.workers: list[_Worker] = []
         self.model: ModelCard | None = None
         self._streams: dict[str, asyncio.Queue[OutputMsg]] = {}
+        self._sent: dict[str, _Sent] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -178,6 +201,9 @@ class DPController:
             queue = self._streams.get(msg.request_id)
             if queue is not None:
                 queue.put_nowait(msg)
+            sent = self._sent.get(msg.request_id)
+            if sent is not None:
+                sent.token_ids += msg.new_token_ids
             if msg.finish_reason is not None or msg.error is not None:
                 worker.outstanding.pop(msg.request_id, None)
         elif isinstance(msg, UtilityResultMsg):
@@ -203,13 +229,30 @@ class DPController:
             return
         log.error("DP worker died", dp_rank=worker.rank, how=how)
         error = f"DP worker {worker.rank} died ({how})"
-        for request_id in list(worker.outstanding):
+        for request_id, estimate in list(worker.outstanding.items()):
             queue = self._streams.get(request_id)
-            if queue is not None:
+            if queue is not None and not self._migrate(request_id, estimate, worker):
                 queue.put_nowait(OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=error, error_status=503))
         worker.outstanding.clear()
         if self._supervising:
             self._tasks.append(asyncio.create_task(self._restart(worker)))
+
+    def _migrate(self, request_id: str, estimate: int, dead: _Worker) -> bool:
+        """Send a request of a dead worker to the least loaded live one, within the migration limit.
+        The client sees one stream: the new worker emits only what follows the tokens already sent."""
+        sent = self._sent.get(request_id)
+        live = [w for w in self.workers if w is not dead and w.available]
+        if not self.migrates or sent is None or sent.num_migrations >= self.server.migration_limit or not live:
+            return False
+        if self.server.disaggregation_mode is DisaggregationMode.DECODE and not sent.token_ids:
+            return False  # its KV never arrived: its prefill's room failed with it (a router sends it again)
+        target = min(live, key=lambda w: (sum(w.outstanding.values()), w.rank))
+        target.send(sent.resumed())
+        target.outstanding[request_id] = estimate
+        sent.worker, sent.num_migrations = target, sent.num_migrations + 1
+        log.warning("request migrated to another DP worker", request_id=request_id, from_rank=dead.rank,
+                    to_rank=target.rank, num_tokens_done=len(sent.token_ids))
+        return True
 
     def restart_backoff_s(self, worker: _Worker) -> tuple[float, int]:
         """The wait before restarting `worker`, and the quick-death count it implies: the backoff
@@ -248,6 +291,7 @@ class DPController:
             raise InvalidRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         queue: asyncio.Queue[OutputMsg] = asyncio.Queue()
         self._streams[msg.request_id] = queue
+        sent = self._sent[msg.request_id] = _Sent(msg, worker)
         finished = False
         try:
             worker.send(msg)
@@ -258,6 +302,8 @@ class DPController:
                 yield out
         finally:
             self._streams.pop(msg.request_id, None)
+            self._sent.pop(msg.request_id, None)
+            worker = sent.worker  # where it runs now (a migration moved it)
             if not finished and worker.available:
                 worker.outstanding.pop(msg.request_id, None)
                 worker.send(AbortMsg(msg.request_id))

@@ -108,9 +108,15 @@ class EngineCore:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_blocks: bool = False) -> None:
-        """Queue a request. Raises InvalidRequest (bad input) or EngineSleeping."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_blocks: bool = False,
+                    resume_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+        """Queue a request. Raises InvalidRequest (bad input) or EngineSleeping. `resume_token_ids`:
+        output tokens another engine already produced (a migration): computed with the prompt, counted
+        by max_tokens, penalties and stops, never emitted again."""
         request = self._new_request(request_id, prompt_token_ids, params, hold_blocks)
+        if resume_token_ids:
+            request.output_token_ids = list(resume_token_ids)
+            request.logprobs = [{} for _ in resume_token_ids] if params.logprobs is not None else []
         self.scheduler.add(request)
         self.outputs.add(request)
 

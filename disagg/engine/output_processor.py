@@ -27,8 +27,10 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         params = request.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        self.streams[request.request_id] = _Stream(request, detok)
+        # Output tokens it starts with (a migration) read as context: their text was emitted elsewhere.
+        detok = IncrementalDetokenizer(self.tokenizer, request.all_token_ids, params.skip_special_tokens)
+        done = len(request.output_token_ids)
+        self.streams[request.request_id] = _Stream(request, detok, num_emitted_tokens=done, num_reported_tokens=done)
 
     def owns(self, request: Request) -> bool:
         """Whether `request` (this object, not only its id) still has its stream."""

@@ -7,6 +7,7 @@ Routes:
   503 `draining` once the router shuts down: new generate requests get the same)
 - `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
 - `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
+- `GET /metrics`: the router's Prometheus metrics (retries)
 Every error is OpenAI-shaped JSON; unknown routes are 404. With `api_key`, every route but `/health`
 and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
 """
@@ -32,6 +33,7 @@ from disagg.router.discovery import Discovery
 from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegClient, leg_errors
+from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPicker
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
@@ -61,6 +63,7 @@ class Router:
         self.proxy: Proxy | None = None
         self.legs: LegClient | None = None
         self.discovery: Discovery | None = None
+        self.metrics = RouterMetrics()
 
     async def start(self) -> None:
         """Open the session, run the first health checks, start the checker loop (and discovery)."""
@@ -72,7 +75,7 @@ class Router:
         self.health = HealthChecker(self.config, self.pool, self.session)
         self.legs = LegClient(self.session, self.config.request_timeout_s, self.config.connect_timeout_s)
         self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits,
-                           self.drain)
+                           self.drain, self.metrics)
         await self.health.start()
         if cfg.discovery is not None:
             self.discovery = Discovery(cfg.discovery, self.pool, self.health)
@@ -108,6 +111,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise RouterDraining(router.drain.refusal_message())
     with router.drain.track():
         return await router.proxy.serve(request, request.path)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return _router(request).metrics.render()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -209,6 +216,7 @@ def create_app(router: Router) -> web.Application:
         app.router.add_post(path, generate)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/health_generate", health_generate)
     for path in ("/server_info", "/get_server_info", "/workers"):
         app.router.add_get(path, server_info)

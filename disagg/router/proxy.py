@@ -27,6 +27,7 @@ from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
 from disagg.router.errors import RequestShutDown, ServerDraining, ServerError, ServerUnreachable
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
+from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
@@ -81,7 +82,8 @@ class Proxy:
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, health: HealthChecker, legs: LegClient,
                  picker: PairPicker, rng: random.Random | None = None,
-                 randbits: Callable[[int], int] = secrets.randbits, drain: Drain | None = None):
+                 randbits: Callable[[int], int] = secrets.randbits, drain: Drain | None = None,
+                 metrics: RouterMetrics | None = None):
         self._config = config
         self._drain = drain if drain is not None else Drain("router")
         self._pool = pool
@@ -90,6 +92,7 @@ class Proxy:
         self._picker = picker
         self._rng = rng if rng is not None else random.Random()
         self._randbits = randbits
+        self._metrics = metrics if metrics is not None else RouterMetrics()
 
     async def serve(self, request: web.Request, path: str) -> web.StreamResponse:
         """Answer one generate request (`path` is the same on both servers).
@@ -128,8 +131,11 @@ class Proxy:
                     raise
             except (ServerError, ServerUnreachable) as exc:
                 if not retryable(exc) or num_retries >= self._config.retry_max_retries:
+                    if num_retries:
+                        self._metrics.retries_exhausted.labels(path).inc()
                     raise
                 num_retries += 1
+                self._metrics.retries.labels(path).inc()
                 log.warning("a leg failed before any byte reached the client; sending the request again",
                             status=exc.status, error=exc.message, retry=num_retries)
 

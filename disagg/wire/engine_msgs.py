@@ -37,6 +37,9 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     # Pull flow (vLLM's NixlConnector fields): `do_remote_decode` on the prefill leg, the prefill's
     # ticket (`do_remote_prefill`, `remote_*`) on the decode leg.
     kv_transfer_params: dict | None = None
+    # Migration: the tokens already streamed by a worker that died; the worker computes the prompt and
+    # them locally (no KV transfer) and goes on from there, emitting only what follows.
+    resume_token_ids: list[int] | None = None
     return_prompt: bool = False  # the first OutputMsg carries the prompt's token ids and text (echo, scoring)
     return_token_texts: bool = False  # OutputMsgs carry the text of every token in their logprobs
 

@@ -306,8 +306,15 @@ async def test_retries_are_bounded_and_the_last_answer_is_passed_on(max_retries,
     prefill, decode = FakeServer(sleep_then(0.2)), FakeServer(json_answer(DEAD_RANK, status=503))
     async with cluster([prefill], [decode], retry_max_retries=max_retries) as router:
         status, headers, raw = await post(router, "/generate", {"text": "hi"})
+        _, _, metrics = await get(router, "/metrics")
     assert (status, msgspec.json.decode(raw), len(decode.bodies)) == (503, DEAD_RANK, attempts)
     assert "X-Disagg-Retries" not in headers
+    counted = [line for line in metrics.decode().splitlines() if line.startswith("sgl_router_retries") and "_total{" in line]
+    if max_retries:
+        assert counted == ['sgl_router_retries_total{route="/generate"} 2.0',
+                           'sgl_router_retries_exhausted_total{route="/generate"} 1.0']
+    else:
+        assert counted == []
 
 
 async def test_a_failure_that_is_not_retryable_is_answered_at_once():

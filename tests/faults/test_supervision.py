@@ -2,14 +2,17 @@
 with a 503 naming it, the worker comes back under a new identity, and every block is free again."""
 
 import asyncio
+import json
 import os
 import signal
 import time
 
+import aiohttp
 import pytest
 
-from disagg.config import ControlConfig
-from pd_cluster import start_pd, start_unified
+from disagg.config import ControlConfig, DisaggConfig, ServerConfig
+from disagg.launch import start_server
+from pd_cluster import TINY, start_pd, start_unified
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -147,3 +150,66 @@ async def test_kill_one_worker_of_two_while_requests_arrive_through_our_router_l
 
 async def _gauges_are(cluster, expected) -> bool:
     return await cluster.free_blocks() == expected
+
+
+TOKENS_BODY = {"token_ids": [5, 9, 17, 33, 65, 3], "sampling_params": {"max_tokens": 300, **GREEDY}}
+
+
+async def stream_token_ids(session, url: str, body: dict, kill_after: int, kill) -> list[list[int]]:
+    """The token ids of each streamed chunk of /inference/v1/generate; `kill()` once `kill_after` came."""
+    chunks, killed = [], False
+    async with session.post(url + "/inference/v1/generate", json=dict(body, stream=True)) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                chunks += [c["token_ids"] for c in event["choices"] if c["token_ids"]]
+            if not killed and sum(map(len, chunks)) >= kill_after:
+                kill()
+                killed = True
+    assert killed
+    return chunks
+
+
+async def test_kill_a_unified_worker_mid_stream_the_stream_goes_on_on_the_other():
+    """Migration: the prompt and the 5+ tokens already streamed are computed again on the other
+    worker, which streams only what follows: one stream, exactly the tokens of an undisturbed run."""
+    server = await start_server(ServerConfig(port=0, dp_size=2, **FAST["server"]), TINY, DisaggConfig(), lambda _: None)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/inference/v1/generate", json=TOKENS_BODY) as r:
+                expected = (await r.json())["choices"][0]["token_ids"]
+            pid = server.controller.workers[0].process.pid
+            chunks = await stream_token_ids(session, url, dict(TOKENS_BODY, routed_dp_rank=0), 5,
+                                            lambda: os.kill(pid, signal.SIGKILL))
+        assert [t for chunk in chunks for t in chunk] == expected and len(expected) == 300
+        assert await wait_for(lambda: _restarted(server), 60, 0.2)
+    finally:
+        await server.close()
+
+
+async def test_kill_a_decode_worker_mid_stream_the_stream_completes_with_the_unified_tokens():
+    unified = await start_unified()
+    cluster = await start_pd("tcp", **FAST)
+    try:
+        async with cluster.session.post(f"http://127.0.0.1:{unified.port}/inference/v1/generate", json=TOKENS_BODY) as r:
+            expected = (await r.json())["choices"][0]["token_ids"]
+        before = await cluster.free_blocks()
+        pd = cluster.pd_body(TOKENS_BODY)
+        pid = cluster.decode.controller.workers[0].process.pid
+        prefill = asyncio.create_task(cluster.post(cluster.prefill_url + "/inference/v1/generate", pd, None))
+        chunks = await stream_token_ids(cluster.session, cluster.decode_url, dict(pd, routed_dp_rank=0), 5,
+                                        lambda: os.kill(pid, signal.SIGKILL))
+        assert (await prefill)[0] == 200
+        assert [t for chunk in chunks for t in chunk] == expected
+        assert await wait_for(lambda: _restarted(cluster.decode), 60, 0.2)
+        assert await wait_for(lambda: _gauges_are(cluster, before), 10)
+    finally:
+        await cluster.close()
+        await unified.close()
+
+
+async def _restarted(server) -> bool:
+    return [w.num_restarts for w in server.controller.worker_states()] == [1, 0] and server.controller.healthy()

@@ -341,3 +341,24 @@ def test_the_forward_runs_in_inference_mode_and_writes_the_cache_in_place(tiny_l
     assert k_cache.abs().sum().item() > 0  # layer 1's keys of the 6 positions were written through the views
     core.sleep(1)
     assert (runner.kv_cache, runner.layer_caches) == (None, [])
+
+
+def test_a_resumed_request_goes_on_as_if_never_interrupted(tiny_loaded):
+    """Migration: the tokens another engine produced are computed with the prompt, never emitted
+    again, and count toward max_tokens and the stop rules; what follows equals the undisturbed run."""
+    core = engine(tiny_loaded)
+    prompt = core.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    [whole] = run(core, [prompt], params)
+    done = whole.outputs.token_ids[:7]
+    core.add_request("resumed", prompt, params, resume_token_ids=done)
+    emitted, text, final = [], "", None
+    while core.has_unfinished():
+        for out in core.step():
+            emitted += out.new_token_ids
+            text += out.new_text
+            final = out
+    assert emitted == whole.outputs.token_ids[7:]
+    assert (final.outputs.token_ids, final.outputs.finish_reason) == (whole.outputs.token_ids, FinishReason.LENGTH)
+    assert text == whole.outputs.text[len(core.tokenizer.decode(done)):]
+    assert [len(top) > 0 for top in final.outputs.logprobs] == [False] * 7 + [True] * 9

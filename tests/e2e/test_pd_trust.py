@@ -78,10 +78,48 @@ async def test_a_bootstrap_host_not_allowed_is_400_before_any_connection(cluster
                     bootstrap_host="localhost", bootstrap_port=port)
         status, data, _ = await cluster.post(cluster.decode_url + "/generate", body, None)
     assert (status, data) == (400, {"error": {
-        "message": "bootstrap_host 'localhost' is not allowed on this decode server (see its --allowed-bootstrap-hosts)",
+        "message": f"bootstrap_host:bootstrap_port 'localhost:{port}' is not allowed on this decode server "
+                   "(see its --allowed-bootstrap-hosts)",
         "type": "BadRequestError", "param": "bootstrap_host", "code": None}})
     assert accepted == []
     assert await settled(cluster) == START
+
+
+async def test_an_entry_with_a_port_allows_that_registry_and_no_other_port_of_its_host(cluster):
+    """`127.0.0.1:P` (P: the prefill's registry): a request naming another port of that host, and a pull
+    ticket naming one, are refused before any connection; a request naming P is served."""
+    registry_port = cluster.prefill.bootstrap_port
+    decode = await start_decode(pd_config("tcp", cluster_secret=SECRET,
+                                          allowed_bootstrap_hosts=(f"127.0.0.1:{registry_port}",)), dp_size=1)
+    decode_url = f"http://127.0.0.1:{decode.port}"
+    accepted = []
+    listener = await asyncio.start_server(lambda r, w: accepted.append(w.close()), "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+    ticket = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+              "remote_port": port, "remote_request_id": "p-1", "remote_block_ids": [0]}
+    try:
+        async with listener:
+            push = await cluster.post(decode_url + "/generate", dict(cluster.pd_body(body), bootstrap_port=port), None)
+            pull = await cluster.post(decode_url + "/v1/completions", {
+                "model": "tiny", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": ticket}, None)
+            pd = cluster.pd_body(body)
+            served = await asyncio.gather(cluster.post(cluster.prefill_url + "/generate", pd, None),
+                                          cluster.post(decode_url + "/generate", pd, None))
+        assert (push[0], push[1]["error"]) == (400, {
+            "message": f"bootstrap_host:bootstrap_port '127.0.0.1:{port}' is not allowed on this decode server "
+                       "(see its --allowed-bootstrap-hosts)", "type": "BadRequestError", "param": "bootstrap_host",
+            "code": None})
+        assert (pull[0], pull[1]["error"]) == (400, {
+            "message": f"kv_transfer_params remote_host:remote_port '127.0.0.1:{port}' is not allowed on this decode "
+                       "server (see its --allowed-bootstrap-hosts)", "type": "BadRequestError",
+            "param": "kv_transfer_params", "code": None})
+        assert [leg[0] for leg in served] == [200, 200] and len(served[1][1]["output_ids"]) == 2
+        assert accepted == []
+        assert await settled(cluster) == START
+        assert await decode_free_blocks(decode) == [96]
+    finally:
+        await decode.close()
 
 
 async def test_a_foreign_bootstrap_server_is_named_never_echoed(cluster):

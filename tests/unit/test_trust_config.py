@@ -74,3 +74,9 @@ def test_router_api_key_flag():
     base = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
     assert config_from_args(build_parser().parse_args(base)).api_key is None
     assert config_from_args(build_parser().parse_args([*base, "--api-key", "rk"])).api_key == "rk"
+
+
+def test_router_trust_client_routing_flag():
+    base = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
+    assert config_from_args(build_parser().parse_args(base)).trust_client_routing is False
+    assert config_from_args(build_parser().parse_args([*base, "--trust-client-routing"])).trust_client_routing is True

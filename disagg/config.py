@@ -277,6 +277,11 @@ class BootstrapConfig:
     room_ttl_s: float = field(
         default=120.0, metadata={"help": "seconds a registered room -> prefill DP rank entry lives"}
     )
+    max_rooms: int = field(
+        default=100_000, metadata={"help": "live room -> prefill DP rank entries held; a new room beyond them (after "
+                                           "expired ones are dropped) is refused with 429"})
+    max_ranks: int = field(
+        default=4096, metadata={"help": "largest topology (dp_size * tp_size * pp_size * cp_size) a prefill may register"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,
@@ -289,8 +294,9 @@ class BootstrapConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.room_ttl_s <= 0:
             raise ConfigError(f"room_ttl_s must be positive, got {self.room_ttl_s}")
-        if self.max_body_bytes <= 0:
-            raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        for name in ("max_body_bytes", "max_rooms", "max_ranks"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ def test_secrets_stay_out_of_reprs():
      "allowed_bootstrap_hosts entry ' b' is not valid: it is empty or has spaces around it (use host, host:port, "
      "an IP network such as 10.0.0.0/8, or [IPv6]:port)"),
     (lambda: DisaggConfig(max_bootstrap_clients=0), "max_bootstrap_clients must be at least 1, got 0"),
+    (lambda: BootstrapConfig(max_rooms=0), "max_rooms must be positive, got 0"),
+    (lambda: BootstrapConfig(max_ranks=-1), "max_ranks must be positive, got -1"),
 ])
 def test_invalid_values_are_config_errors(make, message):
     with pytest.raises(ConfigError) as info:
@@ -80,3 +82,11 @@ def test_router_trust_client_routing_flag():
     base = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
     assert config_from_args(build_parser().parse_args(base)).trust_client_routing is False
     assert config_from_args(build_parser().parse_args([*base, "--trust-client-routing"])).trust_client_routing is True
+
+
+def test_registry_limits_from_flags():
+    default = dataclass_from_args(BootstrapConfig, build_parser().parse_args(["bootstrap"]))
+    assert (default.max_rooms, default.max_ranks) == (100_000, 4096)
+    given = dataclass_from_args(BootstrapConfig, build_parser().parse_args(
+        ["bootstrap", "--max-rooms", "5", "--max-ranks", "8"]))
+    assert (given.max_rooms, given.max_ranks) == (5, 8)

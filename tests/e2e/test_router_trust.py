@@ -12,19 +12,12 @@ import pytest_asyncio
 
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from pd_cluster import start_pd
+from pd_cluster import counting_listener
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 BODY = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 6, **GREEDY}
 START = ([96, 96], [96, 96])  # free blocks per DP worker, prefill and decode
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster():
-    c = await start_pd("tcp")
-    yield c
-    await c.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -43,24 +36,6 @@ async def router(cluster, **options):
                           decode=(cluster.decode_url,), **options)
     async with RouterServer(config) as running:
         yield running.url
-
-
-@contextlib.asynccontextmanager
-async def counting_listener():
-    """A TCP listener on a free loopback port; yields (port, the connections it accepted)."""
-    accepted = []
-    server = await asyncio.start_server(lambda r, w: accepted.append(w.close()), "127.0.0.1", 0)
-    async with server:
-        yield server.sockets[0].getsockname()[1], accepted
-
-
-async def settled(cluster) -> tuple:
-    """Free blocks once they are back to START (polled within 5 s)."""
-    for _ in range(100):
-        if (blocks := await cluster.free_blocks()) == START:
-            return blocks
-        await asyncio.sleep(0.05)
-    return await cluster.free_blocks()
 
 
 def ticket(port: int) -> dict:
@@ -84,7 +59,7 @@ async def test_a_client_kv_transfer_params_and_bootstrap_fields_never_reach_a_se
     assert (status, data["choices"][0]["text"]) == (200, expected), data
     assert elapsed < 1.0, elapsed
     assert len(accepted) == 0
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
 
 
 async def test_client_routing_is_dropped_by_default_and_honoured_with_trust_client_routing(cluster, expected):
@@ -106,7 +81,7 @@ async def test_client_routing_is_dropped_by_default_and_honoured_with_trust_clie
                 data = await r.json()
                 ranks.append((r.status, data["dp_rank"], r.headers["X-data-parallel-rank"], data["choices"][0]["text"]))
     assert ranks == [(200, 1, "1", expected)] * 3
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
 
 
 async def test_a_server_sent_pull_params_and_a_room_refuses_them_at_once(cluster):
@@ -124,4 +99,4 @@ async def test_a_server_sent_pull_params_and_a_room_refuses_them_at_once(cluster
     error = {"error": {"message": message, "type": "BadRequestError", "param": "kv_transfer_params", "code": None}}
     assert [(status, data) for status, data, _ in answers] == [(400, error), (400, error)]
     assert elapsed < 1.0 and len(accepted) == 0
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START

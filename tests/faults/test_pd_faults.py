@@ -77,16 +77,9 @@ async def test_a_full_registry_fails_the_request_at_once_and_frees_every_block()
             f"127.0.0.1:{old.port} answered 429 to POST /register_dp_rank: the registry holds as many rooms as its "
             "--max-rooms allows"))
         assert elapsed < 2.0, elapsed  # not the decode's 10 s waiting deadline
-        assert await wait_gauges_free(cluster, start) == start
+        assert await cluster.settled(start) == start
     finally:
         await cluster.close()
-
-
-async def wait_gauges_free(cluster, expected, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while (blocks := await cluster.free_blocks()) != expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    return blocks
 
 
 async def test_a_disconnect_storm_leaves_no_block_behind():

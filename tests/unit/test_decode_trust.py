@@ -28,38 +28,33 @@ def pull_check(host: str, port: int) -> None:
     PullFetch(None, DisaggConfig(allowed_bootstrap_hosts=ALLOWED), None, None, None).check(msg, ticket_of(msg))
 
 
-@pytest.mark.parametrize("host, port", [("10.0.0.5", 8998), ("10.255.0.1", 8998), ("prefill-3.svc", 1),
-                                        ("PREFILL-3.svc", 8998)])
-def test_a_push_request_naming_an_allowed_registry_passes(host, port):
-    push_check(host, port)
-
-
-@pytest.mark.parametrize("host, port, address", [
-    ("10.0.0.5", 8999, "10.0.0.5:8999"), ("11.0.0.5", 8998, "11.0.0.5:8998"), ("::1", 8998, "[::1]:8998"),
-    ("prefill-3.evil.svc", 8998, "prefill-3.evil.svc:8998"), ("localhost", 8998, "localhost:8998"),
+@pytest.mark.parametrize("check, host, port", [
+    (push_check, "10.0.0.5", 8998), (push_check, "10.255.0.1", 8998), (push_check, "prefill-3.svc", 1),
+    (push_check, "PREFILL-3.svc", 8998), (pull_check, "::1", 17001), (pull_check, "10.0.0.9", 8998),
+    (pull_check, "prefill-0.svc", 40000),
 ])
-def test_a_push_request_naming_another_registry_is_refused_with_its_host_and_port(host, port, address):
-    with pytest.raises(InvalidRequest) as info:
-        push_check(host, port)
-    assert (info.value.message, info.value.param) == (
-        f"bootstrap_host:bootstrap_port '{address}' is not allowed on this decode server "
-        "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
+def test_an_allowed_registry_or_ticket_passes(check, host, port):
+    check(host, port)
 
 
-@pytest.mark.parametrize("host, port", [("::1", 17001), ("10.0.0.9", 8998), ("prefill-0.svc", 40000)])
-def test_a_ticket_naming_an_allowed_prefill_passes(host, port):
-    pull_check(host, port)
+PUSH, PULL = "bootstrap_host:bootstrap_port", "kv_transfer_params remote_host:remote_port"
 
 
-@pytest.mark.parametrize("host, port, address", [
-    ("::1", 17002, "[::1]:17002"), ("10.0.0.9", 17001, "10.0.0.9:17001"), ("127.0.0.1", 17001, "127.0.0.1:17001"),
+@pytest.mark.parametrize("check, host, port, named, param", [
+    (push_check, "10.0.0.5", 8999, f"{PUSH} '10.0.0.5:8999'", "bootstrap_host"),
+    (push_check, "11.0.0.5", 8998, f"{PUSH} '11.0.0.5:8998'", "bootstrap_host"),
+    (push_check, "::1", 8998, f"{PUSH} '[::1]:8998'", "bootstrap_host"),
+    (push_check, "prefill-3.evil.svc", 8998, f"{PUSH} 'prefill-3.evil.svc:8998'", "bootstrap_host"),
+    (push_check, "localhost", 8998, f"{PUSH} 'localhost:8998'", "bootstrap_host"),
+    (pull_check, "::1", 17002, f"{PULL} '[::1]:17002'", "kv_transfer_params"),
+    (pull_check, "10.0.0.9", 17001, f"{PULL} '10.0.0.9:17001'", "kv_transfer_params"),
+    (pull_check, "127.0.0.1", 17001, f"{PULL} '127.0.0.1:17001'", "kv_transfer_params"),
 ])
-def test_a_ticket_naming_another_prefill_is_refused_with_its_host_and_port(host, port, address):
+def test_another_registry_or_ticket_is_refused_naming_its_host_and_port(check, host, port, named, param):
     with pytest.raises(InvalidRequest) as info:
-        pull_check(host, port)
+        check(host, port)
     assert (info.value.message, info.value.param) == (
-        f"kv_transfer_params remote_host:remote_port '{address}' is not allowed on this decode server "
-        "(see its --allowed-bootstrap-hosts)", "kv_transfer_params")
+        f"{named} is not allowed on this decode server (see its --allowed-bootstrap-hosts)", param)
 
 
 # ---- the registry clients: a bounded LRU cache --------------------------------------------------

@@ -212,8 +212,8 @@ class BootstrapServer:
         self.host = host if host is not None else self.config.host
         self._runner, self.port = await start_site(self.app, self.host, self.config.port if port is None else port,
                                                    access_log=None)
-        log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s, max_rooms=self.config.max_rooms,
-                 cluster_secret=self.config.cluster_secret is not None)
+        log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s,
+                 max_rooms=self.config.max_rooms, cluster_secret=self.config.cluster_secret is not None)
         return self.port
 
     async def close(self) -> None:

@@ -214,14 +214,14 @@ class DisaggConfig:
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
     allowed_bootstrap_hosts: tuple[str, ...] = field(
-        default=(), metadata={"help": "decode: the only registries (bootstrap_host:bootstrap_port) and prefill control "
-                                      "addresses (a ticket's remote_host:remote_port) a request may name, comma-separated: "
-                                      "host, host:port, CIDR (10.0.0.0/8), [IPv6]:port; '*' matches within one label of "
-                                      "a name; a pattern without a port allows every port; no DNS resolution "
+        default=(), metadata={"help": "decode: the only registries (bootstrap_host:bootstrap_port) and prefill "
+                                      "control addresses (a ticket's remote_host:remote_port) a request may name, "
+                                      "comma-separated: host, host:port, CIDR (10.0.0.0/8), [IPv6]:port; '*' matches "
+                                      "within one label of a name; without a port every port; no DNS resolution "
                                       "(default: any, as SGLang)"})
     max_bootstrap_clients: int = field(
-        default=64, metadata={"help": "decode: registries whose clients (and topologies) stay open; beyond this the least "
-                                      "recently used one with no request in flight is closed"})
+        default=64, metadata={"help": "decode: registries whose clients (and topologies) stay open; beyond this the "
+                                      "least recently used one with no request in flight is closed"})
 
     def __post_init__(self) -> None:
         TransferBackend.coerce_field(self, "transfer_backend")
@@ -281,7 +281,8 @@ class BootstrapConfig:
         default=100_000, metadata={"help": "live room -> prefill DP rank entries held; a new room beyond them (after "
                                            "expired ones are dropped) is refused with 429"})
     max_ranks: int = field(
-        default=4096, metadata={"help": "largest topology (dp_size * tp_size * pp_size * cp_size) a prefill may register"})
+        default=4096,
+        metadata={"help": "largest topology (dp_size * tp_size * pp_size * cp_size) a prefill may register"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,

@@ -44,6 +44,10 @@ class BootstrapTimeout(BootstrapError):
     """The server answered "not yet" (or too slowly) until the deadline passed."""
 
 
+_HINTS = {401: ": the cluster secret is missing or differs from the registry's",
+          429: ": the registry holds as many rooms as its --max-rooms allows"}
+
+
 class BootstrapRejected(BootstrapError):
     """The server refused the request (4xx); retrying the same request will not help.
 
@@ -51,7 +55,7 @@ class BootstrapRejected(BootstrapError):
     text, for logs only (it is the remote body, never shown to a client)."""
 
     def __init__(self, status: int, address: str, call: str, detail: str):
-        hint = ": the cluster secret is missing or differs from the registry's" if status == 401 else ""
+        hint = _HINTS.get(status, "")
         super().__init__(f"bootstrap server {address} answered {status} to {call}{hint}")
         self.status = status
         self.address = address

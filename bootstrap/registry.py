@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg, TopologyMsg
 
 DEFAULT_ROOM_TTL_S = 120.0
+DEFAULT_MAX_ROOMS = 100_000  # 120 s of ~800 registered rooms a second; about 15 MB
+DEFAULT_MAX_RANKS = 4096
 
 RankKey = tuple[int, int, int, int]  # (dp_rank, cp_rank, tp_rank, pp_rank)
 
@@ -31,6 +33,10 @@ class ConflictingRegistration(RegistryError):
 
 class UnknownRank(RegistryError, LookupError):
     """No such rank in this topology (HTTP 404)."""
+
+
+class RegistryFull(RegistryError):
+    """The room table holds `max_rooms` live entries (HTTP 429); a new room fits once one expires."""
 
 
 class IncompleteTopology(RegistryError):
@@ -87,12 +93,20 @@ class BootstrapRegistry:
     - The topology is complete when all dp_size * tp_size * pp_size * cp_size ranks registered.
     - A room entry registered at `now` is known while `now' < now + room_ttl_s` and gone from
       `now + room_ttl_s` on. Registering a room again overwrites its rank and restarts its TTL.
+    - Bounded whoever writes: at most `max_rooms` live room entries (a new room beyond them, after
+      the expired ones are dropped, raises RegistryFull; a known room may still be registered
+      again), and a topology of at most `max_ranks` ranks (a larger one is InvalidRegistration).
     """
 
-    def __init__(self, room_ttl_s: float = DEFAULT_ROOM_TTL_S):
+    def __init__(self, room_ttl_s: float = DEFAULT_ROOM_TTL_S, max_rooms: int = DEFAULT_MAX_ROOMS,
+                 max_ranks: int = DEFAULT_MAX_RANKS):
         if room_ttl_s <= 0:
             raise ValueError(f"room_ttl_s must be positive, got {room_ttl_s}")
+        if max_rooms < 1 or max_ranks < 1:
+            raise ValueError(f"max_rooms and max_ranks must be at least 1, got {max_rooms}, {max_ranks}")
         self.room_ttl_s = room_ttl_s
+        self.max_rooms = max_rooms
+        self.max_ranks = max_ranks
         self._topology: TopologyMsg | None = None
         self._ranks: dict[RankKey, RankRegistrationMsg] = {}
         # room -> (dp_rank, expires_at). Ordered by expiry: entries are appended (or moved to the
@@ -105,6 +119,9 @@ class BootstrapRegistry:
         """Add or replace one rank; see the class docstring for the rules."""
         _check_ranges(reg)
         shape = _topology_of(reg)
+        if shape.num_ranks > self.max_ranks:
+            raise InvalidRegistration(f"a topology of {shape.num_ranks} ranks (dp_size * tp_size * pp_size * cp_size) "
+                                      f"is more than this registry holds (max_ranks {self.max_ranks})")
         if self._topology is not None and shape != self._topology:
             raise ConflictingRegistration(self._conflict_message(shape))
         key = (reg.dp_rank, reg.cp_rank, reg.tp_rank, reg.pp_rank)
@@ -176,6 +193,9 @@ class BootstrapRegistry:
             size = "unknown" if self._topology is None else self._topology.dp_size
             raise InvalidRegistration(f"dp_rank {dp_rank} is out of range for dp_size {size}")
         self.purge_expired(now)
+        if room not in self._rooms and len(self._rooms) >= self.max_rooms:
+            raise RegistryFull(f"the registry holds {len(self._rooms)} rooms, its limit (max_rooms): a room can be "
+                               f"registered once an entry expires ({self.room_ttl_s:g} s after its registration)")
         self._rooms[room] = (dp_rank, now + self.room_ttl_s)
         self._rooms.move_to_end(room)
 

@@ -9,7 +9,7 @@ Routes (docs/protocol.md has examples):
 
 Errors are JSON `{"error": message}`: 400 malformed input, 401 missing or wrong cluster secret,
 404 unknown rank (or path), 405 wrong method, 409 conflicting registration, 413 body too large,
-503 topology incomplete. Malformed input never yields a 500.
+429 room table full (`--max-rooms`), 503 topology incomplete. Malformed input never yields a 500.
 
 With a cluster secret, the write routes (`PUT /route`, `POST /register_dp_rank`) need
 `Authorization: Bearer <secret>`; the read routes stay open (real SGLang decodes and routers read them).
@@ -33,6 +33,7 @@ from bootstrap.registry import (
     IncompleteTopology,
     InvalidRegistration,
     RegistryError,
+    RegistryFull,
     UnknownRank,
 )
 from disagg.config import BootstrapConfig
@@ -56,7 +57,8 @@ Clock = Callable[[], float]
 REGISTRY_KEY = web.AppKey("registry", BootstrapRegistry)
 CLOCK_KEY = web.AppKey("clock", Callable[[], float])
 WRITE_ROUTES = frozenset({("PUT", "/route"), ("POST", "/register_dp_rank")})
-_STATUS_OF = {InvalidRegistration: 400, UnknownRank: 404, ConflictingRegistration: 409, IncompleteTopology: 503}
+_STATUS_OF = {InvalidRegistration: 400, UnknownRank: 404, ConflictingRegistration: 409, RegistryFull: 429,
+              IncompleteTopology: 503}
 log = structlog.get_logger("bootstrap")
 
 
@@ -166,7 +168,8 @@ def create_app(
     if config.cluster_secret is not None:
         middlewares.append(cluster_secret_middleware(config.cluster_secret))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    app[REGISTRY_KEY] = registry if registry is not None else BootstrapRegistry(config.room_ttl_s)
+    app[REGISTRY_KEY] = registry if registry is not None else BootstrapRegistry(
+        config.room_ttl_s, config.max_rooms, config.max_ranks)
     app[CLOCK_KEY] = clock
     app.router.add_put("/route", put_route)
     app.router.add_get("/route", get_route)
@@ -210,7 +213,7 @@ class BootstrapServer:
         self._runner, self.port = await start_site(self.app, self.host, self.config.port if port is None else port,
                                                    access_log=None)
         log.info("bootstrap server started", url=self.url, room_ttl_s=self.config.room_ttl_s,
-                 cluster_secret=self.config.cluster_secret is not None)
+                 max_rooms=self.config.max_rooms, cluster_secret=self.config.cluster_secret is not None)
         return self.port
 
     async def close(self) -> None:

@@ -1,5 +1,5 @@
-"""The decode worker's connections to prefill servers: one bootstrap client per registry, one
-control stream per prefill rank, topology and addresses cached.
+"""The decode worker's connections to prefill servers: the registries requests name (a bounded LRU
+cache, decode/registries.py) and one control stream per prefill worker, whichever flow asks.
 
 Registries are named by requests, so their clients only read and never carry the cluster secret;
 the control streams prove it (and check the prefill proves it back)."""
@@ -7,48 +7,36 @@ the control streams prove it (and check the prefill proves it back)."""
 from __future__ import annotations
 
 import asyncio
-from bootstrap.client import BootstrapClient
+
+from decode.registries import Registries, Registry
 from disagg.config import ControlConfig
-from disagg.wire.bootstrap_msgs import TopologyMsg
 from disagg.wire.control_msgs import PeerMsg
 from kvtransfer.control.client import ControlClient
 from kvtransfer.control.server import format_address
 
 
 class PrefillPeers:
-    def __init__(self, local: PeerMsg, control: ControlConfig = ControlConfig(), cluster_secret: str | None = None):
+    def __init__(self, local: PeerMsg, control: ControlConfig = ControlConfig(), cluster_secret: str | None = None,
+                 max_registries: int = 64):
         self.local = local
         self.control_config = control
         self._cluster_secret = cluster_secret
-        self.bootstraps: dict[tuple[str, int], BootstrapClient] = {}
-        self.topologies: dict[tuple[str, int], TopologyMsg] = {}
+        self.registries = Registries(max_registries)
         self.addresses: dict[tuple[str, int, int], str] = {}  # (registry host, port, prefill DP rank) -> control address
         self.clients: dict[str, ControlClient] = {}  # control address -> its stream
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def bootstrap(self, host: str, port: int) -> BootstrapClient:
-        key = (host, port)
-        if key not in self.bootstraps:
-            self.bootstraps[key] = BootstrapClient(host, port)
-        return self.bootstraps[key]
-
-    async def topology(self, host: str, port: int, deadline_s: float) -> TopologyMsg:
-        key = (host, port)
-        if key not in self.topologies:
-            self.topologies[key] = await self.bootstrap(host, port).get_topology(deadline_s=deadline_s)
-        return self.topologies[key]
-
-    async def client(self, host: str, port: int, dp_rank: int, deadline_s: float) -> ControlClient:
+    async def client(self, registry: Registry, dp_rank: int, deadline_s: float) -> ControlClient:
         """A live control stream to that prefill rank (reconnecting after a loss, at the address the
-        registry gives then).
+        registry gives then); `registry` is in use by the caller.
 
         Push flow: the prefill writes into our blocks, so it loads our metadata (sent at
         registration); we need none of its own."""
-        key = (host, port, dp_rank)
-        known = self.cached(host, port, dp_rank)
+        known = self.cached(registry.host, registry.port, dp_rank)
         if known is not None:
             return known
-        found = await self.bootstrap(host, port).get_rank_address(dp_rank, deadline_s=deadline_s)
+        found = await registry.client.get_rank_address(dp_rank, deadline_s=deadline_s)
+        key = (registry.host, registry.port, dp_rank)
         self.addresses[key] = format_address(found.rank_ip, found.rank_port)
         return await self._live_client(self.addresses[key])
 
@@ -79,5 +67,4 @@ class PrefillPeers:
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
-        for boot in self.bootstraps.values():
-            await boot.close()
+        await self.registries.close()

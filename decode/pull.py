@@ -25,6 +25,7 @@ from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import LeaseStatusMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
 from kvtransfer.base import KVTransferBackend, TransferFailed
+from kvtransfer.control.server import format_address
 
 log = structlog.get_logger(__name__)
 
@@ -93,9 +94,10 @@ class PullFetch:
         if msg.sampling.prompt_logprobs is not None:
             raise InvalidRequest("prompt logprobs are not available in the pull flow (kv_transfer_params): "
                                  "the decode reads the prompt's KV, not its logprobs", "prompt_logprobs")
-        if not self.config.allows_bootstrap_host(ticket.host):
-            raise InvalidRequest(f"remote_host {ticket.host!r} is not allowed on this decode server "
-                                 "(see its --allowed-bootstrap-hosts)", "kv_transfer_params")
+        if not self.config.allows_bootstrap_address(ticket.host, ticket.port):
+            address = format_address(ticket.host, ticket.port)
+            raise InvalidRequest(f"kv_transfer_params remote_host:remote_port {address!r} is not allowed on this "
+                                 "decode server (see its --allowed-bootstrap-hosts)", "kv_transfer_params")
 
     def hold(self, pending: PendingKV) -> None:
         """Claim the ticket's lease as soon as the request arrives, before it waits for room in our KV

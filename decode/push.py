@@ -15,6 +15,7 @@ import time
 import structlog
 
 from decode.peers import PrefillPeers
+from decode.registries import Registry
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.dp.rank_rule import QUERY, resolve_prefill_rank
@@ -23,6 +24,7 @@ from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
 from kvtransfer.control.client import ControlClient
+from kvtransfer.control.server import format_address
 
 log = structlog.get_logger(__name__)
 BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
@@ -51,43 +53,46 @@ class PushFetch:
 
     def check(self, msg: GenerateMsg) -> None:
         """Refuse, before any connection, a request that cannot be served: a missing bootstrap field
-        or a host the decode may not reach."""
+        or a registry (host:port) the decode may not reach."""
         missing = [f for f in BOOTSTRAP_FIELDS if getattr(msg, f) is None]
         if missing:
             raise InvalidRequest(
                 f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
                 "locally (send it through a P/D router)", missing[0])
-        if not self.config.allows_bootstrap_host(msg.bootstrap_host):
-            raise InvalidRequest(f"bootstrap_host {msg.bootstrap_host!r} is not allowed on this decode server "
+        if not self.config.allows_bootstrap_address(msg.bootstrap_host, msg.bootstrap_port):
+            address = format_address(msg.bootstrap_host, msg.bootstrap_port)
+            raise InvalidRequest(f"bootstrap_host:bootstrap_port {address!r} is not allowed on this decode server "
                                  "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
 
     async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
         msg = pending.msg
         host, port, room = msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room
         remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
-        topology = await self.peers.topology(host, port, remaining())
-        rank = resolve_prefill_rank(room, msg.disagg_prefill_dp_rank, dp_size=topology.dp_size,
-                                    method=topology.load_balance_method, force_query=self.config.force_query_prefill_dp_rank)
-        if rank == QUERY:
-            rank = await self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining())
-        if msg.disagg_prefill_dp_rank is None and topology.dp_size > 1:  # the implied rank, or the registry's
-            client = await self._implied_client(host, port, room, rank, remaining)
-        else:
-            client = await self.peers.client(host, port, rank, remaining())
+        async with self.peers.registries.using(host, port) as registry:
+            topology = await registry.topology(remaining())
+            rank = resolve_prefill_rank(room, msg.disagg_prefill_dp_rank, dp_size=topology.dp_size,
+                                        method=topology.load_balance_method,
+                                        force_query=self.config.force_query_prefill_dp_rank)
+            if rank == QUERY:
+                rank = await registry.client.wait_for_dp_rank(room, deadline_s=remaining())
+            if msg.disagg_prefill_dp_rank is None and topology.dp_size > 1:  # the implied rank, or the registry's
+                client = await self._implied_client(registry, room, rank, remaining)
+            else:
+                client = await self.peers.client(registry, rank, remaining())
         pending.client = client
         info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(blocks),
                                dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
         return await client.send_transfer(info)
 
-    async def _implied_client(self, host: str, port: int, room: int, rank: int, remaining) -> ControlClient:
+    async def _implied_client(self, registry: Registry, room: int, rank: int, remaining) -> ControlClient:
         """The stream to `rank`, unless the room lives elsewhere: while we (re)connect, the registry is
         asked for the room too (a prefill whose implied rank was down placed it on a live rank and
         registered it there). A live stream already open is used at once."""
-        cached = self.peers.cached(host, port, rank)
+        cached = self.peers.cached(registry.host, registry.port, rank)
         if cached is not None:
             return cached
-        connect = asyncio.create_task(self.peers.client(host, port, rank, remaining()))
-        moved = asyncio.create_task(self.peers.bootstrap(host, port).wait_for_dp_rank(room, deadline_s=remaining()))
+        connect = asyncio.create_task(self.peers.client(registry, rank, remaining()))
+        moved = asyncio.create_task(registry.client.wait_for_dp_rank(room, deadline_s=remaining()))
         pending = {connect, moved}
         try:
             while True:
@@ -95,7 +100,7 @@ class PushFetch:
                 elsewhere = _elsewhere(moved, rank)
                 if elsewhere is not None:
                     log.info("room placed off its implied prefill rank", bootstrap_room=room, implied=rank, dp_rank=elsewhere)
-                    return await self.peers.client(host, port, elsewhere, remaining())
+                    return await self.peers.client(registry, elsewhere, remaining())
                 if connect.done() and (connect.exception() is None or moved.done()):
                     return connect.result()  # connected, or failed with nowhere else to go
         finally:

@@ -14,6 +14,8 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from disagg import host_patterns
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the accepted values."""
@@ -289,8 +291,14 @@ class DisaggConfig:
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
     insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
     allowed_bootstrap_hosts: tuple[str, ...] = field(
-        default=(), metadata={"help": "decode: the only bootstrap_host values a request may name, comma-separated, "
-                                      "compared as written (default: any host, as SGLang)"})
+        default=(), metadata={"help": "decode: the only registries (bootstrap_host:bootstrap_port) and prefill "
+                                      "control addresses (a ticket's remote_host:remote_port) a request may name, "
+                                      "comma-separated: host, host:port, CIDR (10.0.0.0/8), [IPv6]:port; '*' matches "
+                                      "within one label of a name; without a port every port; no DNS resolution "
+                                      "(default: any, as SGLang)"})
+    max_bootstrap_clients: int = field(
+        default=64, metadata={"help": "decode: registries whose clients (and topologies) stay open; beyond this the "
+                                      "least recently used one with no request in flight is closed"})
 
     def __post_init__(self) -> None:
         TransferBackend.coerce_field(self, "transfer_backend")
@@ -299,14 +307,18 @@ class DisaggConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         _check_secret("cluster_secret", self.cluster_secret)
-        hosts = tuple(self.allowed_bootstrap_hosts)
-        if any(not host or host != host.strip() for host in hosts):
-            raise ConfigError(f"allowed_bootstrap_hosts must be host names or addresses, got {','.join(hosts)!r}")
-        object.__setattr__(self, "allowed_bootstrap_hosts", hosts)
+        if self.max_bootstrap_clients < 1:
+            raise ConfigError(f"max_bootstrap_clients must be at least 1, got {self.max_bootstrap_clients}")
+        object.__setattr__(self, "allowed_bootstrap_hosts", tuple(self.allowed_bootstrap_hosts))
+        try:
+            host_patterns.parse_patterns(self.allowed_bootstrap_hosts)
+        except host_patterns.InvalidPattern as exc:
+            raise ConfigError(str(exc)) from None
 
-    def allows_bootstrap_host(self, host: str) -> bool:
-        """True when a request may name `host` as its bootstrap_host (any host when the list is empty)."""
-        return not self.allowed_bootstrap_hosts or host.lower() in (h.lower() for h in self.allowed_bootstrap_hosts)
+    def allows_bootstrap_address(self, host: str, port: int | None) -> bool:
+        """True when a request may name `host`:`port` (a registry, or a ticket's prefill) under
+        `allowed_bootstrap_hosts` (anything when the list is empty)."""
+        return host_patterns.allows(host_patterns.parse_patterns(self.allowed_bootstrap_hosts), host, port)
 
 
 def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:
@@ -355,6 +367,12 @@ class BootstrapConfig:
     room_ttl_s: float = field(
         default=120.0, metadata={"help": "seconds a registered room -> prefill DP rank entry lives"}
     )
+    max_rooms: int = field(
+        default=100_000, metadata={"help": "live room -> prefill DP rank entries held; a new room beyond them (after "
+                                           "expired ones are dropped) is refused with 429"})
+    max_ranks: int = field(
+        default=4096,
+        metadata={"help": "largest topology (dp_size * tp_size * pp_size * cp_size) a prefill may register"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,
@@ -370,8 +388,9 @@ class BootstrapConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.room_ttl_s <= 0:
             raise ConfigError(f"room_ttl_s must be positive, got {self.room_ttl_s}")
-        if self.max_body_bytes <= 0:
-            raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        for name in ("max_body_bytes", "max_rooms", "max_ranks"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

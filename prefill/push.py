@@ -82,7 +82,19 @@ class PushRooms:
         if room in self.early_infos:
             self._attach(self.early_infos.pop(room)[0])
         if msg.register_room:
+            return await self._register(room)
+        return []
+
+    async def _register(self, room: int) -> list[OutputMsg]:
+        """Tell the registry this rank holds `room`; a registry that is down or full fails the room
+        at once (503), its blocks freed, instead of leaving it to wait for a decode that cannot find it."""
+        try:
             await self.register_room(room, self.dp_rank)
+        except Exception as exc:  # noqa: BLE001 - one room's registration never stops the worker
+            if room not in self.rooms:
+                return []  # ended meanwhile (aborted): already answered
+            reason = f"the bootstrap registry did not take bootstrap_room {room}: {type(exc).__name__}: {exc}"
+            return self._fail(self.rooms[room], reason, status=503)
         return []
 
     def abort(self, request_id: str) -> list[OutputMsg] | None:

@@ -12,6 +12,9 @@ from disagg.http_edge import BadRequest
 from disagg.wire.headers import DP_RANK_HEADER
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+PULL_FLAGS = ("do_remote_decode", "do_remote_prefill")
+ONE_FLOW = ("kv_transfer_params with do_remote_decode or do_remote_prefill (the pull flow) and bootstrap_room "
+            "(the push flow) cannot be combined: a request takes one P/D flow (send it through one P/D router)")
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,15 @@ def read_routing(request: web.Request, raw: bytes, warn_once: Callable[[str, str
     header = request.headers.get(DP_RANK_HEADER)
     if header is not None:
         rank = _parse_rank_header(header)
+    if asks_for_pull(body.kv_transfer_params) and body.bootstrap_room is not None:
+        raise BadRequest(ONE_FLOW, "kv_transfer_params")  # one leg would wait for KV the other never sends
     return Routing(rank, body.disagg_prefill_dp_rank, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
                    body.kv_transfer_params)
+
+
+def asks_for_pull(kv_transfer_params: dict | None) -> bool:
+    """True when `kv_transfer_params` asks for the pull flow (a prefill's `do_remote_decode`, a decode's ticket)."""
+    return isinstance(kv_transfer_params, dict) and any(kv_transfer_params.get(flag) is True for flag in PULL_FLAGS)
 
 
 def _parse_rank_header(value: str) -> int:

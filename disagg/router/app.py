@@ -154,6 +154,7 @@ async def server_info(request: web.Request) -> web.Response:
     cfg = router.config
     return _json({
         "router": {"policy": cfg.policy, "test_external_dp_routing": cfg.test_external_dp_routing,
+                   "trust_client_routing": cfg.trust_client_routing,
                    "request_timeout_s": cfg.request_timeout_s, "health_check_interval_s": cfg.health_check_interval_s},
         "prefill": [info.as_json() for info in router.pool.infos(Role.PREFILL)],
         "decode": [info.as_json() for info in router.pool.infos(Role.DECODE)],

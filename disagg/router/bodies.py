@@ -1,5 +1,6 @@
-"""Pure edits of request and response bodies: the P/D fields the router adds, the DP ranks of the
-external-DP-routing test mode, prompt-logprob merging and the decode's reported DP rank.
+"""Pure edits of request and response bodies: the internal fields dropped from a client's body, the
+P/D fields the router adds, the DP ranks of the external-DP-routing test mode, prompt-logprob
+merging and the decode's reported DP rank.
 
 Bodies are plain JSON values (dicts and lists); inputs are never modified in place, except by
 `merge_prompt_logprobs`, which documents it.
@@ -19,6 +20,10 @@ COMPLETIONS_PATH = "/v1/completions"
 NOT_JSON = "request body is not valid JSON"  # the words before why a body is refused
 # Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
 PROMPT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+# Fields only the router sets: a client's copy could send the KV elsewhere or leave a leg waiting.
+PD_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# DP routing fields (and the deprecated alias): the client's unless the router trusts them.
+ROUTING_FIELDS = ("routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank")
 
 
 def parse_request_body(raw: bytes) -> dict:
@@ -27,6 +32,13 @@ def parse_request_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def without_internal_fields(body: dict, trust_routing: bool) -> dict:
+    """A copy of the client's body without the fields the router owns: the P/D fields always, the
+    DP routing fields unless `trust_routing` (`--trust-client-routing`)."""
+    dropped = PD_FIELDS if trust_routing else PD_FIELDS + ROUTING_FIELDS
+    return {name: value for name, value in body.items() if name not in dropped}
 
 
 def is_stream(body: dict) -> bool:

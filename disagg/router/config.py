@@ -167,6 +167,12 @@ class RouterConfig:
         default=False,
         metadata={"help": "test mode: pin random DP ranks on both legs and verify the decode's reported rank"},
     )
+    trust_client_routing: bool = field(
+        default=False,
+        metadata={"help": "pass the client's DP routing on to the servers (routed_dp_rank, disagg_prefill_dp_rank, "
+                          "data_parallel_rank, the X-data-parallel-rank header); off: dropped. kv_transfer_params and "
+                          "bootstrap_* are always dropped: the router sets them"},
+    )
     request_timeout_s: float = field(default=300.0, metadata={"help": "limit of one request, both legs",
                                                               "aliases": ("--request-timeout-secs",)})  # sglang-router's
     connect_timeout_s: float = field(default=10.0, metadata={"help": "limit for opening a connection to a server"})

@@ -56,7 +56,7 @@ def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[st
     out = {"Content-Type": "application/json"}
     for name in FORWARDED_HEADERS:
         if name == DP_RANK_HEADER and drop_dp_rank:
-            continue  # the test mode pins ranks itself; a header would override them on both legs
+            continue  # untrusted, or the test mode pins ranks itself (a header would override them on both legs)
         if name in headers:
             out[name] = headers[name]
     return out
@@ -101,8 +101,9 @@ class Proxy:
         another pair (a new room; the cancelled legs abort the old one). A request the router's own
         drain aborts ends with its shutdown error.
         """
-        body = bodies.parse_request_body(await request.read())
-        headers = forwarded_headers(request.headers, self._config.test_external_dp_routing)
+        trusted = self._config.trust_client_routing
+        body = bodies.without_internal_fields(bodies.parse_request_body(await request.read()), trusted)
+        headers = forwarded_headers(request.headers, self._config.test_external_dp_routing or not trusted)
         try:
             return await self._serve_with_retries(request, path, body, headers)
         except asyncio.CancelledError:

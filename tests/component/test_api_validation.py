@@ -149,3 +149,41 @@ async def test_max_tokens_past_the_context_are_400_with_vllms_message():
     assert (status, body) == (400, bad_request(
         "This model's maximum context length is 64 tokens. However, you requested 65 tokens (3 in the messages, 62 in "
         "the completion). Please reduce the length of the messages or completion.", "max_tokens"))
+
+
+ONE_FLOW = ("kv_transfer_params with do_remote_decode or do_remote_prefill (the pull flow) and bootstrap_room "
+            "(the push flow) cannot be combined: a request takes one P/D flow (send it through one P/D router)")
+
+
+@pytest.mark.parametrize("path", GENERATE)
+@pytest.mark.parametrize("params", [{"do_remote_decode": True}, {"do_remote_prefill": True, "remote_port": 1}])
+@pytest.mark.parametrize("room", [7, 0])
+async def test_a_pull_request_with_a_bootstrap_room_is_400_at_once(path, params, room):
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        body = dict(GENERATE[path], kv_transfer_params=params, bootstrap_host="127.0.0.1", bootstrap_port=8998,
+                    bootstrap_room=room)
+        assert await send(client, path, body) == (400, bad_request(ONE_FLOW, "kv_transfer_params"))
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("extra", [
+    {"kv_transfer_params": {"do_remote_decode": True}},  # the pull flow alone
+    {"bootstrap_room": 7},  # the push flow alone
+    {"kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": False}, "bootstrap_room": 7},
+    {"kv_transfer_params": {"do_remote_decode": "yes"}, "bootstrap_room": 7},  # not a pull request: true only
+])
+async def test_one_flow_or_flags_that_are_not_true_pass(extra):
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        status, _ = await send(client, "/v1/completions", dict(GENERATE["/v1/completions"], **extra))
+    assert (status, len(engine.requests)) == (200, 1)
+
+
+async def test_a_batch_with_rooms_and_a_pull_request_is_400():
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        body = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1}, "bootstrap_room": [1, 2],
+                "kv_transfer_params": {"do_remote_decode": True}}
+        assert await send(client, "/generate", body) == (400, bad_request(ONE_FLOW, "kv_transfer_params"))
+    assert engine.requests == []

@@ -170,6 +170,30 @@ async def test_rooms_expire_exactly_at_ttl_and_only_known_rooms_are_answered(ser
     assert server.registry.num_rooms == 0
 
 
+async def test_a_full_room_table_is_429_naming_the_limit_until_an_entry_expires(http):
+    clock = FakeClock()
+    async with BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0, room_ttl_s=120.0, max_rooms=2),
+                               clock=clock) as srv:
+        url = f"{srv.url}/register_dp_rank"
+        for room in (1, 2):
+            assert await call(http, "POST", url, json={"bootstrap_room": room, "dp_rank": 0}) == (200, {"status": "ok"})
+            clock.now += 1
+        full = {"error": "the registry holds 2 rooms, its limit (max_rooms): a room can be registered once an entry "
+                         "expires (120 s after its registration)"}
+        assert await call(http, "POST", url, json={"bootstrap_room": 3, "dp_rank": 0}) == (429, full)
+        assert await call(http, "POST", url, json={"bootstrap_room": 2, "dp_rank": 1}) == (200, {"status": "ok"})
+        async with BootstrapClient("127.0.0.1", srv.port, FAST) as client:
+            with pytest.raises(BootstrapRejected) as info:
+                await client.register_dp_rank(3, 0)
+            assert (str(info.value), info.value.detail) == (
+                f"bootstrap server 127.0.0.1:{srv.port} answered 429 to POST /register_dp_rank: the registry holds as "
+                "many rooms as its --max-rooms allows", full["error"])
+            clock.now = 1000.0 + 120.0  # room 1 (registered at 1000) has expired
+            await client.register_dp_rank(3, 0)
+            assert await client.query_dp_ranks([1, 2, 3]) == {2: 1, 3: 0}
+        assert srv.registry.num_rooms == 2
+
+
 async def test_client_waits_for_topology_until_the_last_rank_registers(server):
     regs = [RankRegistrationMsg(dp_rank=dp, dp_size=2, rank_ip="127.0.0.1", rank_port=7000 + dp, page_size=16,
                                 kv_cache_dtype="bfloat16", transfer_backend="tcp", agent_name=f"p{dp}")

@@ -356,6 +356,46 @@ async def test_least_load_sends_the_next_request_to_the_idle_decode():
     assert answers == ["A", "B", "B"]
 
 
+# --- the fields the router owns ---------------------------------------------------------------------
+
+INTERNAL = {"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "127.0.0.1",
+                                   "remote_port": 1, "remote_request_id": "x", "remote_block_ids": [0]},
+            "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7,
+            "routed_dp_rank": 1, "disagg_prefill_dp_rank": 0, "data_parallel_rank": 1}
+ROUTING = {"routed_dp_rank": 1, "disagg_prefill_dp_rank": 0, "data_parallel_rank": 1}
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+async def test_a_client_internal_fields_never_reach_a_leg_and_its_routing_only_when_trusted(trusted):
+    prefill, decode = FakeServer(), FakeServer()
+    async with cluster([prefill], [decode], bootstrap_ports=[9100], randbits=lambda bits: 4242,
+                       trust_client_routing=trusted) as router:
+        status, _, _ = await post(router, "/generate", {"text": "hi", **INTERNAL}, {"X-data-parallel-rank": "1"})
+    assert status == 200
+    assert prefill.bodies == decode.bodies == [{"text": "hi", **(ROUTING if trusted else {}), "bootstrap_host": "127.0.0.1",
+                                                "bootstrap_port": 9100, "bootstrap_room": 4242}]
+    assert [h.get("X-data-parallel-rank") for h in prefill.headers + decode.headers] == (
+        ["1", "1"] if trusted else [None, None])
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+async def test_the_pull_protocol_sends_its_own_kv_transfer_params_only(trusted):
+    ticket = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+              "remote_port": 17001, "remote_request_id": "p-1", "remote_block_ids": [3]}
+    prefill = FakeServer(json_answer({"choices": [], "kv_transfer_params": ticket}))
+    decode = FakeServer(json_answer({"choices": [{"text": "x"}]}))
+    async with cluster([prefill], [decode], protocol="pull", trust_client_routing=trusted) as router:
+        status, _, raw = await post(router, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **INTERNAL},
+                                    {"X-data-parallel-rank": "1"})
+    assert (status, msgspec.json.decode(raw)) == (200, {"choices": [{"text": "x"}]})
+    routing = ROUTING if trusted else {}
+    assert prefill.bodies == [{"prompt": "hi", "max_tokens": 2, **routing, "stream": False,
+                               "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}]
+    assert decode.bodies == [{"prompt": "hi", "max_tokens": 2, **routing, "kv_transfer_params": ticket}]
+    assert [h.get("X-data-parallel-rank") for h in prefill.headers + decode.headers] == (
+        ["1", "1"] if trusted else [None, None])
+
+
 # --- health -----------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 import pytest_asyncio
 
-from pd_cluster import start_unified
+from pd_cluster import start_pd, start_unified
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -16,3 +16,12 @@ async def unified():
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def unified_url(unified):
     return f"http://127.0.0.1:{unified.port}"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster():
+    """A prefill and a decode server (tiny model, dp 2 each, tcp KV transfers, no cluster secret); a
+    module that needs another pair defines its own `cluster`."""
+    c = await start_pd("tcp")
+    yield c
+    await c.close()

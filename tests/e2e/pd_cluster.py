@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from dataclasses import dataclass, replace
 
@@ -55,9 +56,26 @@ class Cluster:
         stats = [await s.controller.call_utility("stats") for s in (self.prefill, self.decode)]
         return [w.num_free_blocks for w in stats[0]], [w.num_free_blocks for w in stats[1]]
 
+    async def settled(self, expected: tuple, timeout_s: float = 5.0) -> tuple[list[int], list[int]]:
+        """`free_blocks()` once it reads `expected` (polled until `timeout_s`), else its last reading."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (blocks := await self.free_blocks()) != expected and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return blocks
+
     async def close(self) -> None:
         await self.session.close()
         await asyncio.gather(self.prefill.close(), self.decode.close())
+
+
+@contextlib.asynccontextmanager
+async def counting_listener():
+    """A TCP listener on a free loopback port that closes what it accepts; yields (port, the list of
+    accepted connections), so a test can assert that nothing connected."""
+    accepted = []
+    server = await asyncio.start_server(lambda reader, writer: accepted.append(writer.close()), "127.0.0.1", 0)
+    async with server:
+        yield server.sockets[0].getsockname()[1], accepted
 
 
 def pd_config(backend: str, force_query: bool = False, **options) -> DisaggConfig:

@@ -24,7 +24,7 @@ from kvtransfer.base import KVLayout
 from kvtransfer.control.client import ControlClient
 from kvtransfer.control.server import format_address
 from kvtransfer.handshake import PeerInfo, encode_peer_info
-from pd_cluster import pd_config, start_decode, start_pd
+from pd_cluster import counting_listener, pd_config, start_decode, start_pd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 SECRET = "e2e-cluster-secret"
@@ -39,15 +39,6 @@ async def cluster():
     c = await start_pd("tcp", cluster_secret=SECRET, decode_options={"allowed_bootstrap_hosts": ("127.0.0.1",)})
     yield c
     await c.close()
-
-
-async def settled(cluster, expected=START) -> tuple:
-    """Free blocks once they are back to `expected` (polled within 5 s)."""
-    for _ in range(100):
-        if (blocks := await cluster.free_blocks()) == expected:
-            return blocks
-        await asyncio.sleep(0.05)
-    return await cluster.free_blocks()
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
@@ -65,23 +56,55 @@ async def test_pd_with_a_cluster_secret_equals_unified(cluster, unified, path):
         assert d_data["output_ids"] == expected["output_ids"] and len(expected["output_ids"]) == 12
     else:
         assert d_data["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
 
 
 async def test_a_bootstrap_host_not_allowed_is_400_before_any_connection(cluster):
-    accepted = []
-    listener = await asyncio.start_server(lambda r, w: accepted.append(w.close()), "127.0.0.1", 0)
-    port = listener.sockets[0].getsockname()[1]
-    async with listener:
+    async with counting_listener() as (port, accepted):
         # "localhost" is not in the list as written (no DNS resolution), though it names this host.
         body = dict(cluster.pd_body({"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
                     bootstrap_host="localhost", bootstrap_port=port)
         status, data, _ = await cluster.post(cluster.decode_url + "/generate", body, None)
     assert (status, data) == (400, {"error": {
-        "message": "bootstrap_host 'localhost' is not allowed on this decode server (see its --allowed-bootstrap-hosts)",
+        "message": f"bootstrap_host:bootstrap_port 'localhost:{port}' is not allowed on this decode server "
+                   "(see its --allowed-bootstrap-hosts)",
         "type": "BadRequestError", "param": "bootstrap_host", "code": None}})
     assert accepted == []
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
+
+
+async def test_an_entry_with_a_port_allows_that_registry_and_no_other_port_of_its_host(cluster):
+    """`127.0.0.1:P` (P: the prefill's registry): a request naming another port of that host, and a pull
+    ticket naming one, are refused before any connection; a request naming P is served."""
+    registry_port = cluster.prefill.bootstrap_port
+    decode = await start_decode(pd_config("tcp", cluster_secret=SECRET,
+                                          allowed_bootstrap_hosts=(f"127.0.0.1:{registry_port}",)), dp_size=1)
+    decode_url = f"http://127.0.0.1:{decode.port}"
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+    try:
+        async with counting_listener() as (port, accepted):
+            ticket = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+                      "remote_port": port, "remote_request_id": "p-1", "remote_block_ids": [0]}
+            push = await cluster.post(decode_url + "/generate", dict(cluster.pd_body(body), bootstrap_port=port), None)
+            pull = await cluster.post(decode_url + "/v1/completions", {
+                "model": "tiny", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": ticket}, None)
+            pd = cluster.pd_body(body)
+            served = await asyncio.gather(cluster.post(cluster.prefill_url + "/generate", pd, None),
+                                          cluster.post(decode_url + "/generate", pd, None))
+        assert (push[0], push[1]["error"]) == (400, {
+            "message": f"bootstrap_host:bootstrap_port '127.0.0.1:{port}' is not allowed on this decode server "
+                       "(see its --allowed-bootstrap-hosts)", "type": "BadRequestError", "param": "bootstrap_host",
+            "code": None})
+        assert (pull[0], pull[1]["error"]) == (400, {
+            "message": f"kv_transfer_params remote_host:remote_port '127.0.0.1:{port}' is not allowed on this decode "
+                       "server (see its --allowed-bootstrap-hosts)", "type": "BadRequestError",
+            "param": "kv_transfer_params", "code": None})
+        assert [leg[0] for leg in served] == [200, 200] and len(served[1][1]["output_ids"]) == 2
+        assert accepted == []
+        assert await cluster.settled(START) == START
+        assert await decode_free_blocks(decode) == [96]
+    finally:
+        await decode.close()
 
 
 async def test_a_foreign_bootstrap_server_is_named_never_echoed(cluster):
@@ -101,7 +124,7 @@ async def test_a_foreign_bootstrap_server_is_named_never_echoed(cluster):
         await runner.cleanup()
     assert (status, data["error"]["message"]) == (
         500, f"BootstrapRejected: bootstrap server 127.0.0.1:{port} answered 404 to GET /route")
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
 
 
 async def decode_free_blocks(decode) -> list[int]:
@@ -125,7 +148,7 @@ async def test_a_decode_with_another_secret_fails_fast_and_frees_both_sides(clus
         assert status == 500 and elapsed < 10, (status, elapsed)  # the prefill's bootstrap timeout is 30 s
         assert re.fullmatch(r"AuthenticationFailed: prefill 127\.0\.0\.1:\d+ refused the control stream: cluster "
                             r"secret mismatch: the decode's --cluster-secret differs from the prefill's", message)
-        assert await settled(cluster) == START  # the router cancelled the prefill leg; the prefill freed its blocks
+        assert await cluster.settled(START) == START  # the router cancelled the prefill leg; the prefill freed its blocks
         assert await decode_free_blocks(other) == [96]
     finally:
         await router.close()
@@ -159,7 +182,7 @@ async def test_a_decode_peer_the_prefill_cannot_reach_fails_its_room_not_the_wor
     assert status.reason.startswith("decode peer rogue-decode could not be added: cannot connect to peer "
                                     "'rogue-decode' at 127.0.0.1:")
     assert (p_status, p_data["error"]["message"]) == (500, status.reason)
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
     assert all(w.alive for w in cluster.prefill.controller.worker_states())
     pd = cluster.pd_body({"text": "still here", "sampling_params": {"max_new_tokens": 2, **GREEDY}}, room + 2)
     (p_ok, _, _), (d_ok, _, _) = await cluster.post_both("/generate", pd, pd)

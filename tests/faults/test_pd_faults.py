@@ -3,11 +3,15 @@ worker's free-block gauge back at its start."""
 
 import asyncio
 import random
+import time
+from dataclasses import replace
 
 import pytest
 
 from bootstrap.server import BootstrapServer
 from disagg.config import ControlConfig
+from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.server import RouterServer
 from pd_cluster import start_pd
 from test_fencing import LONG, PROMPTS, body, unified_outputs, wait_gauges
 
@@ -38,6 +42,42 @@ async def test_a_restarted_registry_learns_the_topology_again_from_the_prefill_r
         pd = cluster.pd_body(body(PROMPTS[0]))
         (p, _, _), (d, data, _) = await cluster.post_both("/generate", pd, pd)
         assert (p, d, data["output_ids"]) == (200, 200, expected[0])
+    finally:
+        await cluster.close()
+
+
+async def test_a_full_registry_fails_the_request_at_once_and_frees_every_block():
+    """A prefill that registers its rooms (round_robin) with a registry whose room table is full: the
+    request fails at once with the registry's 429 named, and the router cancels the decode leg that was
+    waiting for the room."""
+    expected = await unified_outputs(PROMPTS[:1])
+    cluster = await start_pd("tcp", prefill_method="round_robin", disagg=FAST)
+    try:
+        start = await cluster.free_blocks()
+        old = cluster.prefill.bootstrap
+        await old.close()
+        cluster.prefill.bootstrap = BootstrapServer(replace(old.config, max_rooms=1))  # closed with the cluster
+        await cluster.prefill.bootstrap.start(port=old.port)
+        for _ in range(50):  # the ranks register again within registry_refresh_s
+            if cluster.prefill.bootstrap.registry.is_complete():
+                break
+            await asyncio.sleep(0.1)
+        config = RouterConfig(host="127.0.0.1", port=0, health_check_interval_s=0, request_timeout_s=60,
+                              prefill=(PrefillEndpoint(cluster.prefill_url, old.port),), decode=(cluster.decode_url,))
+        rooms = iter([10, 11])
+        async with RouterServer(config, randbits=lambda bits: next(rooms)) as router:
+            async with cluster.session.post(router.url + "/generate", json=body(PROMPTS[0])) as r:
+                assert (r.status, (await r.json())["output_ids"]) == (200, expected[0])  # room 10: the table is full now
+            started = time.monotonic()
+            async with cluster.session.post(router.url + "/generate", json=body(PROMPTS[0])) as r:
+                status, error = r.status, (await r.json())["error"]
+            elapsed = time.monotonic() - started
+        assert (status, error["message"]) == (503, (
+            f"the bootstrap registry did not take bootstrap_room 11: BootstrapRejected: bootstrap server "
+            f"127.0.0.1:{old.port} answered 429 to POST /register_dp_rank: the registry holds as many rooms as its "
+            "--max-rooms allows"))
+        assert elapsed < 2.0, elapsed  # not the decode's 10 s waiting deadline
+        assert await cluster.settled(start) == start
     finally:
         await cluster.close()
 

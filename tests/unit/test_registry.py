@@ -8,6 +8,7 @@ from bootstrap.registry import (
     IncompleteTopology,
     InvalidRegistration,
     Registration,
+    RegistryFull,
     UnknownRank,
 )
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg, RouteBodyMsg, TopologyMsg, parse_route_query
@@ -142,6 +143,40 @@ def test_purge_counts_only_expired_entries():
     assert reg.purge_expired(now=11.0) == 3
     assert reg.num_rooms == 2
     assert reg.query_rooms(range(5), now=11.0) == {3: 0, 4: 0}
+
+
+FULL = ("the registry holds 3 rooms, its limit (max_rooms): a room can be registered once an entry expires "
+        "(10 s after its registration)")
+
+
+def test_the_room_table_is_capped_after_expiring_stale_entries():
+    reg = BootstrapRegistry(room_ttl_s=10.0, max_rooms=3)
+    for room in (1, 2, 3):
+        reg.register_room(room, 0, now=float(room))  # expire at 11, 12, 13
+    with pytest.raises(RegistryFull) as info:
+        reg.register_room(4, 0, now=10.999)
+    assert str(info.value) == FULL
+    assert (reg.num_rooms, reg.query_rooms([1, 2, 3, 4], now=10.999)) == (3, {1: 0, 2: 0, 3: 0})  # nothing changed
+    reg.register_room(2, 1, now=10.999)  # a known room is registered again, full or not: now expires at 20.999
+    reg.register_room(4, 1, now=11.0)  # room 1 expired at 11.0: its place is free
+    assert reg.query_rooms([1, 2, 3, 4], now=11.0) == {2: 1, 3: 0, 4: 1}
+    with pytest.raises(RegistryFull):
+        reg.register_room(5, 0, now=12.999)
+    reg.register_room(5, 0, now=13.0)  # room 3 expired
+    assert (reg.num_rooms, reg.query_rooms([2, 4, 5], now=13.0)) == (3, {2: 1, 4: 1, 5: 0})
+
+
+def test_a_topology_larger_than_max_ranks_is_refused_and_changes_nothing():
+    reg = BootstrapRegistry(max_ranks=4)
+    with pytest.raises(InvalidRegistration) as info:
+        reg.register_rank(rank(0, dp_size=5))
+    assert str(info.value) == ("a topology of 5 ranks (dp_size * tp_size * pp_size * cp_size) is more than this "
+                               "registry holds (max_ranks 4)")
+    assert (reg.num_registered, reg.num_expected) == (0, None)
+    assert reg.register_rank(rank(1, tp_rank=1, dp_size=2, tp_size=2)) is Registration.NEW  # 4 ranks: at the limit
+    assert reg.num_expected == 4
+    with pytest.raises(ValueError, match=r"^max_rooms and max_ranks must be at least 1, got 0, 4$"):
+        BootstrapRegistry(max_rooms=0, max_ranks=4)
 
 
 def test_room_rank_is_checked_against_the_known_dp_size():

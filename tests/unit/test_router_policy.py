@@ -123,6 +123,31 @@ def test_batched_generate_gets_one_field_per_prompt():
     assert fields == {"bootstrap_host": ["h", "h"], "bootstrap_port": [None, None], "bootstrap_room": [4, 5]}
 
 
+CLIENT_BODY = {
+    "text": "hi", "sampling_params": {"max_new_tokens": 2}, "kv_transfer_params": {"do_remote_decode": True},
+    "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7, "routed_dp_rank": 1,
+    "disagg_prefill_dp_rank": 0, "data_parallel_rank": 1,
+}
+
+
+def test_the_client_internal_fields_are_dropped_and_routing_kept_only_when_trusted():
+    assert bodies.without_internal_fields(CLIENT_BODY, trust_routing=False) == {
+        "text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    assert bodies.without_internal_fields(CLIENT_BODY, trust_routing=True) == {
+        "text": "hi", "sampling_params": {"max_new_tokens": 2}, "routed_dp_rank": 1, "disagg_prefill_dp_rank": 0,
+        "data_parallel_rank": 1}
+    assert CLIENT_BODY["kv_transfer_params"] == {"do_remote_decode": True}  # the input is left as it was
+    assert len(CLIENT_BODY) == 9
+    assert bodies.without_internal_fields({"prompt": "x"}, trust_routing=False) == {"prompt": "x"}
+
+
+def test_the_router_bootstrap_fields_replace_what_the_client_sent_after_the_drop():
+    kept = bodies.without_internal_fields(CLIENT_BODY, trust_routing=False)
+    assert bodies.with_bootstrap(kept, bodies.Bootstrap("10.0.0.1", 8998, 77)) == {
+        "text": "hi", "sampling_params": {"max_new_tokens": 2}, "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998,
+        "bootstrap_room": 77}
+
+
 def test_dp_ranks_fork_the_body():
     prefill, decode = bodies.with_dp_ranks({"x": 1}, prefill_rank=2, decode_rank=0)
     assert prefill == {"x": 1, "routed_dp_rank": 2, "disagg_prefill_dp_rank": 2}

@@ -49,7 +49,11 @@ def test_secrets_stay_out_of_reprs():
     (lambda: BootstrapConfig(cluster_secret=""), "cluster_secret must not be empty (leave it unset to turn it off)"),
     (lambda: ServerConfig(admin_key=""), "admin_key must not be empty (leave it unset to turn it off)"),
     (lambda: DisaggConfig(allowed_bootstrap_hosts=("a", " b")),
-     "allowed_bootstrap_hosts must be host names or addresses, got 'a, b'"),
+     "allowed_bootstrap_hosts entry ' b' is not valid: it is empty or has spaces around it (use host, host:port, "
+     "an IP network such as 10.0.0.0/8, or [IPv6]:port)"),
+    (lambda: DisaggConfig(max_bootstrap_clients=0), "max_bootstrap_clients must be at least 1, got 0"),
+    (lambda: BootstrapConfig(max_rooms=0), "max_rooms must be positive, got 0"),
+    (lambda: BootstrapConfig(max_ranks=-1), "max_ranks must be positive, got -1"),
 ])
 def test_invalid_values_are_config_errors(make, message):
     with pytest.raises(ConfigError) as info:
@@ -58,13 +62,17 @@ def test_invalid_values_are_config_errors(make, message):
 
 
 def test_allowed_bootstrap_hosts_from_a_comma_list():
-    args = build_parser().parse_args(["decode", "--allowed-bootstrap-hosts", "10.0.0.5, prefill-0.svc,"])
+    args = build_parser().parse_args(["decode", "--allowed-bootstrap-hosts", "10.0.0.5, prefill-0.svc:8998,"])
     config = dataclass_from_args(DisaggConfig, args)
-    assert config.allowed_bootstrap_hosts == ("10.0.0.5", "prefill-0.svc")
-    assert [config.allows_bootstrap_host(h) for h in ("10.0.0.5", "PREFILL-0.svc", "10.0.0.6", "127.0.0.1")] == [
-        True, True, False, False]
+    assert config.allowed_bootstrap_hosts == ("10.0.0.5", "prefill-0.svc:8998")
+    assert [config.allows_bootstrap_address(h, p) for h, p in (
+        ("10.0.0.5", 1), ("PREFILL-0.svc", 8998), ("prefill-0.svc", 8999), ("10.0.0.6", 8998), ("127.0.0.1", 8998))] == [
+        True, True, False, False, False]
     anywhere = dataclass_from_args(DisaggConfig, build_parser().parse_args(["decode"]))
-    assert anywhere.allowed_bootstrap_hosts == () and anywhere.allows_bootstrap_host("169.254.169.254")
+    assert anywhere.allowed_bootstrap_hosts == () and anywhere.allows_bootstrap_address("169.254.169.254", 80)
+    assert anywhere.max_bootstrap_clients == 64
+    assert dataclass_from_args(DisaggConfig, build_parser().parse_args(
+        ["decode", "--max-bootstrap-clients", "3"])).max_bootstrap_clients == 3
 
 
 def test_router_api_key_flag():
@@ -161,3 +169,17 @@ def test_tls_flags_are_vllms_on_every_server_and_the_router():
     with pytest.raises(ConfigError) as info:
         config_from_args(build_parser().parse_args([*base, "--upstream-keyfile", "rk.pem"]))
     assert str(info.value) == "--upstream-keyfile needs --upstream-certfile"
+
+
+def test_router_trust_client_routing_flag():
+    base = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
+    assert config_from_args(build_parser().parse_args(base)).trust_client_routing is False
+    assert config_from_args(build_parser().parse_args([*base, "--trust-client-routing"])).trust_client_routing is True
+
+
+def test_registry_limits_from_flags():
+    default = dataclass_from_args(BootstrapConfig, build_parser().parse_args(["bootstrap"]))
+    assert (default.max_rooms, default.max_ranks) == (100_000, 4096)
+    given = dataclass_from_args(BootstrapConfig, build_parser().parse_args(
+        ["bootstrap", "--max-rooms", "5", "--max-ranks", "8"]))
+    assert (given.max_rooms, given.max_ranks) == (5, 8)

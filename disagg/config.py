@@ -209,6 +209,7 @@ class DisaggConfig:
         metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
     )
     control: ControlConfig = field(default_factory=lambda: ControlConfig())
+    tcp_listener: TcpListenerConfig = field(default_factory=lambda: TcpListenerConfig())
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
     allowed_bootstrap_hosts: tuple[str, ...] = field(
@@ -266,10 +267,12 @@ class BootstrapConfig:
         default=120.0, metadata={"help": "seconds a registered room -> prefill DP rank entry lives"}
     )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
+    challenge_ttl_s: float = field(
+        default=10.0, metadata={"help": "how long a nonce from GET /challenge may be answered (once) by a write"})
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,
-        metadata={"help": "require 'Authorization: Bearer SECRET' on PUT /route and POST /register_dp_rank "
-                          "(env DISAGG_CLUSTER_SECRET; reads stay open)"})
+        metadata={"help": "require a proof of SECRET (an answer to GET /challenge) on PUT /route and "
+                          "POST /register_dp_rank (env DISAGG_CLUSTER_SECRET; reads stay open)"})
 
     def __post_init__(self) -> None:
         _check_secret("cluster_secret", self.cluster_secret)
@@ -279,6 +282,8 @@ class BootstrapConfig:
             raise ConfigError(f"room_ttl_s must be positive, got {self.room_ttl_s}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.challenge_ttl_s <= 0:
+            raise ConfigError(f"challenge_ttl_s must be positive, got {self.challenge_ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -315,12 +320,32 @@ class ControlConfig:
     )
     close_grace_s: float = field(default=1.0, metadata={"help": "grace period for open streams on close"})
     max_message_bytes: int = field(default=16 << 20, metadata={"help": "largest control message"})
+    challenge_ttl_s: float = field(
+        default=10.0, metadata={"help": "prefill: how long a nonce from the Challenge call may be answered (once)"})
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "heartbeat_interval_s", "max_message_bytes"):
+        for name in ("connect_timeout_s", "heartbeat_interval_s", "max_message_bytes", "challenge_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_max_misses < 1:
             raise ConfigError(f"heartbeat_max_misses must be at least 1, got {self.heartbeat_max_misses}")
         if self.close_grace_s < 0:
             raise ConfigError(f"close_grace_s must be >= 0, got {self.close_grace_s}")
+
+
+@dataclass(frozen=True)
+class TcpListenerConfig:
+    """The tcp KV backend's listener before a connecting peer passed the handshake (its cluster secret
+    challenge): how many such connections it holds, and for how long."""
+
+    max_pending_connections: int = field(
+        default=16, metadata={"help": "tcp KV listener: connections still in the handshake, at most; more are "
+                                      "closed at once"})
+    handshake_timeout_s: float = field(
+        default=10.0, metadata={"help": "tcp KV listener: a connection not through the handshake by then is closed"})
+
+    def __post_init__(self) -> None:
+        if self.max_pending_connections < 1:
+            raise ConfigError(f"max_pending_connections must be at least 1, got {self.max_pending_connections}")
+        if self.handshake_timeout_s <= 0:
+            raise ConfigError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s}")

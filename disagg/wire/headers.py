@@ -7,3 +7,5 @@ from __future__ import annotations
 DP_RANK_HEADER = "X-data-parallel-rank"
 # The client's request id, kept through the router's legs and echoed on the answer.
 REQUEST_ID_HEADER = "X-Request-Id"
+# A cluster secret proof on a registry write (disagg/wire/auth.py: the answer to `GET /challenge`).
+CLUSTER_AUTH_HEADER = "X-Disagg-Cluster-Auth"

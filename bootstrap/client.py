@@ -6,12 +6,14 @@ exponential backoff until it passes: connection failures, 5xx answers and, where
 
 A decode reaches whatever bootstrap_host a request names, so errors never carry the server's response
 text: they say which host:port answered which status (the text goes to the log only). The cluster
-secret is sent on the write calls only (PUT /route, POST /register_dp_rank), never on reads.
+secret is proved on the write calls only (PUT /route, POST /register_dp_rank: `GET /challenge`, then
+the write with a proof answering it), never on reads; the secret itself is never sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -20,13 +22,16 @@ import msgspec
 import structlog
 
 from disagg.config import BootstrapClientConfig
+from disagg.wire.auth import NONCE_BYTES, REGISTRY, Binding, answer, format_address, request_digest
 from disagg.wire.bootstrap_msgs import (
+    ChallengeMsg,
     RankAddressMsg,
     RankRegistrationMsg,
     TopologyMsg,
     dp_ranks_from_body,
     route_body,
 )
+from disagg.wire.headers import CLUSTER_AUTH_HEADER
 
 Clock = Callable[[], float]
 log = structlog.get_logger("bootstrap.client")
@@ -123,17 +128,19 @@ class _RoomQueryBatcher:
 
 
 class BootstrapClient:
-    """Talks to one bootstrap server (`http://host:port`). Use as an async context manager."""
+    """Talks to one bootstrap server (`http://host:port`). Use as an async context manager.
+
+    With `cluster_secret`, writes prove it as `identity` (a prefill passes its transfer agent's name)."""
 
     def __init__(
         self, host: str, port: int, config: BootstrapClientConfig = BootstrapClientConfig(),
-        clock: Clock = time.monotonic, *, cluster_secret: str | None = None,
+        clock: Clock = time.monotonic, *, cluster_secret: str | None = None, identity: str = "prefill",
     ):
-        bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
-        self.address = f"{bracketed}:{port}"
+        self.address = format_address(host, port)  # also the target our proofs name
         self.url = f"http://{self.address}"
         self.config = config
-        self._write_headers = {} if cluster_secret is None else {"Authorization": f"Bearer {cluster_secret}"}
+        self.identity = identity
+        self._cluster_secret = cluster_secret
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._batcher = _RoomQueryBatcher(self._post_query, config.query_batch_window_s)
@@ -156,28 +163,50 @@ class BootstrapClient:
             self._session = aiohttp.ClientSession()
         return self._session
 
-    async def _attempt(self, method: str, path: str, body: object | None, params: dict | None,
-                       timeout_s: float, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        data = None if body is None else msgspec.json.encode(body)
-        if body is not None:
-            headers = {**(headers or {}), "Content-Type": "application/json"}
+    async def _request(self, method: str, path: str, data: bytes | None, params: dict | None,
+                       headers: dict[str, str] | None, timeout_s: float) -> tuple[int, bytes]:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self._http().request(method, self.url + path, data=data, params=params,
                                         headers=headers, timeout=timeout) as resp:
             return resp.status, await resp.read()
 
+    async def _attempt(self, method: str, path: str, body: object | None, params: dict | None,
+                       write: bool) -> tuple[str, int, bytes]:
+        """One attempt: (the call that answered, its status, its body). A write, when we hold a cluster
+        secret, first takes a challenge and then carries the proof answering it."""
+        data = None if body is None else msgspec.json.encode(body)
+        headers = {} if body is None else {"Content-Type": "application/json"}
+        timeout_s = self.config.request_timeout_s
+        if write and self._cluster_secret is not None:
+            status, payload = await self._request("GET", "/challenge", None, None, None, timeout_s)
+            if status != 200:
+                return "GET /challenge", status, payload
+            headers[CLUSTER_AUTH_HEADER] = self._proof(method, path, data or b"", payload)
+        status, payload = await self._request(method, path, data, params, headers or None, timeout_s)
+        return f"{method} {path}", status, payload
+
+    def _proof(self, method: str, path: str, data: bytes, challenge: bytes) -> str:
+        """Our answer to the registry's challenge for this very write."""
+        try:
+            nonce = bytes.fromhex(msgspec.json.decode(challenge, type=ChallengeMsg).nonce)
+        except (msgspec.DecodeError, ValueError):  # the messages quote the body: they stay out
+            raise BootstrapInvalidAnswer(f"bootstrap server {self.address} answered 200 to GET /challenge with a "
+                                         "body that is not a ChallengeMsg") from None
+        binding = Binding(nonce, os.urandom(NONCE_BYTES), self.identity, self.address,
+                          request_digest(method, path, data))
+        return answer(self._cluster_secret, REGISTRY, binding)
+
     async def _call(self, method: str, path: str, *, body: object | None = None, params: dict | None = None,
                     deadline_s: float | None = None, write: bool = False) -> bytes:
-        """One request, retried with backoff until a final answer or the deadline. `write` calls carry
+        """One request, retried with backoff until a final answer or the deadline. `write` calls prove
         the cluster secret."""
-        headers = self._write_headers if write else None
         limit_s = self.config.deadline_s if deadline_s is None else deadline_s
         start = self._clock()
         reached, last, attempt = False, "no attempt made", 0
         while (remaining := start + limit_s - self._clock()) > 0:
             try:
-                status, payload = await self._attempt(
-                    method, path, body, params, min(self.config.request_timeout_s, remaining), headers)
+                call, status, payload = await asyncio.wait_for(
+                    self._attempt(method, path, body, params, write), min(self.config.request_timeout_s, remaining))
             except asyncio.TimeoutError:
                 reached, last = True, "request timed out"
             except (aiohttp.ClientError, OSError) as exc:
@@ -187,12 +216,12 @@ class BootstrapClient:
                     return payload
                 if status < 500:
                     detail = _error_text(payload)
-                    log.warning("bootstrap request refused", server=self.address, call=f"{method} {path}",
-                                status=status, detail=detail)
-                    raise BootstrapRejected(status, self.address, f"{method} {path}", detail)
+                    log.warning("bootstrap request refused", server=self.address, call=call, status=status,
+                                detail=detail)
+                    raise BootstrapRejected(status, self.address, call, detail)
                 reached, last = True, f"HTTP {status}"
-                log.debug("bootstrap request not answered yet", server=self.address, call=f"{method} {path}",
-                          status=status, detail=_error_text(payload))
+                log.debug("bootstrap request not answered yet", server=self.address, call=call, status=status,
+                          detail=_error_text(payload))
             delay = min(self.config.retry.backoff_s(attempt), max(0.0, start + limit_s - self._clock()))
             attempt += 1
             await asyncio.sleep(delay)
@@ -206,7 +235,7 @@ class BootstrapClient:
     async def health(self) -> bool:
         """True if the server answers GET /health with 200 within one request timeout."""
         try:
-            status, _ = await self._attempt("GET", "/health", None, None, self.config.request_timeout_s)
+            status, _ = await self._request("GET", "/health", None, None, None, self.config.request_timeout_s)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
         return status == 200

@@ -5,21 +5,24 @@ Routes (docs/protocol.md has examples):
 - `GET /route?...`           all ranks -1: the topology; else one rank's address
 - `POST /register_dp_rank`   `{bootstrap_room, dp_rank}`
 - `POST /query_dp_ranks`     `{bootstrap_rooms: [...]}` -> `{"<room>": dp_rank}` for known rooms
+- `GET /challenge`           a fresh nonce one write may answer (the cluster secret's proof)
 - `GET /health`              `OK`
 
 Errors are JSON `{"error": message}`: 400 malformed input, 401 missing or wrong cluster secret,
 404 unknown rank (or path), 405 wrong method, 409 conflicting registration, 413 body too large,
 429 room table full (`--max-rooms`), 503 topology incomplete. Malformed input never yields a 500.
 
-With a cluster secret, the write routes (`PUT /route`, `POST /register_dp_rank`) need
-`Authorization: Bearer <secret>`; the read routes stay open (real SGLang decodes and routers read them).
+With a cluster secret, the write routes (`PUT /route`, `POST /register_dp_rank`) need a proof in
+X-Disagg-Cluster-Auth answering a nonce from `GET /challenge` (once, bound to this registry's address,
+the writer, the method, the path and the body: disagg/wire/auth.py); the read routes stay open (real
+SGLang decodes and routers read them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
-
 import time
 from collections.abc import Callable
 
@@ -39,8 +42,11 @@ from bootstrap.registry import (
 from disagg.config import BootstrapConfig
 from disagg.http_edge import BadRequest, Edge, HttpError, decode_json, error_middleware
 from disagg.http_site import start_site
-from disagg.wire.auth import bearer_matches
+from disagg.wire.auth import (
+    NONCE_BYTES, REGISTRY, NonceTable, ProofRefused, check_proof, format_address, request_digest,
+)
 from disagg.wire.bootstrap_msgs import (
+    ChallengeMsg,
     ErrorMsg,
     QueryDpRanksMsg,
     RegisterDpRankMsg,
@@ -52,10 +58,12 @@ from disagg.wire.bootstrap_msgs import (
     rank_address,
     sglang_topology,
 )
+from disagg.wire.headers import CLUSTER_AUTH_HEADER
 
 Clock = Callable[[], float]
 REGISTRY_KEY = web.AppKey("registry", BootstrapRegistry)
 CLOCK_KEY = web.AppKey("clock", Callable[[], float])
+CHALLENGES_KEY = web.AppKey("challenges", NonceTable)
 WRITE_ROUTES = frozenset({("PUT", "/route"), ("POST", "/register_dp_rank")})
 _STATUS_OF = {InvalidRegistration: 400, UnknownRank: 404, ConflictingRegistration: 409, RegistryFull: 429,
               IncompleteTopology: 503}
@@ -83,17 +91,32 @@ def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
-def cluster_secret_middleware(secret: str):
-    """401 on the write routes unless the request carries `Authorization: Bearer <secret>`."""
+def _targets(request: web.Request, host: str) -> tuple[str, ...]:
+    """The addresses a proof may name: the local address the connection reached (which covers a
+    wildcard bind), then the host this registry was configured to bind, on that port."""
+    local_ip, port = request.transport.get_extra_info("sockname")[:2]
+    return tuple(dict.fromkeys((format_address(local_ip, port), format_address(host, port))))
+
+
+def cluster_secret_middleware(secret: str, host: str):
+    """401 on the write routes unless they carry a proof answering one of our challenges."""
 
     @web.middleware
     async def check_cluster_secret(request: web.Request, handler):
-        if (request.method, request.path) in WRITE_ROUTES and not bearer_matches(
-                request.headers.get("Authorization"), secret):
-            log.warning("registry write refused", method=request.method, path=request.path, remote=request.remote)
-            err = HttpError(401, f"{request.method} {request.path} needs 'Authorization: Bearer <cluster secret>': "
-                                 "missing or wrong cluster secret")
-            return REGISTRY_EDGE.response(err, {"WWW-Authenticate": "Bearer"})
+        if (request.method, request.path) not in WRITE_ROUTES:
+            return await handler(request)
+        try:
+            binding = check_proof(secret, REGISTRY, request.headers.get(CLUSTER_AUTH_HEADER),
+                                  targets=_targets(request, host), nonces=request.app[CHALLENGES_KEY],
+                                  now=request.app[CLOCK_KEY](),
+                                  request=request_digest(request.method, request.path, await request.read()))
+        except ProofRefused as exc:
+            log.warning("registry write refused", method=request.method, path=request.path, remote=request.remote,
+                        reason=exc.reason)
+            err = HttpError(401, f"{request.method} {request.path} needs a cluster secret proof in "
+                                 f"{CLUSTER_AUTH_HEADER} (see GET /challenge): {exc.reason}")
+            return REGISTRY_EDGE.response(err, {"WWW-Authenticate": f'{CLUSTER_AUTH_HEADER} challenge="/challenge"'})
+        log.debug("registry write authenticated", method=request.method, path=request.path, writer=binding.client)
         return await handler(request)
 
     return check_cluster_secret
@@ -154,6 +177,13 @@ async def query_dp_ranks(request: web.Request) -> web.Response:
     return _json(dp_ranks_body(found))
 
 
+async def challenge(request: web.Request) -> web.Response:
+    """A fresh nonce one write may answer, once, within challenge_ttl_s (open: it reveals nothing)."""
+    challenges = request.app[CHALLENGES_KEY]
+    nonce = challenges.issue(os.urandom(NONCE_BYTES), request.app[CLOCK_KEY]())
+    return _json(ChallengeMsg(nonce=nonce.hex(), expires_in_s=challenges.ttl_s))
+
+
 async def health(request: web.Request) -> web.Response:
     """Liveness: 200 OK while the server runs (complete or not)."""
     return web.Response(text="OK")
@@ -166,15 +196,17 @@ def create_app(
     """The aiohttp application; `clock` timestamps room entries (tests pass a fake one)."""
     middlewares = [error_middleware(REGISTRY_EDGE)]
     if config.cluster_secret is not None:
-        middlewares.append(cluster_secret_middleware(config.cluster_secret))
+        middlewares.append(cluster_secret_middleware(config.cluster_secret, config.host))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[REGISTRY_KEY] = registry if registry is not None else BootstrapRegistry(
         config.room_ttl_s, config.max_rooms, config.max_ranks)
     app[CLOCK_KEY] = clock
+    app[CHALLENGES_KEY] = NonceTable(config.challenge_ttl_s)
     app.router.add_put("/route", put_route)
     app.router.add_get("/route", get_route)
     app.router.add_post("/register_dp_rank", register_dp_rank)
     app.router.add_post("/query_dp_ranks", query_dp_ranks)
+    app.router.add_get("/challenge", challenge)
     app.router.add_get("/health", health)
     return app
 

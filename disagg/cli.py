@@ -12,7 +12,8 @@ from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, ConfigError, ControlConfig, DisaggConfig,
-    DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
+    DisaggregationMode, LoadBalanceMethod, ServerConfig, TcpListenerConfig, TlsConfig, check_cluster_secret,
+    check_shutdown_timeout,
 )
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -46,10 +47,12 @@ def secret_defaults() -> dict[str, object]:
 def add_disagg_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     add_dataclass_args(parser.add_argument_group("DisaggConfig"), DisaggConfig, skip=skip)
     add_dataclass_args(parser.add_argument_group("ControlConfig (KV control plane)"), ControlConfig)
+    add_dataclass_args(parser.add_argument_group("TcpListenerConfig (tcp KV listener)"), TcpListenerConfig)
 
 
 def disagg_from_args(args: argparse.Namespace, **overrides) -> DisaggConfig:
-    return dataclass_from_args(DisaggConfig, args, control=dataclass_from_args(ControlConfig, args), **overrides)
+    return dataclass_from_args(DisaggConfig, args, control=dataclass_from_args(ControlConfig, args),
+                               tcp_listener=dataclass_from_args(TcpListenerConfig, args), **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -287,6 +287,7 @@ class DisaggConfig:
         metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
     )
     control: ControlConfig = field(default_factory=lambda: ControlConfig())
+    tcp_listener: TcpListenerConfig = field(default_factory=lambda: TcpListenerConfig())
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
     insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
@@ -374,11 +375,13 @@ class BootstrapConfig:
         default=4096,
         metadata={"help": "largest topology (dp_size * tp_size * pp_size * cp_size) a prefill may register"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest accepted request body"})
+    challenge_ttl_s: float = field(
+        default=10.0, metadata={"help": "how long a nonce from GET /challenge may be answered (once) by a write"})
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False,
-        metadata={"help": "require 'Authorization: Bearer SECRET' on PUT /route and POST /register_dp_rank "
-                          "(env DISAGG_CLUSTER_SECRET; reads stay open; refused on a non-loopback --host "
-                          "without --insecure-no-cluster-secret)"})
+        metadata={"help": "require a proof of SECRET (an answer to GET /challenge) on PUT /route and "
+                          "POST /register_dp_rank (env DISAGG_CLUSTER_SECRET; reads stay open; refused on a "
+                          "non-loopback --host without --insecure-no-cluster-secret)"})
     insecure_no_cluster_secret: bool = field(default=False, metadata={"help": _INSECURE_HELP, "negatable": False})
 
     def __post_init__(self) -> None:
@@ -391,6 +394,8 @@ class BootstrapConfig:
         for name in ("max_body_bytes", "max_rooms", "max_ranks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.challenge_ttl_s <= 0:
+            raise ConfigError(f"challenge_ttl_s must be positive, got {self.challenge_ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -427,12 +432,32 @@ class ControlConfig:
     )
     close_grace_s: float = field(default=1.0, metadata={"help": "grace period for open streams on close"})
     max_message_bytes: int = field(default=16 << 20, metadata={"help": "largest control message"})
+    challenge_ttl_s: float = field(
+        default=10.0, metadata={"help": "prefill: how long a nonce from the Challenge call may be answered (once)"})
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "heartbeat_interval_s", "max_message_bytes"):
+        for name in ("connect_timeout_s", "heartbeat_interval_s", "max_message_bytes", "challenge_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_max_misses < 1:
             raise ConfigError(f"heartbeat_max_misses must be at least 1, got {self.heartbeat_max_misses}")
         if self.close_grace_s < 0:
             raise ConfigError(f"close_grace_s must be >= 0, got {self.close_grace_s}")
+
+
+@dataclass(frozen=True)
+class TcpListenerConfig:
+    """The tcp KV backend's listener before a connecting peer passed the handshake (its cluster secret
+    challenge): how many such connections it holds, and for how long."""
+
+    max_pending_connections: int = field(
+        default=16, metadata={"help": "tcp KV listener: connections still in the handshake, at most; more are "
+                                      "closed at once"})
+    handshake_timeout_s: float = field(
+        default=10.0, metadata={"help": "tcp KV listener: a connection not through the handshake by then is closed"})
+
+    def __post_init__(self) -> None:
+        if self.max_pending_connections < 1:
+            raise ConfigError(f"max_pending_connections must be at least 1, got {self.max_pending_connections}")
+        if self.handshake_timeout_s <= 0:
+            raise ConfigError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from disagg.config import TcpListenerConfig
 from kvtransfer.base import BackendUnavailable, KVTransferBackend
 from kvtransfer.loopback import LoopbackBackend, LoopbackFabric
 from kvtransfer.nixl import NixlBackend, nixl_installed
@@ -18,16 +19,18 @@ def available_backends() -> list[str]:
 def create_backend(
     name: str, *, agent_name: str | None = None, host: str = "127.0.0.1", num_threads: int = 0,
     fabric: LoopbackFabric | None = None, cluster_secret: str | None = None,
+    tcp_listener: TcpListenerConfig = TcpListenerConfig(),
 ) -> KVTransferBackend:
     """A new, unregistered backend. `host` is where tcp listens; `num_threads` feeds NIXL's UCX
     backend; `fabric` joins loopback endpoints of one process; `cluster_secret` makes tcp challenge
     every inbound peer and answer its peers' challenges (NIXL moves bytes over UCX, which cannot be
-    authenticated: its metadata crosses the secret-guarded control stream instead). Raises
-    BackendUnavailable naming the available backends."""
+    authenticated: its metadata crosses the secret-guarded control stream instead); `tcp_listener`
+    bounds tcp's connections before they pass that challenge. Raises BackendUnavailable naming the
+    available backends."""
     if name == "nixl":
         return NixlBackend(agent_name, num_threads=num_threads)
     if name == "tcp":
-        return TcpBackend(agent_name, host=host, cluster_secret=cluster_secret)
+        return TcpBackend(agent_name, host=host, cluster_secret=cluster_secret, listener=tcp_listener)
     if name == "loopback":
         return LoopbackBackend(fabric, agent_name)
     raise BackendUnavailable(f"unknown transfer backend {name!r}; available backends: {', '.join(available_backends())}")

@@ -54,11 +54,13 @@ class PrefillRole(WorkerRole):
     async def start(self) -> None:
         secret = self.config.cluster_secret
         self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
-                                            dataclasses.asdict(self.core.cache_spec()), secret)
+                                            dataclasses.asdict(self.core.cache_spec()), secret,
+                                            self.config.tcp_listener)
         # A control event (a claim, a release, a TransferInfo) ends the worker's idle wait at once.
         self.control = ControlServer(local, self.config.control, cluster_secret=secret, on_event=lambda: self.wake())
         port = await self.control.start(self.config.rank_host, 0)
-        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret)
+        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret,
+                                         identity=self.backend.agent_name)
         self.push = PushRooms(self.core, self.dp_rank, self.config, self.backend, self.control, self.bootstrap.register_dp_rank)
         self.registration = RankRegistrationMsg(
             dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,

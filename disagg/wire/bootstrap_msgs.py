@@ -279,6 +279,14 @@ class QueryDpRanksMsg(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_rooms: list[Room]
 
 
+class ChallengeMsg(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer of `GET /challenge`: a nonce (64 hex digits) that one write may answer, once, within
+    `expires_in_s` (disagg/wire/auth.py)."""
+
+    nonce: str
+    expires_in_s: float
+
+
 class ErrorMsg(msgspec.Struct, frozen=True):
     """Body of every 4xx/5xx answer of the bootstrap server."""
 

@@ -9,3 +9,5 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 REQUEST_ID_HEADER = "X-Request-Id"
 # On our router's answer: how many times it sent the request again (to a fresh pair) before answering.
 RETRIES_HEADER = "X-Disagg-Retries"
+# A cluster secret proof on a registry write (disagg/wire/auth.py: the answer to `GET /challenge`).
+CLUSTER_AUTH_HEADER = "X-Disagg-Cluster-Auth"

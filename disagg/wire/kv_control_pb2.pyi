@@ -23,6 +23,18 @@ TRANSFER_STATE_TRANSFERRING: TransferState
 TRANSFER_STATE_SUCCESS: TransferState
 TRANSFER_STATE_FAILED: TransferState
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("nonce", "ttl_s")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    ttl_s: float
+    def __init__(self, nonce: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
 class KVLayout(_message.Message):
     __slots__ = ("num_blocks", "block_size_tokens", "block_size_bytes", "dtype", "num_layers", "num_kv_heads", "head_dim")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]

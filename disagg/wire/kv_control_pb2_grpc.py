@@ -36,6 +36,11 @@ class KVControlStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/disagg.kv_control.v1.KVControl/Challenge',
+                request_serializer=kv__control__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=kv__control__pb2.ChallengeReply.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/disagg.kv_control.v1.KVControl/Connect',
                 request_serializer=kv__control__pb2.DecodeMsg.SerializeToString,
@@ -46,6 +51,14 @@ class KVControlStub:
 class KVControlServicer:
     """One long-lived bidirectional stream per (decode worker, prefill worker) pair.
     """
+
+    def Challenge(self, request, context):
+        """With a cluster secret: a fresh nonce the decode answers (once, within ttl_s) in the metadata of
+        the Connect call that follows (disagg/wire/auth.py). Open to anyone: it reveals nothing else.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Connect(self, request_iterator, context):
         """The decode worker opens the stream and sends RegisterPeer first, then TransferInfo, Abort and
@@ -59,6 +72,11 @@ class KVControlServicer:
 
 def add_KVControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=kv__control__pb2.ChallengeRequest.FromString,
+                    response_serializer=kv__control__pb2.ChallengeReply.SerializeToString,
+            ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
                     request_deserializer=kv__control__pb2.DecodeMsg.FromString,
@@ -75,6 +93,33 @@ def add_KVControlServicer_to_server(servicer, server):
 class KVControl:
     """One long-lived bidirectional stream per (decode worker, prefill worker) pair.
     """
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disagg.kv_control.v1.KVControl/Challenge',
+            kv__control__pb2.ChallengeRequest.SerializeToString,
+            kv__control__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Connect(request_iterator,

@@ -20,7 +20,7 @@ import structlog
 from disagg.config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
-from disagg.wire.auth import CONTROL_AUTH_KEY, NONCE_BYTES, control_proof, control_reply_matches
+from disagg.wire.auth import CONTROL, CONTROL_AUTH_KEY, NONCE_BYTES, Binding, answer, reply_matches
 from disagg.wire.control_msgs import (
     PeerMsg,
     LeaseStatusMsg,
@@ -105,8 +105,8 @@ class ControlClient:
         """
         if self._channel is not None:
             raise ControlError("control client already connected")
-        proof, first, reply = await self._open_with_retries()
-        await self._check_registration(proof, first, reply)
+        binding, first, reply = await self._open_with_retries()
+        await self._check_registration(binding, first, reply)
         self.remote = peer_from_pb(first.register_ack.peer)
         self._dead = None
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
@@ -115,16 +115,13 @@ class ControlClient:
 
     async def _open_with_retries(self):
         """Open the stream, retrying what says nothing about the prefill yet (a stream torn down
-        under us) until connect_timeout_s; (our proof, the first reply, the prefill's auth reply)."""
+        under us) until connect_timeout_s; (what our proof bound, the first reply, the prefill's proof back)."""
         limit_s = self.config.connect_timeout_s
         deadline = self._clock() + limit_s
         backoff_s = CONNECT_RETRY_FIRST_S
         while True:
-            proof = None if self._cluster_secret is None else control_proof(self._cluster_secret, time.time(),
-                                                                            os.urandom(NONCE_BYTES))
             try:
-                first, reply = await self._open_stream(proof, deadline)
-                return proof, first, reply
+                return await self._open_stream(deadline)
             except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
                 code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
                 if code in RETRYABLE_CODES and self._clock() + backoff_s < deadline:
@@ -138,9 +135,9 @@ class ControlClient:
                 detail = "timed out" if code is None else code.name
                 raise PeerUnavailable(f"cannot reach prefill {self.address} within {limit_s:g} s ({detail})") from None
 
-    async def _check_registration(self, proof: str | None, first, reply) -> None:
+    async def _check_registration(self, binding: Binding | None, first, reply: str | None) -> None:
         """The prefill proved the cluster secret (when we hold one) and accepted our registration."""
-        if proof is not None and not control_reply_matches(self._cluster_secret, proof, reply):
+        if binding is not None and not reply_matches(self._cluster_secret, CONTROL, binding, reply):
             await self.close()
             raise AuthenticationFailed(f"prefill {self.address} did not prove it holds the cluster secret "
                                        "(started without --cluster-secret, or with another one?)")
@@ -151,17 +148,23 @@ class ControlClient:
             await self.close()
             raise PeerRejected(self.address, first.register_ack.reason)
 
-    async def _open_stream(self, proof: str | None, deadline: float):
-        """One attempt: a channel, the stream, our registration; (the first reply, the prefill's auth reply)."""
+    async def _open_stream(self, deadline: float) -> tuple[Binding | None, object, str | None]:
+        """One attempt: a channel, (with a secret) a challenge and our answer to it, the stream, our
+        registration; (what our proof bound, the first reply, the prefill's proof back)."""
         self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options(self.config))
         self._outbox = asyncio.Queue()  # a fresh request stream per attempt
         await asyncio.wait_for(self._channel.channel_ready(), max(deadline - self._clock(), 1e-3))
-        metadata = None if proof is None else ((CONTROL_AUTH_KEY, proof),)
-        self._call = pb_grpc.KVControlStub(self._channel).Connect(self._requests(), metadata=metadata)
+        stub = pb_grpc.KVControlStub(self._channel)
+        binding, metadata = None, None
+        if self._cluster_secret is not None:
+            challenge = await asyncio.wait_for(stub.Challenge(pb.ChallengeRequest()), max(deadline - self._clock(), 1e-3))
+            binding = Binding(challenge.nonce, os.urandom(NONCE_BYTES), self.local.peer_name, self.address)
+            metadata = ((CONTROL_AUTH_KEY, answer(self._cluster_secret, CONTROL, binding)),)
+        self._call = stub.Connect(self._requests(), metadata=metadata)
         self._outbox.put_nowait(register_msg(self.local))
         first = await asyncio.wait_for(self._call.read(), max(deadline - self._clock(), 1e-3))
         reply = dict(await self._call.initial_metadata() or ()).get(CONTROL_AUTH_KEY)
-        return first, reply
+        return binding, first, reply
 
     async def _drop_attempt(self) -> None:
         self._outbox.put_nowait(None)

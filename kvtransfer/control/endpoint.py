@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+from disagg.config import TcpListenerConfig
 from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg
 from kvtransfer.base import KVLayout, KVTransferBackend
 from kvtransfer.factory import create_backend
@@ -21,11 +22,12 @@ def cache_layouts(*, base_address: int, num_blocks: int, num_layers: int, block_
 
 
 def open_endpoint(role: str, dp_rank: int, backend_name: str, host: str, cache: dict,
-                  cluster_secret: str | None = None) -> tuple[KVTransferBackend, PeerMsg]:
+                  cluster_secret: str | None = None,
+                  tcp_listener: TcpListenerConfig = TcpListenerConfig()) -> tuple[KVTransferBackend, PeerMsg]:
     """A backend named `<role>-<random>-dp<rank>` with the cache (fields of the engine's CacheSpec)
     registered once, and the PeerMsg carrying its metadata and layout. The caller closes the backend."""
     backend = create_backend(backend_name, agent_name=f"{role}-{uuid.uuid4().hex[:8]}-dp{dp_rank}", host=host,
-                             cluster_secret=cluster_secret)
+                             cluster_secret=cluster_secret, tcp_listener=tcp_listener)
     try:
         layout, layout_msg = cache_layouts(**cache)
         backend.register(layout)

@@ -13,6 +13,7 @@ values on `ControlServer.events`; the role reports progress back with `ControlSe
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 
@@ -22,7 +23,9 @@ import structlog
 from disagg.config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
-from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof_refusal, control_reply
+from disagg.wire.auth import (
+    CONTROL, CONTROL_AUTH_KEY, NONCE_BYTES, NonceTable, ProofRefused, check_proof, format_address, reply,
+)
 from disagg.wire.control_msgs import (
     AbortMsg,
     LeaseMsg,
@@ -43,7 +46,7 @@ from kvtransfer.base import AuthenticationFailed, IncompatiblePeer, KVTransferEr
 from kvtransfer.control.checks import check_peer, check_transfer
 
 __all__ = ["AuthenticationFailed", "ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer",
-           "check_transfer"]
+           "check_transfer", "format_address"]
 Clock = Callable[[], float]
 ControlEvent = PeerMsg | TransferInfoMsg | AbortMsg | LeaseMsg | PeerLostMsg
 log = structlog.get_logger("kvtransfer.control")
@@ -70,18 +73,15 @@ def grpc_options(config: ControlConfig) -> list[tuple[str, int]]:
     ]
 
 
-def format_address(host: str, port: int) -> str:
-    """host:port, with brackets around an IPv6 host."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 # --- server (prefill side) -----------------------------------------------------------------------
 
 
 class _Session:
-    """One decode stream: its registered peer, its active rooms and its outgoing messages."""
+    """One decode stream: who it authenticated as, its registered peer, its active rooms and its
+    outgoing messages."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, identity: str | None = None) -> None:
+        self.identity = identity  # the peer name its cluster secret proof named; None without a secret
         self.peer: PeerMsg | None = None
         self.rooms: set[int] = set()
         self.outbox: asyncio.Queue[pb.PrefillMsg | None] = asyncio.Queue()
@@ -105,11 +105,14 @@ class _Servicer(pb_grpc.KVControlServicer):
     def __init__(self, server: ControlServer):
         self._server = server
 
+    async def Challenge(self, request, context):  # noqa: N802 (gRPC method name)
+        return self._server._challenge()
+
     async def Connect(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        refusal = await self._server._authenticate(context)
+        identity, refusal = await self._server._authenticate(context)
         if refusal is not None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
-        session = _Session(self._server._clock())
+        session = _Session(self._server._clock(), identity)
         self._server._streams.add(session)
         reader = asyncio.create_task(self._server._read_stream(session, request_iterator))
         try:
@@ -136,6 +139,8 @@ class ControlServer:
         self.config = config
         self._clock = clock
         self._cluster_secret = cluster_secret  # None: every stream is accepted (as without a secret upstream)
+        self._nonces = NonceTable(config.challenge_ttl_s)
+        self.address: str | None = None  # host:port once started: the target a decode's proof must name
         self._watchdog: asyncio.Task | None = None
         self.events: asyncio.Queue[ControlEvent] = asyncio.Queue()
         self._on_event = on_event
@@ -162,9 +167,9 @@ class ControlServer:
         except RuntimeError as exc:
             raise ControlError(f"cannot bind the control server to {format_address(host, port)}: {exc}") from None
         await server.start()
-        self._server, self.port = server, bound
+        self._server, self.port, self.address = server, bound, format_address(host, bound)
         self._watchdog = asyncio.create_task(self._watch_streams())
-        log.info("control server started", address=format_address(host, bound), peer=self.local.peer_name)
+        log.info("control server started", address=self.address, peer=self.local.peer_name)
         return bound
 
     async def close(self) -> None:
@@ -179,17 +184,27 @@ class ControlServer:
             session.end("control server closed")
         await server.stop(self.config.close_grace_s)
 
-    async def _authenticate(self, context) -> str | None:
-        """Check a new stream's cluster secret proof; None (and our reply sent) when it may go on."""
+    def _challenge(self) -> pb.ChallengeReply:
+        """A fresh nonce for a decode to answer (remembered only when we hold a secret)."""
+        nonce = os.urandom(NONCE_BYTES)
+        if self._cluster_secret is not None:
+            self._nonces.issue(nonce, self._clock())
+        return pb.ChallengeReply(nonce=nonce, ttl_s=self.config.challenge_ttl_s)
+
+    async def _authenticate(self, context) -> tuple[str | None, str | None]:
+        """Check a new stream's cluster secret proof: (the peer name it proved, None) with our proof back
+        sent, or (None, why it is refused). Without a secret: (None, None)."""
         if self._cluster_secret is None:
-            return None
+            return None, None
         proof = dict(context.invocation_metadata() or ()).get(CONTROL_AUTH_KEY)
-        refusal = control_proof_refusal(self._cluster_secret, proof, time.time())
-        if refusal is not None:
-            log.warning("control stream refused", peer_address=context.peer(), reason=refusal)
-            return refusal
-        await context.send_initial_metadata(((CONTROL_AUTH_KEY, control_reply(self._cluster_secret, proof)),))
-        return None
+        try:
+            binding = check_proof(self._cluster_secret, CONTROL, proof, targets=(self.address,), nonces=self._nonces,
+                                  now=self._clock())
+        except ProofRefused as exc:
+            log.warning("control stream refused", peer_address=context.peer(), reason=exc.reason)
+            return None, exc.reason
+        await context.send_initial_metadata(((CONTROL_AUTH_KEY, reply(self._cluster_secret, CONTROL, binding)),))
+        return binding.client, None
 
     async def _watch_streams(self) -> None:
         # A decode host that vanishes without closing its socket leaves the stream open; its
@@ -294,8 +309,12 @@ class ControlServer:
             log.warning("control message without payload ignored", peer=session.name)
 
     def _on_register(self, session: _Session, peer: PeerMsg) -> None:
+        # Only an authenticated stream (or any, without a secret) gets here: the layout details of
+        # check_peer never reach a peer that has not proved the cluster secret.
         if session.peer is not None:
             reason = f"stream already registered as peer {session.peer.peer_name!r}"
+        elif session.identity is not None and peer.peer_name != session.identity:
+            reason = f"peer {peer.peer_name!r} registered on a stream authenticated as {session.identity!r}"
         else:
             reason = check_peer(self.local, peer)
         if reason is not None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
+from disagg.config import TcpListenerConfig
+from disagg.wire.auth import format_address
 from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
@@ -138,12 +141,12 @@ class TcpBackend(BackendCore):
     backend_name = "tcp"
 
     def __init__(self, agent_name: str | None = None, host: str = "127.0.0.1", connect_timeout_s: float = 5.0,
-                 cluster_secret: str | None = None) -> None:
+                 cluster_secret: str | None = None, listener: TcpListenerConfig = TcpListenerConfig()) -> None:
         super().__init__(agent_name)
         self._connect_timeout_s = connect_timeout_s
         self._cluster_secret = cluster_secret  # answers peers' challenges, and challenges every inbound peer
         self._inbox: deque[Notification] = deque()
-        self._server = InboundServer(host, self._inbox.append, cluster_secret)
+        self._server = InboundServer(host, self._inbox.append, cluster_secret, listener)
         self._region: memoryview | None = None
         self._links: dict[str, _Link] = {}
 
@@ -151,6 +154,16 @@ class TcpBackend(BackendCore):
     def address(self) -> tuple[str, int]:
         """(host, port) of our listener."""
         return self._server.host, self._server.port
+
+    @property
+    def num_pending_connections(self) -> int:
+        """Inbound connections in the handshake now (at most max_pending_connections)."""
+        return self._server.num_pending
+
+    @property
+    def num_refused_connections(self) -> int:
+        """Inbound connections closed at once because the handshake was full."""
+        return self._server.num_refused_connections
 
     def _on_register(self, layout: KVLayout) -> None:
         if layout.is_cuda:
@@ -174,14 +187,16 @@ class TcpBackend(BackendCore):
         """Connect and pass the peer's handshake (its challenge, when it holds a cluster secret) within
         the connect timeout; AuthenticationFailed when it refuses us, PeerUnavailable when unreachable."""
         assert self._region is not None
-        who = f"peer {info.name!r} at {info.host}:{info.port}"
+        deadline = time.monotonic() + self._connect_timeout_s
+        target = format_address(info.host, info.port)
+        who = f"peer {info.name!r} at {target}"
         try:
             sock = socket.create_connection((info.host, info.port), timeout=self._connect_timeout_s)
         except OSError as exc:
             raise PeerUnavailable(f"cannot connect to {who}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            greet(sock, self._agent_name, self._cluster_secret, who)
+            greet(sock, self._agent_name, self._cluster_secret, who, target, deadline)
             sock.settimeout(None)
         except ProtocolError as exc:
             shutdown_quietly(sock)

@@ -3,19 +3,24 @@
 One thread accepts; one thread per connection reads frames, lands WRITE payloads straight into the
 region (recv_into over a view of the caller's memory), answers READs from it and queues notifications.
 A connection serves frames only after the handshake of tcp/auth.py (the cluster secret's challenge).
+Before it, the listener is bounded: at most `max_pending_connections` connections (and so threads)
+are in the handshake at once, more are closed at once, and each gets `handshake_timeout_s` in all.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
 
+from disagg.config import TcpListenerConfig
+from disagg.wire.auth import NonceTable, format_address
 from kvtransfer.base import Notification
 from kvtransfer.descriptors import segment_in_bounds
-from kvtransfer.tcp.auth import HandshakeRefused, admit
+from kvtransfer.tcp.auth import Gate, HandshakeRefused, admit
 from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 
 JOIN_TIMEOUT_S = 2.0
@@ -33,16 +38,20 @@ def shutdown_quietly(sock: socket.socket) -> None:
 
 class InboundServer:
     def __init__(self, host: str, on_notification: Callable[[Notification], None],
-                 cluster_secret: str | None = None) -> None:
-        self._cluster_secret = cluster_secret  # None: any peer that says HELLO is served
+                 cluster_secret: str | None = None, limits: TcpListenerConfig = TcpListenerConfig()) -> None:
         self._listener = socket.create_server((host, 0))
         self.host: str = self._listener.getsockname()[0]
         self.port: int = self._listener.getsockname()[1]
+        # cluster_secret None: any peer that says HELLO is served
+        self._gate = Gate(cluster_secret, format_address(self.host, self.port), NonceTable(limits.handshake_timeout_s))
+        self._limits = limits
         self._on_notification = on_notification
         self._lock = threading.Lock()
         self._region: memoryview | None = None
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._pending: set[socket.socket] = set()  # accepted, still in the handshake
         self._names: dict[socket.socket, str] = {}  # admitted connections: the peer that spoke HELLO
+        self.num_refused_connections = 0  # closed at once: the handshake was full
         self._closing = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True)
         self._accept_thread.start()
@@ -83,26 +92,44 @@ class InboundServer:
             if thread is not threading.current_thread():
                 thread.join(JOIN_TIMEOUT_S)
 
+    @property
+    def num_pending(self) -> int:
+        """Connections in the handshake now (each holds one thread)."""
+        with self._lock:
+            return len(self._pending)
+
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 return  # listener closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"kv-tcp-serve-{self.port}", daemon=True)
             with self._lock:
                 if self._closing:
                     shutdown_quietly(conn)
                     return
-                self._connections[conn] = thread
+                thread = None
+                if len(self._pending) < self._limits.max_pending_connections:
+                    thread = threading.Thread(target=self._serve, args=(conn,), name=f"kv-tcp-serve-{self.port}",
+                                              daemon=True)
+                    self._pending.add(conn)
+                    self._connections[conn] = thread
+                else:
+                    self.num_refused_connections += 1
+            if thread is None:
+                shutdown_quietly(conn)
+                log.warning("kv connection refused", port=self.port, peer=format_address(*address[:2]),
+                            reason=f"{self._limits.max_pending_connections} connections are already in the handshake")
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             peer = self._admit(conn)
-            if peer is not None:
-                with self._lock:
+            with self._lock:
+                self._pending.discard(conn)
+                if peer is not None:
                     self._names[conn] = peer
             while peer is not None:
                 self._serve_frame(conn, peer, read_head(conn))
@@ -111,13 +138,14 @@ class InboundServer:
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
+                self._pending.discard(conn)
                 self._names.pop(conn, None)
             shutdown_quietly(conn)
 
     def _admit(self, conn: socket.socket) -> str | None:
         """The peer's name once it passed the handshake; None (logged) when it did not."""
         try:
-            return admit(conn, self._cluster_secret)
+            return admit(conn, self._gate, time.monotonic() + self._limits.handshake_timeout_s)
         except HandshakeRefused as exc:
             log.warning("kv connection refused", port=self.port, peer=exc.peer, reason=exc.reason)
         except (OSError, UnicodeDecodeError) as exc:

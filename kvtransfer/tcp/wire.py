@@ -9,7 +9,8 @@
 Conversation: the connecting side sends HELLO(name) once and completes the handshake of tcp/auth.py
 (ACK at once, or CHALLENGE / AUTH / ACK when the listener holds a cluster secret), then WRITE / READ /
 NOTIF requests; the listening side answers WRITE with ACK (after the bytes landed), READ with DATA, bad
-requests with ERROR.
+requests with ERROR. During the handshake both sides read the fixed header first (`read_header`) and
+take its tag only when the frame is small (tcp/auth.py): a declared size allocates nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtransfer.descriptors import Segment
 
 _HEADER = struct.Struct("<B3xIIQQ")
+HEADER_BYTES = _HEADER.size
 _SEGMENT = struct.Struct("<QQ")
 MAX_SEGMENTS = 1 << 20
 MAX_TAG_BYTES = 1 << 16
@@ -55,6 +59,16 @@ class FrameHead:
     payload_bytes: int = 0
 
 
+class Header(NamedTuple):
+    """A frame's fixed header: what it declares, nothing of it read yet."""
+
+    kind: FrameKind
+    num_segments: int
+    tag_bytes: int
+    transfer_id: int
+    payload_bytes: int
+
+
 def encode_head(head: FrameHead) -> bytes:
     parts = [_HEADER.pack(head.kind, len(head.segments), len(head.tag), head.transfer_id, head.payload_bytes)]
     parts += [_SEGMENT.pack(*segment) for segment in head.segments]
@@ -62,28 +76,41 @@ def encode_head(head: FrameHead) -> bytes:
     return b"".join(parts)
 
 
-def read_head(sock: socket.socket) -> FrameHead:
-    """Read one frame head; ConnectionError on EOF, ProtocolError on garbage."""
-    kind, num_segments, tag_bytes, transfer_id, payload_bytes = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+def read_header(sock: socket.socket, deadline: float | None = None) -> Header:
+    """Read a frame's fixed header only (HEADER_BYTES); ConnectionError on EOF, ProtocolError on an
+    unknown kind, TimeoutError past `deadline` (time.monotonic)."""
+    kind, *rest = _HEADER.unpack(recv_exact(sock, HEADER_BYTES, deadline))
     if kind not in FrameKind.__members__.values():
         raise ProtocolError(f"unknown frame kind {kind}")
+    return Header(FrameKind(kind), *rest)
+
+
+def read_head(sock: socket.socket) -> FrameHead:
+    """Read one frame head; ConnectionError on EOF, ProtocolError on garbage."""
+    kind, num_segments, tag_bytes, transfer_id, payload_bytes = read_header(sock)
     if num_segments > MAX_SEGMENTS or tag_bytes > MAX_TAG_BYTES:
         raise ProtocolError(f"frame too large: {num_segments} segments, {tag_bytes} tag bytes")
     raw = recv_exact(sock, num_segments * _SEGMENT.size + tag_bytes)
     segments = tuple(Segment(*_SEGMENT.unpack_from(raw, i * _SEGMENT.size)) for i in range(num_segments))
-    return FrameHead(FrameKind(kind), transfer_id, segments, bytes(raw[num_segments * _SEGMENT.size:]), payload_bytes)
+    return FrameHead(kind, transfer_id, segments, bytes(raw[num_segments * _SEGMENT.size:]), payload_bytes)
 
 
-def recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
+def recv_exact(sock: socket.socket, num_bytes: int, deadline: float | None = None) -> bytearray:
     buffer = bytearray(num_bytes)
-    recv_into_exact(sock, memoryview(buffer))
+    recv_into_exact(sock, memoryview(buffer), deadline)
     return buffer
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket (straight into the caller's memory, no staging copy)."""
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket (straight into the caller's memory, no staging copy). With a
+    `deadline` (time.monotonic), TimeoutError once it passes, however slowly the bytes trickle in."""
     received = 0
     while received < len(view):
+        if deadline is not None:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(remaining_s)
         count = sock.recv_into(view[received:])
         if count == 0:
             raise ConnectionError("connection closed by the other side")

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from disagg.config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
-from disagg.wire.auth import CONTROL_AUTH_KEY, control_proof
+from disagg.wire.auth import CONTROL, CONTROL_AUTH_KEY, Binding, answer
 from disagg.wire.control_msgs import (
     AbortMsg,
     LeaseMsg,
@@ -355,17 +355,116 @@ async def test_a_prefill_without_the_secret_is_refused_by_a_decode_holding_one()
                               "(started without --cluster-secret, or with another one?)")
 
 
-async def test_a_raw_stream_with_a_stale_proof_is_refused_before_any_message():
+async def challenge(channel) -> pb.ChallengeReply:
+    return await pb_grpc.KVControlStub(channel).Challenge(pb.ChallengeRequest())
+
+
+def proof(nonce: bytes, target: str, client: str = "decode-0", secret: str = SECRET) -> str:
+    return answer(secret, CONTROL, Binding(nonce, b"c" * 32, client, target))
+
+
+async def raw_register(channel, token: str, peer: PeerMsg = DECODE):
+    """A Connect call carrying `token` that sends RegisterPeer: its first answer, or the AioRpcError
+    that ended it. A refusal that raced our write (INTERNAL) is tried again, as ControlClient does."""
+    for _ in range(20):
+        call = pb_grpc.KVControlStub(channel).Connect(metadata=((CONTROL_AUTH_KEY, token),))
+        try:
+            await call.write(register_msg(peer))
+            return await asyncio.wait_for(call.read(), 2)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.INTERNAL:
+                return exc
+        finally:
+            call.cancel()
+    raise AssertionError("every attempt ended INTERNAL")
+
+
+def refused(answer_or_error) -> tuple:
+    assert isinstance(answer_or_error, grpc.aio.AioRpcError), answer_or_error
+    return answer_or_error.code(), answer_or_error.details()
+
+
+USED = "cluster secret proof was already used: this prefill accepts each answer once"
+STALE = "cluster secret proof answers no live challenge of this prefill (unknown or expired nonce)"
+
+
+async def test_a_replayed_proof_is_refused_after_its_first_use():
+    """One proof sent 5 times: the first stream registers, the 4 replays are refused before any message."""
     async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as srv, grpc.aio.insecure_channel(
             f"127.0.0.1:{srv.port}") as channel:
-        proof = control_proof(SECRET, time.time() - 3600, b"n" * 16)
-        call = pb_grpc.KVControlStub(channel).Connect(metadata=((CONTROL_AUTH_KEY, proof),))
-        await call.write(register_msg(DECODE))
-        with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await asyncio.wait_for(call.read(), 2)
-        assert exc.value.code() is grpc.StatusCode.UNAUTHENTICATED
-        assert exc.value.details().startswith("cluster secret proof is 360")
+        issued = await challenge(channel)
+        assert (len(issued.nonce), issued.ttl_s) == (32, 10.0)
+        token = proof(issued.nonce, f"127.0.0.1:{srv.port}")
+        first = pb_grpc.KVControlStub(channel).Connect(metadata=((CONTROL_AUTH_KEY, token),))
+        await first.write(register_msg(DECODE))
+        ack = (await asyncio.wait_for(first.read(), 2)).register_ack
+        assert (ack.accepted, ack.peer.peer_name) == (True, "prefill-0")
+        with capture_logs() as logs:
+            replays = [refused(await raw_register(channel, token)) for _ in range(4)]
+        assert replays == [(grpc.StatusCode.UNAUTHENTICATED, USED)] * 4
+        reasons = [e["reason"] for e in logs if e["event"] == "control stream refused"]
+        assert set(reasons) == {USED} and len(reasons) >= 4  # one per attempt (a raced one is tried again)
+        assert srv.peers == {"decode-0": DECODE}
+        assert await asyncio.wait_for(srv.events.get(), 2) == DECODE and srv.events.empty()
+        first.cancel()
+
+
+async def test_a_proof_made_for_another_prefill_is_refused():
+    """A proof is bound to the address the decode dialed: made for A, it is refused by B, whichever
+    nonce it answers and however its target is rewritten."""
+    async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as a, ControlServer(
+            PREFILL, FAST, cluster_secret=SECRET) as b, grpc.aio.insecure_channel(
+            f"127.0.0.1:{a.port}") as to_a, grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as to_b:
+        target_a, target_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+        for_a = proof((await challenge(to_b)).nonce, target_a)  # B's challenge, relayed to a decode dialing A
+        assert refused(await raw_register(to_b, for_a)) == (
+            grpc.StatusCode.UNAUTHENTICATED, f"cluster secret proof was made for {target_a}, this prefill is {target_b}")
+        fields = for_a.split(".")
+        fields[4] = target_b.encode().hex()  # the target rewritten: the HMAC no longer matches
+        assert refused(await raw_register(to_b, ".".join(fields))) == (grpc.StatusCode.UNAUTHENTICATED, MISMATCH)
+        a_nonce = proof((await challenge(to_a)).nonce, target_b)  # A's nonce is no challenge of B
+        assert refused(await raw_register(to_b, a_nonce)) == (grpc.StatusCode.UNAUTHENTICATED, STALE)
+        assert a.peers == b.peers == {} and a.events.empty() and b.events.empty()
+
+
+async def test_an_expired_challenge_is_refused_before_any_message():
+    now = [100.0]
+    async with ControlServer(PREFILL, FAST, lambda: now[0], cluster_secret=SECRET) as srv, grpc.aio.insecure_channel(
+            f"127.0.0.1:{srv.port}") as channel:
+        token = proof((await challenge(channel)).nonce, f"127.0.0.1:{srv.port}")
+        now[0] += 10.0  # challenge_ttl_s
+        assert refused(await raw_register(channel, token)) == (grpc.StatusCode.UNAUTHENTICATED, STALE)
+        for bad in ("", "v1.1700000000.00.ff", token[:-1]):
+            assert refused(await raw_register(channel, bad)) == (
+                grpc.StatusCode.UNAUTHENTICATED, NO_SECRET if not bad else "malformed cluster secret proof")
         assert srv.peers == {} and srv.events.empty()
+
+
+async def test_a_stream_registers_only_the_peer_its_proof_named():
+    async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as srv, grpc.aio.insecure_channel(
+            f"127.0.0.1:{srv.port}") as channel:
+        token = proof((await challenge(channel)).nonce, f"127.0.0.1:{srv.port}", client="decode-9")
+        first = await raw_register(channel, token)
+        assert (first.register_ack.accepted, first.register_ack.reason) == (
+            False, "peer 'decode-0' registered on a stream authenticated as 'decode-9'")
+        assert srv.peers == {} and srv.events.empty()
+
+
+WRONG_LAYOUT = msgspec.structs.replace(DECODE, layout=msgspec.structs.replace(LAYOUT, block_size_tokens=32))
+
+
+@pytest.mark.parametrize("secret, error, message", [
+    ("other-secret", AuthenticationFailed, "refused the control stream: " + MISMATCH),
+    (None, AuthenticationFailed, "refused the control stream: " + NO_SECRET),
+    (SECRET, PeerRejected, "refused registration: page size mismatch: prefill block_size_tokens=16, "
+                           "decode block_size_tokens=32"),
+], ids=["wrong-secret", "no-secret", "right-secret"])
+async def test_layout_details_reach_only_an_authenticated_decode(secret, error, message):
+    """A decode whose layout differs learns the prefill's layout only once it proved the secret."""
+    async with ControlServer(PREFILL, FAST, cluster_secret=SECRET) as srv:
+        with pytest.raises(error) as exc:
+            await ControlClient(f"127.0.0.1:{srv.port}", WRONG_LAYOUT, FAST, cluster_secret=secret).connect()
+        assert str(exc.value) == f"prefill 127.0.0.1:{srv.port} {message}"
 
 
 def test_status_translation_keeps_unset_first_token_unset():
@@ -418,6 +517,9 @@ class _ScriptedControl(pb_grpc.KVControlServicer):
     def __init__(self, script: list[tuple[grpc.StatusCode, str]]):
         self.script = script
         self.num_calls = 0
+
+    async def Challenge(self, request, context):  # noqa: N802 (gRPC method name)
+        return pb.ChallengeReply(nonce=b"n" * 32, ttl_s=10.0)
 
     async def Connect(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         code, details = self.script[min(self.num_calls, len(self.script) - 1)]

@@ -11,6 +11,7 @@ import socket
 import time
 
 import aiohttp
+import grpc
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -19,7 +20,10 @@ from cli_process import ready_url, start_cli
 from bootstrap.client import BootstrapClient
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg, TransferInfoMsg, TransferState
+from disagg.wire import kv_control_pb2 as pb
+from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.auth import CONTROL, CONTROL_AUTH_KEY, Binding, answer
+from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg, TransferInfoMsg, TransferState, register_msg
 from kvtransfer.base import KVLayout
 from kvtransfer.control.client import ControlClient
 from kvtransfer.control.server import format_address
@@ -187,6 +191,54 @@ async def test_a_decode_peer_the_prefill_cannot_reach_fails_its_room_not_the_wor
     pd = cluster.pd_body({"text": "still here", "sampling_params": {"max_new_tokens": 2, **GREEDY}}, room + 2)
     (p_ok, _, _), (d_ok, _, _) = await cluster.post_both("/generate", pd, pd)
     assert (p_ok, d_ok) == (200, 200)
+
+
+def rogue_peer(port: int) -> PeerMsg:
+    """A decode peer whose KV listener is 127.0.0.1:port (a listener an attacker would name)."""
+    layout = KVLayout(4096, 96, 2048, 4, "float32", num_layers=2)
+    metadata = encode_peer_info(PeerInfo("tcp", "rogue-decode", layout, host="127.0.0.1", port=port))
+    return PeerMsg(peer_name="rogue-decode", transfer_backend="tcp", agent_metadata=metadata, layout=KVLayoutMsg(
+        num_blocks=96, block_size_tokens=4, block_size_bytes=2048, dtype="float32", num_layers=2))
+
+
+async def refusal_of_replay(stub, token: str, peer: PeerMsg) -> tuple:
+    """(code, details) that end a Connect carrying `token` and registering `peer`. A refusal can race
+    our write and reach us as INTERNAL (docs/protocol.md): that attempt is replayed again, as a decode
+    retries it."""
+    for _ in range(20):
+        call = stub.Connect(metadata=((CONTROL_AUTH_KEY, token),))
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await call.write(register_msg(peer))
+            await asyncio.wait_for(call.read(), 10)
+        if exc.value.code() is not grpc.StatusCode.INTERNAL:
+            return exc.value.code(), exc.value.details()
+    raise AssertionError("every attempt ended INTERNAL")
+
+
+async def test_a_replayed_control_proof_never_makes_the_prefill_connect_anywhere(cluster):
+    """A proof captured once and sent again 4 times to a real prefill worker: each replay is refused
+    before its registration is read, and the listener the replays name is never contacted."""
+    accepted = []
+    listener = await asyncio.start_server(lambda r, w: accepted.append(w.close()), "127.0.0.1", 0)
+    async with BootstrapClient("127.0.0.1", cluster.prefill.bootstrap_port) as boot:
+        address = await boot.get_rank_address(0)
+    target = format_address(address.rank_ip, address.rank_port)
+    async with listener, grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.KVControlStub(channel)
+        nonce = (await stub.Challenge(pb.ChallengeRequest())).nonce
+        token = answer(SECRET, CONTROL, Binding(nonce, os.urandom(32), "rogue-decode", target))
+        first = stub.Connect(metadata=((CONTROL_AUTH_KEY, token),))
+        await first.write(register_msg(rogue_peer(closed_port())))
+        assert (await asyncio.wait_for(first.read(), 10)).register_ack.accepted
+        named = rogue_peer(listener.sockets[0].getsockname()[1])
+        for _ in range(4):
+            assert await refusal_of_replay(stub, token, named) == (
+                grpc.StatusCode.UNAUTHENTICATED,
+                "cluster secret proof was already used: this prefill accepts each answer once")
+        await asyncio.sleep(0.5)  # what a registration would have triggered at once
+        first.cancel()
+    assert accepted == []
+    assert await settled(cluster) == START
 
 
 async def test_disagg_serve_hands_one_secret_to_every_part_and_guards_the_router_and_admin_routes():

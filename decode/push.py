@@ -23,6 +23,7 @@ from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
+from kvtransfer.base import PeerUnavailable
 from kvtransfer.control.client import ControlClient
 from kvtransfer.control.server import format_address
 
@@ -87,12 +88,16 @@ class PushFetch:
     async def _implied_client(self, registry: Registry, room: int, rank: int, remaining) -> ControlClient:
         """The stream to `rank`, unless the room lives elsewhere: while we (re)connect, the registry is
         asked for the room too (a prefill whose implied rank was down placed it on a live rank and
-        registered it there). A live stream already open is used at once."""
+        registered it there). A live stream already open is used at once; a refusal (a secret, a
+        layout) is answered at once; only an unreachable rank waits for the registry's word."""
         cached = self.peers.cached(registry.host, registry.port, rank)
         if cached is not None:
             return cached
         connect = asyncio.create_task(self.peers.client(registry, rank, remaining()))
-        moved = asyncio.create_task(registry.client.wait_for_dp_rank(room, deadline_s=remaining()))
+        # Bounded so that an implied rank that cannot be reached and a room registered nowhere fail
+        # within a connect timeout of each other, not at the request's deadline.
+        asking_s = min(remaining(), 2 * self.config.control.connect_timeout_s)
+        moved = asyncio.create_task(registry.client.wait_for_dp_rank(room, deadline_s=asking_s))
         pending = {connect, moved}
         try:
             while True:
@@ -101,8 +106,8 @@ class PushFetch:
                 if elsewhere is not None:
                     log.info("room placed off its implied prefill rank", bootstrap_room=room, implied=rank, dp_rank=elsewhere)
                     return await self.peers.client(registry, elsewhere, remaining())
-                if connect.done() and (connect.exception() is None or moved.done()):
-                    return connect.result()  # connected, or failed with nowhere else to go
+                if connect.done() and (not isinstance(connect.exception(), PeerUnavailable) or moved.done()):
+                    return connect.result()  # connected, refused, or unreachable with nowhere else to go
         finally:
             for task in (connect, moved):
                 task.cancel()

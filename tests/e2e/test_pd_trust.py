@@ -238,7 +238,7 @@ async def test_a_replayed_control_proof_never_makes_the_prefill_connect_anywhere
         await asyncio.sleep(0.5)  # what a registration would have triggered at once
         first.cancel()
     assert accepted == []
-    assert await settled(cluster) == START
+    assert await cluster.settled(START) == START
 
 
 async def test_disagg_serve_hands_one_secret_to_every_part_and_guards_the_router_and_admin_routes():

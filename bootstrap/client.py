@@ -21,7 +21,7 @@ import aiohttp
 import msgspec
 import structlog
 
-from disagg.config import BootstrapClientConfig
+from disagg.registry_config import BootstrapClientConfig
 from disagg.wire.auth import NONCE_BYTES, REGISTRY, Binding, answer, format_address, request_digest
 from disagg.wire.bootstrap_msgs import (
     ChallengeMsg,

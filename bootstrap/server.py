@@ -39,7 +39,7 @@ from bootstrap.registry import (
     RegistryFull,
     UnknownRank,
 )
-from disagg.config import BootstrapConfig
+from disagg.registry_config import BootstrapConfig
 from disagg.http_edge import BadRequest, Edge, HttpError, decode_json, error_middleware
 from disagg.http_site import start_site
 from disagg.wire.auth import (

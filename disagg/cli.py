@@ -11,10 +11,10 @@ import sys
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
 from disagg.config import (
-    SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, BootstrapConfig, ConfigError, ControlConfig, DisaggConfig,
-    DisaggregationMode, LoadBalanceMethod, ServerConfig, TcpListenerConfig, TlsConfig, check_cluster_secret,
-    check_shutdown_timeout,
+    SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, ControlConfig, DisaggConfig, DisaggregationMode,
+    LoadBalanceMethod, ServerConfig, TcpListenerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
 )
+from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)

@@ -21,7 +21,8 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import BootstrapConfig, DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
+from disagg.config import DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
+from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec

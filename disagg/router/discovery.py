@@ -21,7 +21,8 @@ import json
 import aiohttp
 import structlog
 
-from disagg.config import ConfigError, RetryConfig
+from disagg.config import ConfigError
+from disagg.registry_config import RetryConfig
 from disagg.router.config import DiscoveryConfig
 from disagg.router.health import HealthChecker
 from disagg.router.pods import Action, ActionKind, EventType, PodTracker, pod_view, reconcile

@@ -14,7 +14,7 @@ from bootstrap.client import (
     BootstrapClient, BootstrapInvalidAnswer, BootstrapRejected, BootstrapTimeout, BootstrapUnavailable,
 )
 from bootstrap.server import BootstrapServer
-from disagg.config import BootstrapClientConfig, BootstrapConfig, RetryConfig
+from disagg.registry_config import BootstrapClientConfig, BootstrapConfig, RetryConfig
 from disagg.wire.auth import REGISTRY, Binding, answer, parse_proof, request_digest
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.headers import CLUSTER_AUTH_HEADER

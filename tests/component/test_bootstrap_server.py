@@ -11,7 +11,7 @@ import pytest
 
 from bootstrap.client import BootstrapClient, BootstrapRejected, BootstrapTimeout, BootstrapUnavailable
 from bootstrap.server import BootstrapServer
-from disagg.config import BootstrapClientConfig, BootstrapConfig, RetryConfig
+from disagg.registry_config import BootstrapClientConfig, BootstrapConfig, RetryConfig
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg, TopologyMsg
 
 pytestmark = pytest.mark.timeout(30)
@@ -274,7 +274,7 @@ async def test_standalone_bootstrap_process_serves_and_exits_cleanly_on_a_stop_s
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = ("import sys; from bootstrap.server import run_bootstrap; from disagg.config import BootstrapConfig; "
+    code = ("import sys; from bootstrap.server import run_bootstrap; from disagg.registry_config import BootstrapConfig; "
             f"sys.exit(run_bootstrap(BootstrapConfig(host='127.0.0.1', port={port})))")
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.DEVNULL,
                                                 stderr=asyncio.subprocess.PIPE)

@@ -12,7 +12,8 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import BootstrapConfig, DisaggConfig, ServerConfig
+from disagg.config import DisaggConfig, ServerConfig
+from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
 from disagg.dp.worker import RoleSpec
 from disagg.launch import RunningServer

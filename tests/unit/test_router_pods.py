@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.config import ConfigError, RetryConfig
+from disagg.config import ConfigError
+from disagg.registry_config import RetryConfig
 from disagg.router.discovery import retry_wait_s
 from disagg.router.config import DiscoveryConfig, PrefillEndpoint, RouterConfig
 from disagg.router.policy import ServerLoad

@@ -9,8 +9,9 @@ import pytest
 from disagg.cli import build_parser, disagg_from_args
 from disagg.cli_args import dataclass_from_args
 from disagg.config import (
-    BootstrapConfig, ConfigError, DisaggConfig, ServerConfig, TlsConfig, admin_key, check_cluster_secret, cluster_secret,
+    ConfigError, DisaggConfig, ServerConfig, TlsConfig, admin_key, check_cluster_secret, cluster_secret,
 )
+from disagg.registry_config import BootstrapConfig
 from disagg.router.launch import config_from_args
 
 

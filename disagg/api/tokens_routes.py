@@ -15,12 +15,7 @@ from disagg.api.bodies import StreamOptions, TokensBody, TokensSampling, decode_
 from disagg.api.generation import TokenLogprobs, Totals
 from disagg.api.openai_render import chat_logprobs
 from disagg.api.requests import (
-    build_generate_msg,
-    check_model,
-    check_stream_options,
-    check_token_ids,
-    choose_request_id,
-    read_body,
+    build_generate_msg, check_model, check_stream_options, check_token_ids, choose_request_id, read_body,
     sampling_from_fields,
 )
 from disagg.api.routing import read_routing

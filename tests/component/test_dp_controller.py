@@ -11,20 +11,20 @@ from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.dp.controller import DPController
 from disagg.dp.protocol import UtilityFailed, WorkerUnavailable
 from disagg.engine.core import EngineCore
-from disagg.types import SamplingParams
-from disagg.types import SamplingParams
+from disagg.types import FinishReason, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 from engine_runs import run_requests
 
 pytestmark = pytest.mark.timeout(120)
 ENGINE = EngineConfig(model=ModelConfig(model="tiny", dtype="float32"), cache=CacheConfig(num_blocks=64, block_size=4))
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-GREEDY_PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture
-async def controller():
-    c = DPController(ServerConfig(dp_size=2, port=0, load_balance_method="round_robin"), ENGINE)
+async def controller(request):
+    migration_limit = getattr(request, "param", 1)
+    c = DPController(ServerConfig(dp_size=2, port=0, load_balance_method="round_robin", migration_limit=migration_limit),
+                     ENGINE)
     await c.start()
     yield c
     await c.close()
@@ -36,7 +36,7 @@ async def collect(c, msg, rank):
 
 def expected_tokens(prompt: str) -> list[int]:
     core = EngineCore(ENGINE)
-    return run_requests(core, [(core.tokenizer.encode(prompt), GREEDY_PARAMS)])[0].outputs.token_ids
+    return run_requests(core, [(core.tokenizer.encode(prompt), GREEDY)])[0].outputs.token_ids
 
 
 async def test_each_rank_serves_the_same_greedy_tokens(controller):
@@ -83,6 +83,21 @@ async def test_closing_the_stream_early_aborts_and_frees_blocks(controller):
     assert (stats.num_free_blocks, stats.num_running) == (64, 0)
 
 
+async def test_a_request_of_a_dead_worker_goes_on_on_the_other_one(controller):
+    """Migration: the stream goes on from where it was, with the tokens of an undisturbed run."""
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    expected = [t for o in await collect(controller, GenerateMsg("undisturbed", params, prompt="y" * 30), 0)
+                for t in o.new_token_ids]
+    stream = controller.generate(GenerateMsg("moved", params, prompt="y" * 30), 1)
+    outs = [await stream.__anext__()]
+    os.kill(controller.workers[1].process.pid, signal.SIGKILL)
+    outs += [o async for o in stream]
+    assert ([t for o in outs for t in o.new_token_ids], outs[-1].error, outs[-1].finish_reason) == (
+        expected, None, FinishReason.LENGTH)
+    assert len(expected) == 200
+
+
+@pytest.mark.parametrize("controller", [0], indirect=True)  # --migration-limit 0
 async def test_a_dead_worker_fails_its_requests_with_503_not_a_hang(controller):
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     stream = controller.generate(GenerateMsg("doomed", long, prompt="y" * 30), 1)

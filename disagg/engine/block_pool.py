@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from disagg.engine.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+
 BlockHash = int
 
 
@@ -21,10 +23,12 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: list[KVCacheEvent] | None = None):
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # What the index did, for KV event publishers (None: nothing is recorded); the owner drains it.
+        self.events = events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
@@ -62,15 +66,20 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_cnt += 1
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> None:
-        """Record that a full block holds the tokens hashed by `block_hash`."""
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Record that a full block holds the tokens hashed by `block_hash`; True when it entered the index."""
         if not self.enable_caching:
-            return
+            return False
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
-            return  # already cached, or an identical block is (keep the first)
+            return False  # already cached, or an identical block is (keep the first)
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        return True
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference per block; blocks reaching 0 join the free queue in the given order."""
@@ -88,12 +97,16 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block.block_id:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved((block.block_hash,)))
             block.block_hash = None
 
     def check_integrity(self) -> None:

@@ -16,6 +16,7 @@ import torch
 from disagg.engine_config import EngineConfig
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
+from disagg.engine.kv_events import KVCacheEvent
 from disagg.engine.loader import LoadedModel, load_model
 from disagg.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from disagg.engine.models.llama import LlamaModel
@@ -330,6 +331,14 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def enable_kv_events(self) -> None:
+        """Record the prefix cache's changes (blocks stored, removed, all cleared) from now on."""
+        self.kv.enable_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, oldest first (empty unless enabled)."""
+        return self.kv.take_events()
+
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache, and on CUDA the device's weights too (the host copy the engine
         loaded stays, and wake_up moves it back); level 2 also drops the host copy. Unfinished
@@ -340,6 +349,7 @@ class EngineCore:
             self.abort(request_id)
         for request_id in list(self.scheduler.holding):
             self.release(request_id)  # the cache itself goes away: nothing can be written into it
+        self.kv.reset_prefix_cache()  # what the index names is gone with the memory (AllBlocksCleared)
         self.runner.free_kv_cache()
         on_cuda = self.config.model.device.startswith("cuda")
         if level == 2 or on_cuda:

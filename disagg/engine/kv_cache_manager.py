@@ -7,6 +7,7 @@ equal hashes mean equal prefixes.
 from __future__ import annotations
 
 from disagg.engine.block_pool import BlockPool
+from disagg.engine.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from disagg.engine.request import Request
 
 
@@ -68,8 +69,36 @@ class KVCacheManager:
             return
         num_full = num_computed_tokens // self.block_size
         self._extend_hashes(request, num_full)
-        for i in range(num_full):
-            self.pool.cache(request.block_ids[i], request.block_hashes[i])
+        new = [i for i in range(num_full) if self.pool.cache(request.block_ids[i], request.block_hashes[i])]
+        if new and self.pool.events is not None:
+            self._record_stored(request, new)
+
+    def _record_stored(self, request: Request, new: list[int]) -> None:
+        """One BlockStored per run of consecutive newly indexed blocks (a run's parent is the block before it)."""
+        runs: list[list[int]] = []
+        for i in new:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs, hashes = self.block_size, request.block_hashes
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.pool.events.append(BlockStored(tuple(hashes[first:end]), hashes[first - 1] if first else None,
+                                                tuple(request.all_token_ids[first * bs : end * bs])))
+
+    def enable_events(self) -> None:
+        """Record what the prefix-hash index does from now on (drained with take_events)."""
+        if self.pool.events is None:
+            self.pool.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (empty when events are off)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks first in the eviction order (least reusable)."""
@@ -79,7 +108,10 @@ class KVCacheManager:
     def reset(self) -> None:
         """A fresh pool (the cache memory was reallocated: nothing in it is valid)."""
         assert self.pool.num_free_blocks == self.pool.num_blocks, "reset with blocks in use"
-        self.pool = BlockPool(self.pool.num_blocks, self.enable_caching)
+        events = self.pool.events
+        if events is not None and self.pool.num_cached_blocks:
+            events.append(AllBlocksCleared())
+        self.pool = BlockPool(self.pool.num_blocks, self.enable_caching, events)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -1,7 +1,9 @@
 """Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching full blocks, freeing.
 
 Pure Python, on top of the block pool. A block's hash chains its parent's hash with its tokens, so
-equal hashes mean equal prefixes.
+equal hashes mean equal prefixes: Python's hash of (parent hash, token ids), a signed 64-bit int.
+Ints and tuples of ints hash the same in every process (PYTHONHASHSEED salts str and bytes only),
+so every worker gives a prefix the same hashes, and KV events can name blocks by them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,11 @@ from __future__ import annotations
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from disagg.engine.request import Request
+
+
+# The parent of a sequence's first block. Not None: before Python 3.12 hash(None) is its address,
+# which differs between processes.
+ROOT_BLOCK_HASH = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -121,5 +128,5 @@ class KVCacheManager:
         bs = self.block_size
         while len(request.block_hashes) < num_blocks:
             i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else None
+            parent = request.block_hashes[-1] if i else ROOT_BLOCK_HASH
             request.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))

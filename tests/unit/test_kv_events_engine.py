@@ -14,8 +14,9 @@ B = [21, 22, 23, 24, 25, 26, 27, 28]
 
 
 def block_hash(parent, tokens):
-    """The engine's chain (kv_cache_manager): a block's hash is Python's hash of (parent hash, its tokens)."""
-    return hash((parent, tuple(tokens)))
+    """The engine's chain (kv_cache_manager): a block's hash is Python's hash of (parent hash, its
+    tokens), the first block's parent hash 0."""
+    return hash((0 if parent is None else parent, tuple(tokens)))
 
 
 def engine(loaded, num_blocks=64) -> EngineCore:

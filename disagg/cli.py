@@ -16,6 +16,7 @@ from disagg.config import (
 )
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -36,6 +37,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
     add_dataclass_args(parser.add_argument_group("TlsConfig (HTTPS on this server's port)"), TlsConfig)
     parser.set_defaults(admin_key=ServerConfig().admin_key)  # from the environment, kept out of --help
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON", help=KV_EVENTS_HELP)
 
 
 def secret_defaults() -> dict[str, object]:
@@ -132,7 +134,8 @@ def run(argv: list[str]) -> int:
         disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
         server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
         check_cluster_secret(server, disagg)  # before anything binds or loads
-        return launch.run(server, engine_from_args(args), disagg)
+        kv_events = parse_kv_events_config(args.kv_events_config)
+        return launch.run(server, engine_from_args(args), disagg, kv_events)
     if args.command == "serve":
         from disagg import cluster
 

@@ -24,6 +24,7 @@ from disagg.api.state import STATE
 from disagg.config import DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
+from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.drain import Drain, StopSignals
@@ -61,7 +62,8 @@ class RunningServer:
             await self.bootstrap.close()
 
 
-async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> tuple[DPController, BootstrapServer | None]:
+async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig,
+                      kv_events: KVEventsConfig) -> tuple[DPController, BootstrapServer | None]:
     if server.disaggregation_mode is DisaggregationMode.PREFILL:
         bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
                                                     cluster_secret=disagg.cluster_secret,
@@ -69,14 +71,15 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
         role = RoleSpec("prefill.role:PrefillRole", dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
-        return PrefillController(server, engine, role, disagg), bootstrap
+        return PrefillController(server, engine, role, disagg, kv_events), bootstrap
     if server.disaggregation_mode is DisaggregationMode.DECODE:
-        return DPController(server, engine, RoleSpec("decode.role:DecodeRole", dict(config=disagg))), None
-    return DPController(server, engine), None
+        return DPController(server, engine, RoleSpec("decode.role:DecodeRole", dict(config=disagg)), kv_events), None
+    return DPController(server, engine, kv_events=kv_events), None
 
 
 async def start_server(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig(),
-                       progress: Callable[[str], None] = say) -> RunningServer:
+                       progress: Callable[[str], None] = say,
+                       kv_events: KVEventsConfig = KVEventsConfig()) -> RunningServer:
     """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure. A
     prefill or decode open to the network without a cluster secret is refused first (ConfigError)."""
     check_cluster_secret(server, disagg)
@@ -84,7 +87,7 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
         log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
                     mode=server.disaggregation_mode)
     ssl_context = server_ssl_context(server.tls)  # a certificate that does not load stops us before the model
-    controller, bootstrap = await _controller(server, engine, disagg)
+    controller, bootstrap = await _controller(server, engine, disagg, kv_events)
     try:
         await controller.start(progress)
         app = create_app(server, controller)
@@ -97,8 +100,9 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
     return RunningServer(controller, runner, port, app[STATE].drain, bootstrap)
 
 
-async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig) -> int:
-    running = await start_server(server, engine, disagg)
+async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig,
+                        kv_events: KVEventsConfig = KVEventsConfig()) -> int:
+    running = await start_server(server, engine, disagg, kv_events=kv_events)
     signals = StopSignals()
     signals.install()
     url = f"{server.tls.scheme}://{server.host}:{running.port}"
@@ -126,10 +130,11 @@ async def drain_server(running: RunningServer, timeout_s: float, hurry: asyncio.
     log.info("drained", mode=mode, aborted=aborted, leases_left=left)
 
 
-def run(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig()) -> int:
+def run(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig(),
+        kv_events: KVEventsConfig = KVEventsConfig()) -> int:
     configure_logging(server.log_format)
     try:
-        return asyncio.run(serve_forever(server, engine, disagg))
+        return asyncio.run(serve_forever(server, engine, disagg, kv_events))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

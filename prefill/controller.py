@@ -11,6 +11,7 @@ import structlog
 
 from disagg.config import DisaggConfig, ServerConfig
 from disagg.engine_config import EngineConfig
+from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController
 from disagg.dp.worker import RoleSpec
 from disagg.types import FinishReason
@@ -24,8 +25,9 @@ LEASE_COUNT_TIMEOUT_S = 2.0  # one count of the leases; settle's deadline caps i
 
 class PrefillController(DPController):
     migrates = False  # a room's KV lives on the rank that computed it: a dead rank's request fails (503)
-    def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec, disagg: DisaggConfig):
-        super().__init__(server, engine, role)
+    def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec, disagg: DisaggConfig,
+                 kv_events: KVEventsConfig = KVEventsConfig()):
+        super().__init__(server, engine, role, kv_events)
         self.disagg = disagg
 
     async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:

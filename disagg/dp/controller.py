@@ -25,6 +25,7 @@ import structlog
 
 from disagg.config import DisaggregationMode, ServerConfig
 from disagg.engine_config import EngineConfig
+from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher
 from disagg.dp.framing import frame, read_frame
@@ -97,8 +98,10 @@ class DPController:
 
     migrates = True  # a request whose worker died goes on on another (ServerConfig.migration_limit)
 
-    def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec = RoleSpec()):
+    def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec = RoleSpec(),
+                 kv_events: KVEventsConfig = KVEventsConfig()):
         self.server = server
+        self.kv_events = kv_events
         self.dp_size = server.dp_size
         self.load_balance_method = server.load_balance_method
         threads = engine.num_threads or max(1, (os.cpu_count() or 1) // server.dp_size)
@@ -133,7 +136,8 @@ class DPController:
         self._supervising = True  # from now on a dead worker is restarted (at start-up it is fatal)
 
     def _spawn(self, rank: int):
-        spec = WorkerSpec(rank, self.engine_config.for_dp_rank(rank), self._socket_path, self.server.log_format, self.role)
+        spec = WorkerSpec(rank, self.engine_config.for_dp_rank(rank), self._socket_path, self.server.log_format, self.role,
+                          self.kv_events)
         process = multiprocessing.get_context("spawn").Process(
             target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
         process.start()

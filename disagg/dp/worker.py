@@ -27,6 +27,8 @@ import structlog
 
 from disagg.engine_config import EngineConfig
 from disagg.dp.framing import frame, read_frame
+from disagg.dp.kv_events import ZmqEventPublisher, open_publisher
+from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, RoomFailedMsg, RoomPlacedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
@@ -60,6 +62,7 @@ class WorkerSpec:
     socket_path: str
     log_format: str = "console"
     role: RoleSpec = RoleSpec()  # the P/D roles plug in here
+    kv_events: KVEventsConfig = KVEventsConfig()  # the server's; the worker offsets its endpoints by dp_rank
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -81,13 +84,16 @@ async def _main(spec: WorkerSpec) -> None:
     core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine)
     name = spec.engine.model.served_model_name or core.loaded.name
     role = spec.role.build(core, spec.dp_rank, name)
+    events = open_publisher(spec.kv_events, spec.dp_rank, core)
     await role.start()
     try:
         writer.write(frame(encode(role.ready_msg())))
         log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
-        await serve(role, reader, writer, engine_thread)
+        await serve(role, reader, writer, engine_thread, events)
     finally:
         await role.close()
+        if events is not None:
+            events.close()
         writer.close()
         engine_thread.shutdown(wait=False)
 
@@ -109,7 +115,7 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
 
 
 async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                engine_thread: ThreadPoolExecutor) -> None:
+                engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None) -> None:
     inbox: asyncio.Queue = asyncio.Queue()
     role.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
     reading = asyncio.create_task(_read_into(inbox, reader))
@@ -129,6 +135,8 @@ async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
                 _send(role, writer, await loop.run_in_executor(engine_thread, step, role))
                 _send(role, writer, await role.poll())  # blocks the step just computed go out now
+            if events is not None:  # what this turn's steps, utilities and transfers did to the prefix cache
+                events.publish(role.core.take_kv_events())
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 _send(role, writer, [role.stats()])

@@ -1,9 +1,10 @@
-"""`--kv-events-config` end to end: a unified server's DP workers publish vLLM's KVEventBatch over
+"""`--kv-events-config` end to end: the DP workers of a unified server (and of a P/D pair) publish vLLM's KVEventBatch over
 ZMQ to a SUB socket of this test (bound on loopback: a non-wildcard endpoint is connected to, as in
 vLLM), each worker on the endpoint's port + its rank; the replay socket resends kept batches."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import aiohttp
@@ -14,7 +15,7 @@ from disagg.config import DisaggConfig, ServerConfig
 from disagg.kv_events_config import parse_kv_events_config
 from disagg.launch import start_server
 from disagg.wire.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
-from pd_cluster import TINY
+from pd_cluster import TINY, Cluster, pd_config
 
 pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.timeout(60)]
 A = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
@@ -146,6 +147,35 @@ async def test_each_dp_worker_publishes_on_its_own_port_with_its_rank():
         assert [seq for seq, _ in replayed] == [0, -1] and decode_batch(replayed[0][1]) == got[1][2]
     finally:
         await running.close()
+        for sub in subs:
+            sub.socket.close(linger=0)
+        ctx.term()
+
+
+async def test_prefill_and_decode_workers_publish_the_same_chain():
+    """A P/D pair (dp 1 each): the prefill stores the prompt's blocks it computed, the decode the
+    same blocks once their KV landed; both with the same hashes."""
+    ctx = zmq.Context()
+    ports = [(free_port_pair(), free_port_pair()) for _ in range(2)]
+    subs = [Subscriber(ctx, pub_port, b"kv") for pub_port, _ in ports]
+    disagg = pd_config("tcp")
+    configs = [parse_kv_events_config(f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{pub}", '
+                                      f'"replay_endpoint": "tcp://127.0.0.1:{rep}", "topic": "kv"}}') for pub, rep in ports]
+    prefill, decode = await asyncio.gather(*(
+        start_server(ServerConfig(port=0, disaggregation_mode=mode), TINY, disagg, lambda _: None, kv_events=config)
+        for mode, config in zip(("prefill", "decode"), configs)))
+    for sub in subs:
+        sub.attach()
+    cluster = Cluster(prefill, decode, aiohttp.ClientSession())
+    try:
+        body = cluster.pd_body({"input_ids": A, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        (p_status, _, _), (d_status, _, _) = await cluster.post_both("/generate", body, body)
+        assert (p_status, d_status) == (200, 200)
+        got = [sub.receive() for sub in subs]
+        assert [(topic, seq, batch.data_parallel_rank, batch.events) for topic, seq, batch in got] == [
+            (b"kv", 0, 0, [stored(A)]), (b"kv", 0, 0, [stored(A)])]
+    finally:
+        await cluster.close()
         for sub in subs:
             sub.socket.close(linger=0)
         ctx.term()

@@ -92,7 +92,8 @@ class DecodeRole(WorkerRole):
             pending, prompt_ids = self.queued[0]
             request_id = pending.msg.request_id
             try:
-                blocks = self.core.reserve_for_remote_kv(request_id, prompt_ids, pending.msg.sampling)
+                blocks = self.core.reserve_for_remote_kv(request_id, prompt_ids, pending.msg.sampling,
+                                                         pending.msg.priority)
             except Exception as exc:
                 self.queued.popleft()
                 self._flow(pending).end(request_id, pending, str(exc))

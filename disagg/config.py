@@ -222,6 +222,12 @@ class ServerConfig:
         default=1, metadata={"help": "how many times a request whose DP worker died goes on on another worker of this "
                                      "server (its prompt and the tokens already streamed computed again there); 0: "
                                      "never (it ends with 503); a prefill never migrates"})
+    max_waiting_requests: int = field(
+        default=0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while this many "
+                                     "requests wait (dispatched to a DP worker, not running yet); 0: no limit"})
+    max_kv_usage: float = field(
+        default=1.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while the KV "
+                                       "cache of every live DP worker is more than this fraction used; 1.0: off"})
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
@@ -240,6 +246,10 @@ class ServerConfig:
         DisaggregationMode.coerce_field(self, "disaggregation_mode")
         if self.migration_limit < 0:
             raise ConfigError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.max_waiting_requests < 0:
+            raise ConfigError(f"max_waiting_requests must be >= 0 (0: no limit), got {self.max_waiting_requests}")
+        if not 0.0 < self.max_kv_usage <= 1.0:
+            raise ConfigError(f"max_kv_usage must be in (0, 1] (1: off), got {self.max_kv_usage}")
         check_shutdown_timeout(self.shutdown_timeout_s)
         check_secret("api_key", self.api_key)
         check_secret("admin_key", self.admin_key)

@@ -88,14 +88,28 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory_mib must be positive, got {self.kv_cache_memory_mib}")
 
 
+class SchedulingPolicy(Choice):
+    """The order of the engine's waiting queue (vLLM's `--scheduling-policy`)."""
+
+    FCFS = "fcfs"  # arrival order; a request's `priority` has no effect
+    PRIORITY = "priority"  # (priority, arrival): lower value first; preemption evicts the largest first
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(
         default=1024, metadata={"help": "token budget of one engine step (chunked prefill)"}
     )
+    scheduling_policy: SchedulingPolicy = field(
+        default=SchedulingPolicy.FCFS,
+        metadata={"help": "fcfs (arrival order; priority ignored) or priority (a request's priority, lower first, "
+                          "then arrival; when the KV cache runs out the running request with the largest "
+                          "(priority, arrival) is preempted)"},
+    )
 
     def __post_init__(self) -> None:
+        SchedulingPolicy.coerce_field(self, "scheduling_policy")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

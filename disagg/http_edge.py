@@ -27,7 +27,7 @@ KEPT_HEADERS = ("allow", "www-authenticate")
 
 TYPE_OF_STATUS = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-    413: "RequestTooLargeError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
 
@@ -56,12 +56,14 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 
 
 class HttpError(Exception):
-    """An error answered with `status` and an OpenAI-shaped body (`error()` is the JSON object)."""
+    """An error answered with `status` and an OpenAI-shaped body (`error()` is the JSON object), and
+    `headers` (a 429's Retry-After)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None):
+                 error_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
         self.message = message
         self.param = param
         self.code = code
@@ -167,6 +169,6 @@ def error_middleware(edge: Edge):
             err = edge.error_of(exc)
             if err is None:
                 raise
-            return edge.response(err)
+            return edge.response(err, err.headers or None)
 
     return errors_as_json

@@ -38,7 +38,7 @@ class PullRequests:
     def submit(self, msg: GenerateMsg, prompt_ids: Callable[[GenerateMsg], list[int]], params: SamplingParams) -> list[OutputMsg]:
         """Compute a pull request's prompt, holding its blocks for the ticket."""
         try:
-            self.core.add_request(msg.request_id, prompt_ids(msg), params, hold_blocks=True)
+            self.core.add_request(msg.request_id, prompt_ids(msg), params, hold_blocks=True, priority=msg.priority)
         except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
             return [error_output(msg.request_id, exc)]
         self.finals[msg.request_id] = None

@@ -69,7 +69,7 @@ class PushRooms:
                 raise InvalidRequest("a prefill request needs bootstrap_room (and bootstrap_host, bootstrap_port)", "bootstrap_room")
             if room in self.rooms:
                 raise InvalidRequest(f"bootstrap_room {room} is already in use on this prefill worker", "bootstrap_room")
-            self.core.add_request(msg.request_id, prompt_ids(msg), params, hold_blocks=True)
+            self.core.add_request(msg.request_id, prompt_ids(msg), params, hold_blocks=True, priority=msg.priority)
         except Exception as exc:
             if room is not None and room not in self.rooms:  # a duplicate never spoils the room in use
                 await self.room_failed(room, f"the prefill rejected the request: {exc}")

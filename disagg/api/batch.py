@@ -14,10 +14,10 @@ from typing import Protocol
 import structlog
 from aiohttp import web
 
-from disagg.api.errors import draining_error, to_api_error
+from disagg.api.errors import to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
-from disagg.api.serving import end_stream_if_drained, json_response, shutdown_if_drained
+from disagg.api.serving import admit, end_stream_if_drained, json_response, shutdown_if_drained
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import ApiState, state_of
 from disagg.drain import Drain
@@ -52,8 +52,7 @@ async def serve_batch(request: web.Request, items: list[tuple[GenerateMsg, int |
     duplicate = next((rid for i, rid in enumerate(ids) if rid in ids[:i]), None)
     if duplicate is not None:
         raise BadRequest(f"request id {duplicate!r} appears twice in the batch", "rid")
-    if state.drain.draining:
-        raise draining_error(state.drain)
+    admit(state)
     with state.drain.track():
         generations = [Generation(state, msg, state.engine.pick_rank(rank, msg.bootstrap_room)) for msg, rank in items]
         headers = {DP_RANK_HEADER: str(generations[0].totals.dp_rank), REQUEST_ID_HEADER: request_id}

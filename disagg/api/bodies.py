@@ -83,6 +83,7 @@ class OpenAIBody(SamplingFields, kw_only=True):
     max_tokens: Int64 | None = None
     request_id: str | None = None
     add_special_tokens: bool | None = None
+    priority: Int64 | None = None  # scheduling (vLLM's): lower first under --scheduling-policy priority
 
 
 class CompletionBody(OpenAIBody, kw_only=True):
@@ -147,6 +148,7 @@ class SGLangBody(msgspec.Struct, kw_only=True):
     return_text_in_logprobs: bool | None = None
     token_ids_logprob: object = None  # token ids, or (a batch) one list of them per prompt
     rid: object = None
+    priority: Int64 | None = None  # every prompt of a batch alike
 
 
 class TokensSampling(SamplingFields, kw_only=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import structlog
 
+from disagg.api.admission import RETRY_AFTER_S, Overload
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
 from disagg.drain import Drain
 from disagg.http_edge import DRAINING_CODE, SHUTDOWN_CODE, BadRequest, Edge, HttpError, error_middleware, http_error_of
@@ -37,6 +38,11 @@ def draining_error(drain: Drain) -> HttpError:
 def shutdown_error(drain: Drain) -> HttpError:
     """503 (or the stream's error event) for a request the drain aborted."""
     return HttpError(503, drain.abort_message(), code=SHUTDOWN_CODE)
+
+
+def overloaded_error(overload: Overload) -> HttpError:
+    """429 with Retry-After for a new generate request the overloaded server refuses at once."""
+    return HttpError(429, overload.message, code=overload.code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class UnauthorizedAdmin(HttpError):

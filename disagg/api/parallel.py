@@ -17,11 +17,11 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from disagg.api.errors import draining_error, to_api_error
+from disagg.api.errors import to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.serving import (
-    Renderer, end_stream_if_drained, json_response, serve_generation, shutdown_if_drained,
+    Renderer, admit, end_stream_if_drained, json_response, serve_generation, shutdown_if_drained,
 )
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
@@ -62,8 +62,7 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
                          "room; send n requests, or use a unified server", "n")
     state = state_of(request)
     bind_request(msg.request_id)
-    if state.drain.draining:
-        raise draining_error(state.drain)
+    admit(state)
     with state.drain.track():
         dp_rank = state.engine.pick_rank(routed_dp_rank, None)
         generations = [Generation(state, child, dp_rank) for child in child_msgs(msg, n)]

@@ -15,11 +15,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from disagg.api.errors import draining_error, shutdown_error, to_api_error
+from disagg.api.admission import overload
+from disagg.api.errors import draining_error, overloaded_error, shutdown_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.sse import ClientGone, SSEWriter
-from disagg.api.state import state_of
+from disagg.api.state import ApiState, state_of
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
@@ -51,12 +52,12 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
                            renderer: Renderer, *, stream: bool) -> web.StreamResponse:
     """Run `msg` on the DP worker the engine picks and answer with `renderer`'s bodies.
 
-    A draining server refuses the request (503); one the drain aborts ends with its shutdown error.
+    A draining server refuses the request (503), an overloaded one too (429); one the drain aborts
+    ends with its shutdown error.
     """
     state = state_of(request)
     bind_request(msg.request_id, bootstrap_room=msg.bootstrap_room)
-    if state.drain.draining:
-        raise draining_error(state.drain)
+    admit(state)
     with state.drain.track():
         dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room)
         structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
@@ -67,6 +68,17 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
         with shutdown_if_drained(state.drain):
             totals = await generation.collect()
         return json_response(renderer.full(totals), headers=headers)
+
+
+def admit(state: ApiState) -> None:
+    """Refuse a new generate request at once: 503 while the server drains, 429 (Retry-After) while
+    it is overloaded (api/admission.py)."""
+    if state.drain.draining:
+        raise draining_error(state.drain)
+    config = state.config
+    refusal = overload(state.engine.worker_states(), config.max_waiting_requests, config.max_kv_usage)
+    if refusal is not None:
+        raise overloaded_error(refusal)
 
 
 @contextmanager

@@ -106,10 +106,10 @@ class _Item:
     sampling: SamplingParams
     fields: LogprobFields
 
-    def message(self, request_id: str, routing) -> GenerateMsg:
+    def message(self, request_id: str, routing, priority: int) -> GenerateMsg:
         """The item's GenerateMsg; input logprobs need the prompt's ids back (text prompts too)."""
         f = self.fields
-        return build_generate_msg(request_id, self.sampling, routing, **self.prompt,
+        return build_generate_msg(request_id, self.sampling, routing, **self.prompt, priority=priority,
                                   return_prompt=f.return_logprob and f.start >= 0,
                                   return_token_texts=f.return_logprob and f.return_text)
 
@@ -154,7 +154,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     request_ids = _request_ids(request, body.rid, len(items), is_batch)
     routing = read_routing(request, raw, state.warn_once)
     routings = routing.for_items(len(items))
-    msgs = [item.message(rid, r) for rid, item, r in zip(request_ids, items, routings)]
+    msgs = [item.message(rid, r, body.priority or 0) for rid, item, r in zip(request_ids, items, routings)]
     renderers = [SGLangRenderer(item.fields) for item in items]
     if not is_batch:
         return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: SGLangRenderer(items[0].fields),

@@ -96,7 +96,7 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     sampling = tokens_sampling(body.sampling_params or TokensSampling())
     request_id = choose_request_id(request, body.request_id, "request_id", "cmpl")
     routing = read_routing(request, raw, state.warn_once)
-    msg = build_generate_msg(request_id, sampling, routing, prompt_token_ids=token_ids)
+    msg = build_generate_msg(request_id, sampling, routing, prompt_token_ids=token_ids, priority=body.priority or 0)
     options = body.stream_options or StreamOptions()
     n = check_n((body.sampling_params or TokensSampling()).n)
     return await serve_choices(

@@ -35,9 +35,10 @@ OPENAI_REFUSED: Mapping[str, Neutral] = {
     "store": _OFF, "metadata": _EMPTY, "web_search_options": _NONE, "functions": _EMPTY, "function_call": (None, "none"),
     "verbosity": _NONE,
 }
-# Accepted and without effect on the output. `priority`: one FCFS queue. `cache_salt`: the prefix cache
-# is shared by every request (docs/api.md says so; a tenant needing isolation runs its own server).
-OPENAI_IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "priority", "cache_salt"})
+# Accepted and without effect on the output. `cache_salt`: the prefix cache is shared by every request
+# (docs/api.md says so; a tenant needing isolation runs its own server). `priority` is a body field
+# (bodies.py): it orders the engine's queue under --scheduling-policy priority.
+OPENAI_IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "cache_salt"})
 CHAT_REFUSED: Mapping[str, Neutral] = {**OPENAI_REFUSED, "echo": _OFF}  # vLLM's chat echo (prepend the last message)
 
 # vLLM SamplingParams (the `sampling_params` of /inference/v1/generate).
@@ -52,7 +53,7 @@ VLLM_SAMPLING_REFUSED: Mapping[str, Neutral] = {
 VLLM_SAMPLING_IGNORED = frozenset({"skip_clone"})  # an in-process copy hint
 # vLLM's GenerateRequest (top level of /inference/v1/generate).
 TOKENS_REFUSED: Mapping[str, Neutral] = {"features": _EMPTY}
-TOKENS_IGNORED = frozenset({"cache_salt"})  # as OPENAI_IGNORED; `priority` is in TokensBody, unused likewise
+TOKENS_IGNORED = frozenset({"cache_salt"})  # as OPENAI_IGNORED
 # Owned by the P/D layer (the pull flow's ticket), not by the sampling front: neither refused nor ignored here.
 PD_FIELDS = frozenset({"kv_transfer_params"})
 
@@ -69,8 +70,8 @@ SGLANG_REFUSED: Mapping[str, Neutral] = {
     "video_max_dynamic_patch": _NONE, "images_config": _EMPTY, "multi_item_delimiter_indices": _EMPTY,
     "extra_key": _EMPTY, "modalities": _EMPTY, "return_prompt_token_ids": _OFF,
 }
-SGLANG_IGNORED = frozenset({  # router hints and logging switches, plus priority and cache_salt as OPENAI_IGNORED
-    "log_metrics", "priority", "cache_salt", "bootstrap_pair_key", "decode_tp_size",
+SGLANG_IGNORED = frozenset({  # router hints and logging switches, plus cache_salt as OPENAI_IGNORED
+    "log_metrics", "cache_salt", "bootstrap_pair_key", "decode_tp_size",
     "kv_router_hint", "routing_key",
     "conversation_id", "http_worker_ipc", "no_logs", "custom_labels", "external_trace_header", "received_time",
     "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",

@@ -143,7 +143,7 @@ class WorkerRole:
         """Queue a request; a rejected one answers at once with its error, and the worker goes on."""
         try:
             self.core.add_request(msg.request_id, self.prompt_ids(msg), msg.sampling,
-                                  resume_token_ids=msg.resume_token_ids or ())
+                                  resume_token_ids=msg.resume_token_ids or (), priority=msg.priority)
         except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
             return [admission_error(msg.request_id, exc)]
         return []

@@ -110,24 +110,25 @@ class EngineCore:
         return f"req-{next(self._ids)}"
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_blocks: bool = False,
-                    resume_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+                    resume_token_ids: list[int] | tuple[int, ...] = (), priority: int = 0) -> None:
         """Queue a request. Raises InvalidRequest (bad input) or EngineSleeping. `resume_token_ids`:
         output tokens another engine already produced (a migration): computed with the prompt, counted
-        by max_tokens, penalties and stops, never emitted again."""
-        request = self._new_request(request_id, prompt_token_ids, params, hold_blocks)
+        by max_tokens, penalties and stops, never emitted again. `priority`: lower is served first
+        under the priority scheduling policy; fcfs ignores it."""
+        request = self._new_request(request_id, prompt_token_ids, params, hold_blocks, priority)
         if resume_token_ids:
             request.output_token_ids = list(resume_token_ids)
             request.logprobs = [{} for _ in resume_token_ids] if params.logprobs is not None else []
         self.scheduler.add(request)
         self.outputs.add(request)
 
-    def _new_request(self, request_id, prompt_token_ids, params, hold_blocks) -> Request:
+    def _new_request(self, request_id, prompt_token_ids, params, hold_blocks, priority=0) -> Request:
         if self.sleep_level:
             raise EngineSleeping("the engine is sleeping; call wake_up() first")
         params = self.check_request(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold_blocks)
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold_blocks, priority)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Admission: refuse (InvalidRequest) what could make a step raise or cannot fit the context.
@@ -213,9 +214,11 @@ class EngineCore:
 
     # ---- P/D hooks ----------------------------------------------------------------------------
 
-    def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV another engine writes; None when the cache is full."""
-        request = self._new_request(request_id, prompt_token_ids, params, False)
+    def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              priority: int = 0) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV another engine writes; None when the cache is full.
+        `priority` orders the request's preemption once it runs (the priority policy)."""
+        request = self._new_request(request_id, prompt_token_ids, params, False, priority)
         if not self.scheduler.reserve_for_remote_kv(request):
             return None
         self.outputs.add(request)

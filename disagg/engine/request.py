@@ -33,6 +33,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     hold_blocks: bool = False  # keep blocks after finishing, until release()
+    priority: int = 0  # lower is served first under the priority policy (vLLM's); fcfs ignores it
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -1,17 +1,20 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
-Pure Python. Each step: running requests first (in arrival order), then waiting ones, within a
-token budget. A request whose computed tokens reach its total after this step samples one token.
+Pure Python. Each step: running requests first (in the order they started), then waiting ones,
+within a token budget. The waiting queue is in arrival order (fcfs) or by (priority, arrival) under
+the priority policy; when the KV cache runs out, the last request to start (fcfs) or the running one
+with the largest (priority, arrival) (vLLM's rule) is preempted and queued again. A request whose computed tokens reach its total after this step samples one token.
 The P/D hooks are plain states: WAITING_FOR_KV (blocks reserved, KV written by someone else) and
 HOLDING (finished, blocks kept until released).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from disagg.engine_config import SchedulerConfig
+from disagg.engine_config import SchedulerConfig, SchedulingPolicy
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.request import Request, RequestStatus
 from disagg.types import FinishReason, SamplingParams, TopLogprobs
@@ -70,7 +73,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: fcfs at the back (a preempted request at the front, it arrived
+        first); priority in (priority, arrival) order, after equal keys."""
+        if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
+            bisect.insort_right(self.waiting, request, key=_priority_key)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def reserve_for_remote_kv(self, request: Request) -> bool:
         """Reserve blocks for a prompt whose KV another engine will write; False if no room."""
@@ -127,18 +140,19 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
-                continue
-            scheduled.append((request, num_new))
-            budget -= num_new
+            if self._allocate_or_preempt(request, num_new, out, scheduled):
+                scheduled.append((request, num_new))
+            # A victim scheduled earlier in this loop gave its tokens back.
+            budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
         if not out.preempted_ids:
             budget = self._schedule_waiting(budget, scheduled)
         out.seqs = [self._seq(r, n) for r, n in scheduled]
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
+                             scheduled: list[tuple[Request, int]]) -> bool:
         while not self.kv.allocate_slots(request, num_new):
-            victim = self.running[-1]
+            victim = self._victim()
             if victim is request and len(self.running) == 1:
                 if self.holding or self.remote:
                     # Blocks held for a remote reader (or writer) come back when that transfer ends, and
@@ -152,9 +166,17 @@ class Scheduler:
                 return False
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
+            scheduled[:] = [(r, n) for r, n in scheduled if r is not victim]  # priority: it may have run first
             if victim is request:
                 return False
         return True
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the last to start (fcfs), or the largest (priority,
+        arrival) (vLLM's rule)."""
+        if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -181,7 +203,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
 
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -304,6 +326,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
 
 
 def _history(request: Request, sample: bool) -> dict[str, tuple[int, ...]]:

@@ -178,8 +178,9 @@ class RouterConfig:
     connect_timeout_s: float = field(default=10.0, metadata={"help": "limit for opening a connection to a server"})
     retry_max_retries: int = field(
         default=2, metadata={"help": "a request whose leg failed before any byte reached the client (a server "
-                                     "unreachable, or a 503 such as a dead DP rank) is sent again to a pair with a "
-                                     "fresh room, at most this many times (0: never)"})
+                                     "unreachable, a 503 such as a dead DP rank, or a 429 from an overloaded server "
+                                     "when its role has another server) is sent again to a pair with a fresh room, "
+                                     "at most this many times (0: never)"})
     health_check_interval_s: float = field(
         default=5.0, metadata={"help": "seconds between health checks of every server (0: no checks)"}
     )

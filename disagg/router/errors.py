@@ -62,19 +62,22 @@ class DpRankMismatch(HttpError):
 
 
 class ServerError(HttpError):
-    """A server answered with a non-2xx status: its status and body go to the client as they are.
+    """A server answered with a non-2xx status: its status and body go to the client as they are,
+    with its Retry-After (a 429's).
 
     A JSON body is passed through unchanged; any other body is wrapped into an OpenAI-shaped error
     whose message names the server.
     """
 
-    def __init__(self, role: str, url: str, status: int, raw: bytes, content_type: str):
+    def __init__(self, role: str, url: str, status: int, raw: bytes, content_type: str,
+                 retry_after: str | None = None):
         self.role = role
         self.url = url
         self.raw = raw
         self.raw_content_type = content_type
         text = raw.decode("utf-8", "replace").strip() or f"HTTP {status}"
-        super().__init__(status, f"{role} server {url} answered {status}: {text}")
+        super().__init__(status, f"{role} server {url} answered {status}: {text}",
+                         headers=None if retry_after is None else {"Retry-After": retry_after})
 
     def body(self) -> bytes:
         """The server's own JSON error body, or an OpenAI-shaped one wrapping its text."""

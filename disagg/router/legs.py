@@ -55,11 +55,12 @@ def leg_errors(leg: Leg, timeout_s: float) -> Iterator[None]:
         raise ServerUnreachable(str(leg.role), leg.server, reason) from None
 
 
-def answer_error(leg: Leg, status: int, raw: bytes, content_type: str) -> ServerError:
+def answer_error(leg: Leg, resp: aiohttp.ClientResponse, raw: bytes) -> ServerError:
     """The error for a non-2xx answer: ServerDraining when the server refused because it shuts down."""
-    if status == 503 and is_draining_answer(status, json_or_none(raw)):
+    content_type = resp.headers.get("Content-Type", "application/json")
+    if resp.status == 503 and is_draining_answer(resp.status, json_or_none(raw)):
         return ServerDraining(str(leg.role), leg.index, leg.server, raw, content_type)
-    return ServerError(str(leg.role), leg.server, status, raw, content_type)
+    return ServerError(str(leg.role), leg.server, resp.status, raw, content_type, resp.headers.get("Retry-After"))
 
 
 def json_or_none(raw: bytes) -> object:
@@ -83,9 +84,9 @@ class LegClient:
         with leg_errors(leg, self.timeout_s):
             async with self._session.post(leg.url, data=leg.body, headers=headers, timeout=self._timeout) as resp:
                 raw = await resp.read()
-                content_type = resp.headers.get("Content-Type", "application/json")
                 if not 200 <= resp.status < 300:
-                    raise answer_error(leg, resp.status, raw, content_type)
+                    raise answer_error(leg, resp, raw)
+                content_type = resp.headers.get("Content-Type", "application/json")
                 return LegAnswer(resp.status, content_type, resp.headers.get(DP_RANK_HEADER), raw)
 
     async def open_stream(self, leg: Leg, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
@@ -94,9 +95,7 @@ class LegClient:
             resp = await self._session.post(leg.url, data=leg.body, headers=headers, timeout=self._timeout)
             try:
                 if not 200 <= resp.status < 300:
-                    raw = await resp.read()
-                    content_type = resp.headers.get("Content-Type", "application/json")
-                    raise answer_error(leg, resp.status, raw, content_type)
+                    raise answer_error(leg, resp, await resp.read())
                 return resp, await resp.content.readany()
             except BaseException:
                 resp.close()

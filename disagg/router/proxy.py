@@ -5,7 +5,9 @@ decode, with the prefill's ticket.
 
 The first leg to fail cancels the other and its error is the answer. A prefill that fails after the
 decode's stream has started ends the stream with one error event and `data: [DONE]`. A server that
-answers 503 `draining` (it is shutting down) is skipped: the request goes to another pair.
+answers 503 `draining` (it is shutting down) is skipped: the request goes to another pair. A 429
+(the server is overloaded) goes to another pair when the refusing server's role has another server;
+else the client gets the 429 with its Retry-After at once.
 """
 
 from __future__ import annotations
@@ -62,10 +64,15 @@ def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[st
     return out
 
 
-def retryable(exc: HttpError) -> bool:
+def retryable(exc: HttpError, num_servers_in_role: int) -> bool:
     """A failure that says nothing against another pair: a server unreachable, or one answering 503
-    (a dead or restarting DP rank, a full KV cache, a lost prefill)."""
-    return isinstance(exc, ServerUnreachable) or (isinstance(exc, ServerError) and exc.status == 503)
+    (a dead or restarting DP rank, a full KV cache, a lost prefill), or 429 (overloaded) when its
+    role has another server (`num_servers_in_role`); the same server again would refuse it again."""
+    if isinstance(exc, ServerUnreachable):
+        return True
+    if not isinstance(exc, ServerError):
+        return False
+    return exc.status == 503 or (exc.status == 429 and num_servers_in_role > 1)
 
 
 def sse_error_event(err: HttpError) -> bytes:
@@ -131,7 +138,8 @@ class Proxy:
                 if num_draining <= 0:
                     raise
             except (ServerError, ServerUnreachable) as exc:
-                if not retryable(exc) or num_retries >= self._config.retry_max_retries:
+                others = self._pool.size(Role(exc.role))
+                if not retryable(exc, others) or num_retries >= self._config.retry_max_retries:
                     if num_retries:
                         self._metrics.retries_exhausted.labels(path).inc()
                     raise

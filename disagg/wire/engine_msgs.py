@@ -42,6 +42,8 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     resume_token_ids: list[int] | None = None
     return_prompt: bool = False  # the first OutputMsg carries the prompt's token ids and text (echo, scoring)
     return_token_texts: bool = False  # OutputMsgs carry the text of every token in their logprobs
+    # Scheduling, not sampling: lower is served first under --scheduling-policy priority (vLLM's).
+    priority: int = 0
 
 
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):

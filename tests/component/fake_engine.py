@@ -69,6 +69,7 @@ class FakeEngine:
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running: dict[str, int] = {}
         self._next_rank = 0
+        self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
 
     def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
         """Like the DP controller: a pinned rank must exist; else the load-balance method decides."""
@@ -212,6 +213,8 @@ class FakeEngine:
         raise UtilityFailed(method, {r: f"unknown utility {method!r}" for r in range(self.dp_size)})
 
     def worker_states(self) -> list[WorkerState]:
+        if self.states is not None:
+            return list(self.states)
         return [
             WorkerState(dp_rank=r, alive=self.alive[r], ready=self.alive[r],
                         num_running=sum(1 for v in self._running.values() if v == r), num_waiting=r,

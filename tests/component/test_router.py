@@ -500,3 +500,27 @@ def test_cli_prints_the_ready_line_and_stops_on_sigint():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+OVERLOADED = {"error": {"message": "the server has 8 requests waiting, its limit (--max-waiting-requests 8): retry later",
+                        "type": "RateLimitError", "param": None, "code": "too_many_waiting_requests"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_429_from_one_decode_goes_to_the_other(stream):
+    ok = sse_answer(SSE_CHUNKS) if stream else json_answer({"text": "ok"})
+    refusing = FakeServer(json_answer(OVERLOADED, status=429, headers={"Retry-After": "1"}))
+    prefill, serving = FakeServer(sleep_then(0.2)), FakeServer(ok)
+    async with cluster([prefill], [refusing, serving], policy="round_robin") as router:
+        status, headers, raw = await post(router, "/generate", {"text": "hi", "stream": stream})
+    assert (status, headers["X-Disagg-Retries"], "Retry-After" in headers) == (200, "1", False)
+    assert raw == (b"".join(SSE_CHUNKS) if stream else b'{"text": "ok"}')
+    assert (len(refusing.bodies), len(serving.bodies), len(prefill.bodies)) == (1, 1, 2)
+
+
+async def test_with_one_pair_the_client_gets_the_429_and_its_retry_after_at_once():
+    prefill, decode = FakeServer(sleep_then(0.2)), FakeServer(json_answer(OVERLOADED, status=429, headers={"Retry-After": "1"}))
+    async with cluster([prefill], [decode]) as router:
+        status, headers, raw = await post(router, "/v1/completions", {"prompt": "hi"})
+    assert (status, headers["Retry-After"], msgspec.json.decode(raw), len(decode.bodies)) == (429, "1", OVERLOADED, 1)
+    assert "X-Disagg-Retries" not in headers

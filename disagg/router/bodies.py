@@ -17,6 +17,8 @@ from disagg.router.errors import DpRankMismatch
 
 GENERATE_PATH = "/generate"
 COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+TOKENS_PATH = "/inference/v1/generate"
 NOT_JSON = "request body is not valid JSON"  # the words before why a body is refused
 # Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
 PROMPT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
@@ -68,6 +70,53 @@ def generate_batch_size(path: str, body: dict) -> int | None:
     return None
 
 
+def routing_text(path: str, body: dict) -> str | tuple[int, ...]:
+    """What `--policy cache_aware` matches (sglang-router's text for routing): the completion's
+    `prompt`, the chat messages' text contents joined by a space, /generate's `text` or
+    `input_ids`, the tokens route's `token_ids`. Token ids come back as a tuple; a batch of
+    prompts is joined (strings by a space, id lists end to end); anything else is ""."""
+    if path == COMPLETIONS_PATH:
+        return _prompt_symbols(body.get("prompt"))
+    if path == CHAT_PATH:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        texts = [_content_text(m.get("content")) for m in messages if isinstance(m, dict)]
+        return " ".join(t for t in texts if t)
+    if path == GENERATE_PATH:
+        return _prompt_symbols(body.get("text")) or _prompt_symbols(body.get("input_ids"))
+    if path == TOKENS_PATH:
+        return _prompt_symbols(body.get("token_ids"))
+    return ""
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _prompt_symbols(value: object) -> str | tuple[int, ...]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        return ""
+    if all(isinstance(v, str) for v in value):
+        return " ".join(value)
+    if _is_ids(value):
+        return tuple(value)
+    if all(_is_ids(v) for v in value):
+        return tuple(i for ids in value for i in ids)
+    return ""
+
+
+def _content_text(content: object) -> str:
+    """A message's text: the string, or its `text` parts joined by a space."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 @dataclass(frozen=True)
 class Bootstrap:
     """The P/D fields of one request: where the prefill's registry is, and the room (or rooms)."""
@@ -99,16 +148,20 @@ def with_bootstrap(body: dict, bootstrap: Bootstrap) -> dict:
     return {**body, **bootstrap.fields()}
 
 
-def with_dp_ranks(body: dict, prefill_rank: int, decode_rank: int) -> tuple[dict, dict]:
-    """(prefill body, decode body) for the external-DP-routing test mode.
+def with_dp_ranks(body: dict, prefill_rank: int, decode_rank: int | None) -> tuple[dict, dict]:
+    """(prefill body, decode body) with the prefill's DP rank pinned (the external-DP-routing test
+    mode, `--policy cache_aware`).
 
-    Each leg gets its own `routed_dp_rank`; the decode leg also learns which prefill DP worker holds
-    the KV (`disagg_prefill_dp_rank`), so it never asks the registry. The prefill leg carries it too:
-    it tells the prefill that its decode knows the rank, so a rank other than room % dp_size is no
+    The prefill leg gets `routed_dp_rank`, the decode leg its own (unless `decode_rank` is None: the
+    decode picks); the decode leg also learns which prefill DP worker holds the KV
+    (`disagg_prefill_dp_rank`), so it never asks the registry. The prefill leg carries it too: it
+    tells the prefill that its decode knows the rank, so a rank other than room % dp_size is no
     conflict under follow_bootstrap_room.
     """
     prefill = {**body, "routed_dp_rank": prefill_rank, "disagg_prefill_dp_rank": prefill_rank}
-    decode = {**body, "routed_dp_rank": decode_rank, "disagg_prefill_dp_rank": prefill_rank}
+    decode = {**body, "disagg_prefill_dp_rank": prefill_rank}
+    if decode_rank is not None:
+        decode["routed_dp_rank"] = decode_rank
     return prefill, decode
 
 

@@ -15,6 +15,9 @@ from disagg.router.policy import Policy
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 LOG_FORMATS = ("console", "json")
+# sglang-router's --max-tree-size is 2**26 symbols per tenant; a Python tree holds a symbol in 1 byte
+# (a character) to 8 (a token id) plus a node per edge, so the default here is 16x smaller.
+DEFAULT_MAX_TREE_SIZE = 2**22
 
 
 class PdProtocol(Choice):
@@ -69,6 +72,34 @@ def parse_prefill(values: list[str]) -> PrefillEndpoint:
     except ValueError:
         raise ConfigError(f"bootstrap port must be an integer or 'none', got {raw_port!r}") from None
     return PrefillEndpoint(values[0], port)
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """`--policy cache_aware`: sglang-router's flags, defaults (but --max-tree-size) and semantics
+    (docs/router.md, "cache_aware")."""
+
+    cache_threshold: float = field(
+        default=0.3, metadata={"help": "cache_aware: a prefill whose tree matches more than this share of the "
+                                       "prompt gets it; else the prefill with the smallest tree"})
+    balance_abs_threshold: int = field(
+        default=64, metadata={"help": "cache_aware: the prefills are imbalanced (shortest queue wins) when the most "
+                                      "and fewest requests in flight differ by more than this ..."})
+    balance_rel_threshold: float = field(
+        default=1.5, metadata={"help": "cache_aware: ... and the most is more than this times the fewest"})
+    max_tree_size: int = field(
+        default=DEFAULT_MAX_TREE_SIZE, metadata={"help": "cache_aware: symbols (characters or token ids) one "
+                                                         "prefill (DP rank) tree keeps; least recently used first out"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_threshold <= 1:
+            raise ConfigError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0:
+            raise ConfigError(f"--balance-abs-threshold must be >= 0, got {self.balance_abs_threshold}")
+        if self.balance_rel_threshold < 1:
+            raise ConfigError(f"--balance-rel-threshold must be >= 1, got {self.balance_rel_threshold}")
+        if self.max_tree_size < 1:
+            raise ConfigError(f"--max-tree-size must be positive, got {self.max_tree_size}")
 
 
 def _flag(name: str, help_text: str) -> dict:
@@ -155,8 +186,10 @@ class RouterConfig:
     decode: tuple[str, ...] = field(default=(), metadata={"help": "decode server URLs"})
     policy: Policy = field(
         default=Policy.ROUND_ROBIN,
-        metadata={"help": "pair selection: round_robin, random or least_load", "choices": Policy.values()},
+        metadata={"help": "pair selection: round_robin, random, least_load or cache_aware (prefill by prompt "
+                          "prefix, decode by power of two choices)", "choices": Policy.values()},
     )
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     protocol: PdProtocol = field(
         default=PdProtocol.PUSH,
         metadata={"help": "P/D protocol: push (SGLang: both legs at once, bootstrap fields) or pull "

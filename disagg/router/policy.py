@@ -23,6 +23,7 @@ class Policy(Choice):
     ROUND_ROBIN = "round_robin"  # next healthy server after the previous pick
     RANDOM = "random"  # uniform among healthy servers
     LEAST_LOAD = "least_load"  # fewest requests in flight; ties go round-robin
+    CACHE_AWARE = "cache_aware"  # prefill by prompt prefix (cache_aware.py), decode by power of two choices
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,19 @@ class ServerLoad:
 
     eligible: bool
     in_flight: int = 0
+    server_id: int = 0  # the pool's id: stable while positions shift as servers come and go
+    dp_size: int | None = None  # from /server_info; None until read
+
+
+@dataclass(frozen=True)
+class PairPick:
+    """The chosen pair (positions in the loads given), and the prefill DP rank to pin, if any."""
+
+    prefill: int
+    decode: int
+    prefill_dp_rank: int | None = None
+    cache_outcome: str | None = None  # cache_aware only: hit, miss or imbalanced
+    match_ratio: float = 0.0  # cache_aware only: the matched share of the prompt (0 when imbalanced)
 
 
 class ServerPicker:
@@ -64,8 +78,12 @@ class ServerPicker:
 class PairPicker:
     """Picks a (prefill, decode) pair; each role has its own cursor."""
 
+    uses_text = False  # the prompt does not matter to these policies
+
     def __init__(self, policy: Policy | str, rng: random.Random | None = None):
         policy = Policy(policy)
+        if policy is Policy.CACHE_AWARE:
+            raise ValueError("cache_aware pairs are picked by cache_aware.CacheAwarePairPicker")
         rng = rng if rng is not None else random.Random()
         self.policy = policy
         self._prefill = ServerPicker(policy, rng)
@@ -80,6 +98,10 @@ class PairPicker:
         if d is None:
             raise NoHealthyServer("decode")
         return p, d
+
+    def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: object = None) -> PairPick:
+        """`pick_pair` as a PairPick; `text` is not used."""
+        return PairPick(*self.pick_pair(prefill, decode))
 
 
 def draw_bootstrap_room(randbits: Callable[[int], int] = secrets.randbits) -> int:

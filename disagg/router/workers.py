@@ -122,7 +122,7 @@ class WorkerPool:
     def loads(self, role: Role) -> list[ServerLoad]:
         """What the policy sees, in the order of `ids(role)`: unhealthy, unchecked discovered and
         draining servers are not eligible."""
-        return [ServerLoad(_eligible(w), w.in_flight) for w in self._workers[role].values()]
+        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size) for i, w in self._workers[role].items()]
 
     def info(self, role: Role, worker_id: int) -> WorkerInfo:
         """A snapshot of one server."""

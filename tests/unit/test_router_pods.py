@@ -80,12 +80,12 @@ def test_pool_drains_a_server_once_its_requests_end_and_never_reuses_ids():
     d0 = pool.add(Role.DECODE, "http://d:0", None)
     d1 = pool.add(Role.DECODE, "http://d:1", None)
     assert (d0, d1) == (0, 1)
-    assert pool.loads(Role.DECODE) == [ServerLoad(False, 0), ServerLoad(False, 0)]  # PENDING until checked
+    assert pool.loads(Role.DECODE) == [ServerLoad(False, 0, d0), ServerLoad(False, 0, d1)]  # PENDING until checked
     pool.set_health(Role.DECODE, d0, Health.HEALTHY)
     pool.set_health(Role.DECODE, d1, Health.HEALTHY)
     pool.begin(Role.DECODE, d0)
     assert pool.drain(Role.DECODE, d0) is False
-    assert pool.loads(Role.DECODE) == [ServerLoad(False, 1), ServerLoad(True, 0)]
+    assert pool.loads(Role.DECODE) == [ServerLoad(False, 1, d0), ServerLoad(True, 0, d1)]
     assert (pool.num_healthy(Role.DECODE), pool.first_eligible(Role.DECODE)) == (1, d1)
     assert pool.info(Role.DECODE, d0).as_json()["draining"] is True
     pool.end(Role.DECODE, d0)
@@ -102,10 +102,10 @@ def test_pool_readmits_a_draining_server_only_after_a_new_check():
     pool.begin(Role.PREFILL, p0)
     pool.drain(Role.PREFILL, p0)
     pool.readmit(Role.PREFILL, p0)
-    assert pool.loads(Role.PREFILL) == [ServerLoad(False, 1)]
+    assert pool.loads(Role.PREFILL) == [ServerLoad(False, 1, p0)]
     pool.set_health(Role.PREFILL, p0, Health.HEALTHY)
     pool.end(Role.PREFILL, p0)
-    assert pool.loads(Role.PREFILL) == [ServerLoad(True, 0)]
+    assert pool.loads(Role.PREFILL) == [ServerLoad(True, 0, p0)]
 
 
 def test_retries_back_off_while_failures_come_in_a_row():

@@ -265,14 +265,14 @@ def test_policy_and_protocol_are_members_that_read_as_their_values():
 
 def test_worker_pool_tracks_health_and_load():
     pool = WorkerPool([PrefillEndpoint("http://p:1", 7000)], ["http://d:1", "http://d:2"])
-    assert pool.loads(Role.DECODE) == [ServerLoad(True, 0), ServerLoad(True, 0)]
+    assert pool.loads(Role.DECODE) == [ServerLoad(True, 0, 0), ServerLoad(True, 0, 1)]
     assert pool.num_healthy(Role.DECODE) == 0
     assert pool.set_health(Role.DECODE, 0, Health.UNHEALTHY, "/health answered 503") is Health.UNKNOWN
     pool.set_health(Role.DECODE, 1, Health.HEALTHY)
     pool.begin(Role.DECODE, 1)
     pool.begin(Role.DECODE, 1)
     pool.end(Role.DECODE, 1)
-    assert pool.loads(Role.DECODE) == [ServerLoad(False, 0), ServerLoad(True, 1)]
+    assert pool.loads(Role.DECODE) == [ServerLoad(False, 0, 0), ServerLoad(True, 1, 1)]
     assert (pool.num_healthy(Role.DECODE), pool.first_eligible(Role.DECODE)) == (1, 1)
     assert pool.info(Role.DECODE, 0).as_json() == {
         "url": "http://d:1", "role": "decode", "health": "unhealthy", "healthy": False, "in_flight": 0,
@@ -280,6 +280,7 @@ def test_worker_pool_tracks_health_and_load():
     pool.set_dp_size(Role.PREFILL, 0, 4)
     assert pool.info(Role.PREFILL, 0).as_json()["bootstrap_port"] == 7000
     assert pool.info(Role.PREFILL, 0).dp_size == 4
+    assert pool.loads(Role.PREFILL) == [ServerLoad(True, 0, server_id=0, dp_size=4)]
     pool.end(Role.DECODE, 1)
     with pytest.raises(AssertionError, match="ended twice"):
         pool.end(Role.DECODE, 1)

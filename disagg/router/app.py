@@ -28,13 +28,14 @@ from aiohttp import web
 from disagg.drain import Drain
 from disagg.http_edge import Edge, HttpError, error_middleware, http_error_of
 from disagg.http_site import client_ssl_context
+from disagg.router.cache_aware import CacheAwarePairPicker
 from disagg.router.config import RouterConfig
 from disagg.router.discovery import Discovery
 from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegClient, leg_errors
 from disagg.router.metrics import RouterMetrics
-from disagg.router.policy import PairPicker
+from disagg.router.policy import PairPicker, Policy
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.auth import bearer_matches
@@ -56,7 +57,8 @@ class Router:
         self.pool = WorkerPool(config.prefill, config.decode, initial)
         self._rng = rng if rng is not None else random.Random()
         self._randbits = randbits
-        self.picker = PairPicker(config.policy, self._rng)
+        self.picker = (CacheAwarePairPicker(config.cache_aware, self._rng) if config.policy is Policy.CACHE_AWARE
+                       else PairPicker(config.policy, self._rng))
         self.drain = Drain("router")
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None

@@ -17,6 +17,7 @@ from disagg.http_edge import HttpError, is_draining_answer
 from disagg.router.config import RouterConfig
 from disagg.router.errors import ServerTimeout, ServerUnreachable
 from disagg.router.legs import json_or_none
+from disagg.router.policy import Policy
 from disagg.router.workers import Health, Role, WorkerPool
 
 log = structlog.get_logger("disagg.router")
@@ -114,6 +115,11 @@ class HealthChecker:
             await asyncio.sleep(self._config.health_check_interval_s)
             await self.check_all()
 
+    def _needs_dp_size(self, role: Role) -> bool:
+        """The test mode pins ranks on both roles; cache_aware keeps a tree per prefill DP rank."""
+        cache_aware = self._config.policy is Policy.CACHE_AWARE and role is Role.PREFILL
+        return self._config.test_external_dp_routing or cache_aware
+
     async def check(self, role: Role, index: int) -> Health | None:
         """Probe one server now and record the outcome; None if it was forgotten meanwhile."""
         if not self._pool.contains(role, index):
@@ -127,7 +133,7 @@ class HealthChecker:
         if health is not previous:
             report = log.info if health is Health.HEALTHY else log.warning
             report("server health changed", role=str(role), url=url, health=str(health), reason=error)
-        if health is Health.HEALTHY and self._config.test_external_dp_routing:
+        if health is Health.HEALTHY and self._needs_dp_size(role):
             with contextlib.suppress(HttpError, KeyError):  # read lazily per request instead
                 await self.ensure_dp_size(role, index)
         return health

@@ -6,7 +6,11 @@ Each router owns its registry (two routers in one process, as in tests, never sh
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from disagg.router.policy import PairPick
+
+MATCH_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class RouterMetrics:
@@ -16,6 +20,23 @@ class RouterMetrics:
                                "any byte reached the client", ["route"], registry=self.registry)
         self.retries_exhausted = Counter("sgl_router_retries_exhausted", "requests whose last retry failed too",
                                          ["route"], registry=self.registry)
+        self.cache_hits = Counter("sgl_router_cache_hits", "cache_aware prefill picks whose tree matched more than "
+                                  "--cache-threshold of the prompt", registry=self.registry)
+        self.cache_misses = Counter("sgl_router_cache_misses", "cache_aware prefill picks that went to the smallest "
+                                    "tree (the match was at most --cache-threshold)", registry=self.registry)
+        self.cache_imbalanced = Counter("disagg_router_cache_imbalanced_picks", "cache_aware prefill picks that went "
+                                        "to the shortest queue (the prefills were imbalanced)", registry=self.registry)
+        self.cache_match_ratio = Histogram("disagg_router_cache_match_ratio", "cache_aware: the share of the prompt the "
+                                           "best prefill tree matched (hits and misses)", buckets=MATCH_RATIO_BUCKETS,
+                                           registry=self.registry)
+
+    def record_pick(self, pick: PairPick) -> None:
+        """Count how a cache_aware prefill was chosen; other policies record nothing."""
+        if pick.cache_outcome == "imbalanced":
+            self.cache_imbalanced.inc()
+        elif pick.cache_outcome is not None:
+            (self.cache_hits if pick.cache_outcome == "hit" else self.cache_misses).inc()
+            self.cache_match_ratio.observe(pick.match_ratio)
 
     def render(self) -> web.Response:
         """GET /metrics: the Prometheus text format."""

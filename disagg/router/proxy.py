@@ -30,7 +30,8 @@ from disagg.router.errors import RequestShutDown, ServerDraining, ServerError, S
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.metrics import RouterMetrics
-from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
+from disagg.router.cache_aware import CacheAwarePairPicker
+from disagg.router.policy import PairPick, PairPicker, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
 
@@ -88,7 +89,7 @@ class Proxy:
     """Dispatches generate requests over one LegClient; owns no connections itself."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, health: HealthChecker, legs: LegClient,
-                 picker: PairPicker, rng: random.Random | None = None,
+                 picker: PairPicker | CacheAwarePairPicker, rng: random.Random | None = None,
                  randbits: Callable[[int], int] = secrets.randbits, drain: Drain | None = None,
                  metrics: RouterMetrics | None = None):
         self._config = config
@@ -167,18 +168,21 @@ class Proxy:
     async def plan(self, path: str, body: dict) -> Plan:
         """Pick the pair, draw the room, and build each leg's body. The pair counts as busy from the
         pick on (the caller ends it), so discovery cannot forget a server this request will use."""
-        p_pos, d_pos = self._picker.pick_pair(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE))
-        p, d = self._pool.ids(Role.PREFILL)[p_pos], self._pool.ids(Role.DECODE)[d_pos]
+        text = bodies.routing_text(path, body) if self._picker.uses_text else ""
+        pick = self._picker.pick(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE), text)
+        self._metrics.record_pick(pick)
+        p, d = self._pool.ids(Role.PREFILL)[pick.prefill], self._pool.ids(Role.DECODE)[pick.decode]
         self._pool.begin(Role.PREFILL, p)
         self._pool.begin(Role.DECODE, d)
         try:
-            return await self._plan_pair(path, body, p, d)
+            return await self._plan_pair(path, body, p, d, pick.prefill_dp_rank)
         except BaseException:
             self._pool.end(Role.PREFILL, p)
             self._pool.end(Role.DECODE, d)
             raise
 
-    async def _plan_pair(self, path: str, body: dict, p: int, d: int) -> Plan:
+    async def _plan_pair(self, path: str, body: dict, p: int, d: int, p_rank: int | None) -> Plan:
+        """The legs of the pair; `p_rank` is the prefill DP rank the policy pinned (cache_aware), if any."""
         prefill = self._pool.info(Role.PREFILL, p)
         decode_url = self._pool.info(Role.DECODE, d).url
         endpoint = PrefillEndpoint(prefill.url, prefill.bootstrap_port)
@@ -186,12 +190,16 @@ class Proxy:
         shared = bodies.with_bootstrap(body, bodies.Bootstrap(endpoint.bootstrap_host, endpoint.bootstrap_port, room))
         expected = None
         if self._config.test_external_dp_routing:
-            p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
+            if p_rank is None:
+                p_rank = pick_dp_rank(await self._health.ensure_dp_size(Role.PREFILL, p), self._rng)
             expected = pick_dp_rank(await self._health.ensure_dp_size(Role.DECODE, d), self._rng)
             prefill_body, decode_body = (bodies.encode_body(b) for b in bodies.with_dp_ranks(shared, p_rank, expected))
         elif self._config.protocol is PdProtocol.PULL:
-            prefill_body = bodies.encode_body(dict(body, stream=False, kv_transfer_params=PULL_REQUEST))
+            pinned = {} if p_rank is None else {"routed_dp_rank": p_rank}
+            prefill_body = bodies.encode_body(dict(body, stream=False, kv_transfer_params=PULL_REQUEST, **pinned))
             decode_body = bodies.encode_body(body)
+        elif p_rank is not None:
+            prefill_body, decode_body = (bodies.encode_body(b) for b in bodies.with_dp_ranks(shared, p_rank, None))
         else:
             prefill_body = decode_body = bodies.encode_body(shared)
         return Plan(

@@ -356,6 +356,39 @@ async def test_least_load_sends_the_next_request_to_the_idle_decode():
     assert answers == ["A", "B", "B"]
 
 
+def metric_values(text: bytes, prefix: str) -> dict[str, float]:
+    """`name value` lines of the Prometheus text whose name starts with `prefix` (not the `_created` stamps)."""
+    lines = [line.split() for line in text.decode().splitlines()
+             if line.startswith(prefix) and not line.split()[0].endswith("_created")]
+    return {name: float(value) for name, value in lines}
+
+
+async def test_cache_aware_sends_a_shared_prefix_to_the_same_prefill_rank():
+    prefills = [FakeServer(dp_size=2), FakeServer(dp_size=2)]
+    decode = FakeServer(dp_size=4)
+    prefix = "You are a helpful assistant. " * 4
+    prompts = [prefix + "Question one?", prefix + "Question two?", "unrelated", "also unrelated"]
+    async with cluster(prefills, [decode], policy="cache_aware") as router:
+        statuses = [(await post(router, "/v1/completions", {"prompt": p, "max_tokens": 1}))[0] for p in prompts]
+        _, _, metrics = await get(router, "/metrics")
+    assert statuses == [200] * 4
+    # The first misses (every tree is empty: the first prefill's rank 0), the second hits it; each
+    # unrelated prompt misses and takes the smallest tree: the first prefill's rank 1, then the second's rank 0.
+    got = [(p["prompt"], p["routed_dp_rank"], p["disagg_prefill_dp_rank"]) for p in prefills[0].bodies]
+    assert got == [(prompts[0], 0, 0), (prompts[1], 0, 0), (prompts[2], 1, 1)]
+    assert [(p["prompt"], p["routed_dp_rank"], p["disagg_prefill_dp_rank"]) for p in prefills[1].bodies] == [
+        (prompts[3], 0, 0)]
+    rooms = {p["bootstrap_room"]: p["disagg_prefill_dp_rank"] for f in prefills for p in f.bodies}
+    assert {d["bootstrap_room"]: d["disagg_prefill_dp_rank"] for d in decode.bodies} == rooms
+    assert all("routed_dp_rank" not in d for d in decode.bodies)  # the decode picks its own rank
+    assert [f.server_info_hits for f in (*prefills, decode)] == [1, 1, 0]  # read by the first health check
+    assert metric_values(metrics, "sgl_router_cache_") == {"sgl_router_cache_hits_total": 1.0,
+                                                            "sgl_router_cache_misses_total": 3.0}
+    ratio = metric_values(metrics, "disagg_router_cache_match_ratio_")
+    assert (ratio["disagg_router_cache_match_ratio_count"], ratio["disagg_router_cache_match_ratio_sum"]) == (
+        4.0, len(prefix + "Question ") / len(prompts[1]))
+
+
 # --- the fields the router owns ---------------------------------------------------------------------
 
 INTERNAL = {"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "127.0.0.1",

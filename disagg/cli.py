@@ -14,6 +14,7 @@ from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, ControlConfig, DisaggConfig, DisaggregationMode,
     LoadBalanceMethod, ServerConfig, TcpListenerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
 )
+from disagg.cpus import plan_cluster_cpus, usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
@@ -24,7 +25,9 @@ ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for cls in ENGINE_PARTS:
         add_dataclass_args(parser.add_argument_group(cls.__name__), cls)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / dp_size)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per worker (default: the size of its share of the CPUs when pinned, "
+                             "else cores / dp_size)")
 
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -75,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
     serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
     serve.add_argument("--log-format", default="console", help="console or json")
+    serve.add_argument("--prefill-cpus", default=None, metavar="LIST",
+                       help="the prefill server's CPUs (a Linux CPU list: 0-3,8), split among its DP workers "
+                            "(default: the first half of the CPUs this process may use; with one CPU, that one)")
+    serve.add_argument("--decode-cpus", default=None, metavar="LIST",
+                       help="the decode server's CPUs (default: the usable CPUs prefill does not take; the second "
+                            "half when neither is given); the lists may overlap")
     serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                        default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
@@ -134,6 +143,7 @@ def run(argv: list[str]) -> int:
         disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
         server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
         check_cluster_secret(server, disagg)  # before anything binds or loads
+        worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())
         kv_events = parse_kv_events_config(args.kv_events_config)
         return launch.run(server, engine_from_args(args), disagg, kv_events)
     if args.command == "serve":
@@ -141,8 +151,10 @@ def run(argv: list[str]) -> int:
 
         disagg = disagg_from_args(args, bootstrap_port=0)
         check_shutdown_timeout(args.shutdown_timeout_s)
+        plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)  # a bad list fails before anything starts
         return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
-                           args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args))
+                           args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
+                           (args.prefill_cpus, args.decode_cpus))
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 
 from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
+from disagg.cpus import format_cpu_list, plan_cluster_cpus, usable_cpus
 from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
 from disagg.launch import RunningServer, drain_server, say, start_server
@@ -27,17 +28,32 @@ from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 
 
+def cpus_text(cpus: frozenset[int] | None) -> str | None:
+    """A planned CPU set as ServerConfig.cpus takes it (None: not pinned)."""
+    return None if cpus is None else format_cpu_list(cpus)
+
+
+def cpus_note(prefill_cfg: ServerConfig, decode_cfg: ServerConfig) -> str:
+    """`prefill on CPUs 0, decode on CPUs 1` for the progress and ready lines."""
+    return ", ".join(f"{role} on CPUs {cfg.cpus or 'any'}" for role, cfg in (("prefill", prefill_cfg), ("decode", decode_cfg)))
+
+
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
                         dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
-                        admin_key: str | None = None,
-                        tls: TlsConfig = TlsConfig()) -> tuple[RunningServer, RunningServer, RouterServer]:
+                        admin_key: str | None = None, tls: TlsConfig = TlsConfig(), prefill_cpus: str | None = None,
+                        decode_cpus: str | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
+    """Start the cluster. Prefill and decode each get their own CPUs (`plan_cluster_cpus`: by default
+    the first and the second half of the usable ones); the router and the registry are not pinned."""
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
+    planned = plan_cluster_cpus(usable_cpus(), prefill_cpus, decode_cpus)
     base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
-    prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL,
+    prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL, cpus=cpus_text(planned[0]),
                           load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
-    decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, load_balance_method=LoadBalanceMethod.LEAST_LOAD)
-    say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend})")
+    decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, cpus=cpus_text(planned[1]),
+                         load_balance_method=LoadBalanceMethod.LEAST_LOAD)
+    say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend}; "
+        f"{cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(
         start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),
         start_server(decode_cfg, engine, disagg, lambda line: say(f"[decode] {line}")),
@@ -66,14 +82,17 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
 
 async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
                         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
-                        admin_key: str | None = None, tls: TlsConfig = TlsConfig()) -> int:
+                        admin_key: str | None = None, tls: TlsConfig = TlsConfig(),
+                        cpus: tuple[str | None, str | None] = (None, None)) -> int:
     prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
-                                                  log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls)
+                                                  log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls,
+                                                  prefill_cpus=cpus[0], decode_cpus=cpus[1])
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
     say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
-    say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend}); "
+    say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend}; "
+        f"{cpus_note(prefill.controller.server, decode.controller.server)}); "
         f"{prefill.controller.model.engine_summary}")
     say(f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")
@@ -98,11 +117,12 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 
 def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None,
-        tls: TlsConfig = TlsConfig()) -> int:
+        tls: TlsConfig = TlsConfig(), cpus: tuple[str | None, str | None] = (None, None)) -> int:
+    """`disagg serve`; `cpus` are the --prefill-cpus and --decode-cpus lists (None: planned)."""
     configure_logging(log_format)
     try:
         return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
-                                         api_key, admin_key, tls))
+                                         api_key, admin_key, tls, cpus))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

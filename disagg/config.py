@@ -193,6 +193,11 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0: any free port)"})
     dp_size: int = field(default=1, metadata={"help": "data-parallel engine worker processes"})
+    cpus: str | None = field(
+        default=None, metadata={"help": "pin the DP workers to these CPUs (a Linux CPU list: 0-3,8,10-11), split among "
+                                        "the ranks in contiguous runs, as even as possible (fewer CPUs than ranks: ranks "
+                                        "share them, rank r on CPU r mod N); a worker's torch threads default to the "
+                                        "size of its share (default: not pinned)"})
     load_balance_method: LoadBalanceMethod = field(
         default=LoadBalanceMethod.LEAST_LOAD, metadata={"help": "round_robin, least_load or follow_bootstrap_room"}
     )

@@ -123,7 +123,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's own; a DP worker's controller sets it)"})
 
     def __post_init__(self) -> None:
         if self.cache.kv_cache_dtype == KVCacheDType.BFLOAT16 and self.model.dtype == "float16":

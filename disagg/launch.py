@@ -22,6 +22,7 @@ from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
 from disagg.config import DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
+from disagg.cpus import usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
@@ -81,8 +82,10 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
                        progress: Callable[[str], None] = say,
                        kv_events: KVEventsConfig = KVEventsConfig()) -> RunningServer:
     """Start (bootstrap,) workers, then the HTTP site; everything started is closed on failure. A
-    prefill or decode open to the network without a cluster secret is refused first (ConfigError)."""
+    prefill or decode open to the network without a cluster secret, or CPUs it may not use, are refused
+    first (ConfigError)."""
     check_cluster_secret(server, disagg)
+    worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())  # a bad --cpus fails before anything starts
     if disagg.insecure_no_cluster_secret and disagg.cluster_secret is None:
         log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
                     mode=server.disaggregation_mode)
@@ -108,6 +111,7 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     url = f"{server.tls.scheme}://{server.host}:{running.port}"
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
     card = running.controller.model
+    extra += "" if server.cpus is None else f" cpus={server.cpus}"
     say(f"ready: {url} mode={server.disaggregation_mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")
     if server.disaggregation_mode is DisaggregationMode.NULL:
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

@@ -24,6 +24,7 @@ import msgspec
 import structlog
 
 from disagg.config import DisaggregationMode, ServerConfig
+from disagg.cpus import format_cpu_list, usable_cpus, worker_cpu_sets
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.aggregate import check_results
@@ -104,7 +105,10 @@ class DPController:
         self.kv_events = kv_events
         self.dp_size = server.dp_size
         self.load_balance_method = server.load_balance_method
-        threads = engine.num_threads or max(1, (os.cpu_count() or 1) // server.dp_size)
+        self.cpu_sets = worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())
+        # A pinned worker's threads default to its share of the CPUs (in _spawn); one not pinned gets
+        # cores // dp_size.
+        threads = engine.num_threads or (None if self.cpu_sets else max(1, (os.cpu_count() or 1) // server.dp_size))
         self.engine_config = replace(engine, num_threads=threads)
         self.role = role
         self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
@@ -130,14 +134,23 @@ class DPController:
         self._server = await asyncio.start_unix_server(self._on_connect, path)
         self._socket_path = path
         self.workers = [_Worker(rank, self._spawn(rank)) for rank in range(self.dp_size)]
-        progress(f"loading {self.engine_config.model.model} on {self.dp_size} DP worker(s)")
+        pinned = "" if self.cpu_sets is None else " on CPUs " + " | ".join(map(format_cpu_list, self.cpu_sets))
+        progress(f"loading {self.engine_config.model.model} on {self.dp_size} DP worker(s){pinned}")
         self._tasks.append(asyncio.create_task(self._monitor()))
         await self._wait_ready(progress)
         self._supervising = True  # from now on a dead worker is restarted (at start-up it is fatal)
 
+    def worker_spec(self, rank: int) -> WorkerSpec:
+        """What the worker of `rank` runs: its engine config, and its CPUs when the server is pinned
+        (its torch threads then default to their number)."""
+        engine, cpus = self.engine_config.for_dp_rank(rank), None
+        if self.cpu_sets is not None:
+            cpus = self.cpu_sets[rank]
+            engine = replace(engine, num_threads=engine.num_threads or len(cpus))
+        return WorkerSpec(rank, engine, self._socket_path, self.server.log_format, self.role, self.kv_events, cpus)
+
     def _spawn(self, rank: int):
-        spec = WorkerSpec(rank, self.engine_config.for_dp_rank(rank), self._socket_path, self.server.log_format, self.role,
-                          self.kv_events)
+        spec = self.worker_spec(rank)
         process = multiprocessing.get_context("spawn").Process(
             target=run_worker, args=(spec,), name=f"disagg-dp{rank}", daemon=True)
         process.start()

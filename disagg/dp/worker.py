@@ -63,10 +63,15 @@ class WorkerSpec:
     log_format: str = "console"
     role: RoleSpec = RoleSpec()  # the P/D roles plug in here
     kv_events: KVEventsConfig = KVEventsConfig()  # the server's; the worker offsets its endpoints by dp_rank
+    cpus: frozenset[int] | None = None  # the CPUs this worker runs on (None: not pinned)
 
 
 def run_worker(spec: WorkerSpec) -> None:
     """Process entry point (spawned)."""
+    if spec.cpus is not None:
+        # First, on the only thread there is: every thread started later (the engine thread, torch's
+        # OpenMP team, sized from this mask unless num_threads says otherwise) inherits the mask.
+        os.sched_setaffinity(0, spec.cpus)
     # Ctrl-C reaches the whole process group; the front shuts workers down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_format)

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import numpy as np
@@ -182,7 +183,7 @@ def server_report(before: dict[str, dict | str], after: dict[str, dict | str]) -
     return report
 
 
-def random_load(args: argparse.Namespace, model: str):
+def random_load(args: argparse.Namespace, model: str) -> tuple[list[dict], Callable[..., Awaitable]]:
     """(warm-up payloads, the run) of random token-id prompts on /v1/completions; the run returns
     (results, duration_s, the workload's report part)."""
     prompts = random_prompts(args.num_prompts + args.num_warmups, args.input_len, args.seed)

@@ -4,12 +4,11 @@ values, and the whole command against a fake streaming chat server on a real soc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import threading
 
 import pytest
 from aiohttp import web
+from fake_openai import app_in_thread, models, stream_events
 
 from disagg.bench import serve
 from disagg.bench.chat_workload import ChatWorkloadConfig, make_conversations, system_prompt
@@ -123,22 +122,15 @@ def fake_chat_app(received: list[dict]) -> web.Application:
         users = [m["content"] for m in body["messages"] if m["role"] == "user"]
         if users[-1] == FAILING_TEXT:
             return web.Response(status=503, text="busy")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         num_messages = len(body["messages"])
+        num_cached = max(0, 10 * (num_messages - 2))
         events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
                   *({"choices": [{"index": 0, "delta": {"content": piece}}]}
                     for piece in ("Sure", ", ", f"turn {len(users) - 1}")),
                   {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
                   {"choices": [], "usage": {"prompt_tokens": 10 * num_messages, "completion_tokens": 3,
-                                            "prompt_tokens_details": {"cached_tokens": max(0, 10 * (num_messages - 2))}}}]
-        for event in events:
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+                                            "prompt_tokens_details": {"cached_tokens": num_cached}}}]
+        return await stream_events(request, events)
 
     app = web.Application()
     app.add_routes([web.post("/v1/chat/completions", chat), web.get("/v1/models", models)])
@@ -149,17 +141,8 @@ def fake_chat_app(received: list[dict]) -> web.Application:
 def chat_server():
     """The fake chat app on 127.0.0.1, port 0, in its own thread; yields (base URL, received bodies)."""
     received: list[dict] = []
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(fake_chat_app(received))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", received
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    loop.close()
+    with app_in_thread(fake_chat_app(received)) as base_url:
+        yield base_url, received
 
 
 def expected_messages(conversation_index: int, turn_index: int) -> list[dict]:

@@ -17,10 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from disagg.bench.serve import drive_load, fetch_model, send_request
-
-# Ordinary English words: about 1.3 tokens each in Llama-family vocabularies.
-WORDS = ("the river runs past an old mill where people meet on market days to trade grain wool and news "
-         "about weather roads prices and families while children play near stone bridges").split()
+from disagg.bench.text import WORDS, num_words_for
 
 
 @dataclass
@@ -37,7 +34,7 @@ class PeerResult:
 def text_prompt(index: int, input_len: int) -> str:
     """A deterministic prompt of about `input_len` tokens, different for each index (no prefix-cache hits)."""
     rng = random.Random(index)
-    return f"Story {index}: " + " ".join(rng.choice(WORDS) for _ in range(int(input_len / 1.3)))
+    return f"Story {index}: " + " ".join(rng.choice(WORDS) for _ in range(num_words_for(input_len)))
 
 
 def payload(model: str, prompt: str, output_len: int) -> dict:

@@ -1,6 +1,7 @@
 """`disagg bench serve`: load a server or router through streaming OpenAI `/v1/completions`.
 
-Random token-id prompts arrive as a Poisson process (or all at once); each request streams its
+Random token-id prompts arrive as a Poisson process (or all at once); `--workload chat` sends
+multi-turn conversations to `/v1/chat/completions` instead (serve_chat.py). Each request streams its
 tokens back, and the client records TTFT (send to first content chunk), ITL (gaps between chunks),
 TPOT and E2E, like vLLM's benchmark_serving. Optionally scrapes the servers' Prometheus `/metrics`
 before and after the run, to say how much of TTFT the KV transfer takes. A pure HTTP client: no torch.
@@ -17,10 +18,12 @@ import json
 import math
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import numpy as np
 
+from disagg.bench.chat_workload import add_chat_arguments
 from disagg.bench.serve_stats import (
     SERVER_HISTOGRAM_KEYS,
     RequestResult,
@@ -57,21 +60,37 @@ def completion_payload(model: str, prompt: list[int], output_len: int) -> dict:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def read_event(result: RequestResult, event: dict) -> tuple[bool, int | None]:
-    """Fold an error event into `result`; (is it a content chunk, completion tokens of a usage chunk)."""
+def read_event(result: RequestResult, event: dict) -> tuple[str | None, dict | None]:
+    """Fold an error event into `result`; (the text of a content chunk, else None; the usage, if any).
+    A chat chunk counts as content only when its delta carries text (not the role announcement)."""
     if "error" in event:
         error = event["error"]
         result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-    usage = event.get("usage")
-    return bool(event.get("choices")), usage.get("completion_tokens") if usage else None
+    choices = event.get("choices")
+    if not choices:
+        return None, event.get("usage")
+    if "delta" in choices[0]:
+        return (choices[0]["delta"] or {}).get("content") or None, event.get("usage")
+    return choices[0].get("text") or "", event.get("usage")
+
+
+def read_usage(result: RequestResult, usage: dict) -> int | None:
+    """Prompt and cached tokens from the server's usage into `result`; its completion tokens."""
+    if usage.get("prompt_tokens") is not None:
+        result.num_prompt_tokens = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        result.num_cached_tokens = details["cached_tokens"]
+    return usage.get("completion_tokens")
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, start_s: float,
                        timeout_s: float) -> RequestResult:
     """Stream one completion; failures (non-200, error event, timeout, no content) end up in the result."""
-    result = RequestResult(start_s=start_s, num_prompt_tokens=len(payload["prompt"]))
+    result = RequestResult(start_s=start_s, num_prompt_tokens=len(payload.get("prompt", ())))
     sent = time.perf_counter()
     chunk_times_s: list[float] = []  # from `sent`, one per content chunk
+    pieces: list[str] = []
     usage_tokens = None
     try:
         async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -83,13 +102,16 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                     continue
                 now_s = time.perf_counter() - sent
-                is_content, tokens = read_event(result, json.loads(line[5:]))
-                if is_content:
+                text, usage = read_event(result, json.loads(line[5:]))
+                if text is not None:
                     chunk_times_s.append(now_s)
+                    pieces.append(text)
+                tokens = read_usage(result, usage) if usage else None
                 usage_tokens = tokens if tokens is not None else usage_tokens
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         return result
+    result.text = "".join(pieces)
     return finish_result(result, time.perf_counter() - sent, chunk_times_s, usage_tokens)
 
 
@@ -161,37 +183,60 @@ def server_report(before: dict[str, dict | str], after: dict[str, dict | str]) -
     return report
 
 
+def random_load(args: argparse.Namespace, model: str) -> tuple[list[dict], Callable[..., Awaitable]]:
+    """(warm-up payloads, the run) of random token-id prompts on /v1/completions; the run returns
+    (results, duration_s, the workload's report part)."""
+    prompts = random_prompts(args.num_prompts + args.num_warmups, args.input_len, args.seed)
+    payloads = [completion_payload(model, p, args.output_len) for p in prompts]
+    offsets_s = arrival_offsets_s(args.num_prompts, args.request_rate, args.seed)
+
+    async def drive(session: aiohttp.ClientSession, url: str) -> tuple[list[RequestResult], float, dict]:
+        results, duration_s = await drive_load(session, url, payloads[args.num_warmups:], offsets_s,
+                                               args.max_concurrency, args.timeout_s)
+        return results, duration_s, {}
+
+    return payloads[: args.num_warmups], drive
+
+
+CONFIG_KEYS = ("base_url", "workload", "request_rate", "output_len", "seed", "max_concurrency", "num_warmups")
+WORKLOAD_CONFIG_KEYS = {
+    "random": ("num_prompts", "input_len"),
+    "chat": ("num_conversations", "turns_per_conversation", "system_prompt_tokens", "user_tokens",
+             "think_time_s", "long_doc_prob", "long_doc_tokens"),
+}
+
+
 async def bench(args: argparse.Namespace) -> dict:
     """Warm up, scrape, run the load, scrape again; the whole report as one JSON-ready dict."""
     base_url = args.base_url.rstrip("/")
-    url = f"{base_url}/v1/completions"
+    chat = args.workload == "chat"
+    url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector) as session:
         model = args.model or await fetch_model(session, base_url)
-        prompts = random_prompts(args.num_prompts + args.num_warmups, args.input_len, args.seed)
-        payloads = [completion_payload(model, p, args.output_len) for p in prompts]
-        for payload in payloads[: args.num_warmups]:  # first-use costs (connections, KV handshakes)
+        if chat:
+            from disagg.bench.serve_chat import chat_load  # it builds on this module's client
+
+            warmups, drive = chat_load(args, model)
+        else:
+            warmups, drive = random_load(args, model)
+        for payload in warmups:  # first-use costs (connections, KV handshakes)
             warm = await send_request(session, url, payload, 0.0, args.timeout_s)
             if not warm.ok:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         before = await scrape(session, args.metrics_url)
-        offsets_s = arrival_offsets_s(args.num_prompts, args.request_rate, args.seed)
-        results, duration_s = await drive_load(session, url, payloads[args.num_warmups:], offsets_s,
-                                               args.max_concurrency, args.timeout_s)
+        results, duration_s, workload_report = await drive(session, url)
         after = await scrape(session, args.metrics_url)
-    config = {key: getattr(args, key) for key in ("base_url", "num_prompts", "request_rate", "input_len",
-                                                  "output_len", "seed", "max_concurrency", "num_warmups")}
+    config = {key: getattr(args, key) for key in (*CONFIG_KEYS, *WORKLOAD_CONFIG_KEYS[args.workload])}
     return {"label": args.label, "model": model, "config": {**config, "request_rate": str(args.request_rate)},
-            **aggregate(results, duration_s, args.slo),
+            **aggregate(results, duration_s, args.slo), **workload_report,
             "server_histograms": server_report(before, after), "per_request": per_request_arrays(results)}
 
 
 def format_summary(report: dict) -> str:
     """The readable table printed after a run."""
-    cfg = report["config"]
     lines = [
-        f"== disagg bench serve: {report['label']} ({report['model']} at {cfg['base_url']}, {cfg['num_prompts']} "
-        f"prompts, {cfg['input_len']} in / {cfg['output_len']} out, rate {cfg['request_rate']} req/s) ==",
+        format_title(report),
         f"completed / failed:        {report['num_completed']} / {report['num_failed']}",
         *([f"first error:               {report['first_error']}"] if report["num_failed"] else []),
         f"duration:                  {report['duration_s']:.2f} s",
@@ -206,8 +251,35 @@ def format_summary(report: dict) -> str:
         figures = report[metric]
         cells = ["-" if v is None else f"{v:.1f}" for v in figures.values()]
         lines.append(f"{metric.upper():<12} " + " ".join(f"{c:>9}" for c in cells))
+    lines += format_turns(report)
     lines += format_server(report["server_histograms"], report["ttft"]["mean_ms"])
     return "\n".join(lines)
+
+
+def format_title(report: dict) -> str:
+    """The first line: label, model, server and the load."""
+    cfg = report["config"]
+    if cfg.get("workload") == "chat":
+        load = (f"{cfg['num_conversations']} conversations x {cfg['turns_per_conversation']} turns, "
+                f"{cfg['output_len']} out, rate {cfg['request_rate']} conv/s")
+    else:
+        load = (f"{cfg['num_prompts']} prompts, {cfg['input_len']} in / {cfg['output_len']} out, "
+                f"rate {cfg['request_rate']} req/s")
+    return f"== disagg bench serve: {report['label']} ({report['model']} at {cfg['base_url']}, {load}) =="
+
+
+def format_turns(report: dict) -> list[str]:
+    """The chat workload's lines: conversations completed, then TTFT and prefix-cache share per turn."""
+    if "per_turn" not in report:
+        return []
+    lines = [f"conversations completed:   {report['num_conversations_completed']} of {report['num_conversations']}",
+             f"{'turn':<12} {'done':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'cached':>9}"]
+    for row in report["per_turn"]:
+        cells = [f"{row['num_completed']}/{row['num_requests']}",
+                 *("-" if row[k] is None else f"{row[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p99_ms")),
+                 "-" if row["cached_share"] is None else f"{row['cached_share']:.1%}"]
+        lines.append(f"{row['turn_index']:<12} " + " ".join(f"{c:>9}" for c in cells))
+    return lines
 
 
 def format_server(server: dict[str, dict | str], ttft_mean_ms: float | None) -> list[str]:
@@ -254,17 +326,22 @@ def positive_rate(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `disagg bench serve`."""
     add = parser.add_argument
-    add("--base-url", required=True, help="server or router speaking OpenAI /v1/completions")
+    add("--base-url", required=True, help="server or router speaking OpenAI /v1/completions (and chat)")
+    add("--workload", choices=("random", "chat"), default="random",
+        help="random: single-turn random token-id prompts on /v1/completions; chat: multi-turn "
+             "conversations on /v1/chat/completions (options below)")
     add("--model", default=None, help="model name to send (default: the first of /v1/models)")
     add("--request-rate", type=positive_rate, default=float("inf"),
-        help="Poisson arrivals in requests/s; inf sends every request at once")
+        help="Poisson arrivals in requests/s (chat: conversations/s); inf sends every one at once")
     add("--num-prompts", type=int, default=40, help="requests in the run")
     add("--input-len", type=int, default=256, help="prompt tokens per request (random ids)")
-    add("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
+    add("--output-len", "--output-tokens", dest="output_len", type=int, default=32,
+        help="generated tokens per request (max_tokens with ignore_eos)")
     add("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
-    add("--slo", nargs="+", action=SloAction, default=Slo(), metavar="METRIC:MS",
+    add("--slo", "--goodput", dest="slo", nargs="+", action=SloAction, default=Slo(), metavar="METRIC:MS",
         help="goodput counts requests meeting these: ttft:MS and/or tpot:MS")
-    add("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
+    add("--max-concurrency", type=int, default=None,
+        help="cap on requests (chat: conversations) in flight (default: none)")
     add("--timeout-s", type=float, default=300.0, help="deadline of each request")
     add("--num-warmups", type=int, default=1, help="requests sent one by one before the run, not counted")
     add("--metrics-url", action="append", default=[],
@@ -274,13 +351,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--plot", default=None, help="write TTFT/TPOT plots (PNG) here")
     add("--plot-with", action="append", default=[],
         help="JSON report of an earlier run to draw beside this one (repeatable)")
+    add_chat_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the summary, write --out and --plot; 1 if no request completed."""
     try:
         report = asyncio.run(bench(args))
-    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, KeyError, IndexError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, KeyError, IndexError, ValueError) as exc:
         print(f"disagg bench serve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(format_summary(report))

@@ -44,6 +44,10 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     error: str = ""
+    text: str = ""  # the streamed answer (chat appends it to the history)
+    num_cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens
+    conversation_id: int | None = None  # chat workload only
+    turn_index: int | None = None  # chat workload only
 
     @property
     def tpot_s(self) -> float | None:
@@ -129,7 +133,28 @@ def per_request_arrays(results: list[RequestResult]) -> dict[str, list]:
         "num_prompt_tokens": [r.num_prompt_tokens for r in results],
         "num_output_tokens": [r.num_output_tokens for r in results],
         "error": [r.error for r in results],
+        "num_cached_tokens": [r.num_cached_tokens for r in results],
+        "conversation_id": [r.conversation_id for r in results],
+        "turn_index": [r.turn_index for r in results],
     }
+
+
+def per_turn(results: list[RequestResult]) -> list[dict]:
+    """Per turn index: requests, completions, TTFT p50/p99 of the completed, and the prefix-cache share
+    (cached / prompt tokens over the completed requests whose usage reported cached tokens; None if none did)."""
+    rows = []
+    for turn_index in sorted({r.turn_index for r in results if r.turn_index is not None}):
+        of_turn = [r for r in results if r.turn_index == turn_index]
+        done = [r for r in of_turn if r.ok]
+        ttft = summarize_ms([r.ttft_s for r in done if r.ttft_s is not None])
+        reported = [r for r in done if r.num_cached_tokens is not None]
+        num_prompt = sum(r.num_prompt_tokens for r in reported)
+        num_cached = sum(r.num_cached_tokens or 0 for r in reported)
+        rows.append({"turn_index": turn_index, "num_requests": len(of_turn), "num_completed": len(done),
+                     "ttft_p50_ms": ttft["p50_ms"], "ttft_p99_ms": ttft["p99_ms"],
+                     "num_prompt_tokens": num_prompt, "num_cached_tokens": num_cached,
+                     "cached_share": num_cached / num_prompt if reported and num_prompt else None})
+    return rows
 
 
 def parse_histogram_totals(text: str, keys: tuple[str, ...] = SERVER_HISTOGRAM_KEYS) -> dict[str, dict]:

@@ -4,15 +4,14 @@ deltas) with exact values, and the whole command against a fake streaming server
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import subprocess
 import sys
-import threading
 
 import pytest
 from aiohttp import web
+from fake_openai import app_in_thread, models, stream_events
 
 from disagg.bench import serve
 from disagg.bench.serve_stats import (
@@ -229,19 +228,11 @@ def fake_app() -> web.Application:
         n = served[0]
         if n % 4 == 0:
             return web.Response(status=503, text="busy")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         events = [{"error": {"message": f"engine died on {n}"}}] if n % 4 == 2 else \
             [{"choices": [{"index": 0, "text": f"t{i}"}]} for i in range(4 if n % 4 == 1 else 3)]
         if n % 4 == 1:
             events.append({"choices": [], "usage": {"completion_tokens": 7}})
-        for event in events:
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+        return await stream_events(request, events)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=f"disagg_kv_transfer_seconds_sum {served[0] * 0.002:.3f}\n"
@@ -256,19 +247,8 @@ def fake_app() -> web.Application:
 @pytest.fixture
 def fake_server():
     """The fake app on 127.0.0.1, port 0, in its own thread and event loop; yields the base URL."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(fake_app())
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    loop.close()
+    with app_in_thread(fake_app()) as base_url:
+        yield base_url
 
 
 @pytest.mark.timeout(30)

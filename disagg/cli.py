@@ -70,7 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_args(parser_)
         add_disagg_args(parser_)
         parser_.set_defaults(load_balance_method=method, **secret_defaults())
-    serve = sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router")
+    add_serve_args(sub.add_parser("serve", help="a whole local P/D cluster: bootstrap, prefill, decode and router"))
+    add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
+    boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
+    add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
+    boot.set_defaults(cluster_secret=BootstrapConfig().cluster_secret)
+    bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    add_bench_engine_args(bench_sub.add_parser("engine", help="engine prefill/decode tok/s beside HF transformers"))
+    from disagg.bench import transfer
+
+    transfer.add_arguments(bench_sub.add_parser("transfer", help="KV transfer GB/s per backend beside memcpy"))
+    from disagg.bench import serve as bench_serve
+
+    bench_serve.add_arguments(bench_sub.add_parser("serve", help="serving latency and goodput under Poisson load"))
+    return parser
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """`disagg serve`: the engine, the P/D options, the router's port and TLS, the CPU split."""
     add_engine_args(serve)
     # serve draws a cluster secret of its own when none is given: there is nothing to opt out of
     add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"))
@@ -90,20 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
     add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
-    add_router_args(sub.add_parser("router", help="P/D router (sglang-router compatible arguments)"))
-    boot = sub.add_parser("bootstrap", help="run the bootstrap registry standalone")
-    add_dataclass_args(boot, BootstrapConfig, skip=("retry",))
-    boot.set_defaults(cluster_secret=BootstrapConfig().cluster_secret)
-    bench = sub.add_parser("bench", help="benchmarks (engine, transfer)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    add_bench_engine_args(bench_sub.add_parser("engine", help="engine prefill/decode tok/s beside HF transformers"))
-    from disagg.bench import transfer
-
-    transfer.add_arguments(bench_sub.add_parser("transfer", help="KV transfer GB/s per backend beside memcpy"))
-    from disagg.bench import serve as bench_serve
-
-    bench_serve.add_arguments(bench_sub.add_parser("serve", help="serving latency and goodput under Poisson load"))
-    return parser
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -134,27 +138,37 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write results as JSON here")
 
 
+def run_server(args: argparse.Namespace) -> int:
+    """`disagg unified|prefill|decode`: every check before anything binds or loads, then the server."""
+    from disagg import launch
+
+    mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
+    disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
+    server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
+    check_cluster_secret(server, disagg)
+    worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())
+    kv_events = parse_kv_events_config(args.kv_events_config)
+    return launch.run(server, engine_from_args(args), disagg, kv_events)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """`disagg serve`: a bad CPU list or timeout fails before anything starts."""
+    from disagg import cluster
+
+    disagg = disagg_from_args(args, bootstrap_port=0)
+    check_shutdown_timeout(args.shutdown_timeout_s)
+    plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
+    return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
+                       args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
+                       (args.prefill_cpus, args.decode_cpus))
+
+
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("unified", "prefill", "decode"):
-        from disagg import launch
-
-        mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
-        disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
-        server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
-        check_cluster_secret(server, disagg)  # before anything binds or loads
-        worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())
-        kv_events = parse_kv_events_config(args.kv_events_config)
-        return launch.run(server, engine_from_args(args), disagg, kv_events)
+        return run_server(args)
     if args.command == "serve":
-        from disagg import cluster
-
-        disagg = disagg_from_args(args, bootstrap_port=0)
-        check_shutdown_timeout(args.shutdown_timeout_s)
-        plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)  # a bad list fails before anything starts
-        return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
-                           args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
-                           (args.prefill_cpus, args.decode_cpus))
+        return run_cluster(args)
     if args.command == "router":
         from disagg.router.launch import main as router_main
 

@@ -121,22 +121,13 @@ def aggregate(results: list[RequestResult], duration_s: float, slo: Slo) -> dict
     }
 
 
+PER_REQUEST_FIELDS = ("start_s", "ok", "ttft_s", "tpot_s", "e2e_s", "itl_s", "num_prompt_tokens", "num_output_tokens",
+                      "error", "num_cached_tokens", "conversation_id", "turn_index")
+
+
 def per_request_arrays(results: list[RequestResult]) -> dict[str, list]:
     """The raw per-request values, one list per field, in request order (None where not measured)."""
-    return {
-        "start_s": [r.start_s for r in results],
-        "ok": [r.ok for r in results],
-        "ttft_s": [r.ttft_s for r in results],
-        "tpot_s": [r.tpot_s for r in results],
-        "e2e_s": [r.e2e_s for r in results],
-        "itl_s": [r.itl_s for r in results],
-        "num_prompt_tokens": [r.num_prompt_tokens for r in results],
-        "num_output_tokens": [r.num_output_tokens for r in results],
-        "error": [r.error for r in results],
-        "num_cached_tokens": [r.num_cached_tokens for r in results],
-        "conversation_id": [r.conversation_id for r in results],
-        "turn_index": [r.turn_index for r in results],
-    }
+    return {name: [getattr(r, name) for r in results] for name in PER_REQUEST_FIELDS}
 
 
 def per_turn(results: list[RequestResult]) -> list[dict]:

@@ -125,6 +125,7 @@ class LoadBalanceMethod(Choice):
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"  # the fewest outstanding tokens
     FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"  # bootstrap_room % dp_size
+    CACHE_AWARE = "cache_aware"  # the worker whose prompts share the longest prefix (disagg/prefix_tree.py)
 
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -199,7 +200,8 @@ class ServerConfig:
                                         "share them, rank r on CPU r mod N); a worker's torch threads default to the "
                                         "size of its share (default: not pinned)"})
     load_balance_method: LoadBalanceMethod = field(
-        default=LoadBalanceMethod.LEAST_LOAD, metadata={"help": "round_robin, least_load or follow_bootstrap_room"}
+        default=LoadBalanceMethod.LEAST_LOAD, metadata={"help": "round_robin, least_load, follow_bootstrap_room or cache_aware "
+                                                                   "(the worker that was sent the longest prefix of the prompt)"}
     )
     api_key: str | None = field(default=None, repr=False, metadata={"help": "require 'Authorization: Bearer KEY'"})
     admin_key: str | None = field(

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from disagg.api.vllm_metrics import VllmMetrics
-from disagg.dp.protocol import WorkerState
+from disagg.dp.protocol import DispatchStats, WorkerState
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import KVStatsMsg
 
@@ -51,13 +51,31 @@ class _WorkerCollector:
             yield family
 
 
+class _DispatchCollector:
+    """Reads the DP controller's cache_aware hits and misses at scrape time."""
+
+    def __init__(self, dispatch_stats: Callable[[], DispatchStats]):
+        self._dispatch_stats = dispatch_stats
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._dispatch_stats()
+        yield CounterMetricFamily("disagg_dp_cache_hits", "cache_aware DP picks whose worker's tree matched more than "
+                                  "cache_threshold of the prompt", value=stats.num_cache_hits)
+        yield CounterMetricFamily("disagg_dp_cache_misses", "cache_aware DP picks by the smallest tree or the least "
+                                  "load", value=stats.num_cache_misses)
+
+
 class ApiMetrics:
     """The counters and histograms the front door records, plus the per-worker gauges; `vllm` holds
     the same observations under vLLM's names and labels."""
 
     content_type = "text/plain; version=0.0.4; charset=utf-8"
 
-    def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int):
+    def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int,
+                 dispatch_stats: Callable[[], DispatchStats] = DispatchStats):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
@@ -82,6 +100,7 @@ class ApiMetrics:
         self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
                                  buckets=_LATENCY_BUCKETS_S, registry=reg)
         reg.register(_WorkerCollector(worker_states))
+        reg.register(_DispatchCollector(dispatch_stats))
         self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states)
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,

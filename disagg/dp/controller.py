@@ -27,10 +27,11 @@ from disagg.config import DisaggregationMode, ServerConfig
 from disagg.cpus import format_cpu_list, usable_cpus, worker_cpu_sets
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
+from disagg.prefix_tree import Prompt
 from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher
 from disagg.dp.framing import frame, read_frame
-from disagg.dp.protocol import ModelCard, WorkerState, WorkerUnavailable
+from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
 from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
@@ -295,9 +296,12 @@ class DPController:
 
     # ---- EngineClient -------------------------------------------------------------------------
 
-    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, prompt: Prompt = "") -> int:
         loads = [sum(w.outstanding.values()) for w in self.workers]
-        return self.dispatcher.pick(routed_dp_rank, bootstrap_room, loads, [w.available for w in self.workers])
+        return self.dispatcher.pick(routed_dp_rank, bootstrap_room, loads, [w.available for w in self.workers], prompt)
+
+    def dispatch_stats(self) -> DispatchStats:
+        return DispatchStats(self.dispatcher.num_cache_hits, self.dispatcher.num_cache_misses)
 
     async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
         """Outputs of one request; leaving the loop early (disconnect, error) aborts it."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from disagg.config import LoadBalanceMethod
+from disagg.prefix_tree import Prompt
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, Utility
 
 
@@ -58,13 +59,25 @@ class WorkerState:
     block_size: int = 0  # tokens per KV block (0 until the worker is ready)
 
 
+@dataclass(frozen=True)
+class DispatchStats:
+    """The controller's cache_aware picks so far: a tree matched enough of the prompt, or not."""
+
+    num_cache_hits: int = 0
+    num_cache_misses: int = 0
+
+
 class EngineClient(Protocol):
     dp_size: int
     load_balance_method: LoadBalanceMethod
     model: ModelCard
 
-    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
-        """Choose the DP worker; raises InvalidRequest for a bad rank or a missing room."""
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, prompt: Prompt = "") -> int:
+        """Choose the DP worker (`prompt`, dispatch.routing_prompt of the request, feeds cache_aware);
+        raises InvalidRequest for a bad rank or a missing room."""
+
+    def dispatch_stats(self) -> DispatchStats:
+        """Cache hits and misses of the cache_aware picks (for /metrics)."""
 
     def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
         """Stream a request's outputs; closing the iterator early aborts the request."""

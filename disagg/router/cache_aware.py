@@ -9,31 +9,21 @@ The prefill pick, in order:
 2. Else the (server, rank) whose tree holds the longest prefix of the prompt (ties: the first); if
    `matched / len(prompt) > cache_threshold` it is a hit and gets the request.
 3. Else a miss: the (server, rank) with the smallest tree (the most free cache; ties: the first).
-The prompt is then inserted into the chosen tree, which is evicted to `max_tree_size`.
+The prompt is then inserted into the chosen tree, which is evicted to `max_tree_size`. The trees and
+this decision live in disagg/prefix_tree.py, which a server's DP controller shares (`cache_aware`).
 """
 
 from __future__ import annotations
 
-import enum
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from disagg import prefix_tree
+from disagg.prefix_tree import CacheOutcome, CacheRule, Prompt, pick_by_cache
 from disagg.router.config import CacheAwareConfig
 from disagg.router.errors import NoHealthyServer
 from disagg.router.policy import PairPick, ServerLoad
-from disagg.router.radix_tree import Prompt, RadixTree
-
-Tenant = tuple[int, int]  # (server id, DP rank): one tree each
-
-
-class CacheOutcome(str, enum.Enum):
-    HIT = "hit"  # the longest match is above the threshold
-    MISS = "miss"  # the smallest tree got it
-    IMBALANCED = "imbalanced"  # the shortest queue got it; the trees were not asked
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -47,10 +37,15 @@ class PrefillPick:
     match_ratio: float
 
 
+def cache_rule(config: CacheAwareConfig) -> CacheRule:
+    """The shared pick's thresholds from the router's flags (its loads are requests in flight)."""
+    return CacheRule(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
+                     config.max_tree_size)
+
+
 def is_imbalanced(in_flight: Sequence[int], config: CacheAwareConfig) -> bool:
     """sglang-router's test: both the absolute and the relative gap exceed their thresholds."""
-    most, fewest = max(in_flight), min(in_flight)
-    return most - fewest > config.balance_abs_threshold and most > fewest * config.balance_rel_threshold
+    return prefix_tree.is_imbalanced(in_flight, cache_rule(config))
 
 
 def pick_power_of_two(loads: Sequence[ServerLoad], rng: random.Random) -> int | None:
@@ -63,35 +58,14 @@ def pick_power_of_two(loads: Sequence[ServerLoad], rng: random.Random) -> int | 
     return second if loads[second].in_flight < loads[first].in_flight else first
 
 
-class PrefixTrees:
-    """One RadixTree per tenant, and the clock of their recency."""
-
-    def __init__(self, max_tree_size: int):
-        self.max_tree_size = max_tree_size
-        self._trees: dict[Tenant, RadixTree] = {}
-        self._tick = 0
-
-    def size(self, tenant: Tenant) -> int:
-        """Symbols held for `tenant` (0 when it has no tree yet)."""
-        tree = self._trees.get(tenant)
-        return tree.size if tree is not None else 0
-
-    def match_length(self, tenant: Tenant, text: Prompt) -> int:
-        """The longest prefix of `text` held for `tenant`."""
-        tree = self._trees.get(tenant)
-        return tree.match_length(text) if tree is not None else 0
-
-    def insert(self, tenant: Tenant, text: Prompt) -> None:
-        """Record `text` as the newest prompt of `tenant`, then evict its tree to the bound."""
-        self._tick += 1
-        tree = self._trees.setdefault(tenant, RadixTree())
-        tree.insert(text, self._tick)
-        tree.evict_to(self.max_tree_size)
+class PrefixTrees(prefix_tree.PrefixTrees):
+    """The shared trees keyed by (server id, DP rank)."""
 
     def keep_servers(self, server_ids: set[int]) -> None:
         """Forget the trees of servers the router no longer knows."""
-        for tenant in [t for t in self._trees if t[0] not in server_ids]:
-            del self._trees[tenant]
+        for tenant in self.tenants():
+            if tenant[0] not in server_ids:
+                self.forget(tenant)
 
 
 class CacheAwarePicker:
@@ -99,6 +73,7 @@ class CacheAwarePicker:
 
     def __init__(self, config: CacheAwareConfig):
         self.config = config
+        self.rule = cache_rule(config)
         self.trees = PrefixTrees(config.max_tree_size)
 
     def pick(self, loads: Sequence[ServerLoad], text: Prompt) -> PrefillPick | None:
@@ -107,30 +82,11 @@ class CacheAwarePicker:
         candidates = [i for i, load in enumerate(loads) if load.eligible]
         if not candidates:
             return None
-        tenants = [(i, rank) for i in candidates for rank in range(_num_ranks(loads[i]))]
-        ratio = 0.0
-        if is_imbalanced([loads[i].in_flight for i in candidates], self.config):
-            fewest = min(candidates, key=lambda i: loads[i].in_flight)
-            index, rank = self._smallest(loads, [t for t in tenants if t[0] == fewest])
-            outcome = CacheOutcome.IMBALANCED
-        else:
-            (index, rank), matched = self._longest_match(loads, tenants, text)
-            ratio = matched / len(text) if text else 0.0
-            outcome = CacheOutcome.HIT if ratio > self.config.cache_threshold else CacheOutcome.MISS
-            if outcome is CacheOutcome.MISS:
-                index, rank = self._smallest(loads, tenants)
-        if text:
-            self.trees.insert((loads[index].server_id, rank), text)
+        groups = [[(loads[i].server_id, rank) for rank in range(_num_ranks(loads[i]))] for i in candidates]
+        p = pick_by_cache(self.trees, groups, [loads[i].in_flight for i in candidates], text, self.rule)
+        index, rank = candidates[p.group], p.tenant[1]
         pinned = rank if _num_ranks(loads[index]) > 1 else None
-        return PrefillPick(index, pinned, outcome, ratio)
-
-    def _longest_match(self, loads: Sequence[ServerLoad], tenants: list[Tenant], text: Prompt) -> tuple[Tenant, int]:
-        lengths = [self.trees.match_length((loads[i].server_id, rank), text) for i, rank in tenants]
-        best = max(range(len(tenants)), key=lambda k: (lengths[k], -k))
-        return tenants[best], lengths[best]
-
-    def _smallest(self, loads: Sequence[ServerLoad], tenants: list[Tenant]) -> Tenant:
-        return min(tenants, key=lambda t: self.trees.size((loads[t[0]].server_id, t[1])))
+        return PrefillPick(index, pinned, p.outcome, p.match_ratio)
 
 
 def _num_ranks(load: ServerLoad) -> int:

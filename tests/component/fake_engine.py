@@ -23,7 +23,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from disagg.api.app import create_app
 from disagg.config import ServerConfig
-from disagg.dp.protocol import ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
+from disagg.config import LoadBalanceMethod
+from disagg.dp.dispatch import Dispatcher
+from disagg.dp.protocol import DispatchStats, ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
+from disagg.prefix_tree import Prompt
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, TokenizeMsg
 
@@ -69,10 +72,12 @@ class FakeEngine:
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running: dict[str, int] = {}
         self._next_rank = 0
+        self.dispatcher = Dispatcher(LoadBalanceMethod.CACHE_AWARE, dp_size)  # cache_aware: the real pick
         self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
 
-    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None) -> int:
-        """Like the DP controller: a pinned rank must exist; else the load-balance method decides."""
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, prompt: Prompt = "") -> int:
+        """Like the DP controller: a pinned rank must exist; else the load-balance method decides
+        (cache_aware by the controller's Dispatcher, a worker's load its requests running)."""
         if routed_dp_rank is not None:
             if not 0 <= routed_dp_rank < self.dp_size:
                 raise InvalidRequest(f"DP rank {routed_dp_rank} is not active (dp_size={self.dp_size})",
@@ -83,6 +88,9 @@ class FakeEngine:
                 raise InvalidRequest("bootstrap_room is required with load_balance_method=follow_bootstrap_room",
                                      "bootstrap_room")
             return bootstrap_room % self.dp_size
+        if self.load_balance_method == "cache_aware":
+            loads = [sum(1 for r in self._running.values() if r == rank) for rank in range(self.dp_size)]
+            return self.dispatcher.pick(None, bootstrap_room, loads, self.alive, prompt)
         rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.dp_size
         return rank
 
@@ -211,6 +219,9 @@ class FakeEngine:
         if method == "reset_prefix_cache":
             return list(self.reset_ok)
         raise UtilityFailed(method, {r: f"unknown utility {method!r}" for r in range(self.dp_size)})
+
+    def dispatch_stats(self) -> DispatchStats:
+        return DispatchStats(self.dispatcher.num_cache_hits, self.dispatcher.num_cache_misses)
 
     def worker_states(self) -> list[WorkerState]:
         if self.states is not None:

@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from component.fake_engine import api_client
 from disagg.config import ServerConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.dp.controller import DPController
@@ -110,3 +111,16 @@ async def test_a_dead_worker_fails_its_requests_with_503_not_a_hang(controller):
     with pytest.raises(WorkerUnavailable, match=r"^DP worker 1 is not available: it (died|is restarting after it died) \("):
         await collect(controller, GenerateMsg("after", GREEDY, prompt="a"), 1)
     assert controller.pick_rank(None, None) == 0  # dispatch skips the dead worker
+
+
+async def test_cache_aware_sends_a_shared_prefix_to_the_same_worker_over_http():
+    config = ServerConfig(dp_size=2, port=0, load_balance_method="cache_aware")
+    async with DPController(config, ENGINE) as c, api_client(c) as client:
+        ranks = []
+        for prompt in ("a long shared system prompt, then: one", "hi", "a long shared system prompt, then: two"):
+            resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert resp.status == 200
+            ranks.append((await resp.json())["dp_rank"])
+        metrics = (await (await client.get("/metrics")).text()).splitlines()
+    assert ranks == [0, 1, 0]
+    assert "disagg_dp_cache_hits_total 1.0" in metrics and "disagg_dp_cache_misses_total 2.0" in metrics

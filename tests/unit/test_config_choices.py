@@ -29,7 +29,7 @@ def test_strings_become_members_and_members_read_as_their_values():
 def test_an_unknown_value_names_the_field_and_the_values_it_takes():
     with pytest.raises(ConfigError) as info:
         ServerConfig(load_balance_method="fastest")
-    assert str(info.value) == "load_balance_method must be one of round_robin, least_load, follow_bootstrap_room, got 'fastest'"
+    assert str(info.value) == "load_balance_method must be one of round_robin, least_load, follow_bootstrap_room, cache_aware, got 'fastest'"
     with pytest.raises(ConfigError) as info:
         ServerConfig(disaggregation_mode="both")
     assert str(info.value) == "disaggregation_mode must be one of null, prefill, decode, got 'both'"

@@ -15,7 +15,7 @@ from disagg.router.config import CacheAwareConfig
 from disagg.router.errors import NoHealthyServer
 from disagg.router.launch import config_from_args
 from disagg.router.policy import PairPick, PairPicker, Policy, ServerLoad
-from disagg.router.radix_tree import RadixTree, as_prompt
+from disagg.prefix_tree import RadixTree, as_prompt
 
 CONFIG = CacheAwareConfig()  # sglang-router's thresholds: 0.3, 64, 1.5
 

@@ -31,7 +31,7 @@ from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.metrics import RouterMetrics
 from disagg.router.cache_aware import CacheAwarePairPicker
-from disagg.router.policy import PairPick, PairPicker, draw_rooms, pick_dp_rank
+from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
 

@@ -77,6 +77,8 @@ def admit(state: ApiState) -> None:
     if state.drain.draining:
         raise draining_error(state.drain)
     config = state.config
+    if not config.max_waiting_requests and config.max_kv_usage >= 1.0:
+        return  # no limit set: nothing to read
     refusal = overload(state.engine.worker_states(), config.max_waiting_requests, config.max_kv_usage)
     if refusal is not None:
         raise overloaded_error(refusal)

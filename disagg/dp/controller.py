@@ -220,7 +220,7 @@ class DPController:
             if queue is not None:
                 queue.put_nowait(msg)
             sent = self._sent.get(msg.request_id)
-            if sent is not None:
+            if sent is not None and self.migrates and self.server.migration_limit:  # what a migration resends
                 sent.token_ids += msg.new_token_ids
             if msg.finish_reason is not None or msg.error is not None:
                 worker.outstanding.pop(msg.request_id, None)

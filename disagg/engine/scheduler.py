@@ -140,10 +140,12 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_preempted = len(out.preempted_ids)
             if self._allocate_or_preempt(request, num_new, out, scheduled):
                 scheduled.append((request, num_new))
-            # A victim scheduled earlier in this loop gave its tokens back.
-            budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
+                budget -= num_new
+            if len(out.preempted_ids) != num_preempted:  # a victim scheduled earlier in this loop gave its tokens back
+                budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
         if not out.preempted_ids:
             budget = self._schedule_waiting(budget, scheduled)
         out.seqs = [self._seq(r, n) for r, n in scheduled]

@@ -78,13 +78,15 @@ def replay(ctx: zmq.Context, port: int, start_seq: int) -> list[tuple[int, bytes
     dealer.connect(f"tcp://127.0.0.1:{port}")
     dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
     out = []
-    while True:
-        empty, seq, payload = dealer.recv_multipart()
-        assert empty == b""
-        out.append((int.from_bytes(seq, "big", signed=True), payload))
-        if out[-1][0] == -1:
-            dealer.close()
-            return out
+    try:
+        while True:
+            empty, seq, payload = dealer.recv_multipart()  # zmq.Again past RCVTIMEO
+            assert empty == b""
+            out.append((int.from_bytes(seq, "big", signed=True), payload))
+            if out[-1][0] == -1:
+                return out
+    finally:
+        dealer.close()  # else ctx.term() would block on it
 
 
 async def serve(dp_size: int, pub_port: int, replay_port: int):

@@ -62,6 +62,7 @@ async def test_a_full_registry_fails_the_request_at_once_and_frees_every_block()
             if cluster.prefill.bootstrap.registry.is_complete():
                 break
             await asyncio.sleep(0.1)
+        assert cluster.prefill.bootstrap.registry.is_complete()
         config = RouterConfig(host="127.0.0.1", port=0, health_check_interval_s=0, request_timeout_s=60,
                               retry_max_retries=0,  # the registry's answer as it is (a retry meets a full table too)
                               prefill=(PrefillEndpoint(cluster.prefill_url, old.port),), decode=(cluster.decode_url,))

@@ -141,15 +141,12 @@ async def test_kill_one_worker_of_two_while_requests_arrive_through_our_router_l
         assert answers == [(200, ids) for ids in expected]
         assert await wait_for(lambda: _healthy(cluster, url), 60, 0.2)
         assert [w.num_restarts for w in server.controller.worker_states()] == [0, 1]
-        assert await wait_for(lambda: _gauges_are(cluster, before), 10)
+        assert await cluster.settled(before, timeout_s=10) == before
     finally:
         await router.close()
         await cluster.close()
         await unified.close()
 
-
-async def _gauges_are(cluster, expected) -> bool:
-    return await cluster.free_blocks() == expected
 
 
 TOKENS_BODY = {"token_ids": [5, 9, 17, 33, 65, 3], "sampling_params": {"max_tokens": 300, **GREEDY}}
@@ -205,7 +202,7 @@ async def test_kill_a_decode_worker_mid_stream_the_stream_completes_with_the_uni
         assert (await prefill)[0] == 200
         assert [t for chunk in chunks for t in chunk] == expected
         assert await wait_for(lambda: _restarted(cluster.decode), 60, 0.2)
-        assert await wait_for(lambda: _gauges_are(cluster, before), 10)
+        assert await cluster.settled(before, timeout_s=10) == before
     finally:
         await cluster.close()
         await unified.close()

@@ -10,9 +10,9 @@ import asyncio
 
 from decode.registries import Registries, Registry
 from disagg.config import ControlConfig
+from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import PeerMsg
 from kvtransfer.control.client import ControlClient
-from kvtransfer.control.server import format_address
 
 
 class PrefillPeers:

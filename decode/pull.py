@@ -22,10 +22,10 @@ from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
+from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import LeaseStatusMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
 from kvtransfer.base import KVTransferBackend, TransferFailed
-from kvtransfer.control.server import format_address
 
 log = structlog.get_logger(__name__)
 

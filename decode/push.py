@@ -21,11 +21,11 @@ from disagg.config import DisaggConfig
 from disagg.dp.rank_rule import QUERY, resolve_prefill_rank
 from disagg.engine.core import EngineCore
 from disagg.types import InvalidRequest
+from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
 from kvtransfer.base import PeerUnavailable
 from kvtransfer.control.client import ControlClient
-from kvtransfer.control.server import format_address
 
 log = structlog.get_logger(__name__)
 BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")

@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-import dataclasses
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -90,7 +89,7 @@ class _Sent:
         its first answer carried (the prompt, its logprobs) went out already when any token did."""
         if not self.token_ids:
             return self.msg
-        sampling = dataclasses.replace(self.msg.sampling, prompt_logprobs=None)
+        sampling = replace(self.msg.sampling, prompt_logprobs=None)
         return msgspec.structs.replace(self.msg, resume_token_ids=list(self.token_ids), return_prompt=False,
                                        sampling=sampling)
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 CONTROL_AUTH_KEY = "x-disagg-cluster-auth"  # gRPC metadata keys are lowercase ASCII
 NONCE_BYTES = 32
-MAX_NAME_BYTES = 256  # a client identity or a target in a proof
+MAX_NAME_BYTES = 256  # a client identity or a target in a proof (hex in the token: two digits a byte)
 MAX_CHALLENGES = 1024  # nonces a server remembers; the oldest go first
 PROOF_VERSION = "v2"
-_TOKEN = re.compile(r"v2\.([0-9a-f]{64})\.([0-9a-f]{64})\.((?:[0-9a-f]{2}){0,256})\.((?:[0-9a-f]{2}){1,256})\."
-                    r"([0-9a-f]{64})")
+_TOKEN = re.compile(rf"{PROOF_VERSION}\.([0-9a-f]{{64}})\.([0-9a-f]{{64}})\.((?:[0-9a-f]{{2}}){{0,{MAX_NAME_BYTES}}})\."
+                    rf"((?:[0-9a-f]{{2}}){{1,{MAX_NAME_BYTES}}})\.([0-9a-f]{{64}})")
 
 
 @dataclass(frozen=True)

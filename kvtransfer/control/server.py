@@ -46,7 +46,7 @@ from kvtransfer.base import AuthenticationFailed, IncompatiblePeer, KVTransferEr
 from kvtransfer.control.checks import check_peer, check_transfer
 
 __all__ = ["AuthenticationFailed", "ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer",
-           "check_transfer", "format_address"]
+           "check_transfer"]
 Clock = Callable[[], float]
 ControlEvent = PeerMsg | TransferInfoMsg | AbortMsg | LeaseMsg | PeerLostMsg
 log = structlog.get_logger("kvtransfer.control")

@@ -22,11 +22,11 @@ from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
+from disagg.wire.auth import format_address
 from disagg.wire.auth import CONTROL, CONTROL_AUTH_KEY, Binding, answer
 from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg, TransferInfoMsg, TransferState, register_msg
 from kvtransfer.base import KVLayout
 from kvtransfer.control.client import ControlClient
-from kvtransfer.control.server import format_address
 from kvtransfer.handshake import PeerInfo, encode_peer_info
 from pd_cluster import counting_listener, pd_config, start_decode, start_pd
 

@@ -20,7 +20,6 @@ from disagg.api.logging import bind_request
 from disagg.api.serving import admit, end_stream_if_drained, json_response, shutdown_if_drained
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import ApiState, state_of
-from disagg.dp.dispatch import routing_prompt
 from disagg.drain import Drain
 from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
@@ -55,7 +54,7 @@ async def serve_batch(request: web.Request, items: list[tuple[GenerateMsg, int |
         raise BadRequest(f"request id {duplicate!r} appears twice in the batch", "rid")
     admit(state)
     with state.drain.track():
-        generations = [Generation(state, msg, state.engine.pick_rank(rank, msg.bootstrap_room, routing_prompt(msg)))
+        generations = [Generation(state, msg, state.engine.pick_rank(rank, msg.bootstrap_room, msg))
                        for msg, rank in items]
         headers = {DP_RANK_HEADER: str(generations[0].totals.dp_rank), REQUEST_ID_HEADER: request_id}
         if stream:

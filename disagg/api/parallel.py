@@ -25,7 +25,6 @@ from disagg.api.serving import (
 )
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
-from disagg.dp.dispatch import routing_prompt
 from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
@@ -65,7 +64,7 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
     bind_request(msg.request_id)
     admit(state)
     with state.drain.track():
-        dp_rank = state.engine.pick_rank(routed_dp_rank, None, routing_prompt(msg))
+        dp_rank = state.engine.pick_rank(routed_dp_rank, None, msg)
         generations = [Generation(state, child, dp_rank) for child in child_msgs(msg, n)]
         renderers = [new_renderer() for _ in range(n)]
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}

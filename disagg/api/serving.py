@@ -21,7 +21,6 @@ from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import ApiState, state_of
-from disagg.dp.dispatch import routing_prompt
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
@@ -60,7 +59,7 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
     bind_request(msg.request_id, bootstrap_room=msg.bootstrap_room)
     admit(state)
     with state.drain.track():
-        dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, routing_prompt(msg))
+        dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
         structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
         generation = Generation(state, msg, dp_rank)
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}

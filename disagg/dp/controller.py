@@ -22,13 +22,12 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import structlog
 
-from disagg.config import DisaggregationMode, ServerConfig
+from disagg.config import DisaggregationMode, LoadBalanceMethod, ServerConfig
 from disagg.cpus import format_cpu_list, usable_cpus, worker_cpu_sets
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
-from disagg.prefix_tree import Prompt
 from disagg.dp.aggregate import check_results
-from disagg.dp.dispatch import Dispatcher
+from disagg.dp.dispatch import Dispatcher, routing_prompt
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
 from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
@@ -295,8 +294,9 @@ class DPController:
 
     # ---- EngineClient -------------------------------------------------------------------------
 
-    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, prompt: Prompt = "") -> int:
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, msg: GenerateMsg | None = None) -> int:
         loads = [sum(w.outstanding.values()) for w in self.workers]
+        prompt = routing_prompt(msg) if msg is not None and self.dispatcher.method is LoadBalanceMethod.CACHE_AWARE else ""
         return self.dispatcher.pick(routed_dp_rank, bootstrap_room, loads, [w.available for w in self.workers], prompt)
 
     def dispatch_stats(self) -> DispatchStats:

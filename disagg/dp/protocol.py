@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from disagg.config import LoadBalanceMethod
-from disagg.prefix_tree import Prompt
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, Utility
 
 
@@ -72,8 +71,8 @@ class EngineClient(Protocol):
     load_balance_method: LoadBalanceMethod
     model: ModelCard
 
-    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, prompt: Prompt = "") -> int:
-        """Choose the DP worker (`prompt`, dispatch.routing_prompt of the request, feeds cache_aware);
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, msg: GenerateMsg | None = None) -> int:
+        """Choose the DP worker (`msg`: the request, whose prompt cache_aware matches);
         raises InvalidRequest for a bad rank or a missing room."""
 
     def dispatch_stats(self) -> DispatchStats:

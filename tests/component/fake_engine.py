@@ -24,9 +24,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from disagg.api.app import create_app
 from disagg.config import ServerConfig
 from disagg.config import LoadBalanceMethod
-from disagg.dp.dispatch import Dispatcher
+from disagg.dp.dispatch import Dispatcher, routing_prompt
 from disagg.dp.protocol import DispatchStats, ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
-from disagg.prefix_tree import Prompt
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, TokenizeMsg
 
@@ -75,7 +74,7 @@ class FakeEngine:
         self.dispatcher = Dispatcher(LoadBalanceMethod.CACHE_AWARE, dp_size)  # cache_aware: the real pick
         self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
 
-    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, prompt: Prompt = "") -> int:
+    def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, msg: GenerateMsg | None = None) -> int:
         """Like the DP controller: a pinned rank must exist; else the load-balance method decides
         (cache_aware by the controller's Dispatcher, a worker's load its requests running)."""
         if routed_dp_rank is not None:
@@ -90,7 +89,7 @@ class FakeEngine:
             return bootstrap_room % self.dp_size
         if self.load_balance_method == "cache_aware":
             loads = [sum(1 for r in self._running.values() if r == rank) for rank in range(self.dp_size)]
-            return self.dispatcher.pick(None, bootstrap_room, loads, self.alive, prompt)
+            return self.dispatcher.pick(None, bootstrap_room, loads, self.alive, routing_prompt(msg) if msg else "")
         rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.dp_size
         return rank
 

@@ -121,7 +121,7 @@ async def test_malformed_bodies_are_4xx_and_the_server_lives_on():
 async def test_internal_errors_are_500_json():
     engine = FakeEngine()
 
-    def broken(routed_dp_rank, bootstrap_room, prompt=""):
+    def broken(routed_dp_rank, bootstrap_room, msg=None):
         raise RuntimeError("boom")
 
     engine.pick_rank = broken

@@ -8,6 +8,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from disagg.prefix_tree import CacheOutcome
 from disagg.router.policy import PairPick
 
 MATCH_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -32,10 +33,10 @@ class RouterMetrics:
 
     def record_pick(self, pick: PairPick) -> None:
         """Count how a cache_aware prefill was chosen; other policies record nothing."""
-        if pick.cache_outcome == "imbalanced":
+        if pick.cache_outcome is CacheOutcome.IMBALANCED:
             self.cache_imbalanced.inc()
         elif pick.cache_outcome is not None:
-            (self.cache_hits if pick.cache_outcome == "hit" else self.cache_misses).inc()
+            (self.cache_hits if pick.cache_outcome is CacheOutcome.HIT else self.cache_misses).inc()
             self.cache_match_ratio.observe(pick.match_ratio)
 
     def render(self) -> web.Response:

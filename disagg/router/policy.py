@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from disagg.config import Choice
+from disagg.prefix_tree import CacheOutcome
 from disagg.router.errors import NoHealthyServer
 
 ROOM_BITS = 63  # SGLang draws rooms in [0, 2**63): they fit a signed 64-bit integer everywhere
@@ -43,7 +44,7 @@ class PairPick:
     prefill: int
     decode: int
     prefill_dp_rank: int | None = None
-    cache_outcome: str | None = None  # cache_aware only: hit, miss or imbalanced
+    cache_outcome: CacheOutcome | None = None  # cache_aware only
     match_ratio: float = 0.0  # cache_aware only: the matched share of the prompt (0 when imbalanced)
 
 

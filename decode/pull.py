@@ -21,6 +21,7 @@ from decode.peers import PrefillPeers
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.engine.core import EngineCore
+from disagg.engine.progress import Reservation
 from disagg.types import InvalidRequest
 from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import LeaseStatusMsg, TransferState, TransferStatusMsg
@@ -117,18 +118,20 @@ class PullFetch:
                                  peer_lost=claim.peer_lost)
         return claim
 
-    async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
-        """Read the KV of every prompt token but the last from the ticket's prefill, once our claim holds."""
+    async def fetch(self, pending: PendingKV, reservation: Reservation, deadline: float) -> TransferStatusMsg:
+        """Read the KV of every prompt token but the last from the ticket's prefill, once our claim
+        holds; the blocks of our own cached prefix are not read."""
         ticket = pending.ticket
         claim = await pending.hold
         client = pending.lease[0]
         prefill = await self._read_peer(client)
-        num_blocks = -(-(num_prompt_tokens - 1) // self.core.block_size)
-        num_read = min(num_blocks, len(claim.block_ids), len(blocks))
+        blocks, first = reservation.block_ids, reservation.num_cached_blocks
+        num_blocks = -(-(reservation.num_prompt_tokens - 1) // self.core.block_size)
+        end = min(num_blocks, len(claim.block_ids), len(blocks))
         num_bytes = 0
-        if num_read:
+        if end > first:
             pending.read_peer = prefill
-            pending.read = self.backend.read(prefill, blocks[:num_read], list(claim.block_ids[:num_read]),
+            pending.read = self.backend.read(prefill, blocks[first:end], list(claim.block_ids[first:end]),
                                              f"pull:{ticket.request_id}".encode())
             num_bytes = pending.read.num_bytes
             await wait_read(self.backend, pending.read, deadline)

@@ -20,6 +20,7 @@ from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.dp.rank_rule import QUERY, resolve_prefill_rank
 from disagg.engine.core import EngineCore
+from disagg.engine.progress import Reservation
 from disagg.types import InvalidRequest
 from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
@@ -65,7 +66,7 @@ class PushFetch:
             raise InvalidRequest(f"bootstrap_host:bootstrap_port {address!r} is not allowed on this decode server "
                                  "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
 
-    async def fetch(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int, deadline: float) -> TransferStatusMsg:
+    async def fetch(self, pending: PendingKV, reservation: Reservation, deadline: float) -> TransferStatusMsg:
         msg = pending.msg
         host, port, room = msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room
         remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
@@ -81,8 +82,10 @@ class PushFetch:
             else:
                 client = await self.peers.client(registry, rank, remaining())
         pending.client = client
-        info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(blocks),
-                               dst_dp_rank=self.dp_rank, num_prompt_tokens=num_prompt_tokens, request_id=msg.request_id)
+        # Only the blocks after our own cached prefix: the prefill sends nothing into the ones we hold.
+        info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(reservation.new_block_ids),
+                               dst_dp_rank=self.dp_rank, num_prompt_tokens=reservation.num_prompt_tokens,
+                               request_id=msg.request_id, num_cached_tokens=reservation.num_cached_tokens)
         return await client.send_transfer(info)
 
     async def _implied_client(self, registry: Registry, room: int, rank: int, remaining) -> ControlClient:

@@ -24,6 +24,7 @@ from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.dp.worker_role import WorkerRole, error_output
 from disagg.engine.core import EngineCore
+from disagg.engine.progress import Reservation
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
@@ -92,14 +93,14 @@ class DecodeRole(WorkerRole):
             pending, prompt_ids = self.queued[0]
             request_id = pending.msg.request_id
             try:
-                blocks = self.core.reserve_for_remote_kv(request_id, prompt_ids, pending.msg.sampling,
-                                                         pending.msg.priority)
+                reservation = self.core.reserve_for_remote_kv(request_id, prompt_ids, pending.msg.sampling,
+                                                              pending.msg.priority)
             except Exception as exc:
                 self.queued.popleft()
                 self._flow(pending).end(request_id, pending, str(exc))
                 out.append(error_output(request_id, exc))
                 continue
-            if blocks is None:
+            if reservation is None:
                 if time.monotonic() - pending.started > self.config.waiting_timeout_s:
                     self.queued.popleft()
                     reason = f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s"
@@ -108,15 +109,16 @@ class DecodeRole(WorkerRole):
                     continue
                 break
             self.queued.popleft()
-            pending.task = asyncio.create_task(self._fetch_kv(pending, blocks, len(prompt_ids)))
+            pending.task = asyncio.create_task(self._fetch_kv(pending, reservation))
             self.pending[request_id] = pending
         return out
 
-    async def _fetch_kv(self, pending: PendingKV, blocks: list[int], num_prompt_tokens: int) -> None:
-        """The flow's fetch, bounded by the waiting deadline; its verdict is handled in poll()."""
+    async def _fetch_kv(self, pending: PendingKV, reservation: Reservation) -> None:
+        """The flow's fetch (of the KV after our own cached prefix), bounded by the waiting deadline;
+        its verdict is handled in poll()."""
         deadline = time.monotonic() + self.config.waiting_timeout_s
         try:
-            fetch = self._flow(pending).fetch(pending, blocks, num_prompt_tokens, deadline)
+            fetch = self._flow(pending).fetch(pending, reservation, deadline)
             status = await asyncio.wait_for(fetch, self.config.waiting_timeout_s)
         except asyncio.TimeoutError:
             status = TransferStatusMsg(room=pending.room, state=TransferState.FAILED,

@@ -274,31 +274,24 @@ class TransferBackend(Choice):
 class DisaggConfig:
     """What a prefill or decode worker needs for P/D: backend, registry address, deadlines."""
 
-    transfer_backend: TransferBackend = field(
-        default=TransferBackend.NIXL, metadata={"help": "KV transfer backend: nixl or tcp"}
-    )
+    transfer_backend: TransferBackend = field(default=TransferBackend.NIXL, metadata={"help": "KV transfer backend: nixl or tcp"})
     bootstrap_host: str = field(default="127.0.0.1", metadata={"help": "prefill: the bootstrap registry's address"})
     bootstrap_port: int = field(default=8998, metadata={"help": "prefill: the bootstrap registry's port"})
     rank_host: str = field(default="127.0.0.1", metadata={"help": "address this worker's KV control and transfer endpoints bind"})
     bootstrap_timeout_s: float = field(
-        default=300.0, metadata={"help": "prefill: how long a request waits for its decode's destination blocks"}
-    )
+        default=300.0, metadata={"help": "prefill: how long a request waits for its decode's destination blocks"})
     waiting_timeout_s: float = field(default=300.0, metadata={"help": "decode: how long a request waits for its KV"})
     transfer_timeout_s: float = field(
         default=60.0, metadata={"help": "prefill: how long a room's blocks may take to land once the destination "
-                                        "is known, and how long a failed room's posted writes may take to settle"}
-    )
+                                        "is known, and how long a failed room's posted writes may take to settle"})
     abort_ack_timeout_s: float = field(
         default=10.0, metadata={"help": "decode: how long an aborted room waits for the prefill to confirm it stopped "
-                                        "writing before that prefill is declared lost (its blocks stay quarantined meanwhile)"}
-    )
+                                        "writing before that prefill is declared lost (its blocks stay quarantined meanwhile)"})
     kv_lease_s: float = field(
         default=30.0, metadata={"help": "prefill, pull flow: how long a finished request's blocks wait for a decode "
-                                        "to claim them (a claimed lease lasts until released or the decode is lost)"}
-    )
+                                        "to claim them (a claimed lease lasts until released or the decode is lost)"})
     registry_refresh_s: float = field(
-        default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"}
-    )
+        default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"})
     force_query_prefill_dp_rank: bool = field(
         default_factory=lambda: force_query_prefill_dp_rank(),
         metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
@@ -317,6 +310,10 @@ class DisaggConfig:
     max_bootstrap_clients: int = field(
         default=64, metadata={"help": "decode: registries whose clients (and topologies) stay open; beyond this the "
                                       "least recently used one with no request in flight is closed"})
+    max_local_prefill_tokens: int = field(
+        default=0, metadata={"help": "decode: prefill a request sent here alone (no bootstrap fields, no ticket) "
+                                     "when at most this many of its prompt tokens are not in this decode's prefix "
+                                     "cache (llm-d's nonCachedTokens rule); 0: never, such a request is refused"})
 
     def __post_init__(self) -> None:
         TransferBackend.coerce_field(self, "transfer_backend")
@@ -327,6 +324,8 @@ class DisaggConfig:
         check_secret("cluster_secret", self.cluster_secret)
         if self.max_bootstrap_clients < 1:
             raise ConfigError(f"max_bootstrap_clients must be at least 1, got {self.max_bootstrap_clients}")
+        if self.max_local_prefill_tokens < 0:
+            raise ConfigError(f"max_local_prefill_tokens must be >= 0 (0: off), got {self.max_local_prefill_tokens}")
         object.__setattr__(self, "allowed_bootstrap_hosts", tuple(self.allowed_bootstrap_hosts))
         try:
             host_patterns.parse_patterns(self.allowed_bootstrap_hosts)

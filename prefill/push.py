@@ -77,7 +77,8 @@ class PushRooms:
         self.failed_rooms.pop(room, None)  # a room dispatched here now is served here (a router's retry)
         self.elsewhere.pop(room, None)
         self.served.pop(room, None)
-        self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s)
+        self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s,
+                                       self.core.block_size)
         self.by_request[msg.request_id] = room
         if room in self.early_infos:
             self._attach(self.early_infos.pop(room)[0])
@@ -212,6 +213,7 @@ class PushRooms:
     def _attach(self, info: TransferInfoMsg) -> None:
         state = self.rooms[info.room]
         state.info, state.peer, state.info_at = info, self.peers.get(info.peer_name), time.monotonic()
+        state.num_sent_blocks = state.num_skipped_blocks  # the decode's own prefix: nothing to send
 
     # ---- progress ------------------------------------------------------------------------------
 
@@ -264,11 +266,13 @@ class PushRooms:
         return None
 
     def _send_ready_blocks(self, state: PrefillRoom, progress) -> None:
-        ready = state.blocks_ready(progress.block_ids, progress.num_computed_tokens, self.core.block_size, progress.finished)
-        ready = min(ready, len(state.info.dst_block_ids))
+        """Write the computed blocks not sent yet, after those the decode holds, into its blocks."""
+        skip, dst = state.num_skipped_blocks, state.info.dst_block_ids
+        ready = state.blocks_ready(progress.block_ids, progress.num_computed_tokens, progress.finished)
+        ready = min(ready, skip + len(dst))
         if ready > state.num_sent_blocks:
             first = state.num_sent_blocks
-            handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(state.info.dst_block_ids[first:ready]),
+            handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(dst[first - skip:ready - skip]),
                                         f"room:{state.room}:{ready}".encode())
             state.handles.append(handle)
             state.num_bytes += handle.num_bytes

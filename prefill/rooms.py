@@ -18,6 +18,7 @@ class PrefillRoom:
     room: int
     request_id: str
     deadline: float  # when waiting for the decode's destination blocks gives up
+    block_size: int
     created: float = field(default_factory=time.monotonic)
     info: TransferInfoMsg | None = None
     peer: str | None = None  # the decode's name in the transfer backend
@@ -43,13 +44,18 @@ class PrefillRoom:
             kv_bytes=self.num_bytes,
         )
 
-    def blocks_ready(self, block_ids: list[int], num_computed_tokens: int, block_size: int, finished: bool) -> int:
+    def blocks_ready(self, block_ids: list[int], num_computed_tokens: int, finished: bool) -> int:
         """How many leading blocks may be sent: full computed ones, or all once the prompt is done."""
-        return len(block_ids) if finished else min(num_computed_tokens // block_size, len(block_ids))
+        return len(block_ids) if finished else min(num_computed_tokens // self.block_size, len(block_ids))
+
+    @property
+    def num_skipped_blocks(self) -> int:
+        """Leading blocks the decode holds already (its own prefix cache): never sent."""
+        return 0 if self.info is None else self.info.num_cached_tokens // self.block_size
 
     @property
     def all_sent(self) -> bool:
-        return self.info is not None and self.num_sent_blocks == len(self.info.dst_block_ids)
+        return self.info is not None and self.num_sent_blocks == self.num_skipped_blocks + len(self.info.dst_block_ids)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ class ApiMetrics:
                                             buckets=_LATENCY_BUCKETS_S, registry=reg)
         self.kv_transfer = Histogram("disagg_kv_transfer_seconds", "prefill: prompt computed and destination known until every block landed",
                                      buckets=_TPOT_BUCKETS_S + (5.0, 10.0), registry=reg)
-        self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV bytes moved between prefill and decode", registry=reg)
+        self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV bytes moved between prefill and decode (sent or received)",
+                                registry=reg)
         self.kv_bandwidth = Histogram("disagg_kv_transfer_gb_per_s", "KV transfer bandwidth per request (GB/s)",
                                       buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=reg)
         self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
@@ -118,9 +119,11 @@ class ApiMetrics:
                 self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
 
     def observe_kv(self, kv: KVStatsMsg) -> None:
-        """Record a disaggregated request's time split (prefill side) or KV wait (decode side)."""
+        """Record a disaggregated request's time split (prefill side) or KV wait (decode side), and the
+        KV bytes it moved: written (push, prefill side), landed or read (decode side)."""
         if kv.kv_wait_s:
             self.kv_wait.observe(kv.kv_wait_s)
+            self.kv_bytes.inc(kv.kv_bytes)
             return
         self.kv_bootstrap_wait.observe(kv.bootstrap_wait_s)
         self.kv_prefill_compute.observe(kv.prefill_compute_s)

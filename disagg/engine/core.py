@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 
 import torch
 
@@ -23,45 +22,11 @@ from disagg.engine.models.llama import LlamaModel
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
 from disagg.engine.resolve import dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype
+from disagg.engine.progress import CacheSpec, EngineStats, RequestProgress, Reservation
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.tokenizer import Tokenizer
 from disagg.ops.linear import dtype_name
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
-
-
-@dataclass(frozen=True)
-class RequestProgress:
-    """How far a request is: its blocks, computed tokens, whether it finished (the P/D roles read it)."""
-
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_prompt_tokens: int
-    finished: bool
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """Where the KV cache lives and how it is shaped: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
-
-    base_address: int
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    device: str
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Load and KV cache occupancy (the DP workers report it as StatsMsg)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_quarantined_blocks: int  # a remote writer may still write them: neither free nor in use
 
 
 class EngineCore:
@@ -215,14 +180,15 @@ class EngineCore:
     # ---- P/D hooks ----------------------------------------------------------------------------
 
     def reserve_for_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              priority: int = 0) -> list[int] | None:
+                              priority: int = 0) -> Reservation | None:
         """Reserve blocks for a prompt whose KV another engine writes; None when the cache is full.
+        The prompt's cached prefix is reused: only the blocks after `num_cached_tokens` need its KV.
         `priority` orders the request's preemption once it runs (the priority policy)."""
         request = self._new_request(request_id, prompt_token_ids, params, False, priority)
         if not self.scheduler.reserve_for_remote_kv(request):
             return None
         self.outputs.add(request)
-        return list(request.block_ids)
+        return Reservation(list(request.block_ids), request.num_prompt_tokens, request.num_cached_tokens, self.block_size)
 
     def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None,
                         prompt_logprobs: list[dict[int, float] | None] | None = None) -> bool:

@@ -86,10 +86,14 @@ class Scheduler:
             self.waiting.append(request)
 
     def reserve_for_remote_kv(self, request: Request) -> bool:
-        """Reserve blocks for a prompt whose KV another engine will write; False if no room."""
+        """Reserve blocks for a prompt whose KV another engine will write; False if no room. The
+        prompt's longest cached prefix is reused (`num_cached_tokens`, whole blocks, shared): only
+        the blocks after it are new, and only they are written."""
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
-        if not self.kv.allocate_slots(request, request.num_prompt_tokens):
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hits):
             return False
+        request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request

@@ -40,8 +40,16 @@ def check_transfer(info: TransferInfoMsg, peer: PeerMsg) -> str | None:
         if block_id in seen:
             return f"room {info.room}: destination block id {block_id} appears twice"
         seen.add(block_id)
-    capacity = len(ids) * peer.layout.block_size_tokens
-    if info.num_prompt_tokens > capacity:
+    page = peer.layout.block_size_tokens
+    cached = info.num_cached_tokens
+    if cached % page:
+        return f"room {info.room}: num_cached_tokens {cached} is not a whole number of {page}-token pages"
+    if info.num_prompt_tokens and cached >= info.num_prompt_tokens:
+        return (f"room {info.room}: num_cached_tokens {cached} leaves nothing of the "
+                f"{info.num_prompt_tokens}-token prompt to send")
+    capacity = len(ids) * page
+    if info.num_prompt_tokens - cached > capacity:
+        held = f" after the {cached} the decode holds" if cached else ""
         return (f"room {info.room}: {len(ids)} destination blocks hold {capacity} tokens, "
-                f"the prompt has {info.num_prompt_tokens}")
+                f"the prompt has {info.num_prompt_tokens - cached}{held}")
     return None

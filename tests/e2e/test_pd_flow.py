@@ -121,12 +121,14 @@ async def test_kv_metrics_on_both_servers(cluster):
                     if line and not line.startswith("#")}
 
     before_p, before_d = await scrape(cluster.prefill_url), await scrape(cluster.decode_url)
-    pd = cluster.pd_body(body_for("/generate", LONG))
+    # A prompt no decode worker holds (a held prefix is not sent again: test_pd_prefix_reuse.py).
+    pd = cluster.pd_body(body_for("/generate", LONG.upper()))
     await cluster.post_both("/generate", pd, pd)
     after_p, after_d = await scrape(cluster.prefill_url), await scrape(cluster.decode_url)
     delta = lambda after, before, name: after[name] - before.get(name, 0.0)  # noqa: E731
-    # LONG is 105 tokens = 27 blocks; a block is 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x 4 bytes
+    # 105 tokens = 27 blocks; a block is 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x 4 bytes
     assert delta(after_p, before_p, "disagg_kv_transfer_bytes_total") == 27 * 2048
+    assert delta(after_d, before_d, "disagg_kv_transfer_bytes_total") == 27 * 2048
     for name in ("disagg_kv_transfer_seconds_count", "disagg_bootstrap_wait_seconds_count", "disagg_prefill_compute_seconds_count"):
         assert delta(after_p, before_p, name) == 1
     assert delta(after_d, before_d, "disagg_kv_wait_seconds_count") == 1

@@ -103,7 +103,7 @@ def test_a_request_admitted_with_a_read_prefix_generates_what_one_engine_generat
     while prefill.has_unfinished():
         prefill.step()
     decode = engine(tiny_loaded)
-    dst = decode.reserve_for_remote_kv("d", prompt, SEEDED)
+    dst = decode.reserve_for_remote_kv("d", prompt, SEEDED).block_ids
     src = prefill.request_progress("p").block_ids
     num_read = decode.kv.blocks_needed(len(prompt) - 1)
     decode.runner.kv_cache[dst[:num_read]] = prefill.runner.kv_cache[src[:num_read]]

@@ -21,7 +21,8 @@ def core(tiny_loaded):
     (42, SamplingParams(max_tokens=1), FinishReason.LENGTH),
 ])
 def test_a_first_token_that_ends_the_request_is_delivered_by_the_next_step(core, first_token_id, params, reason):
-    assert core.reserve_for_remote_kv("r", [5, 6, 7], params) == [0]
+    reservation = core.reserve_for_remote_kv("r", [5, 6, 7], params)
+    assert (reservation.block_ids, reservation.num_cached_tokens, reservation.new_block_ids) == ([0], 0, [0])
     core.admit_remote_kv("r", first_token_id)
     assert core.has_unfinished()  # the worker loop steps only while this is true
     [out] = core.step()

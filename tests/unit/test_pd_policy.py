@@ -7,6 +7,7 @@ import pytest
 
 from disagg.dp.rank_rule import QUERY, RoomPlan, plan_room, resolve_prefill_rank
 from disagg.types import InvalidRequest
+from disagg.wire.control_msgs import TransferInfoMsg
 from prefill.rooms import PrefillRoom
 
 
@@ -59,8 +60,19 @@ def test_the_rule_has_one_modulo_in_the_package():
 
 
 def test_blocks_go_out_as_chunks_complete():
-    room = PrefillRoom(room=1, request_id="r", deadline=0.0)
+    room = PrefillRoom(room=1, request_id="r", deadline=0.0, block_size=4)
     blocks = [5, 6, 7, 8]
-    assert room.blocks_ready(blocks, num_computed_tokens=0, block_size=4, finished=False) == 0
-    assert room.blocks_ready(blocks, num_computed_tokens=9, block_size=4, finished=False) == 2  # 2 full blocks
-    assert room.blocks_ready(blocks, num_computed_tokens=13, block_size=4, finished=True) == 4  # the partial one too
+    assert room.blocks_ready(blocks, num_computed_tokens=0, finished=False) == 0
+    assert room.blocks_ready(blocks, num_computed_tokens=9, finished=False) == 2  # 2 full blocks
+    assert room.blocks_ready(blocks, num_computed_tokens=13, finished=True) == 4  # the partial one too
+
+
+def test_blocks_the_decode_holds_are_never_sent():
+    room = PrefillRoom(room=1, request_id="r", deadline=0.0, block_size=4)
+    assert room.num_skipped_blocks == 0 and not room.all_sent  # no destination yet
+    room.info = TransferInfoMsg(room=1, peer_name="d", dst_block_ids=(30, 31), num_prompt_tokens=13, num_cached_tokens=8)
+    assert room.num_skipped_blocks == 2
+    room.num_sent_blocks = 3
+    assert not room.all_sent
+    room.num_sent_blocks = 4  # 2 held by the decode + 2 written
+    assert room.all_sent

@@ -161,7 +161,7 @@ def test_abort_frees_blocks_at_every_stage():
     sched.add(req("running", range(5)))
     step(sched, {"waiting": 1, "running": 1})
     sched.add(req("queued", range(3)))
-    remote = req("remote", range(6))
+    remote = req("remote", range(10, 16))  # shares no block with "running" (a shared prefix would be reused)
     assert sched.reserve_for_remote_kv(remote)
     assert remote.block_ids == [3, 4]
     for rid in ("waiting", "running", "queued", "remote"):
@@ -185,11 +185,13 @@ def test_remote_kv_admission_and_holding_release():
     assert sched.release("p") is True and kv.num_free_blocks == 8
     assert sched.release("p") is False
     d = req("d", range(5), max_tokens=3)
-    assert sched.reserve_for_remote_kv(d) and d.block_ids == [2, 3]
+    # The released prompt's full block (tokens 0-3) is reused; only the block of token 4 is new.
+    assert sched.reserve_for_remote_kv(d) and (d.block_ids, d.num_cached_tokens) == ([0, 2], 4)
+    assert kv.num_free_blocks == 6
     assert sched.schedule().seqs == []  # waiting for KV: not scheduled
     sched.admit_remote_kv("d", SampledToken(8))
     [seq] = step(sched, {"d": 9}).seqs
-    assert (seq.token_ids, seq.start_pos, seq.block_ids) == ([8], 5, [2, 3])
+    assert (seq.token_ids, seq.start_pos, seq.block_ids) == ([8], 5, [0, 2])
     assert d.output_token_ids == [8, 9]
 
 

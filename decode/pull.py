@@ -43,12 +43,18 @@ class Ticket:
     block_ids: tuple[int, ...]
 
 
+def carries_ticket(msg: GenerateMsg) -> bool:
+    """The request names a prefill to read from (`kv_transfer_params.do_remote_prefill`)."""
+    params = msg.kv_transfer_params
+    return isinstance(params, dict) and params.get("do_remote_prefill") is True
+
+
 def ticket_of(msg: GenerateMsg) -> Ticket | None:
     """The prefill's ticket on a decode request (None: a push-flow request); InvalidRequest when
     `do_remote_prefill` is set but a field is missing or of the wrong type."""
-    params = msg.kv_transfer_params
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+    if not carries_ticket(msg):
         return None
+    params = msg.kv_transfer_params
     bad = [name for name, kind in TICKET_FIELDS
            if not isinstance(params.get(name), kind) or isinstance(params.get(name), bool)]
     ids = params.get("remote_block_ids")

@@ -18,11 +18,11 @@ import msgspec
 import structlog
 
 from decode.peers import PrefillPeers
-from decode.pull import PullFetch, ticket_of
+from decode.pull import PullFetch, carries_ticket, ticket_of
 from decode.push import PushFetch
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
-from disagg.dp.worker_role import WorkerRole, error_output
+from disagg.dp.worker_role import WorkerRole, admission_error, error_output
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import FinishReason, InvalidRequest
@@ -70,6 +70,8 @@ class DecodeRole(WorkerRole):
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         if msg.resume_token_ids is not None:  # migrated here from a worker that died: computed locally
             return await super().submit(msg)
+        if self.config.max_local_prefill_tokens and msg.bootstrap_room is None and not carries_ticket(msg):
+            return self._prefill_here(msg)
         try:
             ticket = ticket_of(msg)
             if ticket is None:
@@ -84,6 +86,24 @@ class DecodeRole(WorkerRole):
             self.pull.hold(pending)
         self.queued.append((pending, prompt_ids))
         return self._reserve_queued()
+
+    def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
+        """A request sent to this decode alone (selective disaggregation): prefilled here when at most
+        `max_local_prefill_tokens` of its prompt are missing from our prefix cache, else refused (400,
+        param bootstrap_room) so that a router sends it again with a prefill."""
+        limit = self.config.max_local_prefill_tokens
+        try:
+            ids = self.prompt_ids(msg)
+            cached = 0 if msg.sampling.prompt_logprobs is not None else self.core.cached_prefix_tokens(ids)
+            if len(ids) - cached > limit:
+                raise InvalidRequest(
+                    f"{len(ids) - cached} of the prompt's {len(ids)} tokens are not in this decode's prefix cache; it "
+                    f"prefills at most {limit} itself (--max-local-prefill-tokens): send the request with a prefill "
+                    "(bootstrap_room, bootstrap_host and bootstrap_port, or kv_transfer_params)", "bootstrap_room")
+            self.core.add_request(msg.request_id, ids, msg.sampling, priority=msg.priority)
+        except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
+            return [admission_error(msg.request_id, exc)]
+        return []
 
     def _reserve_queued(self) -> list[OutputMsg]:
         """Reserve blocks for queued requests in arrival order while the cache has room; a request

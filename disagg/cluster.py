@@ -24,7 +24,8 @@ from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
 from disagg.launch import RunningServer, drain_server, say, start_server
 from disagg.logs import configure_logging
-from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.config import CacheAwareConfig, PrefillEndpoint, RouterConfig
+from disagg.router.policy import Policy
 from disagg.router.server import RouterServer
 
 
@@ -36,6 +37,17 @@ def cpus_text(cpus: frozenset[int] | None) -> str | None:
 def cpus_note(prefill_cfg: ServerConfig, decode_cfg: ServerConfig) -> str:
     """`prefill on CPUs 0, decode on CPUs 1` for the progress and ready lines."""
     return ", ".join(f"{role} on CPUs {cfg.cpus or 'any'}" for role, cfg in (("prefill", prefill_cfg), ("decode", decode_cfg)))
+
+
+def router_config(prefill: RunningServer, decode: RunningServer, disagg: DisaggConfig, **settings) -> RouterConfig:
+    """The router in front: cache_aware, so a shared prefix goes to the prefill rank that holds it, and
+    a short rest to the decode alone when the decode prefills locally (--max-local-prefill-tokens,
+    passed to both)."""
+    host = settings["host"]
+    return RouterConfig(
+        policy=Policy.CACHE_AWARE, cache_aware=CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens),
+        prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
+        decode=(f"http://{host}:{decode.port}",), **settings)
 
 
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
@@ -50,8 +62,9 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
     base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
     prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL, cpus=cpus_text(planned[0]),
                           load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
+    # A conversation's later turns go back to the decode worker that holds its KV (decode-side prefix reuse).
     decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, cpus=cpus_text(planned[1]),
-                         load_balance_method=LoadBalanceMethod.LEAST_LOAD)
+                         load_balance_method=LoadBalanceMethod.CACHE_AWARE)
     say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend}; "
         f"{cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(
@@ -66,11 +79,8 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
             await server.close()
         raise failed[0]
     prefill, decode = results
-    router = RouterServer(RouterConfig(
-        host=host, port=port, log_format=log_format, api_key=api_key, tls=tls,
-        prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
-        decode=(f"http://{host}:{decode.port}",),
-    ))
+    router = RouterServer(router_config(prefill, decode, disagg, host=host, port=port, log_format=log_format,
+                                        api_key=api_key, tls=tls))
     try:
         await router.start()
     except BaseException:

@@ -15,6 +15,7 @@ import structlog
 
 from disagg.api.errors import engine_error
 from disagg.api.state import ApiState
+from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
@@ -156,6 +157,8 @@ class Generation:
                                             finish_reason=t.finish_reason, inter_token_s=t.inter_token_s)
         if t.kv is not None:
             self._state.metrics.observe_kv(t.kv)
+        if self._state.config.disaggregation_mode is DisaggregationMode.DECODE:  # its KV came with it, or not
+            self._state.metrics.decode_prefills.labels("local" if t.kv is None else "remote").inc()
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,
                  prompt_tokens=t.num_prompt_tokens, completion_tokens=t.num_output_tokens,
                  e2e_latency_s=round(e2e_s, 6))

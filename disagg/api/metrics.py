@@ -98,6 +98,9 @@ class ApiMetrics:
                                 registry=reg)
         self.kv_bandwidth = Histogram("disagg_kv_transfer_gb_per_s", "KV transfer bandwidth per request (GB/s)",
                                       buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=reg)
+        self.decode_prefills = Counter("disagg_decode_prefills", "decode: requests whose prompt was prefilled remotely "
+                                       "(its KV moved here) or locally (sent here alone: --max-local-prefill-tokens)",
+                                       ["where"], registry=reg)
         self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
                                  buckets=_LATENCY_BUCKETS_S, registry=reg)
         reg.register(_WorkerCollector(worker_states))

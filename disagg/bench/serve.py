@@ -85,7 +85,7 @@ def read_usage(result: RequestResult, usage: dict) -> int | None:
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, start_s: float,
-                       timeout_s: float) -> RequestResult:
+                       timeout_s: float, headers: dict[str, str] | None = None) -> RequestResult:
     """Stream one completion; failures (non-200, error event, timeout, no content) end up in the result."""
     result = RequestResult(start_s=start_s, num_prompt_tokens=len(payload.get("prompt", ())))
     sent = time.perf_counter()
@@ -93,7 +93,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
     pieces: list[str] = []
     usage_tokens = None
     try:
-        async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return result

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -21,6 +22,7 @@ from disagg.bench.chat_workload import Conversation, chat_config, chat_payload, 
 from disagg.bench.serve import arrival_offsets_s, send_request
 from disagg.bench.serve_stats import RequestResult, per_turn
 from disagg.bench.text import words_text
+from disagg.wire.headers import REQUEST_ID_HEADER
 
 WARMUP_TOKENS = 16
 Drive = Callable[[aiohttp.ClientSession, str], Awaitable[tuple[list[RequestResult], float, dict]]]
@@ -36,7 +38,9 @@ async def run_conversation(session: aiohttp.ClientSession, url: str, model: str,
         await asyncio.sleep(turn.think_time_s)
         messages.append({"role": "user", "content": turn.text})
         payload = chat_payload(model, list(messages), output_len)
-        result = await send_request(session, url, payload, time.perf_counter() - run_start, timeout_s)
+        # The servers log each request under this id (the decode's `kv received` line names its KV bytes).
+        request_id = {REQUEST_ID_HEADER: f"chat-{conversation.conversation_id}-{turn.turn_index}-{uuid.uuid4().hex[:8]}"}
+        result = await send_request(session, url, payload, time.perf_counter() - run_start, timeout_s, request_id)
         result.conversation_id, result.turn_index = conversation.conversation_id, turn.turn_index
         results.append(result)
         if not result.ok:

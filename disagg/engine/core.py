@@ -211,6 +211,11 @@ class EngineCore:
         False when the request no longer waits for KV."""
         return self.scheduler.admit_remote_prefix(request_id, num_computed_tokens) is not None
 
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Leading prompt tokens this engine's prefix cache holds now (whole blocks; the decode's
+        local-prefill rule reads it)."""
+        return self.kv.cached_prefix_tokens(prompt_token_ids)
+
     def request_progress(self, request_id: str) -> RequestProgress | None:
         request = self.scheduler.requests.get(request_id)
         if request is None:

@@ -8,6 +8,8 @@ so every worker gives a prefix the same hashes, and KV events can name blocks by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from disagg.engine.request import Request
@@ -20,6 +22,11 @@ ROOT_BLOCK_HASH = 0
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """The hash of a full block: its parent's hash chained with its tokens."""
+    return hash((parent, tuple(token_ids)))
 
 
 class KVCacheManager:
@@ -52,6 +59,19 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits, len(hits) * self.block_size
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` are cached now (whole blocks, the last token never
+        counted, as get_computed_blocks would find them); touches nothing."""
+        if not self.enable_caching:
+            return 0
+        bs, parent, num_blocks = self.block_size, ROOT_BLOCK_HASH, 0
+        while num_blocks < (len(token_ids) - 1) // bs:
+            parent = block_hash(parent, token_ids[num_blocks * bs : (num_blocks + 1) * bs])
+            if self.pool.lookup(parent) is None:
+                break
+            num_blocks += 1
+        return num_blocks * bs
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits).
@@ -129,4 +149,4 @@ class KVCacheManager:
         while len(request.block_hashes) < num_blocks:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else ROOT_BLOCK_HASH
-            request.block_hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            request.block_hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))

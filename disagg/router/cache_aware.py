@@ -25,6 +25,10 @@ from disagg.router.config import CacheAwareConfig
 from disagg.router.errors import NoHealthyServer
 from disagg.router.policy import PairPick, ServerLoad
 
+# The router has no tokenizer: a text prompt's characters over this count its tokens (English text
+# runs 3.5 to 4.5 characters per token in the Llama-family tokenizers).
+CHARS_PER_TOKEN = 4
+
 
 @dataclass(frozen=True)
 class PrefillPick:
@@ -93,22 +97,64 @@ def _num_ranks(load: ServerLoad) -> int:
     return load.dp_size if load.dp_size is not None else 1
 
 
+def estimated_tokens(text: Prompt, num_symbols: int) -> int:
+    """`num_symbols` of `text` in tokens: exact for token ids; characters / CHARS_PER_TOKEN (rounded
+    up) for text, which the router cannot tokenize."""
+    return num_symbols if isinstance(text, tuple) else -(-num_symbols // CHARS_PER_TOKEN)
+
+
+class DecodePicker:
+    """With `--max-local-prefill-tokens`: the decode by the same cache-aware pick over a tree per
+    decode server (a conversation goes back to the decode that holds it), and whether its prefix
+    leaves at most that many tokens for it to prefill itself."""
+
+    def __init__(self, config: CacheAwareConfig):
+        self.rule = cache_rule(config)
+        self.max_local_prefill_tokens = config.max_local_prefill_tokens
+        self.trees = PrefixTrees(config.max_tree_size)
+
+    def pick(self, loads: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool] | None:
+        """(the decode's position, whether it prefills the request itself); None when none is eligible."""
+        self.trees.keep_servers({load.server_id for load in loads})
+        candidates = [i for i, load in enumerate(loads) if load.eligible]
+        if not candidates:
+            return None
+        groups = [[(loads[i].server_id, 0)] for i in candidates]
+        tenants = [g[0] for g in groups]
+        matched = {t: self.trees.match_length(t, text) for t in tenants}  # before the pick inserts the prompt
+        p = pick_by_cache(self.trees, groups, [loads[i].in_flight for i in candidates], text, self.rule)
+        uncached = estimated_tokens(text, len(text) - matched[p.tenant])
+        local = p.outcome is CacheOutcome.HIT and uncached <= self.max_local_prefill_tokens
+        return candidates[p.group], local
+
+
 class CacheAwarePairPicker:
-    """`--policy cache_aware`: the prefill (and rank) by CacheAwarePicker, the decode by power of two."""
+    """`--policy cache_aware`: the prefill (and rank) by CacheAwarePicker; the decode by power of
+    two, or with `--max-local-prefill-tokens` by DecodePicker, which may send a request to the decode
+    alone (`PairPick.local`: no prefill is picked, its trees are left as they were)."""
 
     uses_text = True  # the proxy passes each request's prompt (bodies.routing_text)
 
     def __init__(self, config: CacheAwareConfig, rng: random.Random | None = None):
         self.prefill = CacheAwarePicker(config)
+        self.decode = DecodePicker(config) if config.max_local_prefill_tokens else None
         self._rng = rng if rng is not None else random.Random()
 
-    def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: Prompt) -> PairPick:
-        """The pair; NoHealthyServer names the role that has none (the trees are then left as they were)."""
+    def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: Prompt,
+             local_ok: bool = True) -> PairPick:
+        """The pair; NoHealthyServer names the role that has none (the trees are then left as they were).
+        `local_ok` False: a prefill whatever the decode holds (its local prefill was refused)."""
         if not any(load.eligible for load in prefill):
             raise NoHealthyServer("prefill")
-        d = pick_power_of_two(decode, self._rng)
-        if d is None:
-            raise NoHealthyServer("decode")
+        d, local = self._pick_decode(decode, text)
+        if local and local_ok:
+            return PairPick(-1, d, local=True)
         p = self.prefill.pick(prefill, text)
         assert p is not None, "an eligible prefill was checked above"
         return PairPick(p.index, d, p.dp_rank, p.outcome, p.match_ratio)
+
+    def _pick_decode(self, decode: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool]:
+        picked = pick_power_of_two(decode, self._rng) if self.decode is None else self.decode.pick(decode, text)
+        if picked is None:
+            raise NoHealthyServer("decode")
+        return picked if isinstance(picked, tuple) else (picked, False)

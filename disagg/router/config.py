@@ -91,7 +91,15 @@ class CacheAwareConfig:
         default=DEFAULT_MAX_TREE_SIZE, metadata={"help": "cache_aware: symbols (characters or token ids) one "
                                                          "prefill (DP rank) tree keeps; least recently used first out"})
 
+    max_local_prefill_tokens: int = field(
+        default=0, metadata={"help": "cache_aware: send a request to its decode alone (the decode prefills it, "
+                                     "started with the same flag) when the decode's tree leaves at most this many "
+                                     "prompt tokens uncached (text: 4 characters a token); the decode is then "
+                                     "picked by its tree too. 0: off"})
+
     def __post_init__(self) -> None:
+        if self.max_local_prefill_tokens < 0:
+            raise ConfigError(f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if not 0 <= self.cache_threshold <= 1:
             raise ConfigError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0:

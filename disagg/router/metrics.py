@@ -31,8 +31,14 @@ class RouterMetrics:
                                            "best prefill tree matched (hits and misses)", buckets=MATCH_RATIO_BUCKETS,
                                            registry=self.registry)
 
+        self.prefills = Counter("disagg_router_prefills", "requests sent with a prefill (remote) or to the decode "
+                                "alone (local: --max-local-prefill-tokens)", ["where"], registry=self.registry)
+        self.local_prefills_refused = Counter("disagg_router_local_prefills_refused", "requests a decode would not "
+                                              "prefill itself, sent again with a prefill", registry=self.registry)
+
     def record_pick(self, pick: PairPick) -> None:
-        """Count how a cache_aware prefill was chosen; other policies record nothing."""
+        """Count where the prompt is prefilled, and how a cache_aware prefill was chosen."""
+        self.prefills.labels("local" if pick.local else "remote").inc()
         if pick.cache_outcome is CacheOutcome.IMBALANCED:
             self.cache_imbalanced.inc()
         elif pick.cache_outcome is not None:

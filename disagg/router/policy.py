@@ -24,7 +24,7 @@ class Policy(Choice):
     ROUND_ROBIN = "round_robin"  # next healthy server after the previous pick
     RANDOM = "random"  # uniform among healthy servers
     LEAST_LOAD = "least_load"  # fewest requests in flight; ties go round-robin
-    CACHE_AWARE = "cache_aware"  # prefill by prompt prefix (cache_aware.py), decode by power of two choices
+    CACHE_AWARE = "cache_aware"  # prefill by prompt prefix (cache_aware.py); decode by power of two, or by prefix with local prefill
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class PairPick:
     prefill_dp_rank: int | None = None
     cache_outcome: CacheOutcome | None = None  # cache_aware only
     match_ratio: float = 0.0  # cache_aware only: the matched share of the prompt (0 when imbalanced)
+    local: bool = False  # the decode prefills the request itself (--max-local-prefill-tokens): no prefill leg
 
 
 class ServerPicker:
@@ -100,8 +101,9 @@ class PairPicker:
             raise NoHealthyServer("decode")
         return p, d
 
-    def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: object = None) -> PairPick:
-        """`pick_pair` as a PairPick; `text` is not used."""
+    def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: object = None,
+             local_ok: bool = True) -> PairPick:
+        """`pick_pair` as a PairPick; `text` and `local_ok` are not used (these policies always prefill remotely)."""
         return PairPick(*self.pick_pair(prefill, decode))
 
 

@@ -46,7 +46,7 @@ FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, REQUEST_ID_HEADER, "tracep
 class Plan:
     """Everything decided about one request before any byte is sent."""
 
-    prefill: Leg
+    prefill: Leg | None  # None: the decode prefills the request itself (--max-local-prefill-tokens)
     decode: Leg
     room: int | list[int]
     stream: bool
@@ -74,6 +74,22 @@ def retryable(exc: HttpError, num_servers_in_role: int) -> bool:
     if not isinstance(exc, ServerError):
         return False
     return exc.status == 503 or (exc.status == 429 and num_servers_in_role > 1)
+
+
+class LocalPrefillRefused(HttpError):
+    """A decode sent a request alone would not prefill it (more of the prompt is uncached than its
+    --max-local-prefill-tokens): the router sends it again with a prefill."""
+
+    def __init__(self, refusal: ServerError):
+        super().__init__(refusal.status, refusal.message)
+
+
+def refuses_local_prefill(exc: ServerError) -> bool:
+    """The decode's answer to a request sent alone that it would not prefill: 400 naming bootstrap_room."""
+    if exc.role != str(Role.DECODE) or exc.status != 400:
+        return False
+    error = (json_or_none(exc.raw) or {}).get("error")
+    return isinstance(error, dict) and error.get("param") == "bootstrap_room"
 
 
 def sse_error_event(err: HttpError) -> bytes:
@@ -126,12 +142,19 @@ class Proxy:
                                   headers: dict[str, str]) -> web.StreamResponse:
         """Serve on a fresh pair and room again when a leg failed before any byte reached the client:
         a draining server (marked unhealthy; every refusal marks one more, so the tries are bounded by
-        the servers), or a retryable failure (at most `retry_max_retries` times)."""
+        the servers), a retryable failure (at most `retry_max_retries` times), or a decode that would
+        not prefill the request itself (once more, with a prefill)."""
         num_draining = self._pool.size(Role.PREFILL) + self._pool.size(Role.DECODE)
         num_retries = 0
+        local_ok = True
         while True:
             try:
-                return await self._serve_plan(request, path, await self.plan(path, body), headers, num_retries)
+                plan = await self.plan(path, body, local_ok)
+                return await self._serve_plan(request, path, plan, headers, num_retries)
+            except LocalPrefillRefused as exc:
+                log.info("the decode would not prefill the request itself; sending it with a prefill", error=exc.message)
+                self._metrics.local_prefills_refused.inc()
+                local_ok = False
             except ServerDraining as exc:
                 log.info("server is draining; sending the request elsewhere", role=exc.role, url=exc.url)
                 self._pool.set_health(Role(exc.role), exc.index, Health.UNHEALTHY, DRAINING_REFUSAL)
@@ -154,24 +177,38 @@ class Proxy:
         room = plan.room if isinstance(plan.room, int) else plan.room[0]
         with structlog.contextvars.bound_contextvars(bootstrap_room=room, path=path):
             try:
-                log.debug("request routed", prefill=plan.prefill.server, decode=plan.decode.server)
+                log.debug("request routed", prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server)
                 prefill = None
-                if self._config.protocol is PdProtocol.PULL:
+                if plan.prefill is None:  # the decode prefills it itself: a prefill leg that is already done
+                    prefill = asyncio.get_running_loop().create_future()
+                    prefill.set_result(None)
+                elif self._config.protocol is PdProtocol.PULL:
                     plan, prefill = await self._pull_ticket(plan, headers)
                 out_headers = {RETRIES_HEADER: str(num_retries)} if num_retries else {}
                 if plan.stream:
                     return await self._stream(request, plan, headers, prefill, out_headers)
                 return await self._unary(plan, headers, prefill, out_headers)
+            except ServerError as exc:
+                if plan.prefill is None and refuses_local_prefill(exc):
+                    raise LocalPrefillRefused(exc) from None
+                raise
             finally:
                 self._end(plan)
 
-    async def plan(self, path: str, body: dict) -> Plan:
+    async def plan(self, path: str, body: dict, local_ok: bool = True) -> Plan:
         """Pick the pair, draw the room, and build each leg's body. The pair counts as busy from the
-        pick on (the caller ends it), so discovery cannot forget a server this request will use."""
+        pick on (the caller ends it), so discovery cannot forget a server this request will use. A
+        request the decode prefills itself (`local_ok` and the policy says so) has no prefill leg."""
         text = bodies.routing_text(path, body) if self._picker.uses_text else ""
-        pick = self._picker.pick(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE), text)
+        pick = self._picker.pick(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE), text, local_ok)
         self._metrics.record_pick(pick)
-        p, d = self._pool.ids(Role.PREFILL)[pick.prefill], self._pool.ids(Role.DECODE)[pick.decode]
+        d = self._pool.ids(Role.DECODE)[pick.decode]
+        if pick.local:
+            self._pool.begin(Role.DECODE, d)
+            decode_url = self._pool.info(Role.DECODE, d).url
+            return Plan(prefill=None, decode=Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(body)),
+                        room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None)
+        p = self._pool.ids(Role.PREFILL)[pick.prefill]
         self._pool.begin(Role.PREFILL, p)
         self._pool.begin(Role.DECODE, d)
         try:
@@ -210,7 +247,8 @@ class Proxy:
         )
 
     def _end(self, plan: Plan) -> None:
-        self._pool.end(Role.PREFILL, plan.prefill.index)
+        if plan.prefill is not None:
+            self._pool.end(Role.PREFILL, plan.prefill.index)
         self._pool.end(Role.DECODE, plan.decode.index)
 
     async def _pull_ticket(self, plan: Plan, headers: dict[str, str]) -> tuple[Plan, asyncio.Future]:

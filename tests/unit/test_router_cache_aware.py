@@ -152,6 +152,35 @@ def test_pair_picker_pins_the_prefill_rank_and_names_the_role_without_servers():
         PairPicker(Policy.CACHE_AWARE)
 
 
+def test_a_decode_holding_the_prefix_prefills_a_short_rest_itself():
+    picker = CacheAwarePairPicker(CacheAwareConfig(max_local_prefill_tokens=4), random.Random(0))
+    decodes = [ServerLoad(True, 0, server_id=7), ServerLoad(True, 0, server_id=8)]
+    first = "You are a helpful assistant. Hi"  # 31 characters
+    # Every tree is empty: a miss on both sides; the decode with the smallest tree (the first) gets it.
+    assert picker.pick(two_servers(), decodes, first) == PairPick(0, 0, 0, "miss", 0.0)
+    # The first decode's tree holds 31 of 47 characters; the other 16 are 4 tokens: the decode alone.
+    second = first + " How are you, my"
+    assert picker.pick(two_servers(), decodes, second) == PairPick(-1, 0, local=True)
+    # 17 characters past what the decode holds are 5 tokens: with a prefill (whose tree holds `first`).
+    third = second + " friend, tell me!"
+    assert picker.pick(two_servers(), decodes, third) == PairPick(0, 0, 0, "hit", 31 / 64)
+    # A refused local prefill comes back with local_ok=False: a prefill whatever the decode holds.
+    assert picker.pick(two_servers(), decodes, third + "?", local_ok=False) == PairPick(0, 0, 0, "hit", 64 / 65)
+    assert (picker.decode.trees.size((7, 0)), picker.decode.trees.size((8, 0))) == (65, 0)
+    assert picker.prefill.trees.size((0, 0)) == 65  # the local pick inserted nothing into the prefill trees
+    # Token ids count exactly: 4 ids past the decode's tree go alone, a fifth does not.
+    ids = tuple(range(100, 120))
+    assert picker.pick(two_servers(), decodes, ids).local is False  # ids share nothing with text: a miss
+    assert picker.pick(two_servers(), decodes, ids + (1, 2, 3, 4)) == PairPick(-1, 1, local=True)
+    assert picker.pick(two_servers(), decodes, ids + (1, 2, 3, 4, 5, 6, 7, 8, 9)).local is False
+
+
+def test_without_local_prefill_the_decode_is_drawn_by_power_of_two():
+    picker = CacheAwarePairPicker(CONFIG, random.Random(0))
+    assert picker.decode is None
+    assert picker.pick(two_servers(), [ServerLoad(True, n) for n in (5, 3, 1)], "hello").local is False
+
+
 def test_the_flags_are_sglang_routers():
     base = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
     assert config_from_args(build_parser().parse_args(base)).cache_aware == CacheAwareConfig(0.3, 64, 1.5, 2**22)
@@ -163,6 +192,7 @@ def test_the_flags_are_sglang_routers():
 
 def test_config_checks_its_bounds():
     for bad, message in [({"cache_threshold": 1.5}, "--cache-threshold"), ({"balance_abs_threshold": -1}, "abs"),
+                         ({"max_local_prefill_tokens": -1}, "--max-local-prefill-tokens must be >= 0, got -1"),
                          ({"balance_rel_threshold": 0.5}, "rel"), ({"max_tree_size": 0}, "--max-tree-size")]:
         with pytest.raises(ConfigError, match=message):
             CacheAwareConfig(**bad)

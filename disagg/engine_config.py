@@ -101,6 +101,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(
         default=1024, metadata={"help": "token budget of one engine step (chunked prefill)"}
     )
+    long_prefill_token_threshold: int = field(
+        default=0, metadata={"help": "a request computes at most this many prompt tokens per step (vLLM's flag): "
+                                     "long prompts are chunked, so the requests decoding beside them keep their pace "
+                                     "(0: up to the step's budget)"})
     scheduling_policy: SchedulingPolicy = field(
         default=SchedulingPolicy.FCFS,
         metadata={"help": "fcfs (arrival order; priority ignored) or priority (a request's priority, lower first, "
@@ -116,6 +120,8 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             num_preempted = len(out.preempted_ids)
             if self._allocate_or_preempt(request, num_new, out, scheduled):
                 scheduled.append((request, num_new))
@@ -154,6 +154,11 @@ class Scheduler:
             budget = self._schedule_waiting(budget, scheduled)
         out.seqs = [self._seq(r, n) for r, n in scheduled]
         return out
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """Tokens a request computes this step: what it has left, within the budget and the long-prefill cap."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_left, budget, cap) if cap else min(num_left, budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
                              scheduled: list[tuple[Request, int]]) -> bool:
@@ -190,7 +195,7 @@ class Scheduler:
             hits, num_hit_tokens = ([], 0)
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()

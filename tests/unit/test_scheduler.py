@@ -1,5 +1,8 @@
 """Scheduler and KV cache manager with exact block ids, token budgets and preemptions."""
 
+import pytest
+
+from disagg.config import ConfigError
 from disagg.engine_config import SchedulerConfig
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.request import Request, RequestStatus
@@ -202,3 +205,18 @@ def test_max_num_seqs_caps_running_requests():
     out = step(sched, {"a": 1, "b": 1})
     assert [s.request_id for s in out.seqs] == ["a", "b"]
     assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_long_prefill_token_threshold_chunks_a_prompt_beside_a_decoding_request():
+    kv = KVCacheManager(16, 4, True)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=4)
+    sched = Scheduler(config, kv, 1000)
+    sched.add(req("a", range(3)))
+    step(sched, {"a": 1})  # a's 3-token prompt fits under the cap: it decodes from now on
+    sched.add(req("b", range(20, 30)))
+    chunks = [[(s.request_id, len(s.token_ids), s.sample) for s in step(sched, {"a": 1, "b": 2}).seqs] for _ in range(3)]
+    # b's 10 prompt tokens go in chunks of at most 4 (4, 4, 2; it samples with the last), a decodes one a step
+    assert chunks == [[("a", 1, True), ("b", 4, False)], [("a", 1, True), ("b", 4, False)],
+                      [("a", 1, True), ("b", 2, True)]]
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold must be >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)

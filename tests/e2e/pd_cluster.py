@@ -108,3 +108,14 @@ async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig
 
 async def start_unified(engine: EngineConfig = TINY) -> RunningServer:
     return await start_server(ServerConfig(port=0, dp_size=1), engine, DisaggConfig(), lambda _: None)
+
+
+async def unified_answer(cluster: Cluster, unified: RunningServer, prompt: list[int]) -> tuple[str, list[int]]:
+    """The unified server's greedy 12-token answer to a token-id prompt: its text (/v1/completions)
+    and its token ids (/generate), the reference of a P/D answer and the next turn's history."""
+    url = f"http://127.0.0.1:{unified.port}"
+    greedy = {"temperature": 0, "ignore_eos": True}
+    _, completion, _ = await cluster.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 12, **greedy}, None)
+    sampling = {"max_new_tokens": 12, **greedy}
+    _, generated, _ = await cluster.post(url + "/generate", {"input_ids": prompt, "sampling_params": sampling}, None)
+    return completion["choices"][0]["text"], generated["output_ids"]

@@ -10,7 +10,7 @@ import pytest_asyncio
 
 from disagg.router.config import CacheAwareConfig, PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
-from pd_cluster import start_pd
+from pd_cluster import start_pd, unified_answer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
@@ -42,14 +42,6 @@ async def scrape(cluster, url: str) -> dict[str, float]:
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line and not line.startswith("#")}
 
 
-async def unified_answer(cluster, unified, prompt: list[int]) -> tuple[str, list[int]]:
-    url = f"http://127.0.0.1:{unified.port}"
-    _, completion, _ = await cluster.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, **GREEDY}, None)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    _, generated, _ = await cluster.post(url + "/generate", {"input_ids": prompt, "sampling_params": sampling}, None)
-    return completion["choices"][0]["text"], generated["output_ids"]
-
-
 async def routed(cluster, router, prompt: list[int]) -> str:
     status, data, _ = await cluster.post(router.url + "/v1/completions", {"model": "tiny", "prompt": prompt, **GREEDY}, None)
     assert status == 200, data
@@ -60,12 +52,19 @@ def delta(after: dict, before: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def test_a_later_turn_with_a_short_rest_is_prefilled_by_the_decode_alone(cluster, router, unified):
-    rng = random.Random(f"turns-{router.config.protocol}")
+async def two_turns(cluster, unified, seed: str, num_new: int) -> tuple[list[int], str, list[int], str]:
+    """A 41-token first turn, and a second: the first, its 12-token answer and `num_new` new tokens;
+    each with the unified server's answer text."""
+    rng = random.Random(seed)
     first = [rng.randrange(32, 127) for _ in range(41)]
     first_text, answer_ids = await unified_answer(cluster, unified, first)
-    second = first + answer_ids + [rng.randrange(32, 127) for _ in range(3)]  # 56 tokens
+    second = first + answer_ids + [rng.randrange(32, 127) for _ in range(num_new)]
     second_text, _ = await unified_answer(cluster, unified, second)
+    return first, first_text, second, second_text
+
+
+async def test_a_later_turn_with_a_short_rest_is_prefilled_by_the_decode_alone(cluster, router, unified):
+    first, first_text, second, second_text = await two_turns(cluster, unified, f"turns-{router.config.protocol}", 3)
     before = [await scrape(cluster, url) for url in (router.url, cluster.decode_url, cluster.prefill_url)]
     assert await routed(cluster, router, first) == first_text  # nothing is cached anywhere: with a prefill
     # The router's decode tree holds the 41 first ids: 15 more are within its 64. The decode holds 52
@@ -80,11 +79,7 @@ async def test_a_later_turn_with_a_short_rest_is_prefilled_by_the_decode_alone(c
 
 
 async def test_a_decode_sent_more_than_its_limit_refuses_and_the_router_adds_a_prefill(cluster, router, unified):
-    rng = random.Random(f"refused-{router.config.protocol}")
-    first = [rng.randrange(32, 127) for _ in range(41)]
-    _, answer_ids = await unified_answer(cluster, unified, first)
-    second = first + answer_ids + [rng.randrange(32, 127) for _ in range(30)]  # 83 tokens
-    second_text, _ = await unified_answer(cluster, unified, second)
+    first, _, second, second_text = await two_turns(cluster, unified, f"refused-{router.config.protocol}", 30)
     await routed(cluster, router, first)
     before = [await scrape(cluster, url) for url in (router.url, cluster.decode_url)]
     # The router counts 42 tokens past its tree (within 64); the decode finds 31 of 83 uncached (over 16).

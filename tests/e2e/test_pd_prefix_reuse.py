@@ -7,7 +7,7 @@ import random
 import pytest
 import pytest_asyncio
 
-from pd_cluster import start_pd
+from pd_cluster import start_pd, unified_answer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
@@ -44,14 +44,6 @@ async def pd_completion(cluster, flow: str, prompt: list[int]) -> str:
                                              dict(body, kv_transfer_params=data["kv_transfer_params"], routed_dp_rank=0), None)
     assert status == 200, data
     return data["choices"][0]["text"]
-
-
-async def unified_answer(cluster, unified, prompt: list[int]) -> tuple[str, list[int]]:
-    url = f"http://127.0.0.1:{unified.port}"
-    _, completion, _ = await cluster.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, **GREEDY}, None)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    _, generated, _ = await cluster.post(url + "/generate", {"input_ids": prompt, "sampling_params": sampling}, None)
-    return completion["choices"][0]["text"], generated["output_ids"]
 
 
 @pytest.mark.parametrize("flow", ["push", "pull"])

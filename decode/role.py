@@ -45,6 +45,7 @@ class DecodeRole(WorkerRole):
         self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
         self.queued: deque[tuple[PendingKV, list[int]]] = deque()  # waiting for room in the KV cache, in order
         self.fences = Fences(lambda: self.wake())
+        self.local: dict[str, int] = {}  # local prefills not computed yet: request id -> tokens cached at admission
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -88,22 +89,37 @@ class DecodeRole(WorkerRole):
         return self._reserve_queued()
 
     def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
-        """A request sent to this decode alone (selective disaggregation): prefilled here when at most
-        `max_local_prefill_tokens` of its prompt are missing from our prefix cache, else refused (400,
-        param bootstrap_room) so that a router sends it again with a prefill."""
+        """A request sent to this decode alone (selective disaggregation): prefilled here when its
+        prompt tokens missing from our prefix cache, with those of the local prefills still running,
+        are at most `max_local_prefill_tokens`; else refused (400, param bootstrap_room) so that a
+        router sends it again with a prefill (a busy decode hands the work to the prefill)."""
         limit = self.config.max_local_prefill_tokens
         try:
             ids = self.prompt_ids(msg)
             cached = 0 if msg.sampling.prompt_logprobs is not None else self.core.cached_prefix_tokens(ids)
-            if len(ids) - cached > limit:
+            backlog = self._local_backlog()
+            if len(ids) - cached + backlog > limit:
+                waiting = f", and {backlog} of other requests wait to be prefilled here" if backlog else ""
                 raise InvalidRequest(
-                    f"{len(ids) - cached} of the prompt's {len(ids)} tokens are not in this decode's prefix cache; it "
-                    f"prefills at most {limit} itself (--max-local-prefill-tokens): send the request with a prefill "
+                    f"{len(ids) - cached} of the prompt's {len(ids)} tokens are not in this decode's prefix cache{waiting}; "
+                    f"it prefills at most {limit} itself (--max-local-prefill-tokens): send the request with a prefill "
                     "(bootstrap_room, bootstrap_host and bootstrap_port, or kv_transfer_params)", "bootstrap_room")
             self.core.add_request(msg.request_id, ids, msg.sampling, priority=msg.priority)
         except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
             return [admission_error(msg.request_id, exc)]
+        self.local[msg.request_id] = cached
         return []
+
+    def _local_backlog(self) -> int:
+        """Prompt tokens the local prefills admitted here have not computed yet (finished ones forgotten)."""
+        backlog = 0
+        for request_id, cached in list(self.local.items()):
+            progress = self.core.request_progress(request_id)
+            if progress is None or progress.finished or progress.num_computed_tokens >= progress.num_prompt_tokens:
+                del self.local[request_id]
+            else:
+                backlog += progress.num_prompt_tokens - max(progress.num_computed_tokens, cached)
+        return backlog
 
     def _reserve_queued(self) -> list[OutputMsg]:
         """Reserve blocks for queued requests in arrival order while the cache has room; a request

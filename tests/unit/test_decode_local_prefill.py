@@ -1,0 +1,42 @@
+"""The decode's local-prefill rule, on a real tiny engine: a request sent to the decode alone is
+prefilled there while its uncached tokens and those of the local prefills still running stay within
+`max_local_prefill_tokens`; past that it is refused, naming both counts."""
+
+import asyncio
+
+from decode.role import DecodeRole
+from disagg.config import DisaggConfig
+from disagg.types import SamplingParams
+from disagg.wire.engine_msgs import GenerateMsg
+
+from test_engine_tiny import engine
+
+REFUSAL = ("{uncached} of the prompt's {n} tokens are not in this decode's prefix cache{waiting}; it prefills at "
+           "most 16 itself (--max-local-prefill-tokens): send the request with a prefill (bootstrap_room, "
+           "bootstrap_host and bootstrap_port, or kv_transfer_params)")
+
+
+def alone(request_id: str, ids: list[int]) -> GenerateMsg:
+    return GenerateMsg(request_id, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), prompt_token_ids=ids)
+
+
+def test_local_prefills_share_one_budget_of_uncached_tokens(tiny_loaded):
+    core = engine(tiny_loaded)
+    role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", max_local_prefill_tokens=16))
+    submit = lambda msg: asyncio.run(role.submit(msg))  # noqa: E731
+    assert submit(alone("a", list(range(40, 52)))) == []  # 12 uncached: taken, 12 now wait to be prefilled
+    [refused] = submit(alone("b", list(range(60, 68))))
+    assert (refused.request_id, refused.error_status, refused.error_param) == ("b", 400, "bootstrap_room")
+    assert refused.error == REFUSAL.format(uncached=8, n=8, waiting=", and 12 of other requests wait to be prefilled here")
+    core.step()  # a's prompt is computed: nothing of it waits any more
+    assert role.local == {"a": 0} and role._local_backlog() == 0 and role.local == {}
+    assert submit(alone("b", list(range(60, 68)))) == []
+    # A prompt the decode holds 8 tokens of (a's first two blocks), with 9 new: 9 + b's 8 is over 16.
+    [refused] = submit(alone("c", list(range(40, 48)) + list(range(80, 89))))
+    assert refused.error == REFUSAL.format(uncached=9, n=17, waiting=", and 8 of other requests wait to be prefilled here")
+    while core.has_unfinished():
+        core.step()
+    assert submit(alone("c", list(range(40, 48)) + list(range(80, 89)))) == [] and role.local == {"c": 8}
+    while core.has_unfinished():
+        core.step()
+    assert core.kv.num_free_blocks == core.num_blocks

@@ -153,6 +153,11 @@ class CacheAwarePairPicker:
         assert p is not None, "an eligible prefill was checked above"
         return PairPick(p.index, d, p.dp_rank, p.outcome, p.match_ratio)
 
+    def learn_answer(self, decode_server_id: int, text: Prompt) -> None:
+        """Record a prompt and the answer its decode gave in that decode's tree (it holds both now)."""
+        if self.decode is not None:
+            self.decode.trees.insert((decode_server_id, 0), text)
+
     def _pick_decode(self, decode: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool]:
         picked = pick_power_of_two(decode, self._rng) if self.decode is None else self.decode.pick(decode, text)
         if picked is None:

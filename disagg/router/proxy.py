@@ -24,7 +24,7 @@ from aiohttp import web
 
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
-from disagg.router import bodies
+from disagg.router import bodies, local_prefill
 from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
 from disagg.router.errors import RequestShutDown, ServerDraining, ServerError, ServerUnreachable
 from disagg.router.health import HealthChecker
@@ -52,6 +52,7 @@ class Plan:
     stream: bool
     merge_logprobs: bool
     expected_decode_rank: int | None  # external-DP-routing test mode only
+    learn: Callable[[bytes], None] | None = None  # records the decode's answer in its tree (local prefill)
 
 
 def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[str, str]:
@@ -74,22 +75,6 @@ def retryable(exc: HttpError, num_servers_in_role: int) -> bool:
     if not isinstance(exc, ServerError):
         return False
     return exc.status == 503 or (exc.status == 429 and num_servers_in_role > 1)
-
-
-class LocalPrefillRefused(HttpError):
-    """A decode sent a request alone would not prefill it (more of the prompt is uncached than its
-    --max-local-prefill-tokens): the router sends it again with a prefill."""
-
-    def __init__(self, refusal: ServerError):
-        super().__init__(refusal.status, refusal.message)
-
-
-def refuses_local_prefill(exc: ServerError) -> bool:
-    """The decode's answer to a request sent alone that it would not prefill: 400 naming bootstrap_room."""
-    if exc.role != str(Role.DECODE) or exc.status != 400:
-        return False
-    error = (json_or_none(exc.raw) or {}).get("error")
-    return isinstance(error, dict) and error.get("param") == "bootstrap_room"
 
 
 def sse_error_event(err: HttpError) -> bytes:
@@ -151,7 +136,7 @@ class Proxy:
             try:
                 plan = await self.plan(path, body, local_ok)
                 return await self._serve_plan(request, path, plan, headers, num_retries)
-            except LocalPrefillRefused as exc:
+            except local_prefill.LocalPrefillRefused as exc:
                 log.info("the decode would not prefill the request itself; sending it with a prefill", error=exc.message)
                 self._metrics.local_prefills_refused.inc()
                 local_ok = False
@@ -189,8 +174,8 @@ class Proxy:
                     return await self._stream(request, plan, headers, prefill, out_headers)
                 return await self._unary(plan, headers, prefill, out_headers)
             except ServerError as exc:
-                if plan.prefill is None and refuses_local_prefill(exc):
-                    raise LocalPrefillRefused(exc) from None
+                if plan.prefill is None and local_prefill.refuses_local_prefill(exc):
+                    raise local_prefill.LocalPrefillRefused(exc) from None
                 raise
             finally:
                 self._end(plan)
@@ -203,16 +188,18 @@ class Proxy:
         pick = self._picker.pick(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE), text, local_ok)
         self._metrics.record_pick(pick)
         d = self._pool.ids(Role.DECODE)[pick.decode]
+        learn = local_prefill.learner(self._picker, path, text, d, bodies.is_stream(body))
         if pick.local:
             self._pool.begin(Role.DECODE, d)
             decode_url = self._pool.info(Role.DECODE, d).url
             return Plan(prefill=None, decode=Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(body)),
-                        room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None)
+                        room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None,
+                        learn=learn)
         p = self._pool.ids(Role.PREFILL)[pick.prefill]
         self._pool.begin(Role.PREFILL, p)
         self._pool.begin(Role.DECODE, d)
         try:
-            return await self._plan_pair(path, body, p, d, pick.prefill_dp_rank)
+            return replace(await self._plan_pair(path, body, p, d, pick.prefill_dp_rank), learn=learn)
         except BaseException:
             self._pool.end(Role.PREFILL, p)
             self._pool.end(Role.DECODE, d)
@@ -269,6 +256,8 @@ class Proxy:
         decode = asyncio.create_task(self._legs.fetch(plan.decode, headers))
         prefill_answer, decode_answer = await both_or_first_error(prefill, decode)
         body = self._decode_body(plan, prefill_answer, decode_answer)
+        if plan.learn is not None:
+            plan.learn(decode_answer.body)
         out_headers = {**(out_headers or {}), "Content-Type": decode_answer.content_type}
         if decode_answer.dp_rank_header is not None:
             out_headers[DP_RANK_HEADER] = decode_answer.dp_rank_header
@@ -302,8 +291,11 @@ class Proxy:
                 bodies.check_decode_dp_rank(plan.expected_decode_rank, None, reported)
             out = web.StreamResponse(status=resp.status, headers={**(out_headers or {}), **_stream_headers(resp.headers)})
             await out.prepare(request)
-            await self._relay_unless_aborted(out, plan, resp, first, prefill)
+            kept = [] if plan.learn is not None else None  # the answer's events, to learn it once it ends well
+            await self._relay_unless_aborted(out, plan, resp, first, prefill, kept)
             await out.write_eof()
+            if kept and len(kept) < local_prefill.MAX_ANSWER_CHUNKS:
+                plan.learn(b"".join(kept))
             try:
                 await self._settle_prefill(prefill)
             except asyncio.CancelledError:  # the client has its whole answer; stop waiting for the prefill
@@ -316,23 +308,29 @@ class Proxy:
                 resp.close()
 
     async def _relay_unless_aborted(self, out: web.StreamResponse, plan: Plan, resp, first: bytes,
-                                    prefill: asyncio.Task) -> None:
+                                    prefill: asyncio.Task, kept: list[bytes] | None) -> None:
         """`_relay`; when the router's drain aborts the request, the stream ends with its error event."""
         try:
-            await self._relay(out, plan, resp, first, prefill)
+            await self._relay(out, plan, resp, first, prefill, kept)
         except asyncio.CancelledError:
+            if kept is not None:
+                kept.clear()
             if not self._drain.claim_abort():
                 raise
             err = RequestShutDown(self._drain.abort_message())
             log.warning("request aborted mid-stream", status=err.status, error=err.message)
             await out.write(sse_error_event(err))
 
-    async def _relay(self, out: web.StreamResponse, plan: Plan, resp, first: bytes, prefill: asyncio.Task) -> None:
-        """Copy the decode's chunks to the client in order; end with an error event if a leg fails."""
+    async def _relay(self, out: web.StreamResponse, plan: Plan, resp, first: bytes, prefill: asyncio.Task,
+                     kept: list[bytes] | None = None) -> None:
+        """Copy the decode's chunks to the client in order (into `kept` too, up to its bound; emptied on a
+        failure); end with an error event if a leg fails."""
         chunk = first
         try:
             while chunk:
                 await out.write(chunk)
+                if kept is not None and len(kept) < local_prefill.MAX_ANSWER_CHUNKS:
+                    kept.append(chunk)
                 if prefill.done() and prefill.exception() is None:  # nothing left to watch
                     chunk = await self._legs.read_chunk(plan.decode, resp)
                     continue
@@ -340,6 +338,8 @@ class Proxy:
                     asyncio.create_task(self._legs.read_chunk(plan.decode, resp)), prefill)
         except HttpError as exc:
             log.warning("stream failed after it started", status=exc.status, error=exc.message)
+            if kept is not None:
+                kept.clear()
             await out.write(sse_error_event(exc))
 
     async def _settle_prefill(self, prefill: asyncio.Task) -> None:

@@ -6,6 +6,7 @@ Options are built from the config dataclasses' fields and help text (disagg.cli_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
@@ -102,6 +103,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--decode-cpus", default=None, metavar="LIST",
                        help="the decode server's CPUs (default: the usable CPUs prefill does not take; the second "
                             "half when neither is given); the lists may overlap")
+    serve.add_argument("--decode-max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help="the decode server's token budget per step (default: --max-num-batched-tokens); with "
+                            "--max-local-prefill-tokens a small one chunks the prompts the decode prefills itself, "
+                            "so the requests decoding beside them keep their pace")
     serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                        default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
@@ -158,9 +163,14 @@ def run_cluster(args: argparse.Namespace) -> int:
     disagg = disagg_from_args(args, bootstrap_port=0)
     check_shutdown_timeout(args.shutdown_timeout_s)
     plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
-    return cluster.run(engine_from_args(args), disagg, args.host, args.port, args.dp_size, args.log_format,
+    engine = engine_from_args(args)
+    decode_engine = None
+    if args.decode_max_num_batched_tokens is not None:
+        scheduler = dataclasses.replace(engine.scheduler, max_num_batched_tokens=args.decode_max_num_batched_tokens)
+        decode_engine = dataclasses.replace(engine, scheduler=scheduler)
+    return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
                        args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
-                       (args.prefill_cpus, args.decode_cpus))
+                       (args.prefill_cpus, args.decode_cpus), decode_engine)
 
 
 def run(argv: list[str]) -> int:

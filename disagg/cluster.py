@@ -53,9 +53,11 @@ def router_config(prefill: RunningServer, decode: RunningServer, disagg: DisaggC
 async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
                         dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
                         admin_key: str | None = None, tls: TlsConfig = TlsConfig(), prefill_cpus: str | None = None,
-                        decode_cpus: str | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
+                        decode_cpus: str | None = None, decode_engine: EngineConfig | None = None,
+                        ) -> tuple[RunningServer, RunningServer, RouterServer]:
     """Start the cluster. Prefill and decode each get their own CPUs (`plan_cluster_cpus`: by default
-    the first and the second half of the usable ones); the router and the registry are not pinned."""
+    the first and the second half of the usable ones); the router and the registry are not pinned.
+    `decode_engine` is the decode's engine when it differs (its step budget), else `engine`."""
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     planned = plan_cluster_cpus(usable_cpus(), prefill_cpus, decode_cpus)
@@ -69,7 +71,7 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
         f"{cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(
         start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),
-        start_server(decode_cfg, engine, disagg, lambda line: say(f"[decode] {line}")),
+        start_server(decode_cfg, decode_engine or engine, disagg, lambda line: say(f"[decode] {line}")),
         return_exceptions=True,
     )
     started = [r for r in results if isinstance(r, RunningServer)]
@@ -93,10 +95,10 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
 async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
                         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
                         admin_key: str | None = None, tls: TlsConfig = TlsConfig(),
-                        cpus: tuple[str | None, str | None] = (None, None)) -> int:
+                        cpus: tuple[str | None, str | None] = (None, None), decode_engine: EngineConfig | None = None) -> int:
     prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
                                                   log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls,
-                                                  prefill_cpus=cpus[0], decode_cpus=cpus[1])
+                                                  prefill_cpus=cpus[0], decode_cpus=cpus[1], decode_engine=decode_engine)
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
@@ -127,12 +129,13 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 
 def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None,
-        tls: TlsConfig = TlsConfig(), cpus: tuple[str | None, str | None] = (None, None)) -> int:
+        tls: TlsConfig = TlsConfig(), cpus: tuple[str | None, str | None] = (None, None),
+        decode_engine: EngineConfig | None = None) -> int:
     """`disagg serve`; `cpus` are the --prefill-cpus and --decode-cpus lists (None: planned)."""
     configure_logging(log_format)
     try:
         return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
-                                         api_key, admin_key, tls, cpus))
+                                         api_key, admin_key, tls, cpus, decode_engine))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,42 @@
+"""`disagg serve`'s options that shape the two servers differently: the decode's step budget, and
+the local-prefill limit that both the decode and the router get."""
+
+from disagg import cli, cluster
+
+
+def captured_run(monkeypatch, argv: list[str]) -> dict:
+    seen = {}
+
+    def fake_run(engine, disagg, *args):
+        seen.update(engine=engine, disagg=disagg, decode_engine=args[-1])
+        return 0
+
+    monkeypatch.setattr(cluster, "run", fake_run)
+    assert cli.run(["serve", "--model", "tiny", *argv]) == 0
+    return seen
+
+
+def test_the_decode_gets_its_own_step_budget_and_the_prefill_keeps_the_engines(monkeypatch):
+    seen = captured_run(monkeypatch, ["--max-num-batched-tokens", "512", "--decode-max-num-batched-tokens", "48",
+                                      "--max-local-prefill-tokens", "192"])
+    assert seen["engine"].scheduler.max_num_batched_tokens == 512
+    assert seen["decode_engine"].scheduler.max_num_batched_tokens == 48
+    assert seen["decode_engine"].model == seen["engine"].model and seen["decode_engine"].cache == seen["engine"].cache
+    assert seen["disagg"].max_local_prefill_tokens == 192
+
+
+def test_without_the_option_both_run_one_engine(monkeypatch):
+    assert captured_run(monkeypatch, [])["decode_engine"] is None
+
+
+def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():
+    from types import SimpleNamespace
+
+    from disagg.config import DisaggConfig
+    from disagg.router.policy import Policy
+
+    prefill, decode = SimpleNamespace(port=7001, bootstrap_port=7002), SimpleNamespace(port=7003)
+    config = cluster.router_config(prefill, decode, DisaggConfig(max_local_prefill_tokens=192), host="127.0.0.1", port=9)
+    assert (config.policy, config.cache_aware.max_local_prefill_tokens) == (Policy.CACHE_AWARE, 192)
+    assert (config.prefill[0].url, config.prefill[0].bootstrap_port, config.decode) == (
+        "http://127.0.0.1:7001", 7002, ("http://127.0.0.1:7003",))

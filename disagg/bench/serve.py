@@ -26,6 +26,7 @@ import numpy as np
 from disagg.bench.chat_workload import add_chat_arguments
 from disagg.bench.serve_stats import (
     SERVER_HISTOGRAM_KEYS,
+    format_refusals,
     RequestResult,
     Slo,
     aggregate,
@@ -96,6 +97,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
         async with session.post(url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                result.status, result.e2e_s = resp.status, time.perf_counter() - sent  # when the refusal came
                 return result
             async for raw in resp.content:
                 line = raw.strip()
@@ -239,6 +241,7 @@ def format_summary(report: dict) -> str:
         format_title(report),
         f"completed / failed:        {report['num_completed']} / {report['num_failed']}",
         *([f"first error:               {report['first_error']}"] if report["num_failed"] else []),
+        *([f"failed by HTTP status:     {format_refusals(report['refusals'])}"] if report["refusals"]["by_status"] else []),
         f"duration:                  {report['duration_s']:.2f} s",
         f"output tokens:             {report['num_output_tokens']}",
         f"request throughput:        {report['request_throughput']:.2f} req/s",

@@ -77,6 +77,19 @@ def test_aggregate_counts_throughput_and_goodput():
     assert agg["itl"] == pytest.approx({"mean_ms": 10.0, "p50_ms": 10.0, "p90_ms": 10.0, "p99_ms": 10.0})
     assert agg["e2e"]["mean_ms"] == pytest.approx(766.6666667)
     assert agg["slo"] == {"ttft_ms": 300, "tpot_ms": 200}
+    assert agg["refusals"] == {"by_status": {}, "answer": dict.fromkeys(("mean_ms", "p50_ms", "p90_ms", "p99_ms")),
+                               "answer_max_ms": None}  # no failure above carries its status
+
+
+def test_refusals_count_each_status_and_how_soon_it_came():
+    refused = [RequestResult(start_s=0.0, num_prompt_tokens=4, error="HTTP 429: full", status=429, e2e_s=s)
+               for s in (0.002, 0.004, 0.006)]
+    refused.append(RequestResult(start_s=0.0, num_prompt_tokens=4, error="HTTP 503: gone", status=503, e2e_s=1.5))
+    agg = aggregate([*refused, failed("TimeoutError")], duration_s=1.0, slo=Slo())
+    assert agg["refusals"]["by_status"] == {"429": 3, "503": 1}
+    assert agg["refusals"]["answer"]["p50_ms"] == pytest.approx(5.0)
+    assert agg["refusals"]["answer_max_ms"] == pytest.approx(1500.0)
+    assert serve.format_refusals(agg["refusals"]) == "429: 3, 503: 1 (answered in p50 5.0 ms, max 1500.0 ms)"
 
 
 # --- SLO and rate arguments --------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class Ticket:
     port: int
     request_id: str
     block_ids: tuple[int, ...]
+    num_cached_tokens: int = 0  # the prompt tokens the prefill found cached (`remote_num_cached_tokens`)
 
 
 def carries_ticket(msg: GenerateMsg) -> bool:
@@ -63,8 +64,10 @@ def ticket_of(msg: GenerateMsg) -> Ticket | None:
     if bad:
         raise InvalidRequest(f"kv_transfer_params with do_remote_prefill needs {', '.join(sorted(set(bad)))} "
                              "as the prefill returned them", "kv_transfer_params")
+    cached = params.get("remote_num_cached_tokens")
+    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else 0
     return Ticket(params["remote_engine_id"], params["remote_host"], params["remote_port"],
-                  params["remote_request_id"], tuple(ids))
+                  params["remote_request_id"], tuple(ids), cached)
 
 
 async def wait_read(backend: KVTransferBackend, handle, deadline: float) -> None:
@@ -152,7 +155,8 @@ class PullFetch:
     def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
         """Every prompt token but the last is in our blocks: the last one and the first output are ours."""
         progress = self.core.request_progress(request_id)
-        return progress is not None and self.core.admit_remote_prefix(request_id, progress.num_prompt_tokens - 1)
+        return progress is not None and self.core.admit_remote_prefix(request_id, progress.num_prompt_tokens - 1,
+                                                                      pending.ticket.num_cached_tokens)
 
     async def _read_peer(self, client) -> str:
         """The backend peer to READ from a prefill, added once per incarnation; peers of prefills whose

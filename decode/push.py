@@ -118,7 +118,7 @@ class PushFetch:
     def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
         """The prompt's KV is in our blocks and the first token came with it: an ordinary running request."""
         return self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status),
-                                         remote_prompt_logprobs(pending.msg, status))
+                                         remote_prompt_logprobs(pending.msg, status), status.num_cached_tokens)
 
     def end(self, request_id: str, pending: PendingKV, reason: str) -> bool:
         """Stop waiting; True when the blocks may go back now (the TransferInfo never went out, or

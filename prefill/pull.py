@@ -64,7 +64,9 @@ class PullRequests:
                 out.append(final)
                 continue
             self.leases.grant(request_id, progress.block_ids, now)
-            params = dict(ticket, remote_block_ids=list(progress.block_ids), remote_request_id=request_id)
+            # remote_num_cached_tokens: ours, not vLLM's (its decodes ignore it): the decode reports it as cached
+            params = dict(ticket, remote_block_ids=list(progress.block_ids), remote_request_id=request_id,
+                          remote_num_cached_tokens=final.num_cached_tokens)
             out.append(msgspec.structs.replace(final, kv_transfer_params=params))
         for request_id in self.leases.expire(now):
             log.warning("kv lease expired unclaimed", request_id=request_id, lease_s=self.leases.lease_s)

@@ -283,7 +283,7 @@ class PushRooms:
         self.control.send_status(TransferStatusMsg(
             room=state.room, state=TransferState.SUCCESS, first_token_id=token_id, num_bytes=state.num_bytes,
             first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top,
-            prompt_logprobs=state.prompt_logprobs))
+            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.final.num_cached_tokens))
         stats = state.stats(time.monotonic())
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),

@@ -191,25 +191,33 @@ class EngineCore:
         return Reservation(list(request.block_ids), request.num_prompt_tokens, request.num_cached_tokens, self.block_size)
 
     def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None,
-                        prompt_logprobs: list[dict[int, float] | None] | None = None) -> bool:
+                        prompt_logprobs: list[dict[int, float] | None] | None = None,
+                        num_cached_tokens: int | None = None) -> bool:
         """The prompt's KV landed in the reserved blocks; continue from the first token, with the
-        prompt logprobs the remote engine computed (first entry None). False when the request no
-        longer waits for KV (it was aborted or failed meanwhile)."""
+        prompt logprobs the remote engine computed (first entry None) and, as this request's cached
+        tokens, those it found in its prefix cache. False when the request no longer waits for KV
+        (it was aborted or failed meanwhile)."""
         first = SampledToken(first_token_id, first_logprobs)
         request = self.scheduler.admit_remote_kv(request_id, first, prompt_logprobs)
         if request is None:
             return False
+        if num_cached_tokens is not None:
+            request.num_cached_tokens = num_cached_tokens
         params = request.sampling_params
         if params.seed is not None and not params.greedy:
             self.runner.sampler.skip_draw(request_id, params.seed, self.arch.vocab_size)
         self._collect(request)
         return True
 
-    def admit_remote_prefix(self, request_id: str, num_computed_tokens: int) -> bool:
+    def admit_remote_prefix(self, request_id: str, num_computed_tokens: int, num_cached_tokens: int | None = None) -> bool:
         """The KV of the prompt's first `num_computed_tokens` landed in the reserved blocks (pull
         flow: this engine read it); the rest of the prompt and every output token are computed here.
-        False when the request no longer waits for KV."""
-        return self.scheduler.admit_remote_prefix(request_id, num_computed_tokens) is not None
+        `num_cached_tokens`: what the remote engine found cached, reported as this request's. False
+        when the request no longer waits for KV."""
+        request = self.scheduler.admit_remote_prefix(request_id, num_computed_tokens)
+        if request is not None and num_cached_tokens is not None:
+            request.num_cached_tokens = num_cached_tokens
+        return request is not None
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
         """Leading prompt tokens this engine's prefix cache holds now (whole blocks; the decode's

@@ -477,7 +477,7 @@ def test_status_translation_keeps_unset_first_token_unset():
     bare = TransferStatusMsg(room=2**63 - 1, state=TransferState.WAITING_FOR_INPUT)
     assert status_from_pb(status_to_pb(bare)) == bare
     full = TransferStatusMsg(room=1, state=TransferState.SUCCESS, first_token_id=0, first_token_logprob=0.0,
-                             num_bytes=5)
+                             num_bytes=5, num_cached_tokens=48)
     assert status_from_pb(status_to_pb(full)) == full
     scored = TransferStatusMsg(room=1, state=TransferState.SUCCESS, first_token_id=7, first_token_logprob=-0.5,
                                first_token_top_logprobs=((7, -0.5),),

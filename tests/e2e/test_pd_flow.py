@@ -88,9 +88,10 @@ async def test_prefix_hit_on_prefill_gives_the_same_tokens(cluster, unified):
     for room in (10, 12):  # even rooms: the same prefill DP worker (follow_bootstrap_room), so its cache is hit
         pd = cluster.pd_body(body, room)
         (_, p_data, _), (_, d_data, _) = await cluster.post_both("/generate", pd, pd)
-        outs.append((p_data["meta_info"]["cached_tokens"], d_data["output_ids"]))
+        outs.append((p_data["meta_info"]["cached_tokens"], d_data["meta_info"]["cached_tokens"], d_data["output_ids"]))
     assert outs[1][0] > 0 and outs[1][0] % 4 == 0  # whole blocks reused on the second prefill
-    assert outs[0][1] == outs[1][1] == answer("/generate", await unified_post(unified, "/generate", body))
+    assert [o[1] for o in outs] == [o[0] for o in outs]  # the decode's usage reports the prefill's hits
+    assert outs[0][2] == outs[1][2] == answer("/generate", await unified_post(unified, "/generate", body))
 
 
 async def test_decode_without_room_is_400_naming_the_fields(cluster):

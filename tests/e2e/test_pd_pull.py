@@ -175,3 +175,17 @@ async def test_a_request_aborted_while_it_waits_for_room_releases_its_lease_at_o
     await decode
     await abort(cluster, filler, "filler-abort")
     assert await idle(cluster)
+
+
+async def test_the_decode_reports_the_tokens_the_prefill_found_cached(cluster, unified):
+    body = {"model": "tiny", "prompt": "Cached twice: " + LONG, "max_tokens": 4, **GREEDY}
+    usages = []
+    for _ in range(2):  # the second prefill finds the first's blocks (one prefill worker per ticket's rank)
+        ticket = (await prefill_leg(cluster, dict(body, routed_dp_rank=0)))["kv_transfer_params"]
+        status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions", dict(body, kv_transfer_params=ticket), None)
+        assert status == 200, data
+        usages.append((ticket["remote_num_cached_tokens"], data["usage"]["prompt_tokens_details"]["cached_tokens"],
+                       data["usage"]["prompt_tokens"]))
+    # 119 prompt tokens: nothing cached the first time; 29 whole blocks (116 tokens) the second.
+    assert usages == [(0, 0, 119), (116, 116, 119)]
+    assert await idle(cluster)

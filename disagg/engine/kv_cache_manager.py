@@ -1,32 +1,22 @@
 """Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching full blocks, freeing.
 
-Pure Python, on top of the block pool. A block's hash chains its parent's hash with its tokens, so
-equal hashes mean equal prefixes: Python's hash of (parent hash, token ids), a signed 64-bit int.
-Ints and tuples of ints hash the same in every process (PYTHONHASHSEED salts str and bytes only),
-so every worker gives a prefix the same hashes, and KV events can name blocks by them.
+Pure Python, on top of the block pool. A block's hash (disagg/block_hashes.py) chains its parent's
+hash with its tokens, so equal hashes mean equal prefixes; every worker gives a prefix the same
+hashes, and KV events name blocks by them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from disagg.block_hashes import ROOT_BLOCK_HASH, block_hash
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from disagg.engine.request import Request
 
 
-# The parent of a sequence's first block. Not None: before Python 3.12 hash(None) is its address,
-# which differs between processes.
-ROOT_BLOCK_HASH = 0
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def block_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """The hash of a full block: its parent's hash chained with its tokens."""
-    return hash((parent, tuple(token_ids)))
 
 
 class KVCacheManager:

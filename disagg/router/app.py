@@ -15,6 +15,7 @@ and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import secrets
@@ -33,6 +34,8 @@ from disagg.router.config import RouterConfig
 from disagg.router.discovery import Discovery
 from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
+from disagg.router.kv_index import KVIndex
+from disagg.router.kv_subscriber import KVEventSubscriber
 from disagg.router.legs import Leg, LegClient, leg_errors
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPicker, Policy
@@ -44,6 +47,7 @@ log = structlog.get_logger("disagg.router")
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Every failure leaves as JSON with the right status; one request never kills the router.
+KV_EVENTS_WATCH_S = 0.5  # how soon a prefill's KV events are subscribed to once its dp_size is known
 ROUTER_EDGE = Edge(error_of=functools.partial(http_error_of, log=log))
 
 
@@ -57,8 +61,11 @@ class Router:
         self.pool = WorkerPool(config.prefill, config.decode, initial)
         self._rng = rng if rng is not None else random.Random()
         self._randbits = randbits
-        self.picker = (CacheAwarePairPicker(config.cache_aware, self._rng) if config.policy is Policy.CACHE_AWARE
-                       else PairPicker(config.policy, self._rng))
+        self.kv_index = KVIndex() if config.cache_aware.prefill_kv_events else None
+        self.picker = (CacheAwarePairPicker(config.cache_aware, self._rng, self.kv_index)
+                       if config.policy is Policy.CACHE_AWARE else PairPicker(config.policy, self._rng))
+        self.kv_events: KVEventSubscriber | None = None
+        self._kv_watch: asyncio.Task | None = None
         self.drain = Drain("router")
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
@@ -79,12 +86,37 @@ class Router:
         self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits,
                            self.drain, self.metrics)
         await self.health.start()
+        if self.kv_index is not None:
+            self.kv_events = KVEventSubscriber(self.kv_index, on_batch=self.metrics.kv_event_batches.inc)
+            self._kv_watch = asyncio.create_task(self._watch_kv_events())
         if cfg.discovery is not None:
             self.discovery = Discovery(cfg.discovery, self.pool, self.health)
             await self.discovery.start()
 
+    async def _watch_kv_events(self) -> None:
+        """Subscribe to each prefill's KV events once its dp_size is known (and drop servers that left)."""
+        endpoints = dict(zip((p.url for p in self.config.prefill), self.config.cache_aware.prefill_kv_events))
+        while True:
+            ids = self.pool.ids(Role.PREFILL)
+            for server_id in ids:
+                url = self.pool.info(Role.PREFILL, server_id).url
+                if url in endpoints and not self.kv_events.watched(server_id):
+                    with contextlib.suppress(Exception):  # not reachable yet: the next round asks again
+                        dp_size = await self.health.ensure_dp_size(Role.PREFILL, server_id)
+                        self.kv_events.watch(server_id, endpoints[url], dp_size)
+            for server_id in self.kv_events.servers() - set(ids):
+                self.kv_events.unwatch(server_id)
+            await asyncio.sleep(KV_EVENTS_WATCH_S)
+
     async def close(self) -> None:
         """Stop discovery and health checks and close every connection; idempotent."""
+        kv_watch, self._kv_watch = self._kv_watch, None
+        if kv_watch is not None:
+            kv_watch.cancel()
+            await asyncio.gather(kv_watch, return_exceptions=True)
+        kv_events, self.kv_events = self.kv_events, None
+        if kv_events is not None:
+            await kv_events.close()
         discovery, self.discovery = self.discovery, None
         if discovery is not None:
             await discovery.close()

@@ -90,6 +90,19 @@ def routing_text(path: str, body: dict) -> str | tuple[int, ...]:
     return ""
 
 
+def tokenize_body(path: str, body: dict) -> dict | None:
+    """The `/tokenize` body that gives a generate body's prompt as the worker tokenizes it (vLLM's
+    TokenizeCompletionRequest or TokenizeChatRequest); None for batches and prompts it cannot express."""
+    if path == CHAT_PATH and isinstance(body.get("messages"), list):
+        out = {"messages": body["messages"]}
+        for key in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+            if key in body:
+                out[key] = body[key]
+        return None if "chat_template_kwargs" in body or "chat_template" in body else out
+    prompt = body.get("prompt") if path == COMPLETIONS_PATH else body.get("text") if path == GENERATE_PATH else None
+    return {"prompt": prompt} if isinstance(prompt, str) else None
+
+
 def _is_ids(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 

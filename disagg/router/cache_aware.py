@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from disagg import prefix_tree
 from disagg.prefix_tree import CacheOutcome, CacheRule, Prompt, pick_by_cache
 from disagg.router.config import CacheAwareConfig
+from disagg.router.kv_index import IndexTrees, KVIndex
 from disagg.router.errors import NoHealthyServer
 from disagg.router.policy import PairPick, ServerLoad
 
@@ -75,22 +76,41 @@ class PrefixTrees(prefix_tree.PrefixTrees):
 class CacheAwarePicker:
     """The prefill pick described in the module docstring."""
 
-    def __init__(self, config: CacheAwareConfig):
+    def __init__(self, config: CacheAwareConfig, index: KVIndex | None = None):
         self.config = config
         self.rule = cache_rule(config)
         self.trees = PrefixTrees(config.max_tree_size)
+        self.index = index  # what the prefills hold, from their KV events (--prefill-kv-events)
 
-    def pick(self, loads: Sequence[ServerLoad], text: Prompt) -> PrefillPick | None:
-        """The chosen prefill, or None when none is eligible. An empty prompt is a miss that inserts nothing."""
+    def pick(self, loads: Sequence[ServerLoad], text: Prompt, token_ids: Sequence[int] | None = None) -> PrefillPick | None:
+        """The chosen prefill, or None when none is eligible. An empty prompt is a miss that inserts
+        nothing. With `token_ids` and an index every eligible (server, rank) has published to, the
+        index decides (in tokens), and the text still goes into the chosen tree (the fallback)."""
         self.trees.keep_servers({load.server_id for load in loads})
         candidates = [i for i, load in enumerate(loads) if load.eligible]
         if not candidates:
             return None
         groups = [[(loads[i].server_id, rank) for rank in range(_num_ranks(loads[i]))] for i in candidates]
-        p = pick_by_cache(self.trees, groups, [loads[i].in_flight for i in candidates], text, self.rule)
+        loads_in_flight = [loads[i].in_flight for i in candidates]
+        if self.uses_index(groups, token_ids):
+            p = pick_by_cache(IndexTrees(self.index), groups, loads_in_flight, tuple(token_ids), self.rule)
+            if text:
+                self.trees.insert(p.tenant, text)
+        else:
+            p = pick_by_cache(self.trees, groups, loads_in_flight, text, self.rule)
         index, rank = candidates[p.group], p.tenant[1]
         pinned = rank if _num_ranks(loads[index]) > 1 else None
         return PrefillPick(index, pinned, p.outcome, p.match_ratio)
+
+
+    def uses_index(self, groups: Sequence[Sequence[tuple[int, int]]], token_ids: Sequence[int] | None) -> bool:
+        return (self.index is not None and bool(token_ids)
+                and all(self.index.knows(tenant) for tenants in groups for tenant in tenants))
+
+    def events_ready(self, loads: Sequence[ServerLoad]) -> bool:
+        """Every eligible prefill (rank) has published: a pick would read the index (worth tokenizing for)."""
+        groups = [[(load.server_id, r) for r in range(_num_ranks(load))] for load in loads if load.eligible]
+        return bool(groups) and self.uses_index(groups, (0,))
 
 
 def _num_ranks(load: ServerLoad) -> int:
@@ -135,21 +155,22 @@ class CacheAwarePairPicker:
 
     uses_text = True  # the proxy passes each request's prompt (bodies.routing_text)
 
-    def __init__(self, config: CacheAwareConfig, rng: random.Random | None = None):
-        self.prefill = CacheAwarePicker(config)
+    def __init__(self, config: CacheAwareConfig, rng: random.Random | None = None, index: KVIndex | None = None):
+        self.prefill = CacheAwarePicker(config, index)
         self.decode = DecodePicker(config) if config.max_local_prefill_tokens else None
         self._rng = rng if rng is not None else random.Random()
 
     def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: Prompt,
-             local_ok: bool = True) -> PairPick:
+             local_ok: bool = True, token_ids: Sequence[int] | None = None) -> PairPick:
         """The pair; NoHealthyServer names the role that has none (the trees are then left as they were).
-        `local_ok` False: a prefill whatever the decode holds (its local prefill was refused)."""
+        `local_ok` False: a prefill whatever the decode holds (its local prefill was refused).
+        `token_ids`: the prompt as the prefill tokenizes it, for the KV-event index."""
         if not any(load.eligible for load in prefill):
             raise NoHealthyServer("prefill")
         d, local = self._pick_decode(decode, text)
         if local and local_ok:
             return PairPick(-1, d, local=True)
-        p = self.prefill.pick(prefill, text)
+        p = self.prefill.pick(prefill, text, token_ids)
         assert p is not None, "an eligible prefill was checked above"
         return PairPick(p.index, d, p.dp_rank, p.outcome, p.match_ratio)
 

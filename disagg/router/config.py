@@ -91,6 +91,11 @@ class CacheAwareConfig:
         default=DEFAULT_MAX_TREE_SIZE, metadata={"help": "cache_aware: symbols (characters or token ids) one "
                                                          "prefill (DP rank) tree keeps; least recently used first out"})
 
+    prefill_kv_events: tuple[str, ...] = field(
+        default=(), metadata={"help": "cache_aware: each --prefill server's KV-event endpoint (its workers' "
+                                      "--kv-events-config endpoint as the router reaches it, tcp://HOST:PORT; DP rank "
+                                      "r at PORT + r), comma-separated in --prefill order: the prefill pick then "
+                                      "reads what the workers hold (prompts tokenized by the server's /tokenize)"})
     max_local_prefill_tokens: int = field(
         default=0, metadata={"help": "cache_aware: send a request to its decode alone (the decode prefills it, "
                                      "started with the same flag) when the decode's tree leaves at most this many "
@@ -98,6 +103,10 @@ class CacheAwareConfig:
                                      "picked by its tree too. 0: off"})
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_kv_events", tuple(self.prefill_kv_events))
+        for endpoint in self.prefill_kv_events:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"--prefill-kv-events takes tcp://HOST:PORT or ipc:// endpoints, got {endpoint!r}")
         if self.max_local_prefill_tokens < 0:
             raise ConfigError(f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if not 0 <= self.cache_threshold <= 1:
@@ -263,6 +272,10 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         Policy.coerce_field(self, "policy")
         PdProtocol.coerce_field(self, "protocol")
+        events = self.cache_aware.prefill_kv_events
+        if events and (self.policy is not Policy.CACHE_AWARE or len(events) != len(self.prefill)):
+            raise ConfigError(f"--prefill-kv-events needs --policy cache_aware and one endpoint per --prefill "
+                              f"({len(self.prefill)}), got {len(events)}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be console or json, got {self.log_format!r}")
         for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s"):

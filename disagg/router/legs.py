@@ -101,6 +101,17 @@ class LegClient:
                 resp.close()
                 raise
 
+    async def tokenize(self, server: str, body: dict, headers: dict[str, str]) -> list[int] | None:
+        """A server's `/tokenize` of `body` (for the KV-event index); None when it cannot answer."""
+        try:
+            async with self._session.post(server + "/tokenize", json=body, headers=headers,
+                                          timeout=self._timeout) as resp:
+                answer = json_or_none(await resp.read()) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+
     async def read_chunk(self, leg: Leg, resp: aiohttp.ClientResponse) -> bytes:
         """The next piece of a streamed answer; b"" at its end."""
         with leg_errors(leg, self.timeout_s):

@@ -31,6 +31,8 @@ class RouterMetrics:
                                            "best prefill tree matched (hits and misses)", buckets=MATCH_RATIO_BUCKETS,
                                            registry=self.registry)
 
+        self.kv_event_batches = Counter("disagg_router_kv_event_batches", "KV event batches received from the prefill "
+                                        "workers (--prefill-kv-events)", registry=self.registry)
         self.prefills = Counter("disagg_router_prefills", "requests sent with a prefill (remote) or to the decode "
                                 "alone (local: --max-local-prefill-tokens)", ["where"], registry=self.registry)
         self.local_prefills_refused = Counter("disagg_router_local_prefills_refused", "requests a decode would not "

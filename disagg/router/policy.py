@@ -102,8 +102,9 @@ class PairPicker:
         return p, d
 
     def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: object = None,
-             local_ok: bool = True) -> PairPick:
-        """`pick_pair` as a PairPick; `text` and `local_ok` are not used (these policies always prefill remotely)."""
+             local_ok: bool = True, token_ids: object = None) -> PairPick:
+        """`pick_pair` as a PairPick; `text`, `local_ok` and `token_ids` are not used (these policies
+        always prefill remotely and read no cache)."""
         return PairPick(*self.pick_pair(prefill, decode))
 
 

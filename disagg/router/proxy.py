@@ -134,7 +134,7 @@ class Proxy:
         local_ok = True
         while True:
             try:
-                plan = await self.plan(path, body, local_ok)
+                plan = await self.plan(path, body, local_ok, headers)
                 return await self._serve_plan(request, path, plan, headers, num_retries)
             except local_prefill.LocalPrefillRefused as exc:
                 log.info("the decode would not prefill the request itself; sending it with a prefill", error=exc.message)
@@ -180,12 +180,14 @@ class Proxy:
             finally:
                 self._end(plan)
 
-    async def plan(self, path: str, body: dict, local_ok: bool = True) -> Plan:
+    async def plan(self, path: str, body: dict, local_ok: bool = True, headers: dict[str, str] | None = None) -> Plan:
         """Pick the pair, draw the room, and build each leg's body. The pair counts as busy from the
         pick on (the caller ends it), so discovery cannot forget a server this request will use. A
         request the decode prefills itself (`local_ok` and the policy says so) has no prefill leg."""
         text = bodies.routing_text(path, body) if self._picker.uses_text else ""
-        pick = self._picker.pick(self._pool.loads(Role.PREFILL), self._pool.loads(Role.DECODE), text, local_ok)
+        prefill_loads = self._pool.loads(Role.PREFILL)
+        token_ids = await self._routing_tokens(path, body, text, prefill_loads, headers)
+        pick = self._picker.pick(prefill_loads, self._pool.loads(Role.DECODE), text, local_ok, token_ids)
         self._metrics.record_pick(pick)
         d = self._pool.ids(Role.DECODE)[pick.decode]
         learn = local_prefill.learner(self._picker, path, text, d, bodies.is_stream(body))
@@ -204,6 +206,22 @@ class Proxy:
             self._pool.end(Role.PREFILL, p)
             self._pool.end(Role.DECODE, d)
             raise
+
+    async def _routing_tokens(self, path: str, body: dict, text: object, loads,
+                              headers: dict[str, str] | None) -> tuple[int, ...] | None:
+        """The prompt's token ids for the KV-event index, once every prefill publishes: given, or from
+        an eligible prefill's /tokenize (None when it cannot tell: the trees decide then)."""
+        index_picker = getattr(self._picker, "prefill", None)
+        if index_picker is None or index_picker.index is None or not index_picker.events_ready(loads):
+            return None
+        if isinstance(text, tuple):
+            return text
+        tokenize = bodies.tokenize_body(path, body)
+        server = next((self._pool.info(Role.PREFILL, load.server_id).url for load in loads if load.eligible), None)
+        if tokenize is None or server is None:
+            return None
+        tokens = await self._legs.tokenize(server, tokenize, headers or {"Content-Type": "application/json"})
+        return None if tokens is None else tuple(tokens)
 
     async def _plan_pair(self, path: str, body: dict, p: int, d: int, p_rank: int | None) -> Plan:
         """The legs of the pair; `p_rank` is the prefill DP rank the policy pinned (cache_aware), if any."""

@@ -196,6 +196,17 @@ def test_config_checks_its_bounds():
                          ({"balance_rel_threshold": 0.5}, "rel"), ({"max_tree_size": 0}, "--max-tree-size")]:
         with pytest.raises(ConfigError, match=message):
             CacheAwareConfig(**bad)
+    with pytest.raises(ConfigError) as exc:
+        CacheAwareConfig(prefill_kv_events=("http://p:5557",))
+    assert str(exc.value) == "--prefill-kv-events takes tcp://HOST:PORT or ipc:// endpoints, got 'http://p:5557'"
+    base = ["router", "--prefill", "http://p:1", "--prefill", "http://q:1", "--decode", "http://d:2"]
+    config = config_from_args(build_parser().parse_args([*base, "--policy", "cache_aware", "--prefill-kv-events",
+                                                         "tcp://p:5557,ipc:///run/q"]))
+    assert config.cache_aware.prefill_kv_events == ("tcp://p:5557", "ipc:///run/q")
+    for extra in (["--policy", "cache_aware", "--prefill-kv-events", "tcp://p:5557"], ["--prefill-kv-events", "tcp://p:1,tcp://q:1"]):
+        with pytest.raises(ConfigError) as exc:
+            config_from_args(build_parser().parse_args([*base, *extra]))
+        assert str(exc.value).startswith("--prefill-kv-events needs --policy cache_aware and one endpoint per --prefill (2), got")
 
 
 # --- what is matched --------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from disagg.block_hashes import ROOT_BLOCK_HASH, block_hash
+from disagg.block_hashes import ROOT_BLOCK_HASH, block_hash, block_hashes
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from disagg.engine.request import Request
@@ -55,13 +55,12 @@ class KVCacheManager:
         counted, as get_computed_blocks would find them); touches nothing."""
         if not self.enable_caching:
             return 0
-        bs, parent, num_blocks = self.block_size, ROOT_BLOCK_HASH, 0
-        while num_blocks < (len(token_ids) - 1) // bs:
-            parent = block_hash(parent, token_ids[num_blocks * bs : (num_blocks + 1) * bs])
-            if self.pool.lookup(parent) is None:
+        num_blocks = 0
+        for h in block_hashes(token_ids[: len(token_ids) - 1], self.block_size):
+            if self.pool.lookup(h) is None:
                 break
             num_blocks += 1
-        return num_blocks * bs
+        return num_blocks * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits).

@@ -36,7 +36,8 @@ from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.kv_index import KVIndex
 from disagg.router.kv_subscriber import KVEventSubscriber
-from disagg.router.legs import Leg, LegClient, leg_errors
+from disagg.router import passthrough
+from disagg.router.legs import LegClient
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPicker, Policy
 from disagg.router.proxy import Proxy
@@ -73,6 +74,7 @@ class Router:
         self.legs: LegClient | None = None
         self.discovery: Discovery | None = None
         self.metrics = RouterMetrics()
+        self.metrics.watch_pool(self.pool)
 
     async def start(self) -> None:
         """Open the session, run the first health checks, start the checker loop (and discovery)."""
@@ -168,8 +170,9 @@ async def health_generate(request: web.Request) -> web.Response:
     """Every eligible server's `/health_generate`, concurrently; 503 naming those that failed."""
     router = _router(request)
     targets = [info for role in Role for info in router.pool.infos(role) if info.health is not Health.UNHEALTHY]
-    headers = _authorization(request)
-    outcomes = await asyncio.gather(*(_get(router, info.role, info.url, "/health_generate", headers) for info in targets),
+    headers = passthrough.authorization(request)
+    outcomes = await asyncio.gather(*(passthrough.send(router, info.role, info.url, "GET", "/health_generate", headers)
+                                      for info in targets),
                                     return_exceptions=True)
     failed = []
     for info, outcome in zip(targets, outcomes):
@@ -184,40 +187,18 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     """The router's settings and every server with its health, requests in flight and dp_size."""
-    router = _router(request)
+    return _json(router_view(_router(request)))
+
+
+def router_view(router: Router) -> dict:
     cfg = router.config
-    return _json({
+    return {
         "router": {"policy": cfg.policy, "test_external_dp_routing": cfg.test_external_dp_routing,
                    "trust_client_routing": cfg.trust_client_routing,
                    "request_timeout_s": cfg.request_timeout_s, "health_check_interval_s": cfg.health_check_interval_s},
         "prefill": [info.as_json() for info in router.pool.infos(Role.PREFILL)],
         "decode": [info.as_json() for info in router.pool.infos(Role.DECODE)],
-    })
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """`/v1/models` of the first healthy decode server, passed through."""
-    router = _router(request)
-    index = router.pool.first_eligible(Role.DECODE)
-    if index is None:
-        raise NoHealthyServer("decode")
-    status, content_type, body = await _get(router, Role.DECODE, router.pool.info(Role.DECODE, index).url, "/v1/models",
-                                            _authorization(request))
-    return web.Response(body=body, status=status, headers={"Content-Type": content_type})
-
-
-def _authorization(request: web.Request) -> dict[str, str]:
-    """The client's Authorization header, passed on to the servers (they may share the API key)."""
-    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-
-
-async def _get(router: Router, role: Role, server: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
-    """GET `server + path` within the request timeout: (status, content type, body)."""
-    leg = Leg(role, -1, server, server + path, b"")
-    timeout = aiohttp.ClientTimeout(total=router.config.request_timeout_s, connect=router.config.connect_timeout_s)
-    with leg_errors(leg, router.config.request_timeout_s):
-        async with router.session.get(leg.url, headers=headers, timeout=timeout) as resp:
-            return resp.status, resp.headers.get("Content-Type", "application/json"), await resp.read()
+    }
 
 
 def api_key_middleware(api_key: str):
@@ -235,7 +216,7 @@ def api_key_middleware(api_key: str):
 
 def create_app(router: Router) -> web.Application:
     """The application; `router` is started on app startup and closed on cleanup."""
-    middlewares = [error_middleware(ROUTER_EDGE)]
+    middlewares = [error_middleware(ROUTER_EDGE), router.metrics.http.middleware()]
     if router.config.api_key is not None:
         middlewares.append(api_key_middleware(router.config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=router.config.max_body_bytes)
@@ -249,10 +230,10 @@ def create_app(router: Router) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     for path in GENERATE_PATHS:
         app.router.add_post(path, generate)
-    app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health_generate", health_generate)
-    for path in ("/server_info", "/get_server_info", "/workers"):
+    for path in ("/server_info", "/workers"):
         app.router.add_get(path, server_info)
+    passthrough.register(app, _router, router_view)
     return app

@@ -9,6 +9,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from disagg.prefix_tree import CacheOutcome
+from disagg.router.http_metrics import HttpMetrics, WorkerCollector
 from disagg.router.policy import PairPick
 
 MATCH_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -33,6 +34,9 @@ class RouterMetrics:
 
         self.kv_event_batches = Counter("disagg_router_kv_event_batches", "KV event batches received from the prefill "
                                         "workers (--prefill-kv-events)", registry=self.registry)
+        self.picks = Counter("disagg_router_picks", "servers chosen for a request (the decode alone on a local "
+                             "prefill)", ["role", "worker"], registry=self.registry)
+        self.http = HttpMetrics(self.registry)
         self.prefills = Counter("disagg_router_prefills", "requests sent with a prefill (remote) or to the decode "
                                 "alone (local: --max-local-prefill-tokens)", ["where"], registry=self.registry)
         self.local_prefills_refused = Counter("disagg_router_local_prefills_refused", "requests a decode would not "
@@ -46,6 +50,10 @@ class RouterMetrics:
         elif pick.cache_outcome is not None:
             (self.cache_hits if pick.cache_outcome is CacheOutcome.HIT else self.cache_misses).inc()
             self.cache_match_ratio.observe(pick.match_ratio)
+
+    def watch_pool(self, pool) -> None:
+        """Report each server's health and requests in flight at every scrape."""
+        self.registry.register(WorkerCollector(pool))
 
     def render(self) -> web.Response:
         """GET /metrics: the Prometheus text format."""

@@ -190,6 +190,7 @@ class Proxy:
         pick = self._picker.pick(prefill_loads, self._pool.loads(Role.DECODE), text, local_ok, token_ids)
         self._metrics.record_pick(pick)
         d = self._pool.ids(Role.DECODE)[pick.decode]
+        self._metrics.picks.labels("decode", self._pool.info(Role.DECODE, d).url).inc()
         learn = local_prefill.learner(self._picker, path, text, d, bodies.is_stream(body))
         if pick.local:
             self._pool.begin(Role.DECODE, d)
@@ -198,6 +199,7 @@ class Proxy:
                         room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None,
                         learn=learn)
         p = self._pool.ids(Role.PREFILL)[pick.prefill]
+        self._metrics.picks.labels("prefill", self._pool.info(Role.PREFILL, p).url).inc()
         self._pool.begin(Role.PREFILL, p)
         self._pool.begin(Role.DECODE, d)
         try:

@@ -90,12 +90,16 @@ class FakeServer:
         app.router.add_get("/health_generate", self._health)
         for path in GENERATE_PATHS:
             app.router.add_post(path, self._generate)
+        self.add_routes(app)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
         return self
+
+    def add_routes(self, app: web.Application) -> None:
+        """More routes a subclass answers (none here)."""
 
     async def close(self) -> None:
         await self.runner.cleanup()

@@ -37,7 +37,10 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
 
 
 def tokens_sampling(sp: TokensSampling) -> SamplingParams:
-    """vLLM-style `sampling_params` as SamplingParams."""
+    """vLLM-style `sampling_params` as SamplingParams. As vLLM's tokens endpoint, `max_tokens` 0 is
+    refused (it generates; scoring a prompt is the OpenAI endpoints' `max_tokens: 0`)."""
+    if sp.max_tokens is not None and sp.max_tokens <= 0:
+        raise BadRequest("max_tokens must be greater than 0.", "sampling_params")
     return sampling_from_fields(
         sp, max_tokens=sp.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
         logprobs=_logprobs_count(sp.logprobs, "logprobs"),

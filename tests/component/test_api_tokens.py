@@ -37,7 +37,9 @@ async def test_tokens_non_stream_exact():
     ({}, 400, "token_ids", "token_ids must be a non-empty list of token ids"),
     ({"token_ids": [1, -1]}, 400, "token_ids", "token id -1 in token_ids is negative"),
     ({"token_ids": [1000]}, 400, "token_ids", "token id 1000 in token_ids is out of vocabulary (vocab_size=1000)"),
-    ({"token_ids": [1], "sampling_params": {"max_tokens": -1}}, 400, "max_tokens", "max_tokens must be at least 0, got -1"),
+    # vLLM's tokens endpoint generates: max_tokens 0 (the OpenAI endpoints' scoring) is refused as it refuses it.
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "sampling_params", "max_tokens must be greater than 0."),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": -1}}, 400, "sampling_params", "max_tokens must be greater than 0."),
     ({"token_ids": [1], "sampling_params": {"prompt_logprobs": -2}}, 400, "prompt_logprobs",
      "prompt_logprobs must be -1 (as many as the server allows) or non-negative, got -2"),
     ({"token_ids": [1], "model": "other"}, 404, "model", "The model `other` does not exist."),

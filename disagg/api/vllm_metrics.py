@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from disagg.dp.protocol import WorkerState
 from disagg.types import FinishReason
@@ -48,6 +48,17 @@ class _VllmWorkerCollector:
             for s in states:
                 family.add_metric([self._model_name, str(s.dp_rank)], value(s))
             yield family
+        counters = (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             lambda s: s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             lambda s: s.prefix_cache_hits),
+        )
+        for name, doc, value in counters:  # the worker's own count since it started (a restart resets it)
+            counter = CounterMetricFamily(name, doc, labels=LABELS)
+            for s in states:
+                counter.add_metric([self._model_name, str(s.dp_rank)], value(s))
+            yield counter
 
 
 def kv_cache_usage(state: WorkerState) -> float:

@@ -56,6 +56,8 @@ class WorkerState:
     num_restarts: int = 0  # how many times this rank's worker was restarted after dying
     num_quarantined_blocks: int = 0  # KV blocks held until no remote write can land (fencing)
     block_size: int = 0  # tokens per KV block (0 until the worker is ready)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the worker started
+    prefix_cache_hits: int = 0  # of them, found cached
 
 
 @dataclass(frozen=True)

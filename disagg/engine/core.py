@@ -359,7 +359,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.num_blocks,
-                           num_quarantined_blocks=self.scheduler.num_quarantined_blocks)
+                           num_quarantined_blocks=self.scheduler.num_quarantined_blocks,
+                           prefix_cache_queries=self.scheduler.prefix_cache_queries,
+                           prefix_cache_hits=self.scheduler.prefix_cache_hits)
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

@@ -59,3 +59,5 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_quarantined_blocks: int  # a remote writer may still write them: neither free nor in use
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache so far
+    prefix_cache_hits: int = 0  # of them, found cached

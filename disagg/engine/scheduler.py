@@ -67,6 +67,8 @@ class Scheduler:
         self.holding: dict[str, Request] = {}  # HOLDING
         self.requests: dict[str, Request] = {}
         self._finished: list[Request] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's counters)
+        self.prefix_cache_hits = 0
 
     # ---- intake -------------------------------------------------------------------------------
 
@@ -94,6 +96,7 @@ class Scheduler:
         if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hits):
             return False
         request.num_cached_tokens = num_hit_tokens
+        self._count_lookup(request.num_prompt_tokens, num_hit_tokens)
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
@@ -199,6 +202,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
+            if request.num_computed_tokens == 0:
+                self._count_lookup(request.num_tokens, num_hit_tokens)
             if request.num_preemptions == 0 and request.num_computed_tokens == 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens += num_hit_tokens
@@ -207,6 +212,11 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.kv.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

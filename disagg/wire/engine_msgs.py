@@ -180,6 +180,8 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     num_total_blocks: int
     num_quarantined_blocks: int = 0  # blocks a remote writer may still write (not free, not in use)
     num_leases: int = 0  # prefill: pull-flow tickets whose blocks are still leased (a drain waits for them)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the worker started
+    prefix_cache_hits: int = 0  # of them, found cached (vLLM's vllm:prefix_cache_queries / _hits)
 
 
 class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):

@@ -79,3 +79,19 @@ def test_an_abort_quarantines_the_new_blocks_and_keeps_the_shared_prefix_cached(
     assert decode.release("d") and decode.kv.num_free_blocks == decode.num_blocks
     again = decode.reserve_for_remote_kv("e", history + [7, 8, 9], GREEDY)
     assert again.num_cached_tokens == 148 and again.block_ids[:37] == reservation.block_ids[:37]
+
+
+def test_the_engine_counts_prefix_cache_queries_and_hits_as_vllm_does(tiny_loaded):
+    core = engine(tiny_loaded)
+    prompt = core.tokenizer.encode(FIRST_TURN)  # 136 tokens
+    run(core, [prompt, prompt])  # one batch: the second finds nothing yet
+    run(core, [prompt])  # the first request's 33 full blocks (132 tokens; never the last token's) are cached
+    stats = core.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (3 * 136, 132)
+    reservation = core.reserve_for_remote_kv("d", prompt, GREEDY)  # a decode's lookup counts too
+    assert reservation.num_cached_tokens == 132
+    assert (core.stats().prefix_cache_queries, core.stats().prefix_cache_hits) == (4 * 136, 264)
+    assert core.abort("d") and core.release("d")
+    uncached = engine(tiny_loaded, caching=False)
+    run(uncached, [prompt, prompt])
+    assert (uncached.stats().prefix_cache_queries, uncached.stats().prefix_cache_hits) == (0, 0)

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from bootstrap.registry import (
     BootstrapRegistry,
+    Registration,
     ConflictingRegistration,
     IncompleteTopology,
     InvalidRegistration,
@@ -136,7 +137,9 @@ async def put_route(request: web.Request) -> web.Response:
         raise BadRequest(str(exc)) from None
     registry = request.app[REGISTRY_KEY]
     outcome = registry.register_rank(reg)
-    log.info(
+    # Every rank registers again every few seconds (a restarted registry relearns the topology): a
+    # repeat that changes nothing is a debug line, a new or moved rank an info line.
+    (log.debug if outcome is Registration.REPEATED else log.info)(
         "prefill rank registered", outcome=outcome.value, dp_rank=reg.dp_rank, tp_rank=reg.tp_rank,
         pp_rank=reg.pp_rank, address=f"{reg.rank_ip}:{reg.rank_port}",
         registered=registry.num_registered, expected=registry.num_expected,

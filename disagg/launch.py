@@ -112,7 +112,8 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
     card = running.controller.model
     extra += "" if server.cpus is None else f" cpus={server.cpus}"
-    say(f"ready: {url} mode={server.disaggregation_mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")
+    mode = "unified" if server.disaggregation_mode is DisaggregationMode.NULL else server.disaggregation_mode
+    say(f"ready: {url} mode={mode} model={card.name} dp_size={server.dp_size}{extra}; {card.engine_summary}")
     if server.disaggregation_mode is DisaggregationMode.NULL:
         say(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{running.controller.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")

@@ -288,7 +288,10 @@ class ControlClient:
 
     def _lose(self, detail: str) -> None:
         reason = f"lost connection to prefill {self.address}: {detail}"
-        log.warning("control stream lost", prefill=self.address, detail=detail, rooms=len(self._rooms))
+        # With nothing in flight (a prefill that drained and stopped) the end of the stream loses nothing.
+        busy = bool(self._rooms or self._leases)
+        (log.warning if busy else log.info)("control stream lost" if busy else "control stream closed",
+                                            prefill=self.address, detail=detail, rooms=len(self._rooms))
         self._fail_all(reason, peer_lost=True)
         self._outbox.put_nowait(None)
         if self._call is not None:

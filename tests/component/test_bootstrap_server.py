@@ -289,3 +289,13 @@ async def test_standalone_bootstrap_process_serves_and_exits_cleanly_on_a_stop_s
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_repeated_registration_logs_at_debug_and_a_new_or_moved_one_at_info(server, http):
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        for port in (7100, 7100, 7100, 7101):  # new, two refreshes, moved
+            await call(http, "PUT", f"{server.url}/route", json=sglang_put_body(0, port, agent_name="p0"))
+    got = [(e["log_level"], e["outcome"]) for e in logs if e["event"] == "prefill rank registered"]
+    assert got == [("info", "new"), ("debug", "repeated"), ("debug", "repeated"), ("info", "replaced")]

@@ -231,6 +231,28 @@ async def test_stopping_the_server_fails_pending_rooms_without_hanging():
             cli.send_transfer(info(32))
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "a room in flight"])
+async def test_a_stopped_prefill_is_a_warning_only_when_something_was_in_flight(busy):
+    from structlog.testing import capture_logs
+
+    server = ControlServer(PREFILL, FAST)
+    port = await server.start()
+    with capture_logs() as logs:
+        async with ControlClient(f"127.0.0.1:{port}", DECODE, FAST) as cli:
+            assert await asyncio.wait_for(server.events.get(), 2) == DECODE
+            if busy:
+                future = cli.send_transfer(info(41))
+                assert await asyncio.wait_for(server.events.get(), 2) == info(41)
+            await server.close()
+            while cli.is_alive:
+                await asyncio.sleep(0.01)
+            if busy:
+                assert (await asyncio.wait_for(future, 2)).peer_lost
+    got = [(e["log_level"], e["event"], e["rooms"]) for e in logs
+           if e["event"] in ("control stream lost", "control stream closed")]
+    assert got == ([("warning", "control stream lost", 1)] if busy else [("info", "control stream closed", 0)])
+
+
 class SilentPrefill(pb_grpc.KVControlServicer):
     """Accepts the registration, then never answers again and never closes the stream."""
 

@@ -71,7 +71,8 @@ def completion_tokens(stream: list) -> tuple[int, str | None]:
 
 
 async def test_unified_sigterm_finishes_the_stream_refuses_new_requests_and_exits_0():
-    proc, url, _ = await start("unified", "--model", "tiny", "--port", "0", "--shutdown-timeout-s", "30")
+    proc, url, out = await start("unified", "--model", "tiny", "--port", "0", "--shutdown-timeout-s", "30")
+    assert f"ready: {url} mode=unified model=tiny dp_size=1" in out  # the mode by name, not "null"
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 400, "stream": True, **GREEDY, **USAGE}
     async with running(proc), aiohttp.ClientSession() as http:
         async with http.post(url + "/v1/completions", json=body) as resp:

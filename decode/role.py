@@ -186,7 +186,9 @@ class DecodeRole(WorkerRole):
                 self._admit(request_id, pending, status)
             else:
                 out += self._fail(request_id, pending, status)
-        return out
+        # An admitted request's first token (it came with the KV) goes out now, not with the next
+        # decode step's token: the client sees it as soon as it reached us.
+        return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
 
     def _admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> None:
         if not self._flow(pending).admit(request_id, pending, status):

@@ -40,3 +40,31 @@ def test_local_prefills_share_one_budget_of_uncached_tokens(tiny_loaded):
     while core.has_unfinished():
         core.step()
     assert core.kv.num_free_blocks == core.num_blocks
+
+
+def test_a_first_token_that_came_with_the_kv_goes_out_before_any_decode_step(tiny_loaded):
+    """Push flow: the prefill's SUCCESS carries the first token; the decode's next poll sends it (with
+    the request's KV figures), so the client does not wait for a decode step to see it."""
+    import time
+    from types import SimpleNamespace
+
+    from decode.push import PushFetch
+    from decode.waiting import PendingKV
+    from disagg.wire.control_msgs import TransferState, TransferStatusMsg
+
+    core = engine(tiny_loaded)
+    role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp"))
+    role.backend = SimpleNamespace(notifications=lambda: [])  # no transfer backend: the KV "landed" already
+    role.push = PushFetch(core, 0, role.config, role.backend, None, role.fences)
+    prompt = list(range(40, 52))
+    msg = GenerateMsg("r", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), prompt_token_ids=prompt,
+                      bootstrap_room=7, bootstrap_host="127.0.0.1", bootstrap_port=1)
+    assert core.reserve_for_remote_kv("r", prompt, msg.sampling).new_block_ids == [0, 1, 2]
+    role.pending["r"] = PendingKV(msg, None, time.monotonic())
+    role.finished.append(("r", TransferStatusMsg(room=7, state=TransferState.SUCCESS, first_token_id=42, num_bytes=6144)))
+    [first] = asyncio.run(role.poll())
+    assert (first.request_id, first.new_token_ids, first.finish_reason, first.kv.kv_bytes) == ("r", [42], None, 6144)
+    assert role.step()[0].num_output_tokens == 2  # the next step brings the second token alone
+    while core.has_unfinished():
+        core.step()
+    assert core.kv.num_free_blocks == core.num_blocks

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from disagg.bench import serve as bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="serving latency and goodput under Poisson load"))
+    from disagg import top
+
+    top.add_arguments(sub.add_parser("top", help="a live view of a running cluster from its servers' /metrics"))
     return parser
 
 
@@ -173,6 +176,18 @@ def run_cluster(args: argparse.Namespace) -> int:
                        (args.prefill_cpus, args.decode_cpus), decode_engine)
 
 
+def run_top(args: argparse.Namespace) -> int:
+    """`disagg top`: until Ctrl-C (or one snapshot with --once)."""
+    import asyncio
+
+    from disagg import top
+
+    try:
+        return asyncio.run(top.run(args.url, args.interval, args.once))
+    except KeyboardInterrupt:
+        return 0
+
+
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("unified", "prefill", "decode"):
@@ -187,6 +202,8 @@ def run(argv: list[str]) -> int:
         from bootstrap.server import run_bootstrap
 
         return run_bootstrap(dataclass_from_args(BootstrapConfig, args))
+    if args.command == "top":
+        return run_top(args)
     if args.command == "bench" and args.bench == "serve":
         from disagg.bench import serve as bench_serve
 

@@ -1,0 +1,36 @@
+"""`disagg top --once` against live servers: one server, and a P/D cluster behind our router (every
+server and DP rank found through the router's /server_info)."""
+
+import io
+
+import pytest
+
+from disagg import top
+from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.server import RouterServer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+
+async def test_one_server(unified_url, cluster):
+    await cluster.post(unified_url + "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}}, None)
+    out = io.StringIO()
+    assert await top.run(unified_url, 1.0, once=True, out=out) == 0
+    header, *table = out.getvalue().splitlines()
+    assert header.split() == ["server", "role", "rank", "run", "wait", "kv%", "hit%", "tok/s", "ttft", "p50", "ttft",
+                              "p99", "tpot", "p50", "tpot", "p99", "restarts"]
+    assert [row.split()[:5] for row in table] == [[unified_url, "unified", "0", "0", "0"]]
+
+
+async def test_a_cluster_behind_our_router(cluster):
+    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, decode=(cluster.decode_url,),
+                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
+    await router.start()
+    try:
+        out = io.StringIO()
+        assert await top.run(router.url, 1.0, once=True, out=out) == 0
+    finally:
+        await router.close()
+    rows = [row.split()[:3] for row in out.getvalue().splitlines()[1:]]
+    assert rows == [[cluster.prefill_url, "prefill", "0"], [cluster.prefill_url, "prefill", "1"],
+                    [cluster.decode_url, "decode", "0"], [cluster.decode_url, "decode", "1"]]

@@ -1,6 +1,9 @@
 """OpenAI response bodies for /v1/completions and /v1/chat/completions, streamed and whole.
 
-The front door has no tokenizer, so logprob tokens are written as `token_id:<id>` (vLLM's
+The front door has no tokenizer: a request asking for logprobs has its worker send the text of
+each token in them (`OutputMsg.token_texts`: the token decoded alone, as vLLM's
+`convert_ids_list_to_tokens`), and the logprobs name tokens by it, with vLLM's `text_offset`
+(completions) and `bytes` (chat). A token without one is written `token_id:<id>` (vLLM's
 `return_tokens_as_token_ids` form). Every body carries the serving worker's `dp_rank`.
 """
 
@@ -11,29 +14,43 @@ from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
 
-def token_label(token_id: int) -> str:
-    """How a token appears in logprobs without a tokenizer."""
-    return f"token_id:{token_id}"
+def token_label(token_id: int, texts: dict[int, str] | None = None) -> str:
+    """How a token appears in logprobs: its text, or `token_id:<id>` when it has none."""
+    text = None if texts is None else texts.get(token_id)
+    return f"token_id:{token_id}" if text is None else text
 
 
-def completion_logprobs(entries: list[TokenLogprobs], text_offset: int) -> dict:
-    """Legacy completions logprobs; each token's offset is where its chunk's text starts."""
+def text_offsets(tokens: list[str], start: int) -> list[int]:
+    """vLLM's `text_offset`: the first token at `start`, each next one the length of the one before further."""
+    offsets, at = [], start
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return offsets
+
+
+def completion_logprobs(entries: list[TokenLogprobs], text_offset: int, texts: dict[int, str] | None = None) -> dict:
+    """Legacy completions logprobs; the first token's offset is where its chunk's text starts."""
+    tokens = [token_label(e[0][0], texts) for e in entries]
     return {
-        "tokens": [token_label(e[0][0]) for e in entries],
+        "tokens": tokens,
         "token_logprobs": [e[0][1] for e in entries],
-        "top_logprobs": [{token_label(t): lp for t, lp in e[1:]} for e in entries],
-        "text_offset": [text_offset] * len(entries),
+        "top_logprobs": [{token_label(t, texts): lp for t, lp in e[1:]} for e in entries],
+        "text_offset": text_offsets(tokens, text_offset),
     }
 
 
-def _chat_token(token_id: int, logprob: float) -> dict:
-    return {"token": token_label(token_id), "logprob": logprob, "bytes": None}
+def _chat_token(token_id: int, logprob: float, texts: dict[int, str] | None) -> dict:
+    text = None if texts is None else texts.get(token_id)
+    if text is None:
+        return {"token": token_label(token_id), "logprob": logprob, "bytes": None}
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
 
 
-def chat_logprobs(entries: list[TokenLogprobs]) -> dict:
+def chat_logprobs(entries: list[TokenLogprobs], texts: dict[int, str] | None = None) -> dict:
     """Chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
     return {"content": [
-        {**_chat_token(*e[0]), "top_logprobs": [_chat_token(t, lp) for t, lp in e[1:]]} for e in entries
+        {**_chat_token(*e[0], texts), "top_logprobs": [_chat_token(t, lp, texts) for t, lp in e[1:]]} for e in entries
     ]}
 
 
@@ -91,7 +108,8 @@ class CompletionRenderer(_OpenAIRenderer):
             return []
         echo_text = self._echo_text(totals) if self.echo else ""
         offset = len(echo_text) + len(totals.text) - len(out.new_text)
-        text, logprobs = out.new_text, completion_logprobs(out.logprobs, offset) if out.logprobs is not None else None
+        logprobs = completion_logprobs(out.logprobs, offset, totals.token_texts) if out.logprobs is not None else None
+        text = out.new_text
         if self.echo and not self._echoed:
             self._echoed = True
             text, logprobs = echo_text + text, self._with_prompt_logprobs(totals, logprobs)
@@ -104,7 +122,8 @@ class CompletionRenderer(_OpenAIRenderer):
     def full_choice(self, totals: Totals) -> dict:
         """The whole answer's choice."""
         echo_text = self._echo_text(totals) if self.echo else ""
-        logprobs = completion_logprobs(totals.logprobs, len(echo_text)) if totals.logprobs is not None else None
+        logprobs = (completion_logprobs(totals.logprobs, len(echo_text), totals.token_texts)
+                    if totals.logprobs is not None else None)
         text = echo_text + totals.text
         if self.echo:
             logprobs = self._with_prompt_logprobs(totals, logprobs)
@@ -117,7 +136,7 @@ class CompletionRenderer(_OpenAIRenderer):
     def _with_prompt_logprobs(totals: Totals, logprobs: dict | None) -> dict | None:
         if totals.prompt_logprobs is None:
             return logprobs
-        prompt = prompt_completion_logprobs(totals.prompt_logprobs, totals.prompt_token_ids or [])
+        prompt = prompt_completion_logprobs(totals.prompt_logprobs, totals.prompt_token_ids or [], totals.token_texts)
         return prompt if logprobs is None else {key: prompt[key] + logprobs[key] for key in prompt}
 
     def choice(self, text: str, logprobs: dict | None, finish_reason: FinishReason | None, stop_reason) -> dict:
@@ -126,14 +145,16 @@ class CompletionRenderer(_OpenAIRenderer):
                 "stop_reason": stop_reason}
 
 
-def prompt_completion_logprobs(entries: list[TokenLogprobs | None], prompt_token_ids: list[int]) -> dict:
+def prompt_completion_logprobs(entries: list[TokenLogprobs | None], prompt_token_ids: list[int],
+                               texts: dict[int, str] | None = None) -> dict:
     """The prompt's logprobs in the legacy shape; a token without any (the first) has null ones."""
     ids = [prompt_token_ids[i] if e is None else e[0][0] for i, e in enumerate(entries)]
+    tokens = [token_label(t, texts) for t in ids]
     return {
-        "tokens": [token_label(t) for t in ids],
+        "tokens": tokens,
         "token_logprobs": [None if e is None else e[0][1] for e in entries],
-        "top_logprobs": [None if e is None else {token_label(t): lp for t, lp in e[1:]} for e in entries],
-        "text_offset": [0] * len(entries),
+        "top_logprobs": [None if e is None else {token_label(t, texts): lp for t, lp in e[1:]} for e in entries],
+        "text_offset": text_offsets(tokens, 0),
     }
 
 
@@ -182,13 +203,13 @@ class ChatRenderer(_OpenAIRenderer):
             self._sent_role = True
             chunks.append(self._chunk(totals, self._choice({"role": "assistant", "content": ""}, None, None, None)))
         if out.new_token_ids or out.finish_reason is not None:
-            logprobs = chat_logprobs(out.logprobs) if out.logprobs is not None else None
+            logprobs = chat_logprobs(out.logprobs, totals.token_texts) if out.logprobs is not None else None
             delta = {"content": out.new_text} if out.new_text or out.new_token_ids else {}
             chunks.append(self._chunk(totals, self._choice(delta, logprobs, out.finish_reason, out.stop_reason)))
         return chunks
 
     def full(self, totals: Totals) -> object:
-        logprobs = chat_logprobs(totals.logprobs) if totals.logprobs is not None else None
+        logprobs = chat_logprobs(totals.logprobs, totals.token_texts) if totals.logprobs is not None else None
         message = {"role": "assistant", "content": totals.text}
         choice = self._choice(message, logprobs, totals.finish_reason, totals.stop_reason, key="message")
         return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),

@@ -116,7 +116,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     msgs = [build_generate_msg(rid, sampling, r, add_special_tokens=add_special, return_prompt=echo,
-                               priority=body.priority or 0, **prompt)
+                               return_token_texts=body.logprobs is not None, priority=body.priority or 0, **prompt)
             for rid, prompt, r in zip(ids, prompts, routing.for_items(len(prompts)))]
 
     def renderer(i: int, prompt: dict) -> CompletionRenderer:
@@ -163,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special,
                              chat_template_kwargs=body.chat_template_kwargs or None,
                              add_generation_prompt=generation, continue_final_message=cont,
-                             priority=body.priority or 0)
+                             return_token_texts=sampling.logprobs is not None, priority=body.priority or 0)
     return await serve_choices(
         request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
             state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),

@@ -154,10 +154,12 @@ async def test_completions_echo_with_logprobs_returns_the_prompt_and_its_logprob
     [choice] = got["choices"]
     assert choice["text"] == "<4> <5> w100"
     assert choice["logprobs"] == {
-        "tokens": ["token_id:4", "token_id:5", "token_id:100"],
+        # The fake worker's token texts; offsets as vLLM's: the prompt's cumulative from 0, the
+        # answer's from the end of the echoed prompt text.
+        "tokens": [" w4", " w5", " w100"],
         "token_logprobs": [None, -1.0, -0.5],
-        "top_logprobs": [None, {"token_id:5": -1.0}, {"token_id:100": -0.5}],
-        "text_offset": [0, 0, 7],
+        "top_logprobs": [None, {" w5": -1.0}, {" w100": -0.5}],
+        "text_offset": [0, 3, 7],
     }
 
 

@@ -137,9 +137,10 @@ async def test_completion_logprobs_and_stop_string():
     choice = body["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (" w100 w101 ", "stop", "w102")
     assert choice["logprobs"] == {
-        "tokens": ["token_id:100", "token_id:101", "token_id:102"], "token_logprobs": [-0.5, -0.5, -0.5],
-        "top_logprobs": [{"token_id:100": -0.5}, {"token_id:101": -0.5}, {"token_id:102": -0.5}],
-        "text_offset": [0, 0, 0],
+        # The worker's text of each token (the fake engine's " w<id>"), at vLLM's cumulative offsets.
+        "tokens": [" w100", " w101", " w102"], "token_logprobs": [-0.5, -0.5, -0.5],
+        "top_logprobs": [{" w100": -0.5}, {" w101": -0.5}, {" w102": -0.5}],
+        "text_offset": [0, 5, 10],
     }
 
 
@@ -154,8 +155,8 @@ async def test_chat_non_stream_defaults_and_logprobs():
         "id": body["id"], "object": "chat.completion", "model": "fake-model", "dp_rank": 0,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": " w100 w101"}, "finish_reason": "length",
                      "stop_reason": None, "logprobs": {"content": [
-                         {"token": f"token_id:{t}", "logprob": -0.5, "bytes": None,
-                          "top_logprobs": [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None}]}
+                         {"token": f" w{t}", "logprob": -0.5, "bytes": list(f" w{t}".encode()),
+                          "top_logprobs": [{"token": f" w{t}", "logprob": -0.5, "bytes": [32, 119, 49, 48, t - 52]}]}
                          for t in (100, 101)]}}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}},
         "kv_transfer_params": None,

@@ -137,17 +137,20 @@ async def test_kv_metrics_on_both_servers(cluster):
 
 
 async def test_logprobs_of_every_token_cross_over_from_the_prefill(cluster, unified):
-    body = {"model": "tiny", "prompt": SHORT, "max_tokens": 4, "logprobs": 3, **GREEDY}
+    # Chat's logprobs: a list of the top 3 per token (completions' are a dict keyed by the token's
+    # text, where two ids decoding to one text share an entry, as in vLLM).
+    body = {"model": "tiny", "messages": [{"role": "user", "content": SHORT}], "max_tokens": 4, "logprobs": True,
+            "top_logprobs": 3, **GREEDY}
     pd = cluster.pd_body(body)
-    _, (status, data, _) = await cluster.post_both("/v1/completions", pd, pd)
-    expected = (await unified_post(unified, "/v1/completions", body))["choices"][0]["logprobs"]
-    got = data["choices"][0]["logprobs"]
+    _, (status, data, _) = await cluster.post_both("/v1/chat/completions", pd, pd)
+    expected = (await unified_post(unified, "/v1/chat/completions", body))["choices"][0]["logprobs"]["content"]
+    got = data["choices"][0]["logprobs"]["content"]
     assert status == 200
-    assert [len(t) for t in got["top_logprobs"]] == [len(t) for t in expected["top_logprobs"]] == [3, 3, 3, 3]
-    assert got["tokens"] == expected["tokens"]
-    for ours, theirs in zip(got["top_logprobs"], expected["top_logprobs"]):
-        assert ours.keys() == theirs.keys()
-        assert all(abs(ours[k] - theirs[k]) < 1e-4 for k in ours)
+    assert [len(t["top_logprobs"]) for t in got] == [len(t["top_logprobs"]) for t in expected] == [3, 3, 3, 3]
+    assert [t["token"] for t in got] == [t["token"] for t in expected]
+    for ours, theirs in zip(got, expected):
+        assert [t["token"] for t in ours["top_logprobs"]] == [t["token"] for t in theirs["top_logprobs"]]
+        assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(ours["top_logprobs"], theirs["top_logprobs"]))
 
 
 async def test_min_tokens_and_seeded_sampling_pd_equal_unified(cluster, unified):

@@ -5,7 +5,9 @@ the prompt's KV blocks are computed once and shared through the prefix cache. A 
 child i is seeded `seed + i` (vLLM's rule): choices differ from one another and repeat exactly.
 OpenAI bodies get one choice per child (`choices[i].index = i`, usage counting the prompt once);
 SGLang's /generate answers a list of n bodies (streamed events carry `index`). Any child's failure
-fails the request and aborts the others.
+fails the request and aborts the others. On a P/D pair each child has its own bootstrap room (the
+parent's plus its index) on both legs; the decode's children after the first reserve through its
+prefix cache once the first child's KV landed, so only their last block moves.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from disagg.api.serving import (
 )
 from disagg.api.sse import ClientGone, SSEWriter
 from disagg.api.state import state_of
+from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 
 MAX_N = 64  # choices per request; each is a full request on the worker
+ROOM_SPACE = 1 << 63  # bootstrap rooms are 63-bit
 
 
 def check_n(n: int | None) -> int:
@@ -41,12 +45,19 @@ def check_n(n: int | None) -> int:
     return n
 
 
+def child_room(room: int, index: int) -> int:
+    """Child `index`'s bootstrap room: the parent's plus the index, within 63 bits. The prefill and
+    the decode of a P/D pair fork alike, so each child's legs meet in the same room."""
+    return (room + index) % ROOM_SPACE
+
+
 def child_msgs(msg: GenerateMsg, n: int) -> list[GenerateMsg]:
-    """The n children: ids `<i>_<request id>`, seeds `seed + i` when seeded."""
-    seed = msg.sampling.seed
+    """The n children: ids `<i>_<request id>`, seeds `seed + i` when seeded, rooms `child_room`."""
+    seed, room = msg.sampling.seed, msg.bootstrap_room
     return [msgspec.structs.replace(
         msg, request_id=f"{i}_{msg.request_id}",
-        sampling=msg.sampling if seed is None else dataclasses.replace(msg.sampling, seed=seed + i))
+        sampling=msg.sampling if seed is None else dataclasses.replace(msg.sampling, seed=seed + i),
+        bootstrap_room=None if room is None else child_room(room, i))
         for i in range(n)]
 
 
@@ -54,18 +65,24 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
                         new_renderer: Callable[[], Renderer], *, n: int, stream: bool,
                         merge: Callable[[list[object], list[Totals], str], object]) -> web.StreamResponse:
     """Like serve_generation, with n choices; `merge(bodies, totals, request_id)` joins the children's
-    whole bodies. P/D legs take one choice: the router pairs one prefill room with one decode."""
+    whole bodies. On a P/D pair (push) both legs fork alike: child i's room is `child_room(room, i)`;
+    its first token is the prefill's draw with seed + i, as one engine's child i draws it."""
     if n == 1:
         return await serve_generation(request, msg, routed_dp_rank, new_renderer(), stream=stream)
-    if msg.bootstrap_room is not None:
-        raise BadRequest("n > 1 is not supported on a prefill/decode pair: each choice needs its own bootstrap "
-                         "room; send n requests, or use a unified server", "n")
+    if isinstance(msg.kv_transfer_params, dict):
+        raise BadRequest("n > 1 is not supported in the pull flow (kv_transfer_params): each choice needs its "
+                         "own ticket; send n requests, or use the push flow or a unified server", "n")
     state = state_of(request)
     bind_request(msg.request_id)
     admit(state)
     with state.drain.track():
         dp_rank = state.engine.pick_rank(routed_dp_rank, None, msg)
-        generations = [Generation(state, child, dp_rank) for child in child_msgs(msg, n)]
+        children = child_msgs(msg, n)
+        # A prefill places each child by its own room (the decode resolves that room's rank); any other
+        # server keeps the children on one worker, where they share the prompt's blocks.
+        per_child = msg.bootstrap_room is not None and state.config.disaggregation_mode is DisaggregationMode.PREFILL
+        ranks = [state.engine.pick_rank(routed_dp_rank, c.bootstrap_room, c) if per_child else dp_rank for c in children]
+        generations = [Generation(state, child, rank) for child, rank in zip(children, ranks)]
         renderers = [new_renderer() for _ in range(n)]
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
         if stream:

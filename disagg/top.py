@@ -5,7 +5,7 @@ refresh scrapes every server and prints one row per server and DP rank: requests
 waiting, KV cache use, prefix-cache hit rate (vLLM's counters since the worker started), tokens
 generated per second since the last refresh, TTFT and TPOT p50/p99 (from vLLM's histograms, as
 Prometheus' histogram_quantile reads them: since the server started) and worker restarts. The
-screen is redrawn in place; `--once` prints one snapshot and exits. Pure but for `scrape` and `run`.
+screen is redrawn in place; `--once` prints one snapshot and exits. Pure but for `targets`, `scrape` and `run`.
 """
 
 from __future__ import annotations

@@ -145,12 +145,18 @@ async def test_n_choices_stream_every_index_and_one_usage():
     assert len({e["id"] for e in events[:-1]}) == 1
 
 
-async def test_n_on_a_pd_leg_is_400():
-    async with api_client(FakeEngine()) as client:
+async def test_n_on_a_pd_leg_forks_children_with_their_own_rooms_and_the_pull_flow_refuses_it():
+    engine = FakeEngine()
+    async with api_client(engine) as client:
         resp = await client.post("/generate", json={"text": "a", "sampling_params": {"n": 2}, "bootstrap_host": "h",
                                                     "bootstrap_port": 1, "bootstrap_room": 5})
-        got = await resp.json()
-    assert resp.status == 400 and got["error"]["param"] == "n"
+        assert resp.status == 200 and len(await resp.json()) == 2
+        pull = await client.post("/v1/completions", json={"prompt": "a", "n": 2, "kv_transfer_params": {
+            "do_remote_decode": True}})
+        got = await pull.json()
+    parent = engine.requests[0][0].request_id.split("_", 1)[1]
+    assert sorted((m.request_id, m.bootstrap_room) for m, _ in engine.requests) == [(f"0_{parent}", 5), (f"1_{parent}", 6)]
+    assert pull.status == 400 and got["error"]["param"] == "n"
 
 
 async def test_chat_template_kwargs_reach_the_worker():

@@ -5,6 +5,7 @@ own trees never saw; text prompts are tokenized by the prefill's /tokenize for t
 import asyncio
 import random
 
+import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -15,8 +16,6 @@ from disagg.router.config import CacheAwareConfig, PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from disagg.router.workers import Role
 from pd_cluster import TINY, Cluster, pd_config, start_decode
-
-import aiohttp
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}

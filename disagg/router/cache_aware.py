@@ -92,7 +92,7 @@ class CacheAwarePicker:
             return None
         groups = [[(loads[i].server_id, rank) for rank in range(_num_ranks(loads[i]))] for i in candidates]
         loads_in_flight = [loads[i].in_flight for i in candidates]
-        if self.uses_index(groups, token_ids):
+        if token_ids and self._index_covers(groups):
             p = pick_by_cache(IndexTrees(self.index), groups, loads_in_flight, tuple(token_ids), self.rule)
             if text:
                 self.trees.insert(p.tenant, text)
@@ -102,15 +102,14 @@ class CacheAwarePicker:
         pinned = rank if _num_ranks(loads[index]) > 1 else None
         return PrefillPick(index, pinned, p.outcome, p.match_ratio)
 
-
-    def uses_index(self, groups: Sequence[Sequence[tuple[int, int]]], token_ids: Sequence[int] | None) -> bool:
-        return (self.index is not None and bool(token_ids)
-                and all(self.index.knows(tenant) for tenants in groups for tenant in tenants))
+    def _index_covers(self, groups: Sequence[Sequence[tuple[int, int]]]) -> bool:
+        """Every (server, rank) of `groups` has published KV events."""
+        return self.index is not None and all(self.index.knows(tenant) for tenants in groups for tenant in tenants)
 
     def events_ready(self, loads: Sequence[ServerLoad]) -> bool:
         """Every eligible prefill (rank) has published: a pick would read the index (worth tokenizing for)."""
         groups = [[(load.server_id, r) for r in range(_num_ranks(load))] for load in loads if load.eligible]
-        return bool(groups) and self.uses_index(groups, (0,))
+        return bool(groups) and self._index_covers(groups)
 
 
 def _num_ranks(load: ServerLoad) -> int:
@@ -140,10 +139,9 @@ class DecodePicker:
         if not candidates:
             return None
         groups = [[(loads[i].server_id, 0)] for i in candidates]
-        tenants = [g[0] for g in groups]
-        matched = {t: self.trees.match_length(t, text) for t in tenants}  # before the pick inserts the prompt
         p = pick_by_cache(self.trees, groups, [loads[i].in_flight for i in candidates], text, self.rule)
-        uncached = estimated_tokens(text, len(text) - matched[p.tenant])
+        # A hit's ratio is the chosen tree's match over the prompt (measured before the prompt went in).
+        uncached = estimated_tokens(text, len(text) - round(p.match_ratio * len(text)))
         local = p.outcome is CacheOutcome.HIT and uncached <= self.max_local_prefill_tokens
         return candidates[p.group], local
 
@@ -180,7 +178,12 @@ class CacheAwarePairPicker:
             self.decode.trees.insert((decode_server_id, 0), text)
 
     def _pick_decode(self, decode: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool]:
-        picked = pick_power_of_two(decode, self._rng) if self.decode is None else self.decode.pick(decode, text)
+        """(the decode's position, whether it prefills the request itself)."""
+        if self.decode is not None:
+            picked = self.decode.pick(decode, text)
+        else:
+            d = pick_power_of_two(decode, self._rng)
+            picked = None if d is None else (d, False)
         if picked is None:
             raise NoHealthyServer("decode")
-        return picked if isinstance(picked, tuple) else (picked, False)
+        return picked

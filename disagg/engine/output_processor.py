@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from disagg.engine.request import Request
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from disagg.types import CompletionOutput, RequestOutput
+from disagg.types import CompletionOutput, FinishReason, RequestOutput
 
 
 @dataclass
@@ -48,9 +48,9 @@ class OutputProcessor:
         stream.num_emitted_tokens = len(request.output_token_ids)
         if stream.stopped_by is not None or not new_ids:
             return None
-        new_text = stream.detokenizer.add(new_ids)
-        if request.finish_reason is not None and request.stop_reason in request.sampling_params.stop_token_ids:
-            new_text = ""  # a stop token id is not part of the text, as in vLLM
+        if request.finish_reason is FinishReason.STOP and not isinstance(request.stop_reason, str):
+            new_ids = new_ids[:-1]  # the EOS or stop token id that ended it is not part of the text, as in vLLM
+        new_text = stream.detokenizer.add(new_ids) if new_ids else ""
         start = max(len(stream.text) - _longest(request.sampling_params.stop) + 1, 0)
         stream.text += new_text
         return self._find_stop(request, stream, start)

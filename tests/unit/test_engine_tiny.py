@@ -230,6 +230,19 @@ def test_eos_and_min_tokens(tiny_loaded):
     assert out.outputs.finish_reason is FinishReason.LENGTH
 
 
+def test_the_eos_that_ends_a_request_is_not_text_even_when_special_tokens_are_kept(tiny_loaded):
+    core = engine(tiny_loaded)
+    eos = core.eos_token_ids[0]
+    kept = SamplingParams(max_tokens=6, temperature=0, skip_special_tokens=False, logit_bias={eos: 100.0}, min_tokens=2)
+    [out] = run(core, ["x"], kept)
+    assert (len(out.outputs.token_ids), out.outputs.token_ids[-1], out.outputs.finish_reason) == (3, eos, FinishReason.STOP)
+    before = core.tokenizer.decode(out.outputs.token_ids[:2], skip_special_tokens=False)
+    assert out.outputs.text == before  # the EOS that ends it adds no text, as in vLLM
+    [ignored] = run(core, ["x"], SamplingParams(max_tokens=2, temperature=0, skip_special_tokens=False,
+                                                 logit_bias={eos: 100.0}, ignore_eos=True))
+    assert ignored.outputs.text == core.tokenizer.decode([eos, eos], skip_special_tokens=False)  # not an end: text
+
+
 @pytest.mark.parametrize(
     "prompt, params, message, param",
     [

@@ -19,6 +19,7 @@ from disagg.cpus import plan_cluster_cpus, usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
+from disagg.tool_config import ToolConfig
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -40,6 +41,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_dataclass_args(parser.add_argument_group("ServerConfig"), ServerConfig, skip=("disaggregation_mode",))
     add_dataclass_args(parser.add_argument_group("TlsConfig (HTTPS on this server's port)"), TlsConfig)
+    add_dataclass_args(parser.add_argument_group("ToolConfig (tool calling)"), ToolConfig)
     parser.set_defaults(admin_key=ServerConfig().admin_key)  # from the environment, kept out of --help
     parser.add_argument("--kv-events-config", default=None, metavar="JSON", help=KV_EVENTS_HELP)
 
@@ -115,6 +117,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
     serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
     add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
+    add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
 
 
@@ -152,7 +155,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     mode = DisaggregationMode.NULL if args.command == "unified" else DisaggregationMode(args.command)
     disagg = disagg_from_args(args) if mode is not DisaggregationMode.NULL else DisaggConfig()
-    server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args))
+    server = dataclass_from_args(ServerConfig, args, disaggregation_mode=mode, tls=dataclass_from_args(TlsConfig, args),
+                                 tools=dataclass_from_args(ToolConfig, args))
     check_cluster_secret(server, disagg)
     worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())
     kv_events = parse_kv_events_config(args.kv_events_config)
@@ -166,6 +170,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     disagg = disagg_from_args(args, bootstrap_port=0)
     check_shutdown_timeout(args.shutdown_timeout_s)
     plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
+    tools = dataclass_from_args(ToolConfig, args)
+    if (problem := tools.problem()) is not None:
+        raise ConfigError(problem)
     engine = engine_from_args(args)
     decode_engine = None
     if args.decode_max_num_batched_tokens is not None:
@@ -173,7 +180,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         decode_engine = dataclasses.replace(engine, scheduler=scheduler)
     return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
                        args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
-                       (args.prefill_cpus, args.decode_cpus), decode_engine)
+                       (args.prefill_cpus, args.decode_cpus), decode_engine, tools)
 
 
 def run_top(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 
 from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
+from disagg.tool_config import ToolConfig
 from disagg.cpus import format_cpu_list, plan_cluster_cpus, usable_cpus
 from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
@@ -54,14 +55,15 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
                         dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
                         admin_key: str | None = None, tls: TlsConfig = TlsConfig(), prefill_cpus: str | None = None,
                         decode_cpus: str | None = None, decode_engine: EngineConfig | None = None,
-                        ) -> tuple[RunningServer, RunningServer, RouterServer]:
+                        tools: ToolConfig = ToolConfig()) -> tuple[RunningServer, RunningServer, RouterServer]:
     """Start the cluster. Prefill and decode each get their own CPUs (`plan_cluster_cpus`: by default
     the first and the second half of the usable ones); the router and the registry are not pinned.
     `decode_engine` is the decode's engine when it differs (its step budget), else `engine`."""
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     planned = plan_cluster_cpus(usable_cpus(), prefill_cpus, decode_cpus)
-    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key)
+    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key,
+                        tools=tools)
     prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL, cpus=cpus_text(planned[0]),
                           load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
     # A conversation's later turns go back to the decode worker that holds its KV (decode-side prefix reuse).
@@ -95,10 +97,12 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
 async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
                         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
                         admin_key: str | None = None, tls: TlsConfig = TlsConfig(),
-                        cpus: tuple[str | None, str | None] = (None, None), decode_engine: EngineConfig | None = None) -> int:
+                        cpus: tuple[str | None, str | None] = (None, None), decode_engine: EngineConfig | None = None,
+                        tools: ToolConfig = ToolConfig()) -> int:
     prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
                                                   log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls,
-                                                  prefill_cpus=cpus[0], decode_cpus=cpus[1], decode_engine=decode_engine)
+                                                  prefill_cpus=cpus[0], decode_cpus=cpus[1], decode_engine=decode_engine,
+                                                  tools=tools)
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
@@ -130,12 +134,13 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None,
         tls: TlsConfig = TlsConfig(), cpus: tuple[str | None, str | None] = (None, None),
-        decode_engine: EngineConfig | None = None) -> int:
-    """`disagg serve`; `cpus` are the --prefill-cpus and --decode-cpus lists (None: planned)."""
+        decode_engine: EngineConfig | None = None, tools: ToolConfig = ToolConfig()) -> int:
+    """`disagg serve`; `cpus` are the --prefill-cpus and --decode-cpus lists (None: planned); `tools`
+    the tool-calling flags of both servers."""
     configure_logging(log_format)
     try:
         return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
-                                         api_key, admin_key, tls, cpus, decode_engine))
+                                         api_key, admin_key, tls, cpus, decode_engine, tools))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from disagg import host_patterns
+from disagg.tool_config import ToolConfig
 
 
 class ConfigError(ValueError):
@@ -212,13 +213,10 @@ class ServerConfig:
     max_body_bytes: int = field(default=8 << 20, metadata={"help": "largest accepted request body"})
     log_format: str = field(default="console", metadata={"help": "console or json"})
     worker_start_timeout_s: float = field(default=600.0, metadata={"help": "limit for workers to load"})
-    shutdown_timeout_s: float = field(
-        default=SHUTDOWN_TIMEOUT_S,
-        metadata={"help": SHUTDOWN_TIMEOUT_HELP, "aliases": ("--shutdown-timeout",)},
-    )
-    disaggregation_mode: DisaggregationMode = field(
-        default=DisaggregationMode.NULL, metadata={"help": "null (unified), prefill or decode"}
-    )
+    shutdown_timeout_s: float = field(default=SHUTDOWN_TIMEOUT_S,
+                                      metadata={"help": SHUTDOWN_TIMEOUT_HELP, "aliases": ("--shutdown-timeout",)})
+    disaggregation_mode: DisaggregationMode = field(default=DisaggregationMode.NULL,
+                                                    metadata={"help": "null (unified), prefill or decode"})
     worker_restart_backoff_s: float = field(
         default=1.0, metadata={"help": "wait before restarting a dead DP worker; doubles per quick death"}
     )
@@ -236,8 +234,11 @@ class ServerConfig:
         default=1.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while the KV "
                                        "cache of every live DP worker is more than this fraction used; 1.0: off"})
     tls: TlsConfig = field(default_factory=TlsConfig)
+    tools: ToolConfig = field(default_factory=ToolConfig)
 
     def __post_init__(self) -> None:
+        if (problem := self.tools.problem()) is not None:
+            raise ConfigError(problem)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.dp_size < 1:

@@ -39,6 +39,11 @@ class ModelConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed for the tiny model's weights and unseeded sampling"})
     served_model_name: str | None = field(default=None, metadata={"help": "name shown in /v1/models"})
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "chat template replacing the model's own: a Jinja file's path, or the template itself "
+                          "(vLLM's --chat-template)"},
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -18,16 +18,16 @@ LAYERS = {
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
     "disagg.ops": 1,
     "disagg.config": 0, "disagg.registry_config": 0, "disagg.host_patterns": 0, "disagg.engine_config": 0, "disagg.types": 0, "disagg.wire": 0, "disagg": 0, "bootstrap": 2,
-    "disagg.http_site": 0, "disagg.kv_events_config": 0, "disagg.cpus": 0, "disagg.block_hashes": 0,
+    "disagg.http_site": 0, "disagg.kv_events_config": 0, "disagg.tool_config": 0, "disagg.cpus": 0, "disagg.block_hashes": 0,
 }
 # Same-layer edges that are allowed: the roles build on the front door and the DP controller; the
 # HTTP site reads its TLS options (and raises ConfigError) from config.
 SAME_LAYER_OK = {
     ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
-    ("disagg.api", "disagg.dp"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
+    ("disagg.api", "disagg.dp"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.config", "disagg.tool_config"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests", "zmq"}
-NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.config", "disagg.cpus", "disagg.block_hashes", "disagg.kv_events_config", "disagg.registry_config", "disagg.host_patterns", "disagg.engine_config",
+NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.config", "disagg.tool_config", "disagg.cpus", "disagg.block_hashes", "disagg.kv_events_config", "disagg.registry_config", "disagg.host_patterns", "disagg.engine_config",
             "disagg.types", "disagg.wire")
 # The P/D control plane (rooms, leases, request ids) builds on the transfer backends, never the other
 # way round: every other kvtransfer module stays request-agnostic and imports neither it nor its wire.

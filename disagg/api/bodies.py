@@ -106,6 +106,9 @@ class ChatBody(OpenAIBody, kw_only=True):
     chat_template_kwargs: dict[str, object] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    tools: object = None  # checked in tools.py
+    tool_choice: object = msgspec.UNSET  # absent: "auto" when there are tools
+    parallel_tool_calls: bool | None = None
 
 
 class SGLangSampling(msgspec.Struct, kw_only=True):

@@ -10,6 +10,8 @@ each token in them (`OutputMsg.token_texts`: the token decoded alone, as vLLM's
 from __future__ import annotations
 
 from disagg.api.generation import TokenLogprobs, Totals
+from disagg.api.tool_calls import ToolStream, choice_finish_reason, whole_message
+from disagg.api.tools import ToolPlan
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
@@ -188,14 +190,16 @@ def summed_usage(totals: list[Totals]) -> dict:
 
 
 class ChatRenderer(_OpenAIRenderer):
-    """Bodies of /v1/chat/completions; the first streamed chunk announces the assistant role."""
+    """Bodies of /v1/chat/completions; the first streamed chunk announces the assistant role. With
+    `tools` (a request's ToolPlan) the text is read for tool calls (disagg/api/tool_calls.py)."""
 
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, include_usage: bool, continuous_usage: bool):
+    def __init__(self, model: str, include_usage: bool, continuous_usage: bool, tools: ToolPlan | None = None):
         super().__init__(model, include_usage, continuous_usage)
         self._sent_role = False
+        self._tools = None if tools is None else ToolStream(tools)
 
     def chunks(self, out: OutputMsg, totals: Totals) -> list[object]:
         chunks: list[object] = []
@@ -204,19 +208,34 @@ class ChatRenderer(_OpenAIRenderer):
             chunks.append(self._chunk(totals, self._choice({"role": "assistant", "content": ""}, None, None, None)))
         if out.new_token_ids or out.finish_reason is not None:
             logprobs = chat_logprobs(out.logprobs, totals.token_texts) if out.logprobs is not None else None
-            delta = {"content": out.new_text} if out.new_text or out.new_token_ids else {}
-            chunks.append(self._chunk(totals, self._choice(delta, logprobs, out.finish_reason, out.stop_reason)))
+            delta, finish = self._delta(out)
+            if delta or logprobs is not None or finish is not None:
+                chunks.append(self._chunk(totals, self._choice(delta, logprobs, finish, out.stop_reason)))
         return chunks
+
+    def _delta(self, out: OutputMsg) -> tuple[dict, FinishReason | str | None]:
+        if self._tools is None:
+            return ({"content": out.new_text} if out.new_text or out.new_token_ids else {}), out.finish_reason
+        content, calls = self._tools.feed(out.new_text, out.finish_reason is not None)
+        delta: dict[str, object] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, choice_finish_reason(self._tools.plan, self._tools.called, out.finish_reason)
 
     def full(self, totals: Totals) -> object:
         logprobs = chat_logprobs(totals.logprobs, totals.token_texts) if totals.logprobs is not None else None
-        message = {"role": "assistant", "content": totals.text}
-        choice = self._choice(message, logprobs, totals.finish_reason, totals.stop_reason, key="message")
+        message: dict[str, object] = {"role": "assistant", "content": totals.text}
+        finish: FinishReason | str | None = totals.finish_reason
+        if self._tools is not None:
+            content, calls = whole_message(self._tools.plan, totals.text)
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish = choice_finish_reason(self._tools.plan, bool(calls), totals.finish_reason)
+        choice = self._choice(message, logprobs, finish, totals.stop_reason, key="message")
         return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),
                 "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod
-    def _choice(body: dict, logprobs: dict | None, finish_reason: FinishReason | None, stop_reason,
+    def _choice(body: dict, logprobs: dict | None, finish: FinishReason | str | None, stop_reason,
                 key: str = "delta") -> dict:
-        return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish_reason,
+        return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": stop_reason}

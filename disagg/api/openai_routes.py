@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from aiohttp import web
 
 from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, StreamOptions, decode_body
@@ -20,8 +22,10 @@ from disagg.api.routing import read_routing
 from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
+from disagg.api.tools import AUTO, ToolPlan, plan_tools, template_fields, tool_constraint
 from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
 from disagg.http_edge import BadRequest
+from disagg.types import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the context; chat's is the rest of the context
 
@@ -51,8 +55,8 @@ def chat_messages(messages: object) -> list[dict]:
 
     Content may be a string, null (empty), or a list of content parts as the openai SDK, LangChain
     and LiteLLM send them; text parts (and bare strings) are joined with "\n", as vLLM does. Other
-    part types (image_url, input_audio, ...) are refused: the model takes text only. Other message
-    keys (name, tool_calls, ...) do not reach the template.
+    part types (image_url, input_audio, ...) are refused: the model takes text only. `name`, an
+    assistant's `tool_calls` and a tool answer's `tool_call_id` reach the template too (tools.py).
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
@@ -60,7 +64,8 @@ def chat_messages(messages: object) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-        out.append({"role": message["role"], "content": _content_text(message.get("content"), i)})
+        out.append({"role": message["role"], "content": _content_text(message.get("content"), i),
+                    **template_fields(message, i)})
     return out
 
 
@@ -141,6 +146,26 @@ def _chat_logprobs(body: ChatBody) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+def _chat_sampling(state: ApiState, body: ChatBody) -> tuple[SamplingParams, ToolPlan | None]:
+    """The chat's sampling and its tool plan: a `required` or named choice is generated under its
+    schema; the hermes parser needs the special tokens kept in the text, as vLLM's does."""
+    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    sampling = sampling_from_fields(body, max_tokens=max_tokens, default_max_tokens=None,  # unset: the rest of the context
+                                    logprobs=_chat_logprobs(body))
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.config.tools)
+    if plan is None:
+        return sampling, None
+    constraint = tool_constraint(plan)
+    if constraint is not None and sampling.structured_output is not None:
+        raise BadRequest(f"tool_choice {plan.mode!r} writes its own JSON schema: leave response_format and "
+                         "structured_outputs unset", "tool_choice")
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, structured_output=constraint)
+    if plan.mode == AUTO:
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+    return sampling, plan
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     state = state_of(request)
@@ -149,9 +174,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_upstream(raw, CHAT_REFUSED, ChatBody)
     options = _common_checks(state, body)
     messages = chat_messages(body.messages)
-    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    sampling = sampling_from_fields(body, max_tokens=max_tokens, default_max_tokens=None,  # unset: the rest of the context
-                                    logprobs=_chat_logprobs(body))
+    sampling, tools = _chat_sampling(state, body)
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them
@@ -160,13 +183,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if cont and generation:
         raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                          "continue_final_message")
+    template_kwargs = {**({"tools": tools.template_tools} if tools and tools.template_tools else {}),
+                       **(body.chat_template_kwargs or {})}
     msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special,
-                             chat_template_kwargs=body.chat_template_kwargs or None,
+                             chat_template_kwargs=template_kwargs or None,
                              add_generation_prompt=generation, continue_final_message=cont,
                              return_token_texts=sampling.logprobs is not None, priority=body.priority or 0)
     return await serve_choices(
         request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
-            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats)),
+            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats), tools),
         n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
 
 

@@ -39,7 +39,9 @@ OPENAI_REFUSED: Mapping[str, Neutral] = {
 # (docs/api.md says so; a tenant needing isolation runs its own server). `priority` is a body field
 # (bodies.py): it orders the engine's queue under --scheduling-policy priority.
 OPENAI_IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "cache_salt"})
-CHAT_REFUSED: Mapping[str, Neutral] = {**OPENAI_REFUSED, "echo": _OFF}  # vLLM's chat echo (prepend the last message)
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # chat honours them (tools.py)
+CHAT_REFUSED: Mapping[str, Neutral] = {**{k: v for k, v in OPENAI_REFUSED.items() if k not in TOOL_FIELDS},
+                                       "echo": _OFF}  # vLLM's chat echo (prepend the last message)
 
 # vLLM SamplingParams (the `sampling_params` of /inference/v1/generate).
 VLLM_SAMPLING_REFUSED: Mapping[str, Neutral] = {

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 import structlog
 import torch
 from safetensors.torch import load_file
@@ -25,7 +26,7 @@ from disagg.config import ConfigError
 from disagg.engine_config import ModelConfig
 from disagg.engine import gguf_reader
 from disagg.engine.models.arch import LlamaArch
-from disagg.engine.tokenizer import Tokenizer
+from disagg.engine.tokenizer import Tokenizer, compile_chat_template
 from disagg.ops.quant import FROM_GGUF, QuantizedWeight
 
 log = structlog.get_logger(__name__)
@@ -62,7 +63,33 @@ class LoadedModel:
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load the model `config.model` names; ConfigError when it cannot be found or is not supported."""
+    """Load the model `config.model` names (its chat template replaced by `config.chat_template`);
+    ConfigError when it cannot be found or is not supported."""
+    loaded = _load(config)
+    if config.chat_template is not None:
+        loaded.tokenizer.chat_template = read_chat_template(config.chat_template)
+    return loaded
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the value itself when it reads as a Jinja template, as
+    vLLM resolves it; a path-like value naming no file is an error."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    elif any(mark in value for mark in ("{{", "{%", "{#")):
+        source = value
+    else:
+        raise ConfigError(f"chat template {value!r} names no file and is not a Jinja template")
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"chat template {value!r} does not compile: {exc}") from exc
+    return source
+
+
+def _load(config: ModelConfig) -> LoadedModel:
     keep_blocks = config.quantization == "gguf"
     if config.model == "tiny":
         _refuse_gguf_quantization(keep_blocks, "the tiny model is built in code")

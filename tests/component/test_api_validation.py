@@ -34,10 +34,11 @@ async def test_chat_content_parts_reach_the_worker_as_one_string(content, text):
     engine = FakeEngine()
     async with api_client(engine) as client:
         body = chat(content)
-        body["messages"][1]["name"] = "alice"  # keys other than role and content stay at the front
+        body["messages"][1]["name"] = "alice"  # reaches the template, as in vLLM; other keys stay at the front
         status, _ = await send(client, "/v1/chat/completions", body)
     assert status == 200
-    assert engine.requests[0][0].messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+    assert engine.requests[0][0].messages == [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": text, "name": "alice"}]
 
 
 @pytest.mark.parametrize("content, param, message", [

@@ -1,6 +1,8 @@
 """`disagg serve`'s options that shape the two servers differently: the decode's step budget, and
 the local-prefill limit that both the decode and the router get."""
 
+import pytest
+
 from disagg import cli, cluster
 
 
@@ -8,7 +10,7 @@ def captured_run(monkeypatch, argv: list[str]) -> dict:
     seen = {}
 
     def fake_run(engine, disagg, *args):
-        seen.update(engine=engine, disagg=disagg, decode_engine=args[-1])
+        seen.update(engine=engine, disagg=disagg, decode_engine=args[-2], tools=args[-1])
         return 0
 
     monkeypatch.setattr(cluster, "run", fake_run)
@@ -27,6 +29,22 @@ def test_the_decode_gets_its_own_step_budget_and_the_prefill_keeps_the_engines(m
 
 def test_without_the_option_both_run_one_engine(monkeypatch):
     assert captured_run(monkeypatch, [])["decode_engine"] is None
+
+
+def test_tool_flags_and_the_chat_template_reach_both_servers(monkeypatch):
+    seen = captured_run(monkeypatch, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--chat-template", "deploy/templates/tool_chat_template_hermes.jinja"])
+    assert (seen["tools"].enable_auto_tool_choice, seen["tools"].tool_call_parser) == (True, "hermes")
+    assert seen["engine"].model.chat_template == "deploy/templates/tool_chat_template_hermes.jinja"
+    assert captured_run(monkeypatch, [])["tools"].enable_auto_tool_choice is False
+
+
+def test_auto_tool_choice_without_a_parser_fails_before_anything_starts(monkeypatch, capsys):
+    monkeypatch.setattr(cluster, "run", lambda *args: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--model", "tiny", "--enable-auto-tool-choice"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "disagg: error: --enable-auto-tool-choice requires --tool-call-parser\n"
 
 
 def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():

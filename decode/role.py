@@ -52,6 +52,7 @@ class DecodeRole(WorkerRole):
         self.backend, local = open_endpoint("decode", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
                                             dataclasses.asdict(self.core.cache_spec()), secret,
                                             self.config.tcp_listener)
+        self.backend = self.faulty(self.backend)
         self.peers = PrefillPeers(local, self.config.control, secret, self.config.max_bootstrap_clients)
         self.push = PushFetch(self.core, self.dp_rank, self.config, self.backend, self.peers, self.fences)
         self.pull = PullFetch(self.core, self.config, self.backend, self.peers, self.fences)

@@ -217,12 +217,10 @@ class ServerConfig:
                                       metadata={"help": SHUTDOWN_TIMEOUT_HELP, "aliases": ("--shutdown-timeout",)})
     disaggregation_mode: DisaggregationMode = field(default=DisaggregationMode.NULL,
                                                     metadata={"help": "null (unified), prefill or decode"})
-    worker_restart_backoff_s: float = field(
-        default=1.0, metadata={"help": "wait before restarting a dead DP worker; doubles per quick death"}
-    )
-    worker_restart_max_backoff_s: float = field(
-        default=30.0, metadata={"help": "longest wait before a restart; a worker up this long resets the backoff"}
-    )
+    worker_restart_backoff_s: float = field(default=1.0, metadata={
+        "help": "wait before restarting a dead DP worker; doubles per quick death"})
+    worker_restart_max_backoff_s: float = field(default=30.0, metadata={
+        "help": "longest wait before a restart; a worker up this long resets the backoff"})
     migration_limit: int = field(
         default=1, metadata={"help": "how many times a request whose DP worker died goes on on another worker of this "
                                      "server (its prompt and the tokens already streamed computed again there); 0: "
@@ -235,6 +233,8 @@ class ServerConfig:
                                        "cache of every live DP worker is more than this fraction used; 1.0: off"})
     tls: TlsConfig = field(default_factory=TlsConfig)
     tools: ToolConfig = field(default_factory=ToolConfig)
+    enable_fault_injection: bool = field(default=False, metadata={"negatable": False, "help": (
+        "tests: POST /faults (admin key) makes a DP worker stall, die, fail requests or transfers (docs/testing.md)")})
 
     def __post_init__(self) -> None:
         if (problem := self.tools.problem()) is not None:

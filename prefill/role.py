@@ -56,6 +56,7 @@ class PrefillRole(WorkerRole):
         self.backend, local = open_endpoint("prefill", self.dp_rank, self.config.transfer_backend, self.config.rank_host,
                                             dataclasses.asdict(self.core.cache_spec()), secret,
                                             self.config.tcp_listener)
+        self.backend = self.faulty(self.backend)
         # A control event (a claim, a release, a TransferInfo) ends the worker's idle wait at once.
         self.control = ControlServer(local, self.config.control, cluster_secret=secret, on_event=lambda: self.wake())
         port = await self.control.start(self.config.rank_host, 0)

@@ -12,7 +12,7 @@ PACKAGES = ("disagg", "prefill", "decode", "bootstrap", "kvtransfer")
 
 # Most specific prefix wins.
 LAYERS = {
-    "disagg.cli": 4, "disagg.launch": 4, "disagg.cluster": 4,
+    "disagg.cli": 4, "disagg.launch": 4, "disagg.cluster": 4, "disagg.testing": 4,
     "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.api": 3, "disagg.router": 3,
     "bootstrap.server": 3, "disagg.bench": 3, "disagg.top": 3,
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
@@ -25,6 +25,7 @@ LAYERS = {
 SAME_LAYER_OK = {
     ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
     ("disagg.api", "disagg.dp"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.config", "disagg.tool_config"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
+    ("disagg.testing", "disagg.launch"),
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests", "zmq"}
 NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.config", "disagg.tool_config", "disagg.cpus", "disagg.block_hashes", "disagg.kv_events_config", "disagg.registry_config", "disagg.host_patterns", "disagg.engine_config",
@@ -34,8 +35,9 @@ NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.co
 CONTROL = "kvtransfer.control"
 CONTROL_WIRE = ("disagg.wire.control_msgs", "disagg.wire.kv_control_pb2", "disagg.wire.kv_control_pb2_grpc")
 # What the control plane may take from the rest of kvtransfer: the backends' base (Protocol, states,
-# errors) and the factory that picks one by name; never one backend's internals.
-CONTROL_BUILDS_ON = ("kvtransfer", "kvtransfer.base", "kvtransfer.factory")
+# errors), the factory that picks one by name and the heartbeat switch of fault injection; never one
+# backend's internals.
+CONTROL_BUILDS_ON = ("kvtransfer", "kvtransfer.base", "kvtransfer.factory", "kvtransfer.faulty")
 
 
 def unit_of(module: str) -> str:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from disagg.api import (
     admin_routes,
+    fault_routes,
     openai_routes,
     sglang_routes,
     tokenize_routes,
@@ -40,7 +41,8 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
         middlewares.append(keys)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[STATE] = ApiState(config, engine, metrics)
-    for module in (openai_routes, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes):
+    for module in (openai_routes, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes,
+                   fault_routes):
         module.add_routes(app)
     return app
 

@@ -61,9 +61,13 @@ class AdminDisabled(HttpError):
                               "start it with --admin-key (or DISAGG_ADMIN_KEY) to use it", code="admin_disabled")
 
 
+ENGINE_STATUSES = frozenset({400, 404, 413, 429, 500, 503})  # 429: a fail_requests fault (disagg/dp/faults.py)
+
+
 def engine_error(message: str, status: int, param: str | None) -> HttpError:
-    """An HttpError for a request the engine failed (`OutputMsg.error*`); unknown statuses become 500."""
-    if status not in (400, 404, 413, 503):
+    """An HttpError for a request the engine failed (`OutputMsg.error*`); statuses other than
+    ENGINE_STATUSES become 500 (a role's own 499 and 504 included: docs/faults.md)."""
+    if status not in ENGINE_STATUSES:
         status = 500
     return HttpError(status, message, param=param)
 

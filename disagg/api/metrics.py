@@ -103,6 +103,8 @@ class ApiMetrics:
                                        ["where"], registry=reg)
         self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
                                  buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.faults = Counter("disagg_faults_injected", "faults injected on purpose (--enable-fault-injection)",
+                              ["fault", "dp_rank"], registry=reg)
         reg.register(_WorkerCollector(worker_states))
         reg.register(_DispatchCollector(dispatch_stats))
         self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states)

@@ -28,6 +28,7 @@ from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher, routing_prompt
+from disagg.dp.faults import WORKER_FAULTS, ProcessFaults
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
 from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
@@ -117,6 +118,7 @@ class DPController:
         self._sent: dict[str, _Sent] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        self.faults = ProcessFaults()  # --enable-fault-injection (disagg/dp/faults.py)
         self._tasks: list[asyncio.Task] = []
         self._all_ready = asyncio.Event()
         self._tmpdir = tempfile.mkdtemp(prefix="disagg-dp-")
@@ -146,7 +148,8 @@ class DPController:
         if self.cpu_sets is not None:
             cpus = self.cpu_sets[rank]
             engine = replace(engine, num_threads=engine.num_threads or len(cpus))
-        return WorkerSpec(rank, engine, self._socket_path, self.server.log_format, self.role, self.kv_events, cpus)
+        return WorkerSpec(rank, engine, self._socket_path, self.server.log_format, self.role, self.kv_events, cpus,
+                          self.server.enable_fault_injection)
 
     def _spawn(self, rank: int):
         spec = self.worker_spec(rank)
@@ -307,6 +310,10 @@ class DPController:
         worker = self.workers[self.dispatcher.check_rank(dp_rank)]
         if not worker.available:
             raise WorkerUnavailable(worker.unavailable_reason())
+        if (status := self.faults.take_failure(dp_rank)) is not None:
+            yield OutputMsg(msg.request_id, finish_reason=FinishReason.ABORT, error_status=status,
+                            error=f"injected fault: DP worker {dp_rank} answers {status}")
+            return
         if msg.request_id in self._streams:
             raise InvalidRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         queue: asyncio.Queue[OutputMsg] = asyncio.Queue()
@@ -327,6 +334,14 @@ class DPController:
             if not finished and worker.available:
                 worker.outstanding.pop(msg.request_id, None)
                 worker.send(AbortMsg(msg.request_id))
+
+    async def inject_fault(self, kind: str, dp_rank: int, params: dict) -> None:
+        """One fault on the worker of `dp_rank` (checked by faults.check_fault; docs/testing.md)."""
+        worker = self.workers[self.dispatcher.check_rank(dp_rank)]
+        if kind in WORKER_FAULTS:
+            await self.call_utility(Utility.INJECT_FAULT, kind, params, ranks=[dp_rank])
+        else:
+            self.faults.apply(kind, dp_rank, worker.process.pid, params)
 
     async def abort(self, request_id: str) -> bool:
         for worker in self.workers:

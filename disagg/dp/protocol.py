@@ -90,6 +90,9 @@ class EngineClient(Protocol):
         """Run on every worker (or on `ranks`); one result per worker called. Raises UtilityFailed,
         WorkerUnavailable."""
 
+    async def inject_fault(self, kind: str, dp_rank: int, params: dict) -> None:
+        """A fault on one worker, on purpose (--enable-fault-injection; disagg/dp/faults.py)."""
+
     def worker_states(self) -> list[WorkerState]:
         """One entry per DP worker (for /server_info, /metrics, /health)."""
 

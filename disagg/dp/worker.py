@@ -64,6 +64,7 @@ class WorkerSpec:
     role: RoleSpec = RoleSpec()  # the P/D roles plug in here
     kv_events: KVEventsConfig = KVEventsConfig()  # the server's; the worker offsets its endpoints by dp_rank
     cpus: frozenset[int] | None = None  # the CPUs this worker runs on (None: not pinned)
+    faults: bool = False  # the server's --enable-fault-injection
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -89,6 +90,7 @@ async def _main(spec: WorkerSpec) -> None:
     core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine)
     name = spec.engine.model.served_model_name or core.loaded.name
     role = spec.role.build(core, spec.dp_rank, name)
+    role.fault_injection = spec.faults
     events = open_publisher(spec.kv_events, spec.dp_rank, core)
     await role.start()
     try:
@@ -215,6 +217,8 @@ async def _on_engine_thread(engine_thread: ThreadPoolExecutor | None, fn, *args)
 
 
 def step(role: WorkerRole) -> list:
+    if role.step_delay_s:
+        time.sleep(role.step_delay_s)  # a slow_steps fault (disagg/dp/faults.py)
     try:
         return role.step()
     except Exception as exc:  # one failing step fails its requests, not the worker

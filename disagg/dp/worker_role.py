@@ -17,6 +17,7 @@ from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
+from kvtransfer.faulty import FaultyBackend, pause_heartbeats
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +68,8 @@ class WorkerRole:
     """The unified (non-disaggregated) worker: every request runs start to end on this engine."""
 
     can_sleep = True  # the P/D roles register the KV cache with peers: freeing it would break them
+    fault_injection = False  # the server's --enable-fault-injection, set by the worker before start()
+    step_delay_s = 0.0  # a slow_steps fault: the worker sleeps this long before each engine step
 
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str):
         self.core = core
@@ -204,8 +207,28 @@ class WorkerRole:
             Utility.RESET_PREFIX_CACHE: core.reset_prefix_cache, Utility.STATS: self.stats,
             Utility.TOKENIZE: partial(tokenization.tokenize, tokenizer),
             Utility.DETOKENIZE: partial(tokenization.detokenize, tokenizer),
+            Utility.INJECT_FAULT: self.inject_fault,
         }
         return table[method](*args)
+
+    def faulty(self, backend):
+        """The role's transfer backend, wrapped so that transfer faults reach it when the server allows them."""
+        return FaultyBackend(backend) if self.fault_injection else backend
+
+    def inject_fault(self, kind: str, params: dict) -> None:
+        """A worker-side fault (the front checked `kind` and `params`: disagg/dp/faults.py)."""
+        backend = getattr(self, "backend", None)
+        if kind == "slow_steps":
+            self.step_delay_s = params["ms"] / 1000
+        elif kind == "stop_heartbeats":
+            pause_heartbeats(params["seconds"])
+        elif not isinstance(backend, FaultyBackend):
+            raise InvalidRequest(f"{kind}: this worker moves no KV (a unified server)", "fault")
+        elif kind == "delay_transfers":
+            backend.delay(params["count"], params["seconds"])
+        else:
+            backend.fail(params["count"])
+        log.warning("fault injected", fault=kind, **params)
 
     def _sleep(self, level: int = 1) -> None:
         if not self.can_sleep:

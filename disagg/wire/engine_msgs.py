@@ -78,6 +78,7 @@ class Utility(str, enum.Enum):
     STATS = "stats"  # a StatsMsg
     TOKENIZE = "tokenize"  # args: [TokenizeMsg]; a TokenizeResultMsg
     DETOKENIZE = "detokenize"  # args: [token ids]; the text
+    INJECT_FAULT = "inject_fault"  # args: [kind, params]; --enable-fault-injection servers only
 
     def __str__(self) -> str:
         return self.value

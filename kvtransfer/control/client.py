@@ -40,6 +40,7 @@ from disagg.wire.control_msgs import (
 from kvtransfer.control.server import (
     AuthenticationFailed, Clock, ControlError, PeerRejected, PeerUnavailable, grpc_options,
 )
+from kvtransfer.faulty import heartbeats_paused
 
 log = structlog.get_logger("kvtransfer.control")
 
@@ -344,6 +345,7 @@ class ControlClient:
                 if self.num_heartbeat_misses >= max_misses:
                     self._lose(f"{self.num_heartbeat_misses} heartbeats missed")
                     return
-            self._heartbeat_seq += 1
-            self._outbox.put_nowait(heartbeat_msg(self._heartbeat_seq))
+            if not heartbeats_paused():  # fault injection (kvtransfer/faulty.py) switched them off
+                self._heartbeat_seq += 1
+                self._outbox.put_nowait(heartbeat_msg(self._heartbeat_seq))
             await asyncio.sleep(self.config.heartbeat_interval_s)

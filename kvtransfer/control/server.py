@@ -44,6 +44,7 @@ from disagg.wire.control_msgs import (
 )
 from kvtransfer.base import AuthenticationFailed, IncompatiblePeer, KVTransferError, PeerUnavailable
 from kvtransfer.control.checks import check_peer, check_transfer
+from kvtransfer.faulty import heartbeats_paused
 
 __all__ = ["AuthenticationFailed", "ControlError", "ControlServer", "PeerRejected", "PeerUnavailable", "check_peer",
            "check_transfer"]
@@ -297,7 +298,8 @@ class ControlServer:
         elif kind == "abort":
             self._on_abort(session, msg.abort.room, msg.abort.reason)
         elif kind == "heartbeat":
-            session.send(heartbeat_ack_msg(msg.heartbeat.seq))
+            if not heartbeats_paused():  # fault injection (kvtransfer/faulty.py) switched them off
+                session.send(heartbeat_ack_msg(msg.heartbeat.seq))
         elif kind in ("claim", "release") and session.peer is None:
             log.warning("lease message before RegisterPeer ignored", kind=kind)
         elif kind == "claim":

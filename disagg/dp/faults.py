@@ -1,0 +1,81 @@
+"""Fault injection on a server's DP workers (`--enable-fault-injection`, docs/testing.md), the
+front's side: which faults exist and their parameters, and the three that act here.
+
+- `stall` (seconds): SIGSTOP on the worker's process, SIGCONT after; it answers nothing meanwhile
+  (requests, control streams, heartbeats), as a hung process would.
+- `kill`: SIGKILL; the controller notices and restarts it as it does any dead worker.
+- `fail_requests` (count, status): the next `count` requests sent to that rank answer `status`.
+- Sent to the worker (a utility call, disagg/dp/worker_role.py): `slow_steps` (ms before each
+  engine step; 0 ends it), `delay_transfers` (count, seconds), `fail_transfers` (count),
+  `stop_heartbeats` (seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from disagg.types import InvalidRequest
+
+FAULTS: dict[str, tuple[str, ...]] = {
+    "stall": ("seconds",), "kill": (), "fail_requests": ("count", "status"), "slow_steps": ("ms",),
+    "delay_transfers": ("count", "seconds"), "fail_transfers": ("count",), "stop_heartbeats": ("seconds",),
+}
+WORKER_FAULTS = frozenset({"slow_steps", "delay_transfers", "fail_transfers", "stop_heartbeats"})
+_LIMITS = {"seconds": (0.001, 3600.0), "count": (1, 1_000_000), "ms": (0.0, 60_000.0)}
+STATUSES = (400, 404, 413, 429, 500, 503)  # what a worker's failed request may answer (api/errors.py)
+
+
+def check_fault(kind: str, params: dict[str, object]) -> dict[str, float | int]:
+    """The fault's parameters, checked: InvalidRequest naming what is wrong."""
+    if kind not in FAULTS:
+        raise InvalidRequest(f"unknown fault {kind!r}: one of {', '.join(FAULTS)}", "fault")
+    return {name: _checked(kind, name, params.get(name)) for name in FAULTS[kind]}
+
+
+def _checked(kind: str, name: str, value: object) -> float | int:
+    if name == "status":
+        if isinstance(value, bool) or value not in STATUSES:
+            raise InvalidRequest(f"{kind} needs status: one of {', '.join(map(str, STATUSES))}, got {value!r}", name)
+        return value
+    low, high = _LIMITS[name]
+    integral = isinstance(low, int)
+    if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)) or not low <= value <= high:
+        raise InvalidRequest(f"{kind} needs {name}: {'an integer' if integral else 'a number'} in [{low}, {high}], "
+                             f"got {value!r}", name)
+    return value
+
+
+class ProcessFaults:
+    """The faults a controller applies itself: to a worker's process, and to the requests it sends it."""
+
+    def __init__(self) -> None:
+        self._failing: dict[int, tuple[int, int]] = {}  # rank -> (requests left to fail, status)
+
+    def apply(self, kind: str, rank: int, pid: int | None, params: dict) -> None:
+        if kind == "fail_requests":
+            self._failing[rank] = (params["count"], params["status"])
+            return
+        if pid is None:
+            raise InvalidRequest(f"DP worker {rank} has no process", "dp_rank")
+        if kind == "kill":
+            os.kill(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(params["seconds"], _resume, pid)
+
+    def take_failure(self, rank: int) -> int | None:
+        """The status the next request on `rank` must answer, when a fail_requests fault is armed."""
+        left, status = self._failing.get(rank, (0, 0))
+        if not left:
+            return None
+        self._failing[rank] = (left - 1, status)
+        return status
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # it died (or was killed) while stopped
+        pass

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.config import DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
-from disagg.launch import RunningServer, start_server
+from disagg.launch import RunningServer, drain_server, start_server
 from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
 from disagg.router.policy import Policy
 from disagg.router.server import RouterServer
@@ -69,11 +69,12 @@ class Worker:
 
 class Server:
     """A running prefill or decode server: `url`, `bootstrap_port` (prefill), `metrics()`,
-    `workers()`, `faults` (with `fault_injection=True`)."""
+    `workers()`, `faults` (with `fault_injection=True`), `drain()`."""
 
-    def __init__(self, role: str, running: RunningServer, admin_key: str | None):
+    def __init__(self, role: str, running: RunningServer, admin_key: str | None, loop: _Loop):
         self.role = role
         self.running = running
+        self._loop = loop
         self.url = f"http://{HOST}:{running.port}"
         self.bootstrap_port = running.bootstrap_port
         self.faults = Faults(self.url, admin_key)
@@ -88,6 +89,12 @@ class Server:
 
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers() if w.pid is not None]
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """What SIGTERM does to the server (docs/api.md): health red, new requests 503 `draining`,
+        requests in flight finish within `timeout_s`; returns once they did. The server stays up,
+        refusing, until the cluster stops."""
+        self._loop.run(drain_server(self.running, timeout_s), timeout_s + 30)
 
 
 class _Loop:
@@ -169,8 +176,8 @@ class Cluster:
             for server in started:
                 await server.close()
             raise next(e for e in (prefill, decode) if isinstance(e, BaseException))
-        self.prefill = Server("prefill", prefill, self.admin_key)
-        self.decode = Server("decode", decode, self.admin_key)
+        self.prefill = Server("prefill", prefill, self.admin_key, self._loop)
+        self.decode = Server("decode", decode, self.admin_key, self._loop)
         if self.with_router:
             self.router = RouterServer(RouterConfig(
                 host=HOST, port=0, prefill=(PrefillEndpoint(self.prefill.url, self.prefill.bootstrap_port),),

@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bootstrap.server import BootstrapServer
 from disagg.config import DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.launch import RunningServer, drain_server, start_server
@@ -69,7 +70,7 @@ class Worker:
 
 class Server:
     """A running prefill or decode server: `url`, `bootstrap_port` (prefill), `metrics()`,
-    `workers()`, `faults` (with `fault_injection=True`), `drain()`."""
+    `workers()`, `faults` (with `fault_injection=True`), `drain()`, `restart_registry()` (prefill)."""
 
     def __init__(self, role: str, running: RunningServer, admin_key: str | None, loop: _Loop):
         self.role = role
@@ -97,6 +98,27 @@ class Server:
         self._loop.run(drain_server(self.running, timeout_s), timeout_s + 30)
 
 
+    def restart_registry(self, wait: bool = True, timeout_s: float = 30.0) -> None:
+        """The prefill's bootstrap registry stops and starts again on its port, empty, as a registry
+        that restarted; with `wait`, returns once every prefill rank registered again (each does
+        every `registry_refresh_s`)."""
+        self._loop.run(self._restart_registry(wait, timeout_s), timeout_s + 10)
+
+    async def _restart_registry(self, wait: bool, timeout_s: float) -> None:
+        old = self.running.bootstrap
+        if old is None:
+            raise RuntimeError("the registry lives in the prefill server")
+        await old.close()
+        fresh = BootstrapServer(old.config)
+        await fresh.start(port=old.port)
+        self.running.bootstrap = fresh  # closed with the server
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while wait and not fresh.registry.is_complete():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the prefill ranks did not register again within {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+
 class _Loop:
     """An event loop on a daemon thread: the servers live there, whoever calls."""
 
@@ -121,7 +143,8 @@ class Cluster:
     kv_transfer_params), `router` (our router in front, with `policy`), `server` / `prefill_server`
     / `decode_server` (ServerConfig fields), `disagg` (DisaggConfig fields), `fault_injection` (the
     servers' fault routes, docs/testing.md), `admin_key` (theirs) and `router_options` (RouterConfig
-    fields of our router: `retry_max_retries`, `request_timeout_s`, ...)."""
+    fields of our router: `retry_max_retries`, `request_timeout_s`, ...; its health checks run every
+    second here unless `health_check_interval_s` says otherwise)."""
 
     def __init__(self, model: str = "tiny", *, prefill_dp: int = 1, decode_dp: int = 1, backend: str = "tcp",
                  protocol: str = "push", router: bool = True, policy: str = "round_robin",
@@ -133,7 +156,7 @@ class Cluster:
         self.policy = Policy(policy)
         self.with_router = router
         self.admin_key = admin_key
-        self.router_options = router_options or {}
+        self.router_options = {"health_check_interval_s": 1.0, **(router_options or {})}
         self.start_timeout_s = start_timeout_s
         self.disagg = DisaggConfig(**{"transfer_backend": backend, "bootstrap_port": 0, "bootstrap_timeout_s": 30,
                                       "waiting_timeout_s": 30, "cluster_secret": secrets.token_hex(32),

@@ -1,6 +1,7 @@
 """disagg.testing.Cluster and every fault, observed with exact values through our router (no retries,
 2 s bootstrap and KV deadlines, heartbeats every 0.2 s), each followed by `assert_no_leaks()`."""
 
+import asyncio
 import os
 import re
 import time
@@ -126,7 +127,11 @@ def test_a_killed_worker_is_restarted_and_counted(cluster):
         assert time.monotonic() < deadline, cluster.decode.workers()
         time.sleep(0.1)
     assert cluster.decode.workers()[0].pid != old and not os.path.exists(f"/proc/{old}")
-    assert ask(cluster)[0] == 200
+    deadline = time.monotonic() + 20
+    while (answer := ask(cluster))[0] != 200:  # until the router's next health check (every 1 s) sees it back
+        assert (answer[0], answer[1]["error"]["message"]) == (503, "no healthy decode server")
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     assert cluster.decode.metrics().by_rank("disagg_worker_restarts") == {0: 1.0}
     cluster.assert_no_leaks()
 
@@ -158,3 +163,12 @@ def test_fault_routes_need_the_flag_and_the_admin_key():
         with pytest.raises(FaultRefused) as refused:
             c.decode.faults.stall(0, 1)
         assert refused.value.status == 404
+
+
+async def test_the_async_form_starts_and_stops_off_the_tests_loop():
+    async with Cluster(router=False) as c:
+        status, answer = await asyncio.to_thread(post, c.decode.url + "/v1/completions", {**BODY, "max_tokens": 1})
+        assert status == 400  # a decode alone needs the P/D fields: the server answered, from its own loop
+        assert answer["error"]["param"] == "bootstrap_room"
+        pids = c.pids()
+    assert len(pids) == 2 and [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []

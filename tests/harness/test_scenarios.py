@@ -149,3 +149,20 @@ def test_a_draining_decode_finishes_what_it_has_and_refuses_the_rest(setup):
             "draining", "server is draining: it accepts no new requests")
     # pull: the refused request's prefill leg leased its blocks; the lease expires after 8 s
     cluster.assert_no_leaks(timeout_s=20)
+
+
+def test_a_registry_restart_under_sglang_router(tmp_path):
+    """Every decode asks the registry for its room's rank (DISAGG_FORCE_QUERY_PREFILL_DP_RANK); the
+    registry restarts empty; the prefill ranks register again within 0.3 s, and the decode asks again
+    until they did: the router sees nothing but 200s."""
+    disagg = {**DEADLINES, "registry_refresh_s": 0.3, "force_query_prefill_dp_rank": True}
+    with Cluster(router=False, prefill_dp=2, disagg=disagg) as cluster:
+        with real_router("sglang", cluster, tmp_path) as url:
+            assert ask(url)[0] == 200
+            before = answered(cluster.decode)
+            cluster.prefill.restart_registry(wait=False)
+            results = [ask(url) for _ in range(4)]
+            assert [(s, a["choices"][0]["text"]) for s, a, _ in results] == [(200, text(cluster))] * 4
+            assert errors_since(cluster.decode, before) == 0
+            assert cluster.prefill.running.bootstrap.registry.num_registered == 2
+            cluster.assert_no_leaks()

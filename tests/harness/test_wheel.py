@@ -3,6 +3,7 @@ with pip into a fresh venv, starts a cluster there and serves the pytest plugin.
 takes its dependencies (torch, aiohttp, ...) from this venv through a path file, so pip installs the
 wheel alone (`--no-deps`) and nothing is downloaded; `disagg` itself is the wheel's copy (checked)."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -64,10 +65,16 @@ def fresh(tmp_path_factory) -> Path:
     return python
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without PYTHONPATH: nothing but the fresh venv may provide disagg."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def test_a_cluster_starts_from_the_installed_wheel(fresh, tmp_path):
     script = tmp_path / "use_the_wheel.py"
     script.write_text(CLUSTER_SCRIPT)
-    run = subprocess.run([str(fresh), str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    run = subprocess.run([str(fresh), str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env=clean_env())
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 
@@ -79,6 +86,6 @@ def test_a_cluster_starts_from_the_installed_wheel(fresh, tmp_path):
 def test_the_wheels_pytest_plugin_serves_a_test_file_that_imports_nothing(fresh, tmp_path):
     (tmp_path / "test_router.py").write_text(PLUGIN_TEST)
     run = subprocess.run([str(fresh), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_router.py"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, env=clean_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "1 passed" in run.stdout

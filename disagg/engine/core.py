@@ -12,6 +12,7 @@ import itertools
 
 import torch
 
+from disagg.config import ConfigError
 from disagg.engine_config import EngineConfig
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
@@ -19,6 +20,7 @@ from disagg.engine.kv_events import KVCacheEvent
 from disagg.engine.loader import LoadedModel, load_model
 from disagg.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from disagg.engine.models.llama import LlamaModel
+from disagg.engine.models.tensor_parallel import Collectives, shard_arch, shard_weights
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
 from disagg.engine.resolve import dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype
@@ -30,13 +32,18 @@ from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOu
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, tp: Collectives | None = None):
+        """`tp`: this engine is one rank of a tensor-parallel group (models/tensor_parallel.py); every
+        rank runs the same requests, holds its shard of the weights and of the KV heads, and samples
+        from the same gathered logits."""
         self.config = config
+        self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.arch = self.loaded.arch
+        self.rank_arch = self.arch if tp is None else shard_arch(self.arch, tp.rank, tp.size)  # its KV heads
         self.dtype = resolve_dtype(config.model.dtype, config.model.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
@@ -61,12 +68,16 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
 
     def _build_model(self) -> LlamaModel:
-        model = self.config.model
-        return LlamaModel(self.arch, self.loaded.weights, self.dtype, model.device, model.quantization,
-                          self.loaded.quantized, model.kernels)
+        model, weights = self.config.model, self.loaded.weights
+        if self.tp is not None:
+            if self.loaded.quantized:
+                raise ConfigError("tensor parallelism splits dense weights: use --quantization none, int8 or int4")
+            weights = shard_weights(weights, self.arch, self.tp.rank, self.tp.size)
+        return LlamaModel(self.rank_arch, weights, self.dtype, model.device, model.quantization,
+                          self.loaded.quantized, model.kernels, self.tp)
 
     def _blocks_that_fit(self) -> int:
-        per_block = kv_bytes_per_block(self.arch, self.block_size, self.kv_dtype)
+        per_block = kv_bytes_per_block(self.rank_arch, self.block_size, self.kv_dtype)
         return max(self.config.cache.kv_cache_memory_mib * 2**20 // per_block, 2)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -233,7 +244,7 @@ class EngineCore:
     def cache_spec(self) -> CacheSpec:
         cache = self.runner.kv_cache
         assert cache is not None, "the KV cache is freed (sleeping)"
-        a = self.arch
+        a = self.rank_arch
         return CacheSpec(cache.data_ptr(), self.num_blocks, a.num_layers, self.block_size, a.num_kv_heads, a.head_dim,
                          dtype_name(cache.dtype), str(cache.device))
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine.models.arch import LlamaArch
+from disagg.engine.models.tensor_parallel import Collectives
 from disagg.engine.models.linear_weights import describe_weights, linear_weight
 from disagg.ops import load_ops
 from disagg.ops.linear import OnednnWeight, PackedWeight, TiledWeight, Weight, linear
@@ -81,8 +82,11 @@ class LlamaModel:
 
     def __init__(self, arch: LlamaArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  quantization: str = "none", quantized: Mapping[str, QuantizedWeight] | None = None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", tp: Collectives | None = None):
+        """`tp`: this rank's tensor-parallel group; `arch` and `weights` are then the rank's shard
+        (tensor_parallel.py), and the layer outputs and logits are combined across the group."""
         self.arch = arch
+        self.tp = tp
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantization = quantization
@@ -163,12 +167,17 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if i:
                 h = ops.add_rms_norm(x, residual, layer["in_norm"], eps)  # residual += the last MLP's output
-            x = self.attention(layer, h, cos_sin, batch, *caches[i])
+            x = self._reduced(self.attention(layer, h, cos_sin, batch, *caches[i]))
             h = ops.add_rms_norm(x, residual, layer["post_norm"], eps)
-            x = self.mlp(layer, h)
+            x = self._reduced(self.mlp(layer, h))
         residual.add_(x)
         h = ops.rms_norm(residual[batch.logit_rows], self.norm, eps)
-        return linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head)
+        return (logits if self.tp is None else self.tp.all_gather(logits)).float()
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-split projection's partial sums added across the TP group (nothing to do alone)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def mlp(self, layer: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         return linear(self.ops.silu_and_mul(linear(h, layer["gate_up"])), layer["down"])

@@ -30,11 +30,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the size of its share of the CPUs when pinned, "
                              "else cores / dp_size)")
+    parser.add_argument("--tensor-parallel-size", "--tp-size", dest="tensor_parallel_size", type=int, default=1,
+                        help="processes per DP worker, each holding 1/N of the model (Megatron's split; unified "
+                             "servers; default: 1)")
 
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     model, cache, sched = (dataclass_from_args(cls, args) for cls in ENGINE_PARTS)
-    return EngineConfig(model=model, cache=cache, scheduler=sched, num_threads=args.num_threads)
+    return EngineConfig(model=model, cache=cache, scheduler=sched, num_threads=args.num_threads,
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

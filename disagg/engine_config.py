@@ -135,8 +135,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's own; a DP worker's controller sets it)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "processes per DP worker, the model split among them"})
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.cache.kv_cache_dtype == KVCacheDType.BFLOAT16 and self.model.dtype == "float16":
             raise ConfigError("kv_cache_dtype bfloat16 takes a float32 or bfloat16 model, not float16")
 

@@ -21,7 +21,7 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
+from disagg.config import ConfigError, DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
 from disagg.cpus import usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
@@ -86,6 +86,9 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
     first (ConfigError)."""
     check_cluster_secret(server, disagg)
     worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())  # a bad --cpus fails before anything starts
+    if engine.tensor_parallel_size > 1 and server.disaggregation_mode is not DisaggregationMode.NULL:
+        raise ConfigError("tensor_parallel_size > 1 runs on unified servers for now: prefill and decode "
+                          "servers move one KV layout per worker")
     if disagg.insecure_no_cluster_secret and disagg.cluster_secret is None:
         log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
                     mode=server.disaggregation_mode)

@@ -28,6 +28,7 @@ import structlog
 from disagg.engine_config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.kv_events import ZmqEventPublisher, open_publisher
+from disagg.dp.tp_group import STEP, Followers, rank_engine
 from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
@@ -85,9 +86,24 @@ def run_worker(spec: WorkerSpec) -> None:
 
 async def _main(spec: WorkerSpec) -> None:
     reader, writer = await asyncio.open_unix_connection(spec.socket_path)
-    log.info("loading engine", model=spec.engine.model.model, dtype=spec.engine.model.dtype)
+    log.info("loading engine", model=spec.engine.model.model, dtype=spec.engine.model.dtype,
+             tensor_parallel_size=spec.engine.tensor_parallel_size)
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-    core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine)
+    followers = None
+    if spec.engine.tensor_parallel_size > 1:  # this process is rank 0 of a TP group (tp_group.py)
+        followers = Followers(spec)
+        followers.start()
+    try:
+        await _run(spec, reader, writer, engine_thread, followers)
+    finally:
+        if followers is not None:
+            followers.close()
+
+
+async def _run(spec: WorkerSpec, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+               engine_thread: ThreadPoolExecutor, followers: Followers | None) -> None:
+    rendezvous = None if followers is None else followers.rendezvous
+    core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine, rendezvous)
     name = spec.engine.model.served_model_name or core.loaded.name
     role = spec.role.build(core, spec.dp_rank, name)
     role.fault_injection = spec.faults
@@ -96,7 +112,7 @@ async def _main(spec: WorkerSpec) -> None:
     try:
         writer.write(frame(encode(role.ready_msg())))
         log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
-        await serve(role, reader, writer, engine_thread, events)
+        await serve(role, reader, writer, engine_thread, events, followers)
     finally:
         await role.close()
         if events is not None:
@@ -105,10 +121,16 @@ async def _main(spec: WorkerSpec) -> None:
         engine_thread.shutdown(wait=False)
 
 
-def _load_engine(config: EngineConfig):
+def _load_engine(config: EngineConfig, rendezvous: str | None = None):
+    """The engine, warmed up; with a TP `rendezvous`, rank 0's (its followers join the same group)."""
     from disagg.engine.core import EngineCore  # torch loads here, in the worker only
+    from disagg.engine.models.tensor_parallel import init_group
 
-    core = EngineCore(config)
+    if rendezvous is None:
+        core = EngineCore(config)
+    else:
+        config = rank_engine(config)
+        core = EngineCore(config, tp=init_group(0, config.tensor_parallel_size, rendezvous))
     core.warm_up()
     return core
 
@@ -122,7 +144,10 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
 
 
 async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None) -> None:
+                engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None,
+                followers: Followers | None = None) -> None:
+    """The worker loop; with `followers` (tensor parallelism), each message applied and each step
+    is handed to them first, in order."""
     inbox: asyncio.Queue = asyncio.Queue()
     role.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
     reading = asyncio.create_task(_read_into(inbox, reader))
@@ -135,9 +160,15 @@ async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.
                     return
                 if msg is WAKE:
                     continue
+                if followers is not None:
+                    followers.forward(msg)
                 _send(role, writer, await apply(role, msg, engine_thread))
             _send(role, writer, await role.poll())
+            if followers is not None and not followers.alive():
+                raise RuntimeError("a tensor-parallel follower died: the group goes down with it")
             if role.has_work():
+                if followers is not None:
+                    followers.forward(STEP)
                 # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
                 _send(role, writer, await loop.run_in_executor(engine_thread, step, role))

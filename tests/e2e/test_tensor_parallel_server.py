@@ -1,0 +1,75 @@
+"""A unified server whose DP worker is a tensor-parallel group of 2 processes (tiny model): its
+answers equal a TP 1 server's token for token, its follower runs beside its worker and is gone
+after the server stops; a follower killed takes its group down and the group restarts; prefill and
+decode servers refuse TP for now."""
+
+import asyncio
+import os
+import signal
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from disagg.config import ConfigError, DisaggConfig, ServerConfig
+from disagg.launch import start_server
+from pd_cluster import TINY, pd_config
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+TP2 = replace(TINY, tensor_parallel_size=2)
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
+LONG = "The quick brown fox jumps over the lazy dog, twice: " * 2  # chunked prefill on the tiny config
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def answers(port: int) -> list:
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for prompt in ("hello", LONG):
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": prompt, **GREEDY}) as r:
+                out.append((r.status, (await r.json())["choices"][0]["text"]))
+        body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+        async with s.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
+            out.append((r.status, (await r.json())["output_ids"]))
+    return out
+
+
+async def test_a_tp2_worker_answers_like_tp1_and_takes_its_follower_down(unified):
+    server = await start_server(ServerConfig(port=0, dp_size=1), TP2, DisaggConfig(), lambda _: None)
+    try:
+        [worker] = server.controller.workers
+        followers = children(worker.process.pid)
+        assert len(followers) == 1  # rank 1; rank 0 is the worker process itself
+        got = await answers(server.port)
+    finally:
+        await server.close()
+    assert got == await answers(unified.port)
+    assert [s for s, _ in got] == [200, 200, 200]
+    assert not os.path.exists(f"/proc/{followers[0]}")
+
+
+async def test_prefill_and_decode_servers_refuse_tp_for_now():
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 runs on unified servers for now"):
+        await start_server(ServerConfig(port=0, disaggregation_mode="decode"), TP2, pd_config("tcp"), lambda _: None)
+
+
+async def test_a_dead_follower_takes_its_group_down_and_the_group_restarts(unified):
+    server = await start_server(ServerConfig(port=0, dp_size=1, worker_restart_backoff_s=0.1), TP2, DisaggConfig(),
+                                lambda _: None)
+    try:
+        [follower] = children(server.controller.workers[0].process.pid)
+        os.kill(follower, signal.SIGKILL)
+        for _ in range(300):
+            worker = server.controller.workers[0]
+            if worker.num_restarts == 1 and worker.available:
+                break
+            await asyncio.sleep(0.1)
+        assert (worker.num_restarts, worker.available) == (1, True)
+        assert len(children(worker.process.pid)) == 1  # a new follower
+        assert await answers(server.port) == await answers(unified.port)
+    finally:
+        await server.close()

@@ -11,7 +11,7 @@ from disagg.config import Choice, ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "csrc", "torch")
 # none: dense weights in the model dtype; int8/int4: quantize on load; gguf: keep a GGUF's own blocks.
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class ModelConfig:
     quantization: str = field(
         default="none",
         metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
-                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8); CPU only"},
+                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8), "
+                          "auto (gguf for a .gguf file on CPU, else none); CPU only"},
     )
     device: str = field(default="cpu", metadata={"help": "cpu, cuda (DP rank r takes cuda:r) or cuda:N (every rank)"})
     kernels: str = field(
@@ -56,7 +57,7 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization != "none" and not self.device.startswith("cpu"):
+        if self.quantization not in ("none", "auto") and not self.device.startswith("cpu"):
             raise ConfigError(f"quantization {self.quantization!r} runs on CPU only (torch's int4/int8 CPU kernels); "
                               f"use quantization none on {self.device}")
 

@@ -23,7 +23,9 @@ from disagg.engine.models.llama import LlamaModel
 from disagg.engine.models.tensor_parallel import Collectives, shard_arch, shard_weights
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
-from disagg.engine.resolve import dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype
+from disagg.engine.resolve import (
+    dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization,
+)
 from disagg.engine.progress import CacheSpec, EngineStats, RequestProgress, Reservation
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.tokenizer import Tokenizer
@@ -40,6 +42,8 @@ class EngineCore:
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        model_config, self.quantization_reason = resolve_quantization(config.model)
+        config = self.config = dataclasses.replace(config, model=model_config)  # `auto` resolved
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.arch = self.loaded.arch
@@ -52,10 +56,11 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
         why = dtype_reason(config.model.dtype, config.model.device)
+        quantization_note = "" if self.quantization_reason is None else f" ({self.quantization_reason})"
         # For the ready line and /server_info: what runs the model and why.
         self.engine_summary = (f"dtype {dtype_name(self.dtype)} ({why}), "
                                f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
-                               f"quantization {config.model.quantization}: {model.matmul_weights}, "
+                               f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
                                f"kv cache {dtype_name(self.kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.kv_dtype, self.eos_token_ids,

@@ -1,12 +1,16 @@
 """The engine config's `auto` values resolved for this device: the model's dtype, the KV cache's
-dtype and the forward pass's kernels, each with the reason the ready line gives for it."""
+dtype, the forward pass's kernels and the matmul weights' form, each with the reason the ready line
+gives for it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from disagg.config import ConfigError
-from disagg.engine_config import KVCacheDType
+from disagg.engine_config import KVCacheDType, ModelConfig
+from disagg.engine.loader import resolve_model_path
 from disagg.ops import csrc_status
 
 
@@ -57,3 +61,15 @@ def kernels_reason(asked: str, chosen: str) -> str:
     if chosen != "torch":
         return f"auto: csrc built, this CPU runs its {chosen.removeprefix('csrc-')} code"
     return f"auto: {csrc_status() or 'csrc runs on the CPU only'}"
+
+
+def resolve_quantization(model: ModelConfig) -> tuple[ModelConfig, str | None]:
+    """`quantization auto`: a .gguf file's own blocks on CPU (`gguf`), anything else dense (`none`);
+    the config with the resolved value, and why (for the ready line; None when it was not `auto`)."""
+    if model.quantization != "auto":
+        return model, None
+    is_gguf = model.model != "tiny" and resolve_model_path(model.model).endswith(".gguf")
+    if is_gguf and model.device.startswith("cpu"):
+        return replace(model, quantization="gguf"), "auto: a .gguf file, its own blocks on CPU"
+    why = "not a .gguf file" if not is_gguf else "the GGUF's blocks run on CPU only"
+    return replace(model, quantization="none"), f"auto: {why}"

@@ -115,6 +115,19 @@ def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
         "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)")
 
 
+def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded):
+    from disagg.engine.resolve import resolve_quantization
+
+    gguf, why = resolve_quantization(ModelConfig(quantization="auto"))  # the default model: a .gguf file
+    assert (gguf.quantization, why) == ("gguf", "auto: a .gguf file, its own blocks on CPU")
+    cuda, why = resolve_quantization(ModelConfig(quantization="auto", device="cuda"))
+    assert (cuda.quantization, why) == ("none", "auto: the GGUF's blocks run on CPU only")
+    assert resolve_quantization(ModelConfig(quantization="int8")) == (ModelConfig(quantization="int8"), None)
+    assert engine(tiny_loaded, "auto", kernels="torch").engine_summary == (
+        "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none (auto: not a .gguf file): "
+        "9 float32 dense (F.linear), kv cache float32 (auto: the model's dtype)")
+
+
 @pytest.fixture(scope="module")
 def smollm2_gguf():
     return load_model(ModelConfig(quantization="gguf"))

@@ -204,7 +204,7 @@ def test_groups_that_are_not_blocks_of_32_stay_on_torchs_kernel():
 
 
 def test_quantization_config_names_the_choices():
-    with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, int4, gguf, got 'int3'$"):
+    with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, int4, gguf, auto, got 'int3'$"):
         ModelConfig(quantization="int3")
     with pytest.raises(ConfigError, match=r"^quantization 'int4' runs on CPU only \(torch's int4/int8 CPU kernels\); "
                                           r"use quantization none on cuda$"):

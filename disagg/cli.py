@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     model, cache, sched = (dataclass_from_args(cls, args) for cls in ENGINE_PARTS)
     return EngineConfig(model=model, cache=cache, scheduler=sched, num_threads=args.num_threads,
-                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

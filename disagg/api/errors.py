@@ -7,6 +7,7 @@ from __future__ import annotations
 import structlog
 
 from disagg.api.admission import RETRY_AFTER_S, Overload
+from disagg.dp.faults import ENGINE_STATUSES
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
 from disagg.drain import Drain
 from disagg.http_edge import DRAINING_CODE, SHUTDOWN_CODE, BadRequest, Edge, HttpError, error_middleware, http_error_of
@@ -61,13 +62,10 @@ class AdminDisabled(HttpError):
                               "start it with --admin-key (or DISAGG_ADMIN_KEY) to use it", code="admin_disabled")
 
 
-ENGINE_STATUSES = frozenset({400, 404, 413, 429, 500, 503})  # 429: a fail_requests fault (disagg/dp/faults.py)
-
-
 def engine_error(message: str, status: int, param: str | None) -> HttpError:
     """An HttpError for a request the engine failed (`OutputMsg.error*`); statuses other than
     ENGINE_STATUSES become 500 (a role's own 499 and 504 included: docs/faults.md)."""
-    if status not in ENGINE_STATUSES:
+    if status not in ENGINE_STATUSES:  # 429 only from a fail_requests fault
         status = 500
     return HttpError(status, message, param=param)
 

@@ -76,12 +76,13 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
     bind_request(msg.request_id)
     admit(state)
     with state.drain.track():
-        dp_rank = state.engine.pick_rank(routed_dp_rank, None, msg)
         children = child_msgs(msg, n)
         # A prefill places each child by its own room (the decode resolves that room's rank); any other
         # server keeps the children on one worker, where they share the prompt's blocks.
         per_child = msg.bootstrap_room is not None and state.config.disaggregation_mode is DisaggregationMode.PREFILL
-        ranks = [state.engine.pick_rank(routed_dp_rank, c.bootstrap_room, c) if per_child else dp_rank for c in children]
+        ranks = ([state.engine.pick_rank(routed_dp_rank, c.bootstrap_room, c) for c in children] if per_child
+                 else [state.engine.pick_rank(routed_dp_rank, None, msg)] * n)
+        dp_rank = ranks[0]
         generations = [Generation(state, child, rank) for child, rank in zip(children, ranks)]
         renderers = [new_renderer() for _ in range(n)]
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}

@@ -36,7 +36,9 @@ def _call(name: str, arguments: str) -> dict:
 
 
 def choice_finish_reason(plan: ToolPlan, called: bool, engine_reason: str | None) -> str | None:
-    """The choice's finish_reason once tool calls were (or were not) read from it."""
+    """The choice's finish_reason once tool calls were (or were not) read from it; None while it runs."""
+    if engine_reason is None:
+        return None
     if called and (plan.mode == AUTO or plan.mode == REQUIRED and engine_reason == "stop"):
         return "tool_calls"
     return engine_reason

@@ -27,8 +27,8 @@ from disagg.cpus import format_cpu_list, usable_cpus, worker_cpu_sets
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.aggregate import check_results
-from disagg.dp.dispatch import Dispatcher, routing_prompt
-from disagg.dp.faults import WORKER_FAULTS, ProcessFaults
+from disagg.dp.dispatch import Dispatcher, estimate_tokens, routing_prompt
+from disagg.dp.faults import PD_FAULTS, WORKER_FAULTS, ProcessFaults
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
 from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
@@ -322,7 +322,7 @@ class DPController:
         finished = False
         try:
             worker.send(msg)
-            worker.outstanding[msg.request_id] = _estimate_tokens(msg, self.model.max_model_len if self.model else 0)
+            worker.outstanding[msg.request_id] = estimate_tokens(msg, self.model.max_model_len if self.model else 0)
             while not finished:
                 out = await queue.get()
                 finished = out.finish_reason is not None or out.error is not None
@@ -338,6 +338,8 @@ class DPController:
     async def inject_fault(self, kind: str, dp_rank: int, params: dict) -> None:
         """One fault on the worker of `dp_rank` (checked by faults.check_fault; docs/testing.md)."""
         worker = self.workers[self.dispatcher.check_rank(dp_rank)]
+        if kind in PD_FAULTS and self.server.disaggregation_mode is DisaggregationMode.NULL:
+            raise InvalidRequest(f"{kind}: this server moves no KV (a unified server)", "fault")
         if kind in WORKER_FAULTS:
             await self.call_utility(Utility.INJECT_FAULT, kind, params, ranks=[dp_rank])
         else:
@@ -388,14 +390,3 @@ class DPController:
     def healthy(self) -> bool:
         return bool(self.workers) and all(w.available for w in self.workers)
 
-
-def _estimate_tokens(msg: GenerateMsg, max_model_len: int) -> int:
-    """Outstanding-token estimate for least_load, before the worker has tokenized anything."""
-    if msg.prompt_token_ids is not None:
-        prompt = len(msg.prompt_token_ids)
-    else:
-        prompt = len(msg.prompt or "") // 4 + sum(len(str(m.get("content", ""))) for m in msg.messages or []) // 4
-    sampling = msg.sampling
-    # 0 is a prompt-only request; unset is the endpoint's default, else up to the context.
-    limit = sampling.max_tokens if sampling.max_tokens is not None else sampling.default_max_tokens or max_model_len
-    return prompt + limit

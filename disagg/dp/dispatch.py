@@ -25,6 +25,18 @@ def routing_prompt(msg: GenerateMsg) -> Prompt:
     return "\n".join(str(m.get("content", "")) for m in msg.messages or [])
 
 
+def estimate_tokens(msg: GenerateMsg, max_model_len: int) -> int:
+    """Outstanding-token estimate for least_load, before the worker has tokenized anything."""
+    if msg.prompt_token_ids is not None:
+        prompt = len(msg.prompt_token_ids)
+    else:
+        prompt = len(msg.prompt or "") // 4 + sum(len(str(m.get("content", ""))) for m in msg.messages or []) // 4
+    sampling = msg.sampling
+    # 0 is a prompt-only request; unset is the endpoint's default, else up to the context.
+    limit = sampling.max_tokens if sampling.max_tokens is not None else sampling.default_max_tokens or max_model_len
+    return prompt + limit
+
+
 class Dispatcher:
     """`round_robin`, `least_load` (fewest outstanding tokens), `follow_bootstrap_room`
     (rank_rule.implied_rank) or `cache_aware` (one prefix tree per worker; prefix_tree.pick_by_cache

@@ -23,8 +23,9 @@ FAULTS: dict[str, tuple[str, ...]] = {
     "delay_transfers": ("count", "seconds"), "fail_transfers": ("count",), "stop_heartbeats": ("seconds",),
 }
 WORKER_FAULTS = frozenset({"slow_steps", "delay_transfers", "fail_transfers", "stop_heartbeats"})
+PD_FAULTS = frozenset({"delay_transfers", "fail_transfers", "stop_heartbeats"})  # prefill and decode servers only
 _LIMITS = {"seconds": (0.001, 3600.0), "count": (1, 1_000_000), "ms": (0.0, 60_000.0)}
-STATUSES = (400, 404, 413, 429, 500, 503)  # what a worker's failed request may answer (api/errors.py)
+ENGINE_STATUSES = (400, 404, 413, 429, 500, 503)  # what a worker's failed request may answer (api/errors.py)
 
 
 def check_fault(kind: str, params: dict[str, object]) -> dict[str, float | int]:
@@ -36,8 +37,8 @@ def check_fault(kind: str, params: dict[str, object]) -> dict[str, float | int]:
 
 def _checked(kind: str, name: str, value: object) -> float | int:
     if name == "status":
-        if isinstance(value, bool) or value not in STATUSES:
-            raise InvalidRequest(f"{kind} needs status: one of {', '.join(map(str, STATUSES))}, got {value!r}", name)
+        if isinstance(value, bool) or value not in ENGINE_STATUSES:
+            raise InvalidRequest(f"{kind} needs status: one of {', '.join(map(str, ENGINE_STATUSES))}, got {value!r}", name)
         return value
     low, high = _LIMITS[name]
     integral = isinstance(low, int)

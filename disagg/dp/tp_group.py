@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 from typing import TYPE_CHECKING
@@ -81,6 +82,7 @@ class Followers:
             if process.is_alive():
                 process.kill()
                 process.join(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def follower_main(spec: WorkerSpec, rank: int, rendezvous: str, conn) -> None:

@@ -216,18 +216,16 @@ class WorkerRole:
         return FaultyBackend(backend) if self.fault_injection else backend
 
     def inject_fault(self, kind: str, params: dict) -> None:
-        """A worker-side fault (the front checked `kind` and `params`: disagg/dp/faults.py)."""
-        backend = getattr(self, "backend", None)
+        """A worker-side fault (the front checked `kind`, `params` and that a transfer fault reaches a
+        P/D worker, whose backend `faulty()` wrapped: disagg/dp/faults.py)."""
         if kind == "slow_steps":
             self.step_delay_s = params["ms"] / 1000
         elif kind == "stop_heartbeats":
             pause_heartbeats(params["seconds"])
-        elif not isinstance(backend, FaultyBackend):
-            raise InvalidRequest(f"{kind}: this worker moves no KV (a unified server)", "fault")
         elif kind == "delay_transfers":
-            backend.delay(params["count"], params["seconds"])
+            self.backend.delay(params["count"], params["seconds"])
         else:
-            backend.fail(params["count"])
+            self.backend.fail(params["count"])
         log.warning("fault injected", fault=kind, **params)
 
     def _sleep(self, level: int = 1) -> None:

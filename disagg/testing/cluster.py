@@ -8,11 +8,10 @@ any client; the engine workers are real processes. Nothing here is a mock: the s
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
 import secrets
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
@@ -28,6 +27,7 @@ from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
 from disagg.router.policy import Policy
 from disagg.router.server import RouterServer
 from disagg.testing.faults import Faults
+from disagg.testing.http import post
 
 HOST = "127.0.0.1"
 LEAK_GAUGES = ("disagg_num_free_blocks", "disagg_num_quarantined_blocks", "disagg_num_requests_running",
@@ -128,7 +128,15 @@ class _Loop:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        """`coro`'s result; past `timeout_s` it is cancelled (what it started closes itself) and
+        TimeoutError raised."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            concurrent.futures.wait([future], 30)
+            raise
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -288,17 +296,3 @@ def leaks(role: str, metrics: Metrics) -> list[str]:
             for gauge, want in wanted.items() for rank, value in sorted(metrics.by_rank(gauge).items())
             if value != want.get(rank)]
 
-
-def post(url: str, body: dict, headers: dict[str, str] | None = None, timeout_s: float = 120.0) -> tuple[int, Any]:
-    """(status, JSON body, or the text of a stream or of a body that is not JSON)."""
-    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read().decode()
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw

@@ -4,9 +4,7 @@ with the server's status and message."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
+from disagg.testing.http import post
 
 
 class FaultRefused(RuntimeError):
@@ -50,18 +48,9 @@ class Faults:
         return self.inject("stop_heartbeats", rank, seconds=seconds)
 
     def inject(self, fault: str, rank: int, **params: float) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.admin_key is not None:
-            headers["Authorization"] = f"Bearer {self.admin_key}"
-        body = json.dumps({"fault": fault, "dp_rank": rank, **params}).encode()
-        request = urllib.request.Request(self.url + "/faults", body, headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            text = err.read().decode()
-            try:
-                text = json.loads(text)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            raise FaultRefused(err.code, text) from None
+        headers = {} if self.admin_key is None else {"Authorization": f"Bearer {self.admin_key}"}
+        status, answer = post(self.url + "/faults", {"fault": fault, "dp_rank": rank, **params}, headers, 30)
+        if status != 200:
+            message = answer["error"]["message"] if isinstance(answer, dict) and "error" in answer else str(answer)
+            raise FaultRefused(status, message)
+        return answer

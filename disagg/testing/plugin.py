@@ -3,9 +3,10 @@
 Fixtures:
 - `disagg_cluster`: one Cluster per test module (started on first use, stopped after the module's
   last test); `disagg_cluster_per_test`: one per test.
-- Options, in this order of precedence: indirect parametrization (`@pytest.mark.parametrize(
-  "disagg_cluster", [{"protocol": "pull"}], indirect=True)`), then a `disagg_cluster(**options)`
-  marker on the test, its class or its module (`pytestmark`); the options are Cluster's arguments.
+- Options (Cluster's arguments): an indirect parameter (`@pytest.mark.parametrize("disagg_cluster",
+  [{"protocol": "pull"}], indirect=True)`) wins; else a `disagg_cluster(**options)` marker: the
+  module's (`pytestmark`) for `disagg_cluster`, which the module's tests share, the closest one
+  (test, class, module) for `disagg_cluster_per_test`.
 - `disagg_cluster_factory`: `factory(**options)` starts a Cluster; every one is stopped after the test.
 
 Importing this module imports nothing heavy: the servers load when a fixture first runs.

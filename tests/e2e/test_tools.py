@@ -65,6 +65,7 @@ async def streamed(client, **request) -> tuple[str, list[tuple[str, str]], str]:
     """(content, [(name, arguments joined)], finish_reason) of a streamed answer, checking each call's first delta."""
     content, calls, finish = "", {}, None
     async for chunk in await client.chat.completions.create(stream=True, **request):
+        assert finish is None  # a finish_reason comes on the last chunk only
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for delta in choice.delta.tool_calls or []:

@@ -10,7 +10,7 @@ import pytest
 
 from disagg.config import ControlConfig
 from disagg.testing import Cluster, FaultRefused
-from disagg.testing.cluster import post
+from disagg.testing.http import post
 
 pytestmark = pytest.mark.timeout(180)
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}

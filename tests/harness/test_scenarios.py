@@ -12,7 +12,7 @@ import pytest
 
 from disagg.config import ControlConfig
 from disagg.testing import Cluster
-from disagg.testing.cluster import post
+from disagg.testing.http import post
 from real_router import PROTOCOL, real_router
 
 pytestmark = pytest.mark.timeout(240)

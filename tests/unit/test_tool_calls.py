@@ -119,6 +119,7 @@ def test_hermes_whole_text_gives_content_and_each_call():
     assert whole_message(plan, "No tools needed.") == ("No tools needed.", [])
     assert choice_finish_reason(plan, True, "length") == "tool_calls"
     assert choice_finish_reason(plan, False, "stop") == "stop"
+    assert choice_finish_reason(plan, True, None) is None  # still running: a streamed chunk says nothing
 
 
 def stream(plan, text: str, seed: int = 0) -> tuple[str, list[dict]]:

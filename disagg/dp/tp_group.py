@@ -103,7 +103,7 @@ async def _follow(spec: WorkerSpec, rank: int, rendezvous: str, conn) -> None:
     from disagg.engine.models.tensor_parallel import init_group
 
     engine = rank_engine(spec.engine)
-    core = EngineCore(engine, tp=init_group(rank, engine.tensor_parallel_size, rendezvous))
+    core = EngineCore(engine, tp=init_group(rank, engine.tensor_parallel_size, rendezvous, engine.model.device))
     core.warm_up()  # rank 0 warms up too: the same forward passes, the same collectives
     role = spec.role.build(core, spec.dp_rank, spec.engine.model.served_model_name or core.loaded.name)
     log.info("tensor-parallel follower ready", num_blocks=core.num_blocks)

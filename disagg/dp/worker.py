@@ -130,7 +130,7 @@ def _load_engine(config: EngineConfig, rendezvous: str | None = None):
         core = EngineCore(config)
     else:
         config = rank_engine(config)
-        core = EngineCore(config, tp=init_group(0, config.tensor_parallel_size, rendezvous))
+        core = EngineCore(config, tp=init_group(0, config.tensor_parallel_size, rendezvous, config.model.device))
     core.warm_up()
     return core
 

@@ -61,7 +61,7 @@ class HttpMetrics:
 class WorkerCollector:
     """Each server's health (1 healthy, 0 unhealthy, -1 not checked yet) and requests in flight."""
 
-    VALUES = {Health.HEALTHY: 1.0, Health.UNHEALTHY: 0.0, Health.UNKNOWN: -1.0}
+    VALUES = {Health.HEALTHY: 1.0, Health.UNHEALTHY: 0.0, Health.UNKNOWN: -1.0, Health.PENDING: -1.0}
 
     def __init__(self, pool):
         self.pool = pool

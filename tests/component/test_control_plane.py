@@ -10,6 +10,7 @@ import time
 import grpc
 import msgspec
 import pytest
+from fake_engine import wait_for
 from structlog.testing import capture_logs
 
 from disagg.config import ControlConfig
@@ -244,8 +245,7 @@ async def test_a_stopped_prefill_is_a_warning_only_when_something_was_in_flight(
                 future = cli.send_transfer(info(41))
                 assert await asyncio.wait_for(server.events.get(), 2) == info(41)
             await server.close()
-            while cli.is_alive:
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: not cli.is_alive, 2)
             if busy:
                 assert (await asyncio.wait_for(future, 2)).peer_lost
     got = [(e["log_level"], e["event"], e["rooms"]) for e in logs

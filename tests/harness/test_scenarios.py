@@ -78,7 +78,9 @@ def test_a_prefill_worker_dies_mid_request(setup):
         assert re.fullmatch(r"Transparent proxy request failed: Network error: Prefill server http://127\.0\.0\.1:\d+"
                             r"/v1/completions returned 503 Service Unavailable: \{\"error\":\{\"message\":\"DP worker "
                             r"\d died \(closed its connection\)\",.*", answer)
+    deadline = time.monotonic() + 60
     while not all(w.ready and w.restarts == 1 for w in cluster.prefill.workers()):
+        assert time.monotonic() < deadline, cluster.prefill.workers()
         time.sleep(0.1)
     assert ask(url)[0] == 200
     cluster.assert_no_leaks()

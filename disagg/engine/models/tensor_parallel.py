@@ -60,11 +60,12 @@ class TorchCollectives:
         return torch.cat(parts, dim=-1)
 
 
-def init_group(rank: int, size: int, init_method: str, timeout_s: float = 60.0) -> TorchCollectives:
-    """Join the TP group (`init_method`: a `tcp://` or `file://` rendezvous) and return its collectives."""
+def init_group(rank: int, size: int, init_method: str, device: str = "cpu", timeout_s: float = 60.0) -> TorchCollectives:
+    """Join the TP group (`init_method`: a `tcp://` or `file://` rendezvous) and return its
+    collectives: NCCL for a model on CUDA, gloo on the CPU."""
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return TorchCollectives()

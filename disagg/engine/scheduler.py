@@ -1,7 +1,7 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
-Pure Python. Each step: running requests first (in the order they started), then waiting ones,
-within a token budget. The waiting queue is in arrival order (fcfs) or by (priority, arrival) under
+Pure Python. Each step: running requests first (those decoding, then those still prefilling, each
+in the order they started), then waiting ones, within a token budget. The waiting queue is in arrival order (fcfs) or by (priority, arrival) under
 the priority policy; when the KV cache runs out, the last request to start (fcfs) or the running one
 with the largest (priority, arrival) (vLLM's rule) is preempted and queued again. A request whose computed tokens reach its total after this step samples one token.
 The P/D hooks are plain states: WAITING_FOR_KV (blocks reserved, KV written by someone else) and
@@ -141,7 +141,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        for request in list(self.running):
+        for request in self._running_decodes_first():
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -157,6 +157,13 @@ class Scheduler:
             budget = self._schedule_waiting(budget, scheduled)
         out.seqs = [self._seq(r, n) for r, n in scheduled]
         return out
+
+    def _running_decodes_first(self) -> list[Request]:
+        """The running requests, those with one token to compute (decoding) before those still
+        prefilling, each group in the order it started: a prefill chunk takes what the decodes leave
+        of the budget, so it never delays a decoding request's next token."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        return decoding + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
 
     def _chunk(self, num_left: int, budget: int) -> int:
         """Tokens a request computes this step: what it has left, within the budget and the long-prefill cap."""

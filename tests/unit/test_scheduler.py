@@ -207,6 +207,20 @@ def test_max_num_seqs_caps_running_requests():
     assert [r.request_id for r in sched.waiting] == ["c"]
 
 
+def test_decoding_requests_take_their_token_before_an_earlier_prompt_takes_the_rest_of_the_budget():
+    sched, _ = make(num_blocks=16, budget=5)
+    sched.add(req("a", range(12), max_tokens=8))  # a decode's local prefill, started first
+    step(sched, {})
+    for rid in ("b", "c"):  # their KV lands from a prefill: they run after a, decoding from their first token
+        assert sched.reserve_for_remote_kv(req(rid, range(100, 102), max_tokens=8))
+        sched.admit_remote_kv(rid, SampledToken(7))
+    assert [r.request_id for r in sched.running] == ["a", "b", "c"]
+    out = step(sched, {"b": 1, "c": 2})
+    # a's chunk no longer takes the whole budget ahead of them: b and c get a token each, a what is left
+    assert [(s.request_id, len(s.token_ids), s.start_pos, s.sample) for s in out.seqs] == [
+        ("b", 1, 2, True), ("c", 1, 2, True), ("a", 3, 5, False)]
+
+
 def test_long_prefill_token_threshold_chunks_a_prompt_beside_a_decoding_request():
     kv = KVCacheManager(16, 4, True)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=4)

@@ -116,6 +116,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="the decode server's token budget per step (default: --max-num-batched-tokens); with "
                             "--max-local-prefill-tokens a small one chunks the prompts the decode prefills itself, "
                             "so the requests decoding beside them keep their pace")
+    serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
+                       help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
+                            "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
+                            "and the decode's steps stay free of prefill work (0: whenever the rest is short; "
+                            "default: 1)")
     serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                        default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
@@ -173,6 +178,8 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     disagg = disagg_from_args(args, bootstrap_port=0)
     check_shutdown_timeout(args.shutdown_timeout_s)
+    if args.local_prefill_min_prefill_load < 0:
+        raise ConfigError(f"--local-prefill-min-prefill-load must be >= 0, got {args.local_prefill_min_prefill_load}")
     plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
     tools = dataclass_from_args(ToolConfig, args)
     if (problem := tools.problem()) is not None:
@@ -184,7 +191,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         decode_engine = dataclasses.replace(engine, scheduler=scheduler)
     return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
                        args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
-                       (args.prefill_cpus, args.decode_cpus), decode_engine, tools)
+                       (args.prefill_cpus, args.decode_cpus), decode_engine, tools,
+                       min_prefill_load=args.local_prefill_min_prefill_load)
 
 
 def run_top(args: argparse.Namespace) -> int:

@@ -166,11 +166,16 @@ class CacheAwarePairPicker:
         if not any(load.eligible for load in prefill):
             raise NoHealthyServer("prefill")
         d, local = self._pick_decode(decode, text)
-        if local and local_ok:
+        if local and local_ok and self._prefills_busy(prefill):
             return PairPick(-1, d, local=True)
         p = self.prefill.pick(prefill, text, token_ids)
         assert p is not None, "an eligible prefill was checked above"
         return PairPick(p.index, d, p.dp_rank, p.outcome, p.match_ratio)
+
+    def _prefills_busy(self, prefill: Sequence[ServerLoad]) -> bool:
+        """Every eligible prefill has at least --local-prefill-min-prefill-load prefill legs unanswered."""
+        floor = self.prefill.config.local_prefill_min_prefill_load
+        return min(load.prefilling for load in prefill if load.eligible) >= floor
 
     def learn_answer(self, decode_server_id: int, text: Prompt) -> None:
         """Record a prompt and the answer its decode gave in that decode's tree (it holds both now)."""

@@ -35,6 +35,7 @@ class ServerLoad:
     in_flight: int = 0
     server_id: int = 0  # the pool's id: stable while positions shift as servers come and go
     dp_size: int | None = None  # from /server_info; None until read
+    prefilling: int = 0  # prefill servers: legs sent that have not answered (its queue, as the router sees it)
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,7 @@ class Proxy:
 
     async def _pull_ticket(self, plan: Plan, headers: dict[str, str]) -> tuple[Plan, asyncio.Future]:
         """Pull flow: the prefill's answer, and the plan whose decode leg carries its ticket."""
-        answer = await self._legs.fetch(plan.prefill, headers)
+        answer = await self._fetch_prefill(plan, headers)
         ticket = (json_or_none(answer.body) or {}).get("kv_transfer_params")
         if not isinstance(ticket, dict):
             raise HttpError(502, f"prefill server {plan.prefill.server} answered without kv_transfer_params "
@@ -270,9 +270,18 @@ class Proxy:
         done.set_result(answer)
         return replace(plan, decode=replace(plan.decode, body=bodies.encode_body(decode_body))), done
 
+    async def _fetch_prefill(self, plan: Plan, headers: dict[str, str]) -> LegAnswer:
+        """The prefill leg, counted as prefilling on its server until it answers (the prefill's queue
+        for --local-prefill-min-prefill-load)."""
+        self._pool.begin_prefill(plan.prefill.index)
+        try:
+            return await self._legs.fetch(plan.prefill, headers)
+        finally:
+            self._pool.end_prefill(plan.prefill.index)
+
     async def _unary(self, plan: Plan, headers: dict[str, str], prefill: asyncio.Future | None = None,
                      out_headers: dict[str, str] | None = None) -> web.Response:
-        prefill = prefill or asyncio.create_task(self._legs.fetch(plan.prefill, headers))
+        prefill = prefill or asyncio.create_task(self._fetch_prefill(plan, headers))
         decode = asyncio.create_task(self._legs.fetch(plan.decode, headers))
         prefill_answer, decode_answer = await both_or_first_error(prefill, decode)
         body = self._decode_body(plan, prefill_answer, decode_answer)
@@ -301,7 +310,7 @@ class Proxy:
 
     async def _stream(self, request: web.Request, plan: Plan, headers: dict[str, str],
                       prefill: asyncio.Future | None = None, out_headers: dict[str, str] | None = None) -> web.StreamResponse:
-        prefill = prefill or asyncio.create_task(self._legs.fetch(plan.prefill, headers))
+        prefill = prefill or asyncio.create_task(self._fetch_prefill(plan, headers))
         opening = asyncio.create_task(self._legs.open_stream(plan.decode, headers))
         resp = None
         try:

@@ -67,6 +67,7 @@ class _Worker:
     dp_size: int | None = None
     last_error: str | None = None
     admitting: bool = True  # False once drained: no new requests, those in flight finish
+    prefilling: int = 0  # of in_flight, those whose prefill leg has not answered yet
 
 
 class WorkerPool:
@@ -122,7 +123,7 @@ class WorkerPool:
     def loads(self, role: Role) -> list[ServerLoad]:
         """What the policy sees, in the order of `ids(role)`: unhealthy, unchecked discovered and
         draining servers are not eligible."""
-        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size) for i, w in self._workers[role].items()]
+        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size, w.prefilling) for i, w in self._workers[role].items()]
 
     def info(self, role: Role, worker_id: int) -> WorkerInfo:
         """A snapshot of one server."""
@@ -176,6 +177,16 @@ class WorkerPool:
         assert w.in_flight > 0, f"{role} server {w.url}: request ended twice"
         w.in_flight -= 1
         self._forget_if_drained(role, worker_id)
+
+    def begin_prefill(self, worker_id: int) -> None:
+        """A prefill leg is sent to this prefill server (its request has begun there)."""
+        self._workers[Role.PREFILL][worker_id].prefilling += 1
+
+    def end_prefill(self, worker_id: int) -> None:
+        """That prefill leg answered, failed or was cancelled (a server forgotten meanwhile is skipped)."""
+        w = self._workers[Role.PREFILL].get(worker_id)
+        if w is not None:
+            w.prefilling -= 1
 
     def _forget_if_drained(self, role: Role, worker_id: int) -> bool:
         w = self._workers[role][worker_id]

@@ -19,6 +19,7 @@ from aiohttp import web
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from disagg.router.workers import Role
+from fake_engine import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -561,3 +562,34 @@ async def test_with_one_pair_the_client_gets_the_429_and_its_retry_after_at_once
         status, headers, raw = await post(router, "/v1/completions", {"prompt": "hi"})
     assert (status, headers["Retry-After"], msgspec.json.decode(raw), len(decode.bodies)) == (429, "1", OVERLOADED, 1)
     assert "X-Disagg-Retries" not in headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_counts_a_leg_as_prefilling_until_it_answers(stream):
+    release_prefill, release_decode = asyncio.Event(), asyncio.Event()
+
+    def after(event: asyncio.Event, then):
+        async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+            await event.wait()
+            return await then(request, body)
+        return answer
+
+    prefill = FakeServer(after(release_prefill, json_answer({"text": "", "meta_info": {}})))
+    decode = FakeServer(after(release_decode, sse_answer(SSE_CHUNKS) if stream else json_answer({"text": "abc"})))
+    async with cluster([prefill], [decode]) as router:
+        pool = router.router.pool
+
+        def counts() -> tuple[int, int, int]:
+            load = pool.loads(Role.PREFILL)[0]
+            return load.prefilling, load.in_flight, pool.loads(Role.DECODE)[0].in_flight
+
+        request = asyncio.create_task(post(router, "/generate", {"text": "hi", "stream": stream}))
+        await wait_for(lambda: len(decode.bodies) == 1 and len(prefill.bodies) == 1)
+        assert counts() == (1, 1, 1)
+        release_prefill.set()
+        await wait_for(lambda: counts()[0] == 0)
+        assert counts() == (0, 1, 1)  # the request is in flight on both until the decode ends it
+        release_decode.set()
+        status, _, _ = await request
+        await wait_for(lambda: counts() == (0, 0, 0))  # a stream's handler ends after its last byte
+        assert status == 200

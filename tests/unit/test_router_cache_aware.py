@@ -175,6 +175,24 @@ def test_a_decode_holding_the_prefix_prefills_a_short_rest_itself():
     assert picker.pick(two_servers(), decodes, ids + (1, 2, 3, 4, 5, 6, 7, 8, 9)).local is False
 
 
+def test_a_short_rest_goes_to_the_decode_alone_only_while_every_prefill_is_busy():
+    config = CacheAwareConfig(max_local_prefill_tokens=4, local_prefill_min_prefill_load=2)
+    picker = CacheAwarePairPicker(config, random.Random(0))
+    decodes = [ServerLoad(True, 0, server_id=7)]
+    first = "You are a helpful assistant. Hi"
+    picker.pick(two_servers(), decodes, first)
+
+    def prefills(*prefilling: int, eligible: tuple[bool, ...] = (True, True)) -> list[ServerLoad]:
+        return [ServerLoad(ok, 9, i, 1, n) for i, (ok, n) in enumerate(zip(eligible, prefilling))]
+
+    # 4 tokens past the decode's tree, but one prefill has only one leg unanswered: it computes them.
+    assert picker.pick(prefills(2, 1), decodes, first + " How").local is False
+    assert picker.pick(prefills(2, 2), decodes, first + " How are").local is True
+    # An ineligible prefill's queue does not count; requests in flight (decoding) do not either.
+    assert picker.pick(prefills(0, 3, eligible=(False, True)), decodes, first + " How are you").local is True
+    assert picker.pick([ServerLoad(True, 50, 0, 1, 1)], decodes, first + " How are you,").local is False
+
+
 def test_without_local_prefill_the_decode_is_drawn_by_power_of_two():
     picker = CacheAwarePairPicker(CONFIG, random.Random(0))
     assert picker.decode is None
@@ -193,6 +211,8 @@ def test_the_flags_are_sglang_routers():
 def test_config_checks_its_bounds():
     for bad, message in [({"cache_threshold": 1.5}, "--cache-threshold"), ({"balance_abs_threshold": -1}, "abs"),
                          ({"max_local_prefill_tokens": -1}, "--max-local-prefill-tokens must be >= 0, got -1"),
+                         ({"local_prefill_min_prefill_load": -1},
+                          "--local-prefill-min-prefill-load must be >= 0, got -1"),
                          ({"balance_rel_threshold": 0.5}, "rel"), ({"max_tree_size": 0}, "--max-tree-size")]:
         with pytest.raises(ConfigError, match=message):
             CacheAwareConfig(**bad)

@@ -4,13 +4,14 @@ the local-prefill limit that both the decode and the router get."""
 import pytest
 
 from disagg import cli, cluster
+from disagg.config import ConfigError
 
 
 def captured_run(monkeypatch, argv: list[str]) -> dict:
     seen = {}
 
-    def fake_run(engine, disagg, *args):
-        seen.update(engine=engine, disagg=disagg, decode_engine=args[-2], tools=args[-1])
+    def fake_run(engine, disagg, *args, min_prefill_load):
+        seen.update(engine=engine, disagg=disagg, decode_engine=args[-2], tools=args[-1], min_prefill_load=min_prefill_load)
         return 0
 
     monkeypatch.setattr(cluster, "run", fake_run)
@@ -25,6 +26,14 @@ def test_the_decode_gets_its_own_step_budget_and_the_prefill_keeps_the_engines(m
     assert seen["decode_engine"].scheduler.max_num_batched_tokens == 48
     assert seen["decode_engine"].model == seen["engine"].model and seen["decode_engine"].cache == seen["engine"].cache
     assert seen["disagg"].max_local_prefill_tokens == 192
+
+
+def test_the_router_takes_a_short_rest_locally_only_from_a_busy_prefill_unless_told_otherwise(monkeypatch):
+    assert captured_run(monkeypatch, [])["min_prefill_load"] == 1
+    assert captured_run(monkeypatch, ["--local-prefill-min-prefill-load", "0"])["min_prefill_load"] == 0
+    monkeypatch.setattr(cluster, "run", lambda *args, **kwargs: pytest.fail("started"))
+    with pytest.raises(ConfigError, match=r"^--local-prefill-min-prefill-load must be >= 0, got -1$"):
+        cli.run(["serve", "--model", "tiny", "--local-prefill-min-prefill-load", "-1"])
 
 
 def test_without_the_option_both_run_one_engine(monkeypatch):
@@ -54,7 +63,9 @@ def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():
     from disagg.router.policy import Policy
 
     prefill, decode = SimpleNamespace(port=7001, bootstrap_port=7002), SimpleNamespace(port=7003)
-    config = cluster.router_config(prefill, decode, DisaggConfig(max_local_prefill_tokens=192), host="127.0.0.1", port=9)
+    config = cluster.router_config(prefill, decode, DisaggConfig(max_local_prefill_tokens=192), 3, host="127.0.0.1",
+                                   port=9)
     assert (config.policy, config.cache_aware.max_local_prefill_tokens) == (Policy.CACHE_AWARE, 192)
+    assert config.cache_aware.local_prefill_min_prefill_load == 3
     assert (config.prefill[0].url, config.prefill[0].bootstrap_port, config.decode) == (
         "http://127.0.0.1:7001", 7002, ("http://127.0.0.1:7003",))

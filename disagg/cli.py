@@ -116,6 +116,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="the decode server's token budget per step (default: --max-num-batched-tokens); with "
                             "--max-local-prefill-tokens a small one chunks the prompts the decode prefills itself, "
                             "so the requests decoding beside them keep their pace")
+    serve.add_argument("--decode-max-prefill-tokens-per-step", type=int, default=None, metavar="N",
+                       help="the decode server's prompt tokens per step (default: --max-prefill-tokens-per-step); "
+                            "with --max-local-prefill-tokens a small one chunks the prompts the decode prefills "
+                            "itself while every decoding request still gets its token each step")
     serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
                        help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
                             "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
@@ -186,9 +190,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         raise ConfigError(problem)
     engine = engine_from_args(args)
     decode_engine = None
-    if args.decode_max_num_batched_tokens is not None:
-        scheduler = dataclasses.replace(engine.scheduler, max_num_batched_tokens=args.decode_max_num_batched_tokens)
-        decode_engine = dataclasses.replace(engine, scheduler=scheduler)
+    decode_scheduler = {name: value for name, value in (
+        ("max_num_batched_tokens", args.decode_max_num_batched_tokens),
+        ("max_prefill_tokens_per_step", args.decode_max_prefill_tokens_per_step)) if value is not None}
+    if decode_scheduler:
+        decode_engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler))
     return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
                        args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
                        (args.prefill_cpus, args.decode_cpus), decode_engine, tools,

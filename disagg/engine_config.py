@@ -111,6 +111,11 @@ class SchedulerConfig:
         default=0, metadata={"help": "a request computes at most this many prompt tokens per step (vLLM's flag): "
                                      "long prompts are chunked, so the requests decoding beside them keep their pace "
                                      "(0: up to the step's budget)"})
+    max_prefill_tokens_per_step: int = field(
+        default=0, metadata={"help": "prompt tokens one step computes over all its requests (as SGLang's "
+                                     "--chunked-prefill-size bounds a prefill batch); decoding requests' tokens do not "
+                                     "count, so a small value keeps their pace while the step's budget stays large "
+                                     "for them (0: the step's budget alone)"})
     scheduling_policy: SchedulingPolicy = field(
         default=SchedulingPolicy.FCFS,
         metadata={"help": "fcfs (arrival order; priority ignored) or priority (a request's priority, lower first, "
@@ -126,6 +131,8 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.max_prefill_tokens_per_step < 0:
+            raise ConfigError(f"max_prefill_tokens_per_step must be >= 0 (0: off), got {self.max_prefill_tokens_per_step}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
 

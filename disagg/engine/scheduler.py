@@ -96,7 +96,7 @@ class Scheduler:
         if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hits):
             return False
         request.num_cached_tokens = num_hit_tokens
-        self._count_lookup(request.num_prompt_tokens, num_hit_tokens)
+        self._count_lookup(request, request.num_prompt_tokens, num_hit_tokens)
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
@@ -146,7 +146,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            room = self._prefill_room(budget, scheduled) if request.num_tokens - request.num_computed_tokens > 1 else budget
+            if room == 0:
+                continue  # this step's prompt tokens are spent (--max-prefill-tokens-per-step)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, room)
             num_preempted = len(out.preempted_ids)
             if self._allocate_or_preempt(request, num_new, out, scheduled):
                 scheduled.append((request, num_new))
@@ -164,6 +167,15 @@ class Scheduler:
         of the budget, so it never delays a decoding request's next token."""
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         return decoding + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+
+    def _prefill_room(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        """What a prompt chunk may take now: the budget, within --max-prefill-tokens-per-step less the
+        prompt tokens already scheduled this step (a decoding request's one token is not counted)."""
+        cap = self.config.max_prefill_tokens_per_step
+        if not cap:
+            return budget
+        used = sum(n for r, n in scheduled if r.num_tokens - r.num_computed_tokens > 1)
+        return max(0, min(budget, cap - used))
 
     def _chunk(self, num_left: int, budget: int) -> int:
         """Tokens a request computes this step: what it has left, within the budget and the long-prefill cap."""
@@ -205,12 +217,15 @@ class Scheduler:
             hits, num_hit_tokens = ([], 0)
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            room = self._prefill_room(budget, scheduled)
+            if room == 0:
+                break
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens - num_hit_tokens, room)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
             if request.num_computed_tokens == 0:
-                self._count_lookup(request.num_tokens, num_hit_tokens)
+                self._count_lookup(request, request.num_tokens, num_hit_tokens)
             if request.num_preemptions == 0 and request.num_computed_tokens == 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens += num_hit_tokens
@@ -220,8 +235,10 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        if self.kv.enable_caching:
+    def _count_lookup(self, request: Request, num_tokens: int, num_hit_tokens: int) -> None:
+        """vLLM's prefix-cache counters; a request that may not read the cache (it wants prompt
+        logprobs) is no query, as vLLM skips it."""
+        if self.kv.enable_caching and not request.wants_prompt_logprobs:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
 

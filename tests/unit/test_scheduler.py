@@ -221,6 +221,24 @@ def test_decoding_requests_take_their_token_before_an_earlier_prompt_takes_the_r
         ("b", 1, 2, True), ("c", 1, 2, True), ("a", 3, 5, False)]
 
 
+def test_max_prefill_tokens_per_step_bounds_the_prompt_tokens_of_a_step_and_not_its_decodes():
+    kv = KVCacheManager(32, 4, True)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_per_step=5)
+    sched = Scheduler(config, kv, 1000)
+    for rid, start in (("b", 100), ("c", 200)):
+        sched.add(req(rid, range(start, start + 2), max_tokens=8))
+    step(sched, {"b": 1, "c": 2})  # 4 prompt tokens, within the 5
+    sched.add(req("a", range(12), max_tokens=8))
+    sched.add(req("d", range(300, 303), max_tokens=8))
+    chunks = [[(s.request_id, len(s.token_ids)) for s in step(sched, {"a": 3, "b": 4, "c": 5, "d": 6}).seqs]
+              for _ in range(4)]
+    # b and c decode every step; a and d share 5 prompt tokens a step, a first (it arrived first)
+    assert chunks == [[("b", 1), ("c", 1), ("a", 5)], [("b", 1), ("c", 1), ("a", 5)],
+                      [("b", 1), ("c", 1), ("a", 2), ("d", 3)], [("b", 1), ("c", 1), ("a", 1), ("d", 1)]]
+    with pytest.raises(ConfigError, match="max_prefill_tokens_per_step must be >= 0"):
+        SchedulerConfig(max_prefill_tokens_per_step=-1)
+
+
 def test_long_prefill_token_threshold_chunks_a_prompt_beside_a_decoding_request():
     kv = KVCacheManager(16, 4, True)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=4)

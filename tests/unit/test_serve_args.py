@@ -36,6 +36,14 @@ def test_the_router_takes_a_short_rest_locally_only_from_a_busy_prefill_unless_t
         cli.run(["serve", "--model", "tiny", "--local-prefill-min-prefill-load", "-1"])
 
 
+def test_the_decode_gets_its_own_prompt_tokens_per_step(monkeypatch):
+    seen = captured_run(monkeypatch, ["--decode-max-prefill-tokens-per-step", "24", "--max-local-prefill-tokens", "192"])
+    assert (seen["engine"].scheduler.max_prefill_tokens_per_step, seen["engine"].scheduler.max_num_batched_tokens) == (
+        0, 1024)
+    assert (seen["decode_engine"].scheduler.max_prefill_tokens_per_step,
+            seen["decode_engine"].scheduler.max_num_batched_tokens) == (24, 1024)
+
+
 def test_without_the_option_both_run_one_engine(monkeypatch):
     assert captured_run(monkeypatch, [])["decode_engine"] is None
 

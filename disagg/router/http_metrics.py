@@ -59,7 +59,8 @@ class HttpMetrics:
 
 
 class WorkerCollector:
-    """Each server's health (1 healthy, 0 unhealthy, -1 not checked yet) and requests in flight."""
+    """Each server's health (1 healthy, 0 unhealthy, -1 not checked yet) and requests in flight, and
+    each prefill's legs not answered yet."""
 
     VALUES = {Health.HEALTHY: 1.0, Health.UNHEALTHY: 0.0, Health.UNKNOWN: -1.0, Health.PENDING: -1.0}
 
@@ -71,9 +72,14 @@ class WorkerCollector:
                                    labels=["worker", "worker_type"])
         active = GaugeMetricFamily("smg_worker_requests_active", "requests in flight on a server through this router",
                                    labels=["worker", "worker_type"])
+        prefilling = GaugeMetricFamily("disagg_router_prefill_legs_active", "prefill legs sent to a prefill server that "
+                                       "have not answered (--local-prefill-min-prefill-load reads them)", labels=["worker"])
         for role in Role:
             for info in self.pool.infos(role):
                 health.add_metric([info.url, str(role)], self.VALUES[info.health])
                 active.add_metric([info.url, str(role)], float(info.in_flight))
+                if role is Role.PREFILL:
+                    prefilling.add_metric([info.url], float(info.prefilling))
         yield health
         yield active
+        yield prefilling

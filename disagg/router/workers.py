@@ -45,6 +45,7 @@ class WorkerInfo:
     dp_size: int | None
     last_error: str | None
     admitting: bool = True
+    prefilling: int = 0  # prefill servers: legs sent that have not answered
 
     def as_json(self) -> dict:
         """The entry of this server in `/server_info` and `/workers`."""
@@ -129,7 +130,7 @@ class WorkerPool:
         """A snapshot of one server."""
         w = self._workers[role][worker_id]
         return WorkerInfo(role, worker_id, w.url, w.bootstrap_port, w.health, w.in_flight, w.dp_size, w.last_error,
-                          w.admitting)
+                          w.admitting, w.prefilling)
 
     def infos(self, role: Role) -> list[WorkerInfo]:
         """Snapshots of every server of `role`, in order of arrival."""

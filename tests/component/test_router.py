@@ -586,6 +586,9 @@ async def test_a_prefill_counts_a_leg_as_prefilling_until_it_answers(stream):
         request = asyncio.create_task(post(router, "/generate", {"text": "hi", "stream": stream}))
         await wait_for(lambda: len(decode.bodies) == 1 and len(prefill.bodies) == 1)
         assert counts() == (1, 1, 1)
+        async with router.http.get(router.url + "/metrics") as resp:
+            gauge = f'disagg_router_prefill_legs_active{{worker="{prefill.url}"}} 1.0'
+            assert gauge in (await resp.text()).splitlines()
         release_prefill.set()
         await wait_for(lambda: counts()[0] == 0)
         assert counts() == (0, 1, 1)  # the request is in flight on both until the decode ends it

@@ -116,14 +116,24 @@ async def scrape(session: aiohttp.ClientSession, role: str, url: str) -> Scrape:
 
 
 async def run(url: str, interval_s: float, once: bool, out=sys.stdout) -> int:
-    """Refresh until interrupted (or once); a server that does not answer is shown as such."""
+    """Refresh until interrupted (or once); a server that does not answer is shown as such, and when
+    `url` itself does not answer the servers it named last are still shown."""
     url = url.rstrip("/")
     before: dict[str, Scrape] = {}
+    known: list[tuple[str, str]] = []
     timeout = aiohttp.ClientTimeout(total=max(interval_s, 2.0))
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while True:
+            note = ""
+            try:
+                known = await targets(session, url)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                note = f"{url}/server_info unreachable: {type(exc).__name__}\n"
+                if once and not known:
+                    out.write(note)
+                    return 1
             table = []
-            for role, server in await targets(session, url):
+            for role, server in known:
                 try:
                     now = await scrape(session, role, server)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -131,7 +141,7 @@ async def run(url: str, interval_s: float, once: bool, out=sys.stdout) -> int:
                     continue
                 table += rows(now, before.get(server))
                 before[server] = now
-            screen = render(table)
+            screen = note + render(table)
             out.write(screen + "\n" if once else "\x1b[H\x1b[2J" + f"disagg top {url} (every {interval_s:g} s)\n" + screen + "\n")
             out.flush()
             if once:

@@ -36,18 +36,20 @@ def test_a_parametrized_cluster_speaks_the_pull_protocol(disagg_cluster_per_test
     cluster.assert_no_leaks()
 
 
-STARTED: list[int] = []
+@pytest.fixture
+def pids_gone_after_teardown():
+    """Set up before the factory (it comes first in the test's arguments), so torn down after it:
+    every pid the test records must be gone by then."""
+    pids: list[int] = []
+    yield pids
+    assert len(pids) == 3 and [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []
 
 
-def test_the_factory_starts_clusters(disagg_cluster_factory):
+def test_the_factory_starts_clusters_and_stops_them_after_the_test(pids_gone_after_teardown, disagg_cluster_factory):
     cluster = disagg_cluster_factory(router=False, decode_dp=2)
     with pytest.raises(RuntimeError, match="this cluster runs without a router"):
         cluster.router_url
     with urllib.request.urlopen(cluster.decode.url + "/health", timeout=10) as resp:
         assert resp.status == 200
-    STARTED.extend(cluster.pids())
-    assert len(STARTED) == 3
-
-
-def test_and_stops_them_after_the_test():
-    assert len(STARTED) == 3 and [pid for pid in STARTED if os.path.exists(f"/proc/{pid}")] == []
+    pids_gone_after_teardown.extend(cluster.pids())
+    assert len(pids_gone_after_teardown) == 3

@@ -92,6 +92,9 @@ def test_the_engine_counts_prefix_cache_queries_and_hits_as_vllm_does(tiny_loade
     assert reservation.num_cached_tokens == 132
     assert (core.stats().prefix_cache_queries, core.stats().prefix_cache_hits) == (4 * 136, 264)
     assert core.abort("d") and core.release("d")
+    # A request that wants prompt logprobs may not read the cache: no query, as vLLM skips it.
+    run(core, [prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
+    assert (core.stats().prefix_cache_queries, core.stats().prefix_cache_hits) == (4 * 136, 264)
     uncached = engine(tiny_loaded, caching=False)
     run(uncached, [prompt, prompt])
     assert (uncached.stats().prefix_cache_queries, uncached.stats().prefix_cache_hits) == (0, 0)

@@ -61,7 +61,7 @@ def whole_message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
 def _required(text: str) -> list[dict]:
     """The calls of a `required` array; cut short (max_tokens), the objects it completed."""
     items = []
-    for item in _array_items(text):
+    for item in ArrayItems().feed(text):
         try:
             items.append(json.loads(item))
         except json.JSONDecodeError:
@@ -164,6 +164,7 @@ class ToolStream:
         self.text = ""
         self.calls: list[CallStream] = []
         self._content_sent = 0
+        self._items = ArrayItems()
 
     @property
     def called(self) -> bool:
@@ -175,7 +176,7 @@ class ToolStream:
             deltas = self._named(new_text)
             content = ""
         elif self.plan.mode == REQUIRED:
-            deltas = self._feed_calls(_array_items(self.text), "parameters")
+            deltas = self._feed_calls(self._items.feed(self.text), "parameters")
             content = ""
         else:
             content = self._content(final)
@@ -229,25 +230,37 @@ def _hermes_bodies(text: str) -> list[str]:
     return bodies
 
 
-def _array_items(text: str) -> list[str]:
-    """The objects of a JSON array of objects so far: each from its `{` to its end or the text's end."""
-    items, start = [], None
-    depth, in_string, escape = 0, False, False
-    for at, ch in enumerate(text):
-        if in_string:
-            escape, in_string = (False, True) if escape else (ch == "\\", ch != '"')
-            continue
-        if ch == '"':
-            in_string = True
+class ArrayItems:
+    """The objects of a JSON array of objects arriving piece by piece: `feed(text)` takes the whole
+    text so far and returns each object from its `{` to its end or the text's end. Each character
+    is scanned once over the whole stream."""
+
+    def __init__(self) -> None:
+        self._done: list[tuple[int, int]] = []  # (start, end) of the closed objects
+        self._start: int | None = None
+        self._at = 0
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, text: str) -> list[str]:
+        while self._at < len(text):
+            self._step(text[self._at], self._at)
+            self._at += 1
+        items = [text[a:b] for a, b in self._done]
+        return items + ([text[self._start:]] if self._start is not None else [])
+
+    def _step(self, ch: str, at: int) -> None:
+        if self._in_string:
+            self._escape, self._in_string = (False, True) if self._escape else (ch == "\\", ch != '"')
+        elif ch == '"':
+            self._in_string = True
         elif ch in "{[":
-            depth += 1
-            if depth == 2 and ch == "{":
-                start = at
+            self._depth += 1
+            if self._depth == 2 and ch == "{":
+                self._start = at
         elif ch in "}]":
-            depth -= 1
-            if depth == 1 and start is not None:
-                items.append(text[start:at + 1])
-                start = None
-    if start is not None:
-        items.append(text[start:])
-    return items
+            self._depth -= 1
+            if self._depth == 1 and self._start is not None:
+                self._done.append((self._start, at + 1))
+                self._start = None

@@ -52,8 +52,17 @@ class RouterMetrics:
             self.cache_match_ratio.observe(pick.match_ratio)
 
     def watch_pool(self, pool) -> None:
-        """Report each server's health and requests in flight at every scrape."""
+        """Report each server's health and requests in flight at every scrape; a server the pool
+        forgets (drained and idle) loses its `disagg_router_picks` series."""
         self.registry.register(WorkerCollector(pool))
+        pool.on_forget = self.forget_server
+
+    def forget_server(self, role, url: str) -> None:
+        """Drop the pick counts of a server no longer known (nothing to drop: nothing happens)."""
+        try:
+            self.picks.remove(str(role), url)
+        except KeyError:
+            pass
 
     def render(self) -> web.Response:
         """GET /metrics: the Prometheus text format."""

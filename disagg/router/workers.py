@@ -7,7 +7,7 @@ Pure bookkeeping (no I/O): the health checker and the proxy report into it; the 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from disagg.router.config import PrefillEndpoint
@@ -82,6 +82,7 @@ class WorkerPool:
     def __init__(self, prefill: Sequence[PrefillEndpoint], decode: Sequence[str], initial: Health = Health.UNKNOWN):
         self._workers: dict[Role, dict[int, _Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
         self._next_id = {Role.PREFILL: 0, Role.DECODE: 0}
+        self.on_forget: Callable[[Role, str], None] | None = None  # (role, url) of a server forgotten
         for p in prefill:
             self.add(Role.PREFILL, p.url, p.bootstrap_port, initial)
         for url in decode:
@@ -194,6 +195,8 @@ class WorkerPool:
         if w.admitting or w.in_flight:
             return False
         del self._workers[role][worker_id]
+        if self.on_forget is not None and all(other.url != w.url for other in self._workers[role].values()):
+            self.on_forget(role, w.url)
         return True
 
 

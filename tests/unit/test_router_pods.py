@@ -127,3 +127,23 @@ def test_discovery_config_checks_its_values():
         RouterConfig(prefill=(PrefillEndpoint("http://p:1"),), discovery=config)
     with pytest.raises(ConfigError, match="--service-discovery-max-backoff-s must be at least"):
         DiscoveryConfig(prefill_selector=("a=b",), decode_selector=("a=b",), backoff_s=2, max_backoff_s=1)
+
+
+def test_a_forgotten_server_loses_its_pick_series_unless_its_url_is_back_under_a_new_id():
+    from disagg.router.metrics import RouterMetrics
+
+    pool, metrics = WorkerPool([], []), RouterMetrics()
+    metrics.watch_pool(pool)
+    first, second = pool.add(Role.DECODE, "http://d:0", None), pool.add(Role.DECODE, "http://d:1", None)
+    for url in ("http://d:0", "http://d:1"):
+        metrics.picks.labels("decode", url).inc()
+
+    def picked() -> dict[str, float]:
+        return {s.labels["worker"]: s.value for m in metrics.registry.collect() if m.name == "disagg_router_picks"
+                for s in m.samples if s.name.endswith("_total")}
+
+    again = pool.add(Role.DECODE, "http://d:0", None)  # the same pod back (a new id) while the old one drains
+    assert pool.drain(Role.DECODE, first) is True
+    assert picked() == {"http://d:0": 1.0, "http://d:1": 1.0}  # its URL is still served: the series stays
+    assert pool.drain(Role.DECODE, again) is True and pool.drain(Role.DECODE, second) is True
+    assert picked() == {}

@@ -9,7 +9,7 @@ import re
 import msgspec
 import pytest
 
-from disagg.api.tool_calls import ToolStream, ValueScanner, choice_finish_reason, whole_message
+from disagg.api.tool_calls import ArrayItems, ToolStream, ValueScanner, choice_finish_reason, whole_message
 from disagg.api.tools import AUTO_NEEDS_FLAGS, CORRECT_USAGE, plan_tools, template_fields, tool_constraint
 from disagg.http_edge import BadRequest
 from disagg.tool_config import ToolConfig
@@ -185,6 +185,17 @@ def test_required_and_named_stream_and_whole():
     assert (content, [c["function"] for c in calls]) == ("", [{"name": "get_weather", "arguments": '{"city": "Rome"}'}])
     assert joined(stream(named, '{"city": "Rome"}')[1]) == [("get_weather", '{"city": "Rome"}')]
     assert choice_finish_reason(named, True, "stop") == "stop"
+
+
+def test_a_streamed_array_is_scanned_once_and_gives_each_object_so_far(monkeypatch):
+    text = '[{"name": "a", "parameters": {"s": "}{"}}, {"name": "b", "parameters": {}}]'
+    items, steps = ArrayItems(), []
+    step = ArrayItems._step
+    monkeypatch.setattr(ArrayItems, "_step", lambda self, ch, at: (steps.append(at), step(self, ch, at)))
+    first = '{"name": "a", "parameters": {"s": "}{"}}'
+    seen = [items.feed(text[:n]) for n in (5, 40, 41, len(text))]
+    assert seen == [['{"na'], [first[:-1]], [first], [first, '{"name": "b", "parameters": {}}']]
+    assert steps == list(range(len(text)))  # every character once over the four feeds
 
 
 @pytest.mark.parametrize("value, end", [('{"a": "}"} tail', 10), ('["x", {"y": [1]}],', 17), ('"s\\"}" ,', 6),

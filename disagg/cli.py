@@ -120,6 +120,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="the decode server's prompt tokens per step (default: --max-prefill-tokens-per-step); "
                             "with --max-local-prefill-tokens a small one chunks the prompts the decode prefills "
                             "itself while every decoding request still gets its token each step")
+    serve.add_argument("--decode-max-num-seqs", type=int, default=None, metavar="N",
+                       help="the decode server's requests decoding in one step (default: --max-num-seqs); past it the "
+                            "latest whose KV landed wait for a slot, so the others keep their pace under overload")
     serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
                        help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
                             "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
@@ -192,7 +195,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     decode_engine = None
     decode_scheduler = {name: value for name, value in (
         ("max_num_batched_tokens", args.decode_max_num_batched_tokens),
-        ("max_prefill_tokens_per_step", args.decode_max_prefill_tokens_per_step)) if value is not None}
+        ("max_prefill_tokens_per_step", args.decode_max_prefill_tokens_per_step),
+        ("max_num_seqs", args.decode_max_num_seqs)) if value is not None}
     if decode_scheduler:
         decode_engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler))
     return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,

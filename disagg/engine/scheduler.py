@@ -142,8 +142,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         for request in self._running_decodes_first():
-            if budget == 0:
-                break
+            if budget == 0 or len(scheduled) == self.config.max_num_seqs:
+                break  # a decode admits every request whose KV landed; at most --max-num-seqs of them run a step
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             room = self._prefill_room(budget, scheduled) if request.num_tokens - request.num_computed_tokens > 1 else budget

@@ -221,6 +221,16 @@ def test_decoding_requests_take_their_token_before_an_earlier_prompt_takes_the_r
         ("b", 1, 2, True), ("c", 1, 2, True), ("a", 3, 5, False)]
 
 
+def test_requests_whose_kv_landed_run_at_most_max_num_seqs_a_step_the_earliest_first():
+    sched, _ = make(num_blocks=16, max_seqs=2)
+    for rid in ("a", "b", "c"):
+        assert sched.reserve_for_remote_kv(req(rid, range(10, 13), max_tokens=3))
+        sched.admit_remote_kv(rid, SampledToken(7))
+    assert [[s.request_id for s in step(sched, {"a": 1, "b": 2, "c": 3}).seqs] for _ in range(3)] == [
+        ["a", "b"], ["a", "b"], ["c"]]  # a and b end with their third token; c runs in the step after
+    assert (sched.requests["c"].output_token_ids, sched.requests["c"].is_finished) == ([7, 3], False)
+
+
 def test_max_prefill_tokens_per_step_bounds_the_prompt_tokens_of_a_step_and_not_its_decodes():
     kv = KVCacheManager(32, 4, True)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_per_step=5)

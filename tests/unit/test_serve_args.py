@@ -37,7 +37,9 @@ def test_the_router_takes_a_short_rest_locally_only_from_a_busy_prefill_unless_t
 
 
 def test_the_decode_gets_its_own_prompt_tokens_per_step(monkeypatch):
-    seen = captured_run(monkeypatch, ["--decode-max-prefill-tokens-per-step", "24", "--max-local-prefill-tokens", "192"])
+    seen = captured_run(monkeypatch, ["--decode-max-prefill-tokens-per-step", "24", "--max-local-prefill-tokens", "192",
+                                      "--decode-max-num-seqs", "16"])
+    assert (seen["engine"].scheduler.max_num_seqs, seen["decode_engine"].scheduler.max_num_seqs) == (64, 16)
     assert (seen["engine"].scheduler.max_prefill_tokens_per_step, seen["engine"].scheduler.max_num_batched_tokens) == (
         0, 1024)
     assert (seen["decode_engine"].scheduler.max_prefill_tokens_per_step,

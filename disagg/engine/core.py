@@ -373,7 +373,7 @@ class EngineCore:
         return self.sleep_level > 0
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.num_blocks,
                            num_quarantined_blocks=self.scheduler.num_quarantined_blocks,
                            prefix_cache_queries=self.scheduler.prefix_cache_queries,

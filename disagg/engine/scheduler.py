@@ -365,6 +365,16 @@ class Scheduler:
         return finished
 
     @property
+    def num_running(self) -> int:
+        """Requests that run a step (at most --max-num-seqs; vLLM's num_requests_running)."""
+        return min(len(self.running), self.config.max_num_seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        """The waiting queue, and on a decode the admitted requests past --max-num-seqs."""
+        return len(self.waiting) + len(self.running) - self.num_running
+
+    @property
     def num_quarantined_blocks(self) -> int:
         """Blocks of ended requests that a remote writer may still write (not free, not in use)."""
         return sum(len(r.block_ids) for r in self.holding.values() if r.quarantined)

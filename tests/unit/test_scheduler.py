@@ -226,9 +226,11 @@ def test_requests_whose_kv_landed_run_at_most_max_num_seqs_a_step_the_earliest_f
     for rid in ("a", "b", "c"):
         assert sched.reserve_for_remote_kv(req(rid, range(10, 13), max_tokens=3))
         sched.admit_remote_kv(rid, SampledToken(7))
+    assert (sched.num_running, sched.num_waiting) == (2, 1)  # as vLLM counts them: c waits for a slot
     assert [[s.request_id for s in step(sched, {"a": 1, "b": 2, "c": 3}).seqs] for _ in range(3)] == [
         ["a", "b"], ["a", "b"], ["c"]]  # a and b end with their third token; c runs in the step after
     assert (sched.requests["c"].output_token_ids, sched.requests["c"].is_finished) == ([7, 3], False)
+    assert (sched.num_running, sched.num_waiting) == (1, 0)
 
 
 def test_max_prefill_tokens_per_step_bounds_the_prompt_tokens_of_a_step_and_not_its_decodes():

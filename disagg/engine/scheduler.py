@@ -1,8 +1,9 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
 Pure Python. Each step: running requests first (those decoding, then those still prefilling, each
-in the order they started), then waiting ones, within a token budget. The waiting queue is in arrival order (fcfs) or by (priority, arrival) under
-the priority policy; when the KV cache runs out, the last request to start (fcfs) or the running one
+in the order they started; at most max_num_seqs), then waiting ones, within a token budget and the
+prompt-token cap. The waiting queue is in arrival order (fcfs) or by (priority, arrival) under the
+priority policy; when the KV cache runs out, the last request to start (fcfs) or the running one
 with the largest (priority, arrival) (vLLM's rule) is preempted and queued again. A request whose computed tokens reach its total after this step samples one token.
 The P/D hooks are plain states: WAITING_FOR_KV (blocks reserved, KV written by someone else) and
 HOLDING (finished, blocks kept until released).

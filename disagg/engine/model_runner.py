@@ -57,7 +57,9 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. A request whose part raises fails alone (in `failed`); the others get
-        exactly the tokens they would have got (sampling is per row; KV writes of a re-run are the same)."""
+        exactly the tokens they would have got (sampling is per row; KV writes of a re-run are the same).
+        On a rank of a tensor-parallel group the step raises instead: re-running halves on one rank
+        would break the order of the group's collectives."""
         assert self.kv_cache is not None, "execute while the KV cache is freed"
         return self._isolating(sched.seqs)
 
@@ -66,6 +68,8 @@ class ModelRunner:
         try:
             return self._run(seqs)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the batch
+            if self.model.tp is not None:
+                raise  # a rank of a TP group: its ranks' collectives no longer match; the group goes down
             if len(seqs) == 1:
                 return RunnerOutput(failed={seqs[0].request_id: f"{type(exc).__name__}: {exc}"})
             mid = len(seqs) // 2

@@ -37,7 +37,7 @@ async def test_a_router_that_stops_answering_keeps_its_servers_on_screen():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     out = io.StringIO()
     task = asyncio.create_task(run(url, 0.05, once=False, out=out))
     try:

@@ -20,6 +20,8 @@ async def test_one_server(unified_url, cluster):
     assert header.split() == ["server", "role", "rank", "run", "wait", "kv%", "hit%", "tok/s", "ttft", "p50", "ttft",
                               "p99", "tpot", "p50", "tpot", "p99", "restarts"]
     assert [row.split()[:5] for row in table] == [[unified_url, "unified", "0", "0", "0"]]
+    # kv% back to 0 after the request, no rate from one scrape, no restart (the last column)
+    assert [(cells[5], cells[7], cells[-1]) for cells in (row.split() for row in table)] == [("0", "-", "0")]
 
 
 async def test_a_cluster_behind_our_router(cluster):
@@ -31,6 +33,7 @@ async def test_a_cluster_behind_our_router(cluster):
         assert await top.run(router.url, 1.0, once=True, out=out) == 0
     finally:
         await router.close()
-    rows = [row.split()[:3] for row in out.getvalue().splitlines()[1:]]
-    assert rows == [[cluster.prefill_url, "prefill", "0"], [cluster.prefill_url, "prefill", "1"],
-                    [cluster.decode_url, "decode", "0"], [cluster.decode_url, "decode", "1"]]
+    rows = [row.split() for row in out.getvalue().splitlines()[1:]]
+    assert [cells[:3] for cells in rows] == [[cluster.prefill_url, "prefill", "0"], [cluster.prefill_url, "prefill", "1"],
+                                             [cluster.decode_url, "decode", "0"], [cluster.decode_url, "decode", "1"]]
+    assert [(cells[3], cells[4], cells[7], cells[-1]) for cells in rows] == [("0", "0", "-", "0")] * 4

@@ -17,6 +17,7 @@ from disagg.config import (
 )
 from disagg.cpus import plan_cluster_cpus, usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
+from disagg.router.config import CacheAwareConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
 from disagg.tool_config import ToolConfig
@@ -185,8 +186,8 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     disagg = disagg_from_args(args, bootstrap_port=0)
     check_shutdown_timeout(args.shutdown_timeout_s)
-    if args.local_prefill_min_prefill_load < 0:
-        raise ConfigError(f"--local-prefill-min-prefill-load must be >= 0, got {args.local_prefill_min_prefill_load}")
+    cache_aware = CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens,
+                                   local_prefill_min_prefill_load=args.local_prefill_min_prefill_load)
     plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
     tools = dataclass_from_args(ToolConfig, args)
     if (problem := tools.problem()) is not None:
@@ -201,8 +202,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         decode_engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler))
     return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
                        args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
-                       (args.prefill_cpus, args.decode_cpus), decode_engine, tools,
-                       min_prefill_load=args.local_prefill_min_prefill_load)
+                       (args.prefill_cpus, args.decode_cpus), decode_engine, tools, cache_aware=cache_aware)
 
 
 def run_top(args: argparse.Namespace) -> int:

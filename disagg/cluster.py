@@ -40,15 +40,13 @@ def cpus_note(prefill_cfg: ServerConfig, decode_cfg: ServerConfig) -> str:
     return ", ".join(f"{role} on CPUs {cfg.cpus or 'any'}" for role, cfg in (("prefill", prefill_cfg), ("decode", decode_cfg)))
 
 
-def router_config(prefill: RunningServer, decode: RunningServer, disagg: DisaggConfig, min_prefill_load: int = 0,
+def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: CacheAwareConfig,
                   **settings) -> RouterConfig:
     """The router in front: cache_aware, so a shared prefix goes to the prefill rank that holds it, and
-    a short rest to the decode alone when the decode prefills locally (--max-local-prefill-tokens,
-    passed to both) and the prefill has `min_prefill_load` legs unanswered
+    a short rest to the decode alone when the decode prefills locally (`cache_aware`'s
+    --max-local-prefill-tokens, the decode's too) and the prefill is busy enough
     (--local-prefill-min-prefill-load)."""
     host = settings["host"]
-    cache_aware = CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens,
-                                   local_prefill_min_prefill_load=min_prefill_load)
     return RouterConfig(
         policy=Policy.CACHE_AWARE, cache_aware=cache_aware,
         prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
@@ -60,10 +58,11 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
                         admin_key: str | None = None, tls: TlsConfig = TlsConfig(), prefill_cpus: str | None = None,
                         decode_cpus: str | None = None, decode_engine: EngineConfig | None = None,
                         tools: ToolConfig = ToolConfig(),
-                        min_prefill_load: int = 0) -> tuple[RunningServer, RunningServer, RouterServer]:
+                        cache_aware: CacheAwareConfig | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
     """Start the cluster. Prefill and decode each get their own CPUs (`plan_cluster_cpus`: by default
     the first and the second half of the usable ones); the router and the registry are not pinned.
-    `decode_engine` is the decode's engine when it differs (its step budget), else `engine`."""
+    `decode_engine` is the decode's engine when it differs (its step budget), else `engine`;
+    `cache_aware` the router's pick (default: the decode's --max-local-prefill-tokens, nothing else set)."""
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     planned = plan_cluster_cpus(usable_cpus(), prefill_cpus, decode_cpus)
@@ -88,8 +87,9 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
             await server.close()
         raise failed[0]
     prefill, decode = results
-    router = RouterServer(router_config(prefill, decode, disagg, min_prefill_load, host=host, port=port,
-                                        log_format=log_format, api_key=api_key, tls=tls))
+    cache_aware = cache_aware or CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens)
+    router = RouterServer(router_config(prefill, decode, cache_aware, host=host, port=port, log_format=log_format,
+                                        api_key=api_key, tls=tls))
     try:
         await router.start()
     except BaseException:
@@ -103,11 +103,11 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, p
                         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
                         admin_key: str | None = None, tls: TlsConfig = TlsConfig(),
                         cpus: tuple[str | None, str | None] = (None, None), decode_engine: EngineConfig | None = None,
-                        tools: ToolConfig = ToolConfig(), min_prefill_load: int = 0) -> int:
+                        tools: ToolConfig = ToolConfig(), cache_aware: CacheAwareConfig | None = None) -> int:
     prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
                                                   log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls,
                                                   prefill_cpus=cpus[0], decode_cpus=cpus[1], decode_engine=decode_engine,
-                                                  tools=tools, min_prefill_load=min_prefill_load)
+                                                  tools=tools, cache_aware=cache_aware)
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
@@ -139,13 +139,14 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None,
         tls: TlsConfig = TlsConfig(), cpus: tuple[str | None, str | None] = (None, None),
-        decode_engine: EngineConfig | None = None, tools: ToolConfig = ToolConfig(), min_prefill_load: int = 0) -> int:
+        decode_engine: EngineConfig | None = None, tools: ToolConfig = ToolConfig(),
+        cache_aware: CacheAwareConfig | None = None) -> int:
     """`disagg serve`; `cpus` are the --prefill-cpus and --decode-cpus lists (None: planned); `tools`
-    the tool-calling flags of both servers; `min_prefill_load` the router's --local-prefill-min-prefill-load."""
+    the tool-calling flags of both servers; `cache_aware` the router's pick (start_cluster)."""
     configure_logging(log_format)
     try:
         return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
-                                         api_key, admin_key, tls, cpus, decode_engine, tools, min_prefill_load))
+                                         api_key, admin_key, tls, cpus, decode_engine, tools, cache_aware))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -171,7 +171,7 @@ async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.
                     followers.forward(STEP)
                 # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
-                _send(role, writer, await loop.run_in_executor(engine_thread, step, role, followers is not None))
+                _send(role, writer, await loop.run_in_executor(engine_thread, step, role))
                 _send(role, writer, await role.poll())  # blocks the step just computed go out now
             if events is not None:  # what this turn's steps, utilities and transfers did to the prefix cache
                 events.publish(role.core.take_kv_events())
@@ -247,16 +247,16 @@ async def _on_engine_thread(engine_thread: ThreadPoolExecutor | None, fn, *args)
     return await asyncio.get_running_loop().run_in_executor(engine_thread, fn, *args)
 
 
-def step(role: WorkerRole, group: bool = False) -> list:
-    """One engine step. A step that raises fails its requests, not the worker; in a tensor-parallel
-    `group` it takes the worker down (its ranks' collectives no longer match): the controller then
-    fails its requests as a dead worker's (503) and restarts the group."""
+def step(role: WorkerRole) -> list:
+    """One engine step. A step that raises fails its requests, not the worker; on a rank of a
+    tensor-parallel group it takes the worker down (its ranks' collectives no longer match): the
+    controller then fails its requests as a dead worker's (503) and restarts the group."""
     if role.step_delay_s:
         time.sleep(role.step_delay_s)  # a slow_steps fault (disagg/dp/faults.py)
     try:
         return role.step()
     except Exception as exc:
-        if group:
+        if role.core.tp is not None:
             raise
         log.exception("engine step failed")
         return role.fail_all(exc)

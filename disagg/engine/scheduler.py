@@ -147,10 +147,11 @@ class Scheduler:
                 break  # a decode admits every request whose KV landed; at most --max-num-seqs of them run a step
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            room = self._prefill_room(budget, scheduled) if request.num_tokens - request.num_computed_tokens > 1 else budget
+            num_left = request.num_tokens - request.num_computed_tokens
+            room = self._prefill_room(budget, scheduled) if num_left > 1 else budget
             if room == 0:
                 continue  # this step's prompt tokens are spent (--max-prefill-tokens-per-step)
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, room)
+            num_new = self._chunk(num_left, room)
             num_preempted = len(out.preempted_ids)
             if self._allocate_or_preempt(request, num_new, out, scheduled):
                 scheduled.append((request, num_new))

@@ -102,3 +102,23 @@ class ServerDraining(ServerError):
     def __init__(self, role: str, index: int, url: str, raw: bytes, content_type: str):
         super().__init__(role, url, 503, raw, content_type)
         self.index = index
+
+
+def retryable(exc: HttpError, num_servers_in_role: int) -> bool:
+    """A failure that says nothing against another pair: a server unreachable, or one answering 503
+    (a dead or restarting DP rank, a full KV cache, a lost prefill), or 429 (overloaded) when its
+    role has another server (`num_servers_in_role`); the same server again would refuse it again."""
+    if isinstance(exc, ServerUnreachable):
+        return True
+    if not isinstance(exc, ServerError):
+        return False
+    return exc.status == 503 or (exc.status == 429 and num_servers_in_role > 1)
+
+
+def sse_error_event(err: HttpError) -> bytes:
+    """One `data:` event holding the error body (compact JSON, so one line), then `data: [DONE]`."""
+    try:
+        payload = msgspec.json.encode(msgspec.json.decode(err.body()))
+    except msgspec.DecodeError:
+        payload = HttpError.body(err)
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"

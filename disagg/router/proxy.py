@@ -26,7 +26,9 @@ from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.router import bodies, local_prefill
 from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
-from disagg.router.errors import RequestShutDown, ServerDraining, ServerError, ServerUnreachable
+from disagg.router.errors import (
+    RequestShutDown, ServerDraining, ServerError, ServerUnreachable, retryable, sse_error_event,
+)
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.metrics import RouterMetrics
@@ -64,26 +66,6 @@ def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[st
         if name in headers:
             out[name] = headers[name]
     return out
-
-
-def retryable(exc: HttpError, num_servers_in_role: int) -> bool:
-    """A failure that says nothing against another pair: a server unreachable, or one answering 503
-    (a dead or restarting DP rank, a full KV cache, a lost prefill), or 429 (overloaded) when its
-    role has another server (`num_servers_in_role`); the same server again would refuse it again."""
-    if isinstance(exc, ServerUnreachable):
-        return True
-    if not isinstance(exc, ServerError):
-        return False
-    return exc.status == 503 or (exc.status == 429 and num_servers_in_role > 1)
-
-
-def sse_error_event(err: HttpError) -> bytes:
-    """One `data:` event holding the error body (compact JSON, so one line), then `data: [DONE]`."""
-    try:
-        payload = msgspec.json.encode(msgspec.json.decode(err.body()))
-    except msgspec.DecodeError:
-        payload = HttpError.body(err)
-    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
 class Proxy:

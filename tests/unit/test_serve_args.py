@@ -5,13 +5,14 @@ import pytest
 
 from disagg import cli, cluster
 from disagg.config import ConfigError
+from disagg.router.config import CacheAwareConfig
 
 
 def captured_run(monkeypatch, argv: list[str]) -> dict:
     seen = {}
 
-    def fake_run(engine, disagg, *args, min_prefill_load):
-        seen.update(engine=engine, disagg=disagg, decode_engine=args[-2], tools=args[-1], min_prefill_load=min_prefill_load)
+    def fake_run(engine, disagg, *args, cache_aware):
+        seen.update(engine=engine, disagg=disagg, decode_engine=args[-2], tools=args[-1], cache_aware=cache_aware)
         return 0
 
     monkeypatch.setattr(cluster, "run", fake_run)
@@ -29,8 +30,9 @@ def test_the_decode_gets_its_own_step_budget_and_the_prefill_keeps_the_engines(m
 
 
 def test_the_router_takes_a_short_rest_locally_only_from_a_busy_prefill_unless_told_otherwise(monkeypatch):
-    assert captured_run(monkeypatch, [])["min_prefill_load"] == 1
-    assert captured_run(monkeypatch, ["--local-prefill-min-prefill-load", "0"])["min_prefill_load"] == 0
+    assert captured_run(monkeypatch, [])["cache_aware"] == CacheAwareConfig(local_prefill_min_prefill_load=1)
+    seen = captured_run(monkeypatch, ["--local-prefill-min-prefill-load", "0", "--max-local-prefill-tokens", "192"])
+    assert seen["cache_aware"] == CacheAwareConfig(max_local_prefill_tokens=192, local_prefill_min_prefill_load=0)
     monkeypatch.setattr(cluster, "run", lambda *args, **kwargs: pytest.fail("started"))
     with pytest.raises(ConfigError, match=r"^--local-prefill-min-prefill-load must be >= 0, got -1$"):
         cli.run(["serve", "--model", "tiny", "--local-prefill-min-prefill-load", "-1"])
@@ -69,13 +71,11 @@ def test_auto_tool_choice_without_a_parser_fails_before_anything_starts(monkeypa
 def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():
     from types import SimpleNamespace
 
-    from disagg.config import DisaggConfig
     from disagg.router.policy import Policy
 
     prefill, decode = SimpleNamespace(port=7001, bootstrap_port=7002), SimpleNamespace(port=7003)
-    config = cluster.router_config(prefill, decode, DisaggConfig(max_local_prefill_tokens=192), 3, host="127.0.0.1",
-                                   port=9)
-    assert (config.policy, config.cache_aware.max_local_prefill_tokens) == (Policy.CACHE_AWARE, 192)
-    assert config.cache_aware.local_prefill_min_prefill_load == 3
+    cache_aware = CacheAwareConfig(max_local_prefill_tokens=192, local_prefill_min_prefill_load=3)
+    config = cluster.router_config(prefill, decode, cache_aware, host="127.0.0.1", port=9)
+    assert (config.policy, config.cache_aware) == (Policy.CACHE_AWARE, cache_aware)
     assert (config.prefill[0].url, config.prefill[0].bootstrap_port, config.decode) == (
         "http://127.0.0.1:7001", 7002, ("http://127.0.0.1:7003",))

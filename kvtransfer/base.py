@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from disagg.wire.states import TransferState
+from kvtransfer.heads import rank_heads, split_problem
 
 if TYPE_CHECKING:
     from kvtransfer.descriptors import Descriptor
@@ -84,45 +85,65 @@ class InvalidLayout(KVTransferError, ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Where a worker's KV cache lives. One block is one contiguous byte range.
+    """Where a worker's KV cache lives. One block of one rank is one contiguous byte range.
 
-    The engine lays the cache out as [num_blocks, num_layers, 2, block_size_tokens, num_kv_heads,
-    head_dim], so block `i` starts at `base_address + i * block_size_bytes`. The memory belongs to the
-    caller; backends keep only these numbers.
+    The engine lays a cache out as [num_blocks, num_layers, 2, block_size_tokens, rank's kv heads,
+    head_dim]. A tensor-parallel group registers its `tp_size` ranks' caches back to back in one
+    region (kvtransfer/heads.py), so rank r's block `i` starts at `base_address + (r * num_blocks + i)
+    * block_size_bytes`. `num_kv_heads` is the model's (0: not named, for a layout with tp_size 1).
+    The memory belongs to the caller; backends keep only these numbers.
     """
 
     base_address: int
     num_blocks: int
-    block_size_bytes: int  # one block across all layers, K and V
+    block_size_bytes: int  # one block of one rank across all layers, K and V
     block_size_tokens: int  # page size
     dtype: str
     device: str = "cpu"  # "cpu" or "cuda:N"
     num_layers: int = 1  # informational: block_size_bytes already covers every layer
+    num_kv_heads: int = 0  # the model's KV heads, split over the ranks
+    head_dim: int = 0
+    tp_size: int = 1  # the ranks whose caches the region holds
 
     def __post_init__(self) -> None:
-        for field_name in ("base_address", "num_blocks", "block_size_bytes", "block_size_tokens", "num_layers"):
+        for field_name in ("base_address", "num_blocks", "block_size_bytes", "block_size_tokens", "num_layers", "tp_size"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidLayout(f"KVLayout.{field_name} must be a positive int, got {value!r}")
+        for field_name in ("num_kv_heads", "head_dim"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value < 0:
+                raise InvalidLayout(f"KVLayout.{field_name} must be a non-negative int, got {value!r}")
         if not self.dtype:
             raise InvalidLayout("KVLayout.dtype must be a non-empty dtype name such as 'bfloat16'")
         if not _DEVICE.match(self.device):
             raise InvalidLayout(f"KVLayout.device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.tp_size > 1:
+            problem = (split_problem(self.num_kv_heads, self.tp_size) if self.num_kv_heads and self.head_dim
+                       else "a layout with tp_size > 1 names num_kv_heads and head_dim")
+            if problem:
+                raise InvalidLayout(f"KVLayout: {problem}")
 
     @classmethod
     def for_cache(
         cls, base_address: int, num_blocks: int, *, num_layers: int, block_size_tokens: int,
-        num_kv_heads: int, head_dim: int, dtype: str, device: str = "cpu",
+        num_kv_heads: int, head_dim: int, dtype: str, device: str = "cpu", tp_size: int = 1,
     ) -> KVLayout:
-        """The layout of a [num_blocks, num_layers, 2, block_size_tokens, num_kv_heads, head_dim] cache."""
+        """The layout of `tp_size` [num_blocks, num_layers, 2, block_size_tokens, kv heads, head_dim]
+        caches back to back, each rank with its share of the model's `num_kv_heads`."""
         if dtype not in DTYPE_SIZE_BYTES:
             raise InvalidLayout(f"unknown KV dtype {dtype!r}; known: {', '.join(DTYPE_SIZE_BYTES)}")
-        block_size_bytes = num_layers * 2 * block_size_tokens * num_kv_heads * head_dim * DTYPE_SIZE_BYTES[dtype]
-        return cls(base_address, num_blocks, block_size_bytes, block_size_tokens, dtype, device, num_layers)
+        problem = split_problem(num_kv_heads, tp_size) if num_kv_heads > 0 and tp_size > 0 else None
+        if problem:
+            raise InvalidLayout(f"KVLayout: {problem}")
+        start, end = rank_heads(num_kv_heads, tp_size, 0) if tp_size > 0 else (0, num_kv_heads)
+        block_size_bytes = num_layers * 2 * block_size_tokens * (end - start) * head_dim * DTYPE_SIZE_BYTES[dtype]
+        return cls(base_address, num_blocks, block_size_bytes, block_size_tokens, dtype, device, num_layers,
+                   num_kv_heads, head_dim, tp_size)
 
     @property
     def size_bytes(self) -> int:
-        return self.num_blocks * self.block_size_bytes
+        return self.tp_size * self.num_blocks * self.block_size_bytes
 
     @property
     def is_cuda(self) -> bool:
@@ -132,8 +153,8 @@ class KVLayout:
     def device_id(self) -> int:
         return int(self.device.split(":")[1]) if self.is_cuda else 0
 
-    def block_address(self, block_id: int) -> int:
-        return self.base_address + block_id * self.block_size_bytes
+    def block_address(self, block_id: int, rank: int = 0) -> int:
+        return self.base_address + (rank * self.num_blocks + block_id) * self.block_size_bytes
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from kvtransfer.base import (
     BackendClosed, KVLayout, KVTransferError, Notification, NotRegistered, PeerUnavailable, TransferHandle,
     TransferOp, TransferStatus,
 )
-from kvtransfer.descriptors import BlockRun, Descriptor, check_block_pairs, describe, pair_runs
+from kvtransfer.descriptors import BlockRun, Descriptor, Slices, check_block_pairs, describe, pair_runs, rank_runs
 from kvtransfer.handshake import PeerInfo, check_compatible, decode_peer_info, encode_peer_info
+from kvtransfer.heads import head_slice_copies, same_split
 from kvtransfer.transfers import TransferTable
 
 
@@ -67,6 +68,10 @@ class BackendCore(abc.ABC):
     @abc.abstractmethod
     def _post(self, handle: TransferHandle, runs: list[BlockRun], notif_tag: bytes) -> None:
         """Start the transfer; report completion through self._transfers."""
+
+    @abc.abstractmethod
+    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
+        """Start a transfer between caches of different TP sizes: byte copies of head slices."""
 
     @abc.abstractmethod
     def _progress(self, handle: TransferHandle) -> None:
@@ -195,13 +200,30 @@ class BackendCore(abc.ABC):
 
     def _start(self, op: TransferOp, peer: str, local_block_ids: Sequence[int],
                remote_block_ids: Sequence[int], notif_tag: bytes) -> TransferHandle:
+        """Blocks move whole, rank to rank, when both caches split their heads alike; otherwise
+        each destination rank gets its heads' slices from the ranks holding them."""
         layout = self._require_layout()
-        info = self._require_peer(peer)
-        local, remote = check_block_pairs(local_block_ids, remote_block_ids, layout.num_blocks, info.layout.num_blocks)
-        handle = TransferHandle(next(self._ids), peer, op, len(local), len(local) * layout.block_size_bytes)
+        remote_layout = self._require_peer(peer).layout
+        local, remote = check_block_pairs(local_block_ids, remote_block_ids, layout.num_blocks, remote_layout.num_blocks)
+        if same_split(layout, remote_layout):
+            runs = rank_runs(pair_runs(local, remote), layout.tp_size, layout.num_blocks, remote_layout.num_blocks)
+            handle = self._open(op, peer, len(local), len(local) * layout.tp_size * layout.block_size_bytes)
+            self._post(handle, runs, bytes(notif_tag))
+            return handle
+        if op is TransferOp.WRITE:
+            copies = head_slice_copies(layout, remote_layout, local, remote)
+            slices = Slices(copies.src, copies.dst, copies.size)
+        else:
+            copies = head_slice_copies(remote_layout, layout, remote, local)
+            slices = Slices(copies.dst, copies.src, copies.size)
+        handle = self._open(op, peer, len(local), copies.num_bytes)
+        self._post_slices(handle, slices, bytes(notif_tag))
+        return handle
+
+    def _open(self, op: TransferOp, peer: str, num_blocks: int, num_bytes: int) -> TransferHandle:
+        handle = TransferHandle(next(self._ids), peer, op, num_blocks, num_bytes)
         self._transfers.open(handle.transfer_id)
         self._handles[handle.transfer_id] = handle
-        self._post(handle, pair_runs(local, remote), bytes(notif_tag))
         return handle
 
     def _check_open(self) -> None:

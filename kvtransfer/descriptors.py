@@ -9,6 +9,8 @@ import ctypes
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from kvtransfer.base import InvalidBlockIds, KVLayout
 
 
@@ -33,6 +35,21 @@ class Descriptor(NamedTuple):
     address: int
     size_bytes: int
     device_id: int
+
+
+class Slices(NamedTuple):
+    """Byte copies between two caches whose TP sizes differ (kvtransfer/heads.py), offsets from
+    each region's start: ours, the peer's, and each copy's length."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    size: np.ndarray
+
+    def segments(self) -> tuple[list[Segment], list[Segment]]:
+        """(local segments, remote segments), for backends that address by offset."""
+        sizes = self.size.tolist()
+        return ([Segment(o, n) for o, n in zip(self.local.tolist(), sizes)],
+                [Segment(o, n) for o, n in zip(self.remote.tolist(), sizes)])
 
 
 class Segment(NamedTuple):
@@ -92,12 +109,18 @@ def pair_runs(local_block_ids: Sequence[int], remote_block_ids: Sequence[int]) -
     return runs
 
 
+def rank_runs(runs: Sequence[BlockRun], tp_size: int, local_num_blocks: int, remote_num_blocks: int) -> list[BlockRun]:
+    """The runs on every TP rank, rank to rank, as ids over the region's `tp_size * num_blocks` blocks."""
+    return [BlockRun(rank * local_num_blocks + r.local_start, rank * remote_num_blocks + r.remote_start, r.num_blocks)
+            for rank in range(tp_size) for r in runs]
+
+
 def describe(layout: KVLayout, block_ids: Sequence[int]) -> list[Descriptor]:
-    """Descriptors of `block_ids` in `layout`, adjacent ids coalesced into one descriptor."""
+    """Descriptors of `block_ids` in `layout` on every TP rank, adjacent ids coalesced into one descriptor."""
     ids = check_block_ids(block_ids, layout.num_blocks, "local")
     return [
-        Descriptor(layout.block_address(r.start), r.num_blocks * layout.block_size_bytes, layout.device_id)
-        for r in coalesce(ids)
+        Descriptor(layout.block_address(r.start, rank), r.num_blocks * layout.block_size_bytes, layout.device_id)
+        for rank in range(layout.tp_size) for r in coalesce(ids)
     ]
 
 
@@ -109,8 +132,9 @@ def run_segments(layout_block_bytes: int, runs: Sequence[BlockRun]) -> tuple[lis
 
 
 def block_table(layout: KVLayout) -> list[tuple[int, int, int]]:
-    """One (address, size_bytes, device_id) per block, in block id order: what NIXL preps once."""
-    return [(layout.block_address(i), layout.block_size_bytes, layout.device_id) for i in range(layout.num_blocks)]
+    """One (address, size_bytes, device_id) per block of every rank, in region order: what NIXL preps once."""
+    return [(layout.base_address + i * layout.block_size_bytes, layout.block_size_bytes, layout.device_id)
+            for i in range(layout.tp_size * layout.num_blocks)]
 
 
 def host_view(layout: KVLayout) -> memoryview:

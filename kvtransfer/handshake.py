@@ -9,8 +9,9 @@ from __future__ import annotations
 import msgspec
 
 from kvtransfer.base import IncompatiblePeer, KVLayout, LayoutMismatch
+from kvtransfer.heads import layout_mismatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # a layout without heads or TP size (an older peer) decodes as TP 1
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -47,10 +48,9 @@ def decode_peer_info(metadata: bytes, backend: str) -> PeerInfo:
 
 
 def check_compatible(local: KVLayout, peer: str, remote: KVLayout) -> None:
-    """Raise LayoutMismatch naming both values when the two caches cannot exchange blocks."""
-    for field_name in ("block_size_tokens", "dtype", "block_size_bytes"):
-        theirs, ours = getattr(remote, field_name), getattr(local, field_name)
-        if theirs != ours:
-            raise LayoutMismatch(
-                f"KV layout mismatch with peer {peer!r}: {field_name} is {theirs!r} there and {ours!r} here"
-            )
+    """Raise LayoutMismatch naming the field and both values when the two caches cannot exchange
+    blocks (kvtransfer/heads.py: equal blocks, or the same model shape under different TP sizes)."""
+    mismatch = layout_mismatch(local, remote)
+    if mismatch:
+        raise LayoutMismatch(f"KV layout mismatch with peer {peer!r}: {mismatch.field} is {mismatch.theirs!r} there "
+                             f"and {mismatch.ours!r} here")

@@ -15,7 +15,7 @@ from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore, drain
-from kvtransfer.descriptors import BlockRun
+from kvtransfer.descriptors import BlockRun, Slices
 from kvtransfer.handshake import PeerInfo
 
 
@@ -61,6 +61,7 @@ class _Pending:
     handle: TransferHandle
     runs: tuple[BlockRun, ...]
     tag: bytes
+    slices: Slices | None = None  # head slices between caches of different TP sizes, instead of runs
 
 
 class LoopbackBackend(BackendCore):
@@ -100,6 +101,10 @@ class LoopbackBackend(BackendCore):
         self._pending[handle.transfer_id] = _Pending(handle, tuple(runs), notif_tag)
         self._progress(handle)
 
+    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
+        self._pending[handle.transfer_id] = _Pending(handle, (), notif_tag, slices)
+        self._progress(handle)
+
     def _progress(self, handle: TransferHandle) -> None:
         pending = self._pending.get(handle.transfer_id)
         if pending is None:
@@ -119,6 +124,12 @@ class LoopbackBackend(BackendCore):
     def _copy(self, target: LoopbackBackend, pending: _Pending) -> None:
         local, remote = self._layout, target.registered_layout
         assert local is not None and remote is not None
+        if pending.slices is not None:
+            read = pending.handle.op is TransferOp.READ
+            for mine, theirs, size in zip(*(part.tolist() for part in pending.slices)):
+                src, dst = local.base_address + mine, remote.base_address + theirs
+                ctypes.memmove(src if read else dst, dst if read else src, size)
+            return
         for run in pending.runs:
             size = run.num_blocks * local.block_size_bytes
             src, dst = local.block_address(run.local_start), remote.block_address(run.remote_start)

@@ -24,7 +24,7 @@ from kvtransfer.base import (
     TransferHandle, TransferState,
 )
 from kvtransfer.core import BackendCore
-from kvtransfer.descriptors import BlockRun
+from kvtransfer.descriptors import BlockRun, Slices
 from kvtransfer.handshake import PeerInfo
 
 NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
@@ -81,10 +81,20 @@ def _mem_type(layout: KVLayout) -> str:
 
 
 def _block_array(layout: KVLayout) -> np.ndarray:
-    """Nx3 (address, size_bytes, device_id), one row per block: the list NIXL preps once."""
-    table = np.empty((layout.num_blocks, 3), dtype=np.uint64)
-    table[:, 0] = layout.base_address + np.arange(layout.num_blocks, dtype=np.uint64) * layout.block_size_bytes
+    """Nx3 (address, size_bytes, device_id), one row per block of every TP rank: the list NIXL preps once."""
+    blocks = layout.tp_size * layout.num_blocks
+    table = np.empty((blocks, 3), dtype=np.uint64)
+    table[:, 0] = layout.base_address + np.arange(blocks, dtype=np.uint64) * layout.block_size_bytes
     table[:, 1] = layout.block_size_bytes
+    table[:, 2] = layout.device_id
+    return table
+
+
+def _slice_array(layout: KVLayout, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Nx3 (address, size_bytes, device_id) of byte copies at `offsets` from the region's start."""
+    table = np.empty((offsets.size, 3), dtype=np.uint64)
+    table[:, 0] = layout.base_address + offsets.astype(np.uint64)
+    table[:, 1] = sizes
     table[:, 2] = layout.device_id
     return table
 
@@ -201,6 +211,24 @@ class NixlBackend(BackendCore):
                 xfer = self._agent.make_prepped_xfer(
                     handle.op.value, self._local_dlist, local_ids, self._remote_dlists[handle.peer], remote_ids,
                     notif_tag, backends=_UCX,
+                )
+            except Exception as exc:
+                self._transfers.fail(handle.transfer_id, self._reason(handle, exc))
+                return
+            self._xfers[handle.transfer_id] = xfer
+            self._settle(handle, self._call(self._agent.transfer, xfer))
+
+    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
+        """Head slices are not whole blocks: descriptor lists built for this transfer (not prepped)."""
+        local, remote = self._layout, self._peers[handle.peer].layout
+        assert local is not None
+        with self._lock:
+            try:
+                xfer = self._agent.initialize_xfer(
+                    handle.op.value,
+                    self._agent.get_xfer_descs(_slice_array(local, slices.local, slices.size), _mem_type(local)),
+                    self._agent.get_xfer_descs(_slice_array(remote, slices.remote, slices.size), _mem_type(remote)),
+                    handle.peer, notif_tag, backends=_UCX,
                 )
             except Exception as exc:
                 self._transfers.fail(handle.transfer_id, self._reason(handle, exc))

@@ -35,9 +35,9 @@ NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.co
 CONTROL = "kvtransfer.control"
 CONTROL_WIRE = ("disagg.wire.control_msgs", "disagg.wire.kv_control_pb2", "disagg.wire.kv_control_pb2_grpc")
 # What the control plane may take from the rest of kvtransfer: the backends' base (Protocol, states,
-# errors), the factory that picks one by name and the heartbeat switch of fault injection; never one
-# backend's internals.
-CONTROL_BUILDS_ON = ("kvtransfer", "kvtransfer.base", "kvtransfer.factory", "kvtransfer.faulty")
+# errors), the layout's heads and the check of two layouts (heads), the factory that picks one by name
+# and the heartbeat switch of fault injection; never one backend's internals.
+CONTROL_BUILDS_ON = ("kvtransfer", "kvtransfer.base", "kvtransfer.heads", "kvtransfer.factory", "kvtransfer.faulty")
 
 
 def unit_of(module: str) -> str:

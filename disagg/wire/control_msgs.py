@@ -24,8 +24,9 @@ _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 class KVLayoutMsg(msgspec.Struct, frozen=True, kw_only=True):
     """Shape of a worker's paged KV cache (the numbers of kvtransfer.base.KVLayout, no address).
 
-    `block_size_bytes` is one block across all layers, K and V. Peers must agree on all but
-    num_blocks.
+    `block_size_bytes` is one block of one TP rank across all layers, K and V; `num_kv_heads` is
+    the model's, split over `tp_size` ranks. Peers with equal TP sizes agree on all but num_blocks;
+    different TP sizes need the same model shape (kvtransfer/heads.py).
     """
 
     num_blocks: int
@@ -35,6 +36,7 @@ class KVLayoutMsg(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int
     num_kv_heads: int = 0
     head_dim: int = 0
+    tp_size: int = 1
 
 
 class PeerMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,7 +131,7 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayoutMsg:
     return KVLayoutMsg(
         num_blocks=msg.num_blocks, block_size_tokens=msg.block_size_tokens,
         block_size_bytes=msg.block_size_bytes, dtype=msg.dtype, num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+        num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, tp_size=msg.tp_size or 1,
     )
 
 

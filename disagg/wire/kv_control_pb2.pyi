@@ -36,7 +36,7 @@ class ChallengeReply(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_blocks", "block_size_tokens", "block_size_bytes", "dtype", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("num_blocks", "block_size_tokens", "block_size_bytes", "dtype", "num_layers", "num_kv_heads", "head_dim", "tp_size")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class KVLayout(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size_tokens: int
     block_size_bytes: int
@@ -51,7 +52,8 @@ class KVLayout(_message.Message):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_name", "agent_metadata", "transfer_backend", "layout", "dp_rank", "tp_rank")

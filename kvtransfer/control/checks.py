@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg
+from kvtransfer.heads import layout_mismatch
 
-_LAYOUT_CHECKS = (
-    ("block_size_tokens", "page size"),
-    ("dtype", "kv cache dtype"),
-    ("num_layers", "num_layers"),
-    ("block_size_bytes", "block_size_bytes"),
-)
-
+_LABELS = {"block_size_tokens": "page size", "dtype": "kv cache dtype"}
 
 def check_peer(local: PeerMsg, peer: PeerMsg) -> str | None:
     """Why `peer` cannot register with the `local` prefill worker, or None if it can."""
@@ -20,11 +15,11 @@ def check_peer(local: PeerMsg, peer: PeerMsg) -> str | None:
         return f"num_blocks must be positive, got {peer.layout.num_blocks}"
     if peer.transfer_backend != local.transfer_backend:
         return f"transfer backend mismatch: prefill uses {local.transfer_backend!r}, decode uses {peer.transfer_backend!r}"
-    for name, label in _LAYOUT_CHECKS:
-        ours, theirs = getattr(local.layout, name), getattr(peer.layout, name)
-        if ours != theirs:
-            return f"{label} mismatch: prefill {name}={ours}, decode {name}={theirs}"
-    return None
+    mismatch = layout_mismatch(local.layout, peer.layout)
+    if mismatch is None:
+        return None
+    name = mismatch.field
+    return f"{_LABELS.get(name, name)} mismatch: prefill {name}={mismatch.ours}, decode {name}={mismatch.theirs}"
 
 
 def check_transfer(info: TransferInfoMsg, peer: PeerMsg) -> str | None:

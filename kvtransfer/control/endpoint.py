@@ -12,12 +12,13 @@ from kvtransfer.factory import create_backend
 
 
 def cache_layouts(*, base_address: int, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                  head_dim: int, dtype: str, device: str) -> tuple[KVLayout, KVLayoutMsg]:
-    """Layouts of a [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] cache."""
+                  head_dim: int, dtype: str, device: str, tp_size: int = 1) -> tuple[KVLayout, KVLayoutMsg]:
+    """Layouts of `tp_size` [num_blocks, num_layers, 2, block_size, rank's kv heads, head_dim] caches
+    back to back (`num_kv_heads`: the model's)."""
     layout = KVLayout.for_cache(base_address, num_blocks, num_layers=num_layers, block_size_tokens=block_size,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, tp_size=tp_size)
     msg = KVLayoutMsg(num_blocks=num_blocks, block_size_tokens=block_size, block_size_bytes=layout.block_size_bytes,
-                      dtype=dtype, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+                      dtype=dtype, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=tp_size)
     return layout, msg
 
 

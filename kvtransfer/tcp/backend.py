@@ -20,7 +20,7 @@ from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore, drain
-from kvtransfer.descriptors import BlockRun, Segment, host_view, run_segments
+from kvtransfer.descriptors import BlockRun, Segment, Slices, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
 from kvtransfer.tcp.auth import greet
 from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
@@ -221,6 +221,11 @@ class TcpBackend(BackendCore):
     def _post(self, handle: TransferHandle, runs: list[BlockRun], notif_tag: bytes) -> None:
         assert self._layout is not None
         local, remote = run_segments(self._layout.block_size_bytes, runs)
+        kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
+        self._links[handle.peer].submit(_Job(kind, handle.transfer_id, tuple(local), tuple(remote), notif_tag))
+
+    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
+        local, remote = slices.segments()
         kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
         self._links[handle.peer].submit(_Job(kind, handle.transfer_id, tuple(local), tuple(remote), notif_tag))
 

@@ -32,8 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per worker (default: the size of its share of the CPUs when pinned, "
                              "else cores / dp_size)")
     parser.add_argument("--tensor-parallel-size", "--tp-size", dest="tensor_parallel_size", type=int, default=1,
-                        help="processes per DP worker, each holding 1/N of the model (Megatron's split; unified "
-                             "servers; default: 1)")
+                        help="processes per DP worker, each holding 1/N of the model (Megatron's split; prefill "
+                             "and decode servers may differ, on the CPU; default: 1)")
 
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:

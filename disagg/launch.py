@@ -86,9 +86,10 @@ async def start_server(server: ServerConfig, engine: EngineConfig, disagg: Disag
     first (ConfigError)."""
     check_cluster_secret(server, disagg)
     worker_cpu_sets(server.cpus, server.dp_size, usable_cpus())  # a bad --cpus fails before anything starts
-    if engine.tensor_parallel_size > 1 and server.disaggregation_mode is not DisaggregationMode.NULL:
-        raise ConfigError("tensor_parallel_size > 1 runs on unified servers for now: prefill and decode "
-                          "servers move one KV layout per worker")
+    if (engine.tensor_parallel_size > 1 and server.disaggregation_mode is not DisaggregationMode.NULL
+            and engine.model.device != "cpu"):
+        raise ConfigError("prefill and decode servers with tensor_parallel_size > 1 run on the CPU for now (a TP "
+                          f"group moves its KV from one shared host region), not on {engine.model.device}")
     if disagg.insecure_no_cluster_secret and disagg.cluster_secret is None:
         log.warning("no cluster secret: the KV control plane, the KV listeners and the registry writes are open",
                     mode=server.disaggregation_mode)

@@ -65,13 +65,14 @@ class PrefillRole(WorkerRole):
         self.push = PushRooms(self.core, self.dp_rank, self.config, self.backend, self.control, self.bootstrap.register_dp_rank)
         self.registration = RankRegistrationMsg(
             dp_rank=self.dp_rank, dp_size=self.dp_size, rank_ip=self.config.rank_host, rank_port=port,
-            page_size=local.layout.block_size_tokens, kv_cache_dtype=local.layout.dtype, load_balance_method=self.load_balance_method,
-            transfer_backend=self.config.transfer_backend, agent_name=self.backend.agent_name,
+            tp_size=local.layout.tp_size, page_size=local.layout.block_size_tokens, kv_cache_dtype=local.layout.dtype,
+            load_balance_method=self.load_balance_method, transfer_backend=self.config.transfer_backend,
+            agent_name=self.backend.agent_name,
         )
-        await self.bootstrap.register_rank(self.registration)
+        await self._register()
         # Pull flow: what a decode needs to reach this worker and read from it (vLLM's field names).
         self.ticket = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.backend.agent_name,
-                       "remote_host": self.config.rank_host, "remote_port": port, "tp_size": 1}
+                       "remote_host": self.config.rank_host, "remote_port": port, "tp_size": local.layout.tp_size}
         self.refresher = asyncio.create_task(self._refresh_registration())
         log.info("prefill rank registered", control_port=port, backend=self.config.transfer_backend)
 
@@ -82,9 +83,15 @@ class PrefillRole(WorkerRole):
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.bootstrap.register_rank(self.registration, deadline_s=interval_s)
+                await self._register(deadline_s=interval_s)
             except Exception as exc:  # noqa: BLE001 - the registry may be down for a while: try again later
                 log.warning("registry refresh failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _register(self, **kwargs) -> None:
+        """Every TP rank of this worker's group, each at this endpoint: rank 0 moves the group's KV
+        (its layout names each rank's heads), so the registry's topology carries the TP size."""
+        for tp_rank in range(self.registration.tp_size):
+            await self.bootstrap.register_rank(msgspec.structs.replace(self.registration, tp_rank=tp_rank), **kwargs)
 
     async def close(self) -> None:
         self.refresher.cancel()

@@ -1,20 +1,24 @@
-"""A DP worker as a tensor-parallel group (`--tensor-parallel-size N`, unified servers): the worker
-process is rank 0 and starts N - 1 follower processes, each holding its shard of the model
-(disagg/engine/models/tensor_parallel.py). Every rank runs the same requests: rank 0 hands each
-message it applies, and each engine step, to the followers in order, so their schedulers form the
-same batches and their collectives meet; only rank 0 answers the front. A follower that dies takes
-its worker down: the controller restarts the whole group, as it does any dead worker.
+"""A DP worker as a tensor-parallel group (`--tensor-parallel-size N`): the worker process is rank 0
+and starts N - 1 follower processes, each holding its shard of the model
+(disagg/engine/models/tensor_parallel.py). Every rank runs the same requests: rank 0's role sees its
+engine through `MirroredCore`, which hands each call that changes the engine (a request added,
+aborted, released, its remote KV admitted, a step) to the followers first, in order, so their
+schedulers form the same batches, give out the same block ids, and their collectives meet. Only rank
+0 answers the front and moves KV: on a prefill or decode server the group's caches share one file
+(SharedKV), which rank 0's transfer backend registers as one region. A follower that dies takes its
+worker down: the controller restarts the whole group, as it does any dead worker.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
+import uuid
 from typing import TYPE_CHECKING
 
 import structlog
@@ -26,7 +30,9 @@ if TYPE_CHECKING:
     from disagg.dp.worker import WorkerSpec
 
 log = structlog.get_logger(__name__)
-STEP = "step"
+# The EngineCore methods that change its state: what the followers must do too, in rank 0's order.
+MIRRORED = frozenset({"add_request", "abort", "fail", "release", "reserve_for_remote_kv", "admit_remote_kv",
+                      "admit_remote_prefix", "reset_prefix_cache", "sleep", "wake_up", "step"})
 
 
 def rank_engine(config: EngineConfig) -> EngineConfig:
@@ -37,18 +43,21 @@ def rank_engine(config: EngineConfig) -> EngineConfig:
 
 
 class Followers:
-    """Ranks 1..N-1 of one worker's group: started before rank 0 joins, fed every message and step."""
+    """Ranks 1..N-1 of one worker's group: started before rank 0 joins, fed every mirrored call."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         self.size = spec.engine.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix=f"disagg-tp{spec.dp_rank}-")
         self.rendezvous = f"file://{self._dir}/rendezvous"
+        # P/D roles: the group's KV caches in one file every rank maps (in memory under /dev/shm)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else self._dir
+        self.kv_file = os.path.join(shm, f"disagg-kv-{uuid.uuid4().hex}") if spec.role.moves_kv else None
         context = multiprocessing.get_context("spawn")
         pipes = [context.Pipe(duplex=False) for _ in range(1, self.size)]
         self._conns = [send for _, send in pipes]
-        self._procs = [context.Process(target=follower_main, args=(spec, rank, self.rendezvous, recv), daemon=True,
-                                       name=f"disagg-dp{spec.dp_rank}-tp{rank}")
+        self._procs = [context.Process(target=follower_main, args=(spec, rank, self.rendezvous, self.kv_file, recv),
+                                       daemon=True, name=f"disagg-dp{spec.dp_rank}-tp{rank}")
                        for rank, (recv, _) in enumerate(pipes, start=1)]
 
     def start(self) -> None:
@@ -68,6 +77,12 @@ class Followers:
         for conn in self._conns:
             conn.send(msg)
 
+    def unlink_kv_file(self) -> None:
+        """Once every rank mapped it, the file's name can go: the mappings keep the memory."""
+        if self.kv_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.kv_file)
+
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
@@ -82,11 +97,31 @@ class Followers:
             if process.is_alive():
                 process.kill()
                 process.join(5)
+        self.unlink_kv_file()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def follower_main(spec: WorkerSpec, rank: int, rendezvous: str, conn) -> None:
-    """A follower process: join the group, build the rank's engine, do what rank 0 does."""
+class MirroredCore:
+    """Rank 0's engine as its role sees it: each call in MIRRORED goes to the followers before it
+    runs here; everything else is the engine's own."""
+
+    def __init__(self, core, followers: Followers):
+        self._core = core
+        self._followers = followers
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._core, name)
+        if name not in MIRRORED:
+            return attr
+
+        def mirrored(*args, **kwargs):
+            self._followers.forward((name, args, kwargs))
+            return attr(*args, **kwargs)
+        return mirrored
+
+
+def follower_main(spec: WorkerSpec, rank: int, rendezvous: str, kv_file: str | None, conn) -> None:
+    """A follower process: join the group, build the rank's engine, make each call rank 0 made."""
     from disagg.logs import configure_logging
 
     if spec.cpus is not None:
@@ -94,27 +129,32 @@ def follower_main(spec: WorkerSpec, rank: int, rendezvous: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_format)
     structlog.contextvars.bind_contextvars(dp_rank=spec.dp_rank, tp_rank=rank, pid=os.getpid())
-    asyncio.run(_follow(spec, rank, rendezvous, conn))
-
-
-async def _follow(spec: WorkerSpec, rank: int, rendezvous: str, conn) -> None:
-    from disagg.dp.worker import apply, step
     from disagg.engine.core import EngineCore
     from disagg.engine.models.tensor_parallel import init_group
 
     engine = rank_engine(spec.engine)
-    core = EngineCore(engine, tp=init_group(rank, engine.tensor_parallel_size, rendezvous, engine.model.device))
+    core = EngineCore(engine, tp=init_group(rank, engine.tensor_parallel_size, rendezvous, engine.model.device),
+                      kv_file=kv_file)
     core.warm_up()  # rank 0 warms up too: the same forward passes, the same collectives
-    role = spec.role.build(core, spec.dp_rank, spec.engine.model.served_model_name or core.loaded.name)
     log.info("tensor-parallel follower ready", num_blocks=core.num_blocks)
+    follow(core, conn)
+
+
+def follow(core, conn) -> None:
+    """Make each call rank 0 made, in its order, until rank 0 is gone or says to stop. A call that
+    raised on rank 0 raises here too and is dropped alike; a step that raises ends the follower
+    (and with it the group)."""
     while True:
         try:
-            msg = await asyncio.to_thread(conn.recv)
+            msg = conn.recv()
         except EOFError:  # rank 0 is gone
             return
         if isinstance(msg, ShutdownMsg):
             return
-        if msg == STEP:
-            step(role)
-        else:
-            await apply(role, msg)
+        name, args, kwargs = msg
+        try:
+            getattr(core, name)(*args, **kwargs)
+        except Exception:
+            if name == "step":
+                raise
+        core.take_outputs()  # only rank 0 answers

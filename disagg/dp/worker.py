@@ -28,7 +28,7 @@ import structlog
 from disagg.engine_config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.kv_events import ZmqEventPublisher, open_publisher
-from disagg.dp.tp_group import STEP, Followers, rank_engine
+from disagg.dp.tp_group import Followers, MirroredCore, rank_engine
 from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
@@ -42,14 +42,20 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.5
 WAKE = object()
+UNIFIED_ROLE = "disagg.dp.worker_role:WorkerRole"
 
 
 @dataclass(frozen=True)
 class RoleSpec:
     """Which WorkerRole a worker runs, named by import path so the front never imports torch."""
 
-    path: str = "disagg.dp.worker_role:WorkerRole"
+    path: str = UNIFIED_ROLE
     kwargs: dict = field(default_factory=dict)
+
+    @property
+    def moves_kv(self) -> bool:
+        """A P/D role: its transfer backend registers the worker's KV cache."""
+        return self.path != UNIFIED_ROLE
 
     def build(self, core, dp_rank: int, model_name: str) -> WorkerRole:
         module, _, name = self.path.partition(":")
@@ -102,8 +108,10 @@ async def _main(spec: WorkerSpec) -> None:
 
 async def _run(spec: WorkerSpec, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                engine_thread: ThreadPoolExecutor, followers: Followers | None) -> None:
-    rendezvous = None if followers is None else followers.rendezvous
-    core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine, rendezvous)
+    core = await asyncio.get_running_loop().run_in_executor(engine_thread, _load_engine, spec.engine, followers)
+    if followers is not None:
+        followers.unlink_kv_file()  # rank 0 warmed up with every rank: each has mapped it
+        core = MirroredCore(core, followers)
     name = spec.engine.model.served_model_name or core.loaded.name
     role = spec.role.build(core, spec.dp_rank, name)
     role.fault_injection = spec.faults
@@ -121,16 +129,17 @@ async def _run(spec: WorkerSpec, reader: asyncio.StreamReader, writer: asyncio.S
         engine_thread.shutdown(wait=False)
 
 
-def _load_engine(config: EngineConfig, rendezvous: str | None = None):
-    """The engine, warmed up; with a TP `rendezvous`, rank 0's (its followers join the same group)."""
+def _load_engine(config: EngineConfig, followers: Followers | None = None):
+    """The engine, warmed up; with `followers` (tensor parallelism), rank 0's of their group."""
     from disagg.engine.core import EngineCore  # torch loads here, in the worker only
     from disagg.engine.models.tensor_parallel import init_group
 
-    if rendezvous is None:
+    if followers is None:
         core = EngineCore(config)
     else:
         config = rank_engine(config)
-        core = EngineCore(config, tp=init_group(0, config.tensor_parallel_size, rendezvous, config.model.device))
+        tp = init_group(0, config.tensor_parallel_size, followers.rendezvous, config.model.device)
+        core = EngineCore(config, tp=tp, kv_file=followers.kv_file)
     core.warm_up()
     return core
 
@@ -146,8 +155,8 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
 async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None,
                 followers: Followers | None = None) -> None:
-    """The worker loop; with `followers` (tensor parallelism), each message applied and each step
-    is handed to them first, in order."""
+    """The worker loop; with `followers` (tensor parallelism), the role's engine is a MirroredCore
+    and the loop watches that every follower lives."""
     inbox: asyncio.Queue = asyncio.Queue()
     role.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
     reading = asyncio.create_task(_read_into(inbox, reader))
@@ -160,15 +169,11 @@ async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.
                     return
                 if msg is WAKE:
                     continue
-                if followers is not None:
-                    followers.forward(msg)
                 _send(role, writer, await apply(role, msg, engine_thread))
             _send(role, writer, await role.poll())
             if followers is not None and not followers.alive():
                 raise RuntimeError("a tensor-parallel follower died: the group goes down with it")
             if role.has_work():
-                if followers is not None:
-                    followers.forward(STEP)
                 # In a thread, so the loop keeps serving sockets and gRPC streams while torch computes
                 # (a decode's TransferInfo must not wait for a run of engine steps to go out).
                 _send(role, writer, await loop.run_in_executor(engine_thread, step, role))

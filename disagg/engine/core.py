@@ -18,7 +18,7 @@ from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.kv_events import KVCacheEvent
 from disagg.engine.loader import LoadedModel, load_model
-from disagg.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from disagg.engine.model_runner import ModelRunner, RunnerOutput, SharedKV, kv_bytes_per_block
 from disagg.engine.models.llama import LlamaModel
 from disagg.engine.models.tensor_parallel import Collectives, shard_arch, shard_weights
 from disagg.engine.output_processor import OutputProcessor
@@ -34,10 +34,11 @@ from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOu
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, tp: Collectives | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, tp: Collectives | None = None,
+                 kv_file: str | None = None):
         """`tp`: this engine is one rank of a tensor-parallel group (models/tensor_parallel.py); every
         rank runs the same requests, holds its shard of the weights and of the KV heads, and samples
-        from the same gathered logits."""
+        from the same gathered logits. `kv_file`: the group's caches share it, so rank 0 moves all (SharedKV)."""
         self.config = config
         self.tp = tp
         if config.num_threads:
@@ -63,8 +64,12 @@ class EngineCore:
                                f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
                                f"kv cache {dtype_name(self.kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        self.shared_kv = None if kv_file is None or tp is None else SharedKV(kv_file, tp.rank, tp.size)
+        if self.shared_kv is not None and config.model.device != "cpu":
+            raise ConfigError("a TP group moves its KV from one shared host region: prefill and decode servers "
+                              f"with tensor_parallel_size > 1 run on the CPU, not on {config.model.device}")
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.kv_dtype, self.eos_token_ids,
-                                  config.model.seed, self.grammars)
+                                  config.model.seed, self.grammars, self.shared_kv)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -249,9 +254,11 @@ class EngineCore:
     def cache_spec(self) -> CacheSpec:
         cache = self.runner.kv_cache
         assert cache is not None, "the KV cache is freed (sleeping)"
-        a = self.rank_arch
+        if self.tp is not None and self.shared_kv is None:
+            raise ConfigError("one TP rank's KV cache is not the group's: start the group with a shared KV file")
+        a, tp_size = self.arch, 1 if self.tp is None else self.tp.size  # rank 0's cache opens the group's region
         return CacheSpec(cache.data_ptr(), self.num_blocks, a.num_layers, self.block_size, a.num_kv_heads, a.head_dim,
-                         dtype_name(cache.dtype), str(cache.device))
+                         dtype_name(cache.dtype), str(cache.device), tp_size)
 
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished `hold_blocks` request kept, or those of a request that ended

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,10 +33,28 @@ def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> 
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
+@dataclass(frozen=True)
+class SharedKV:
+    """A TP group's KV caches in one file that every rank maps, rank r's after r others: rank 0's
+    transfer backend registers the whole group's as one region (kvtransfer/heads.py). Host memory
+    only; a new file reads as zeros."""
+
+    path: str
+    rank: int
+    tp_size: int
+
+    def rank_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        elems = math.prod(shape)
+        region = torch.from_file(self.path, shared=True, size=self.tp_size * elems, dtype=dtype)
+        return region[self.rank * elems:(self.rank + 1) * elems].view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 eos_token_ids: tuple[int, ...], seed: int, grammars: GrammarCompiler | None = None):
+                 eos_token_ids: tuple[int, ...], seed: int, grammars: GrammarCompiler | None = None,
+                 shared_kv: SharedKV | None = None):
         self.model = model
+        self.shared_kv = shared_kv
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype  # the model's dtype, or bfloat16 under a float32 model
@@ -48,7 +67,10 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         arch = self.model.arch
         shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
+        if self.shared_kv is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
+        else:
+            self.kv_cache = self.shared_kv.rank_cache(shape, self.kv_dtype)
         self.layer_caches = self.model.layer_caches(self.kv_cache)
 
     def free_kv_cache(self) -> None:

@@ -38,7 +38,8 @@ class Reservation:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Where the KV cache lives and how it is shaped: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+    """Where the KV cache lives and how it is shaped: `tp_size` [num_blocks, num_layers, 2, block_size,
+    rank's kv heads, head_dim] caches back to back; `num_kv_heads` is the model's."""
 
     base_address: int
     num_blocks: int
@@ -48,6 +49,7 @@ class CacheSpec:
     head_dim: int
     dtype: str
     device: str
+    tp_size: int = 1
 
 
 @dataclass(frozen=True)

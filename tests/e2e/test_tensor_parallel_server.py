@@ -2,7 +2,7 @@
 answers equal a TP 1 server's token for token, its follower runs beside its worker and is gone
 after the server stops; a follower killed (kill -9) takes its group down, its request in flight
 gets 503, and the group restarts with every gauge back at its baseline; prefill and decode servers
-refuse TP for now."""
+refuse TP on CUDA for now (tests/e2e/test_pd_tensor_parallel.py runs them on the CPU)."""
 
 import asyncio
 import os
@@ -54,9 +54,11 @@ async def test_a_tp2_worker_answers_like_tp1_and_takes_its_follower_down(unified
     assert not os.path.exists(f"/proc/{followers[0]}")
 
 
-async def test_prefill_and_decode_servers_refuse_tp_for_now():
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 runs on unified servers for now"):
-        await start_server(ServerConfig(port=0, disaggregation_mode="decode"), TP2, pd_config("tcp"), lambda _: None)
+async def test_prefill_and_decode_servers_refuse_tp_on_cuda_for_now():
+    on_cuda = replace(TP2, model=replace(TP2.model, device="cuda:0"))
+    with pytest.raises(ConfigError, match=r"^prefill and decode servers with tensor_parallel_size > 1 run on the CPU "
+                       r"for now \(a TP group moves its KV from one shared host region\), not on cuda:0$"):
+        await start_server(ServerConfig(port=0, disaggregation_mode="decode"), on_cuda, pd_config("tcp"), lambda _: None)
 
 
 GAUGES = ("disagg_num_requests_running", "disagg_num_requests_waiting", "disagg_num_free_blocks",

@@ -61,7 +61,7 @@ def _rank(rank: int, size: int, init_file: str, results) -> None:
     try:
         core = EngineCore(TINY, tp=group)
         outputs = run_requests(core, [(p, GREEDY) for p in PROMPTS])
-        results.put((rank, [o.outputs.token_ids for o in outputs], core.cache_spec().num_kv_heads))
+        results.put((rank, [o.outputs.token_ids for o in outputs], core.runner.kv_cache.shape[4]))
     finally:
         torch.distributed.destroy_process_group()
 

@@ -124,6 +124,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--decode-max-num-seqs", type=int, default=None, metavar="N",
                        help="the decode server's requests decoding in one step (default: --max-num-seqs); past it the "
                             "latest whose KV landed wait for a slot, so the others keep their pace under overload")
+    serve.add_argument("--decode-tensor-parallel-size", "--decode-tp-size", dest="decode_tensor_parallel_size",
+                       type=int, default=None, metavar="N",
+                       help="the decode server's TP size (default: --tensor-parallel-size, which then sizes the "
+                            "prefill alone); each decode rank receives its KV heads from the prefill ranks holding them")
     serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
                        help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
                             "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
@@ -198,8 +202,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         ("max_num_batched_tokens", args.decode_max_num_batched_tokens),
         ("max_prefill_tokens_per_step", args.decode_max_prefill_tokens_per_step),
         ("max_num_seqs", args.decode_max_num_seqs)) if value is not None}
-    if decode_scheduler:
-        decode_engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler))
+    if decode_scheduler or args.decode_tensor_parallel_size is not None:
+        decode_engine = dataclasses.replace(
+            engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler),
+            tensor_parallel_size=args.decode_tensor_parallel_size or engine.tensor_parallel_size)
     return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
                        args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
                        (args.prefill_cpus, args.decode_cpus), decode_engine, tools, cache_aware=cache_aware)

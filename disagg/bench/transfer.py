@@ -3,9 +3,11 @@
 For SmolLM2-135M-sized KV (30 layers, 3 KV heads, head_dim 64, 16-token blocks) and prompts of 128,
 1k, 4k and 16k tokens, this process WRITEs the prompt's blocks into a peer process through each
 backend and reports GB/s next to a plain numpy copy of the same bytes measured in the same run,
-plus the median latency of one 128-token transfer.
+plus the median latency of one 128-token transfer. `--tp-sizes 1:3,3:1` moves the same KV between
+TP groups of those sizes (SmolLM2's 3 KV heads: one per rank at TP 3): each destination rank gets
+its head slices (kvtransfer/heads.py), against whole blocks at 1:1.
 
-    python -m disagg.bench.transfer [--backends nixl,tcp] [--dtypes bfloat16,float32] [--out f.json]
+    python -m disagg.bench.transfer [--backends nixl,tcp] [--dtypes bfloat16,float32] [--tp-sizes 1:1,1:3] [--out f.json]
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ class Row:
     backend: str
     dtype: str
     tokens: int
-    size_bytes: int
+    size_bytes: int  # one copy of the prompt's KV
     transfer_gbps: float
     memcpy_gbps: float
     ratio: float
     best_transfer_gbps: float
     best_memcpy_gbps: float
     rounds: int
+    tp: str = "1:1"  # source:destination TP sizes
 
 
 @dataclass
@@ -58,10 +61,11 @@ class Latency:
     median_us: float
     p90_us: float
     samples: int
+    tp: str = "1:1"
 
 
-def cache_layout(address: int, num_blocks: int, dtype: str) -> KVLayout:
-    return KVLayout.for_cache(address, num_blocks, dtype=dtype, **SMOLLM2_KV)
+def cache_layout(address: int, num_blocks: int, dtype: str, tp: int = 1) -> KVLayout:
+    return KVLayout.for_cache(address, num_blocks, dtype=dtype, tp_size=tp, **SMOLLM2_KV)
 
 
 def num_blocks_for(tokens: int) -> int:
@@ -96,16 +100,16 @@ def timed(fns: list[Callable[[], None]], min_time_s: float, min_rounds: int = 3,
 # -- the peer process -------------------------------------------------------------------------------
 
 
-def serve_peer(backend_name: str, dtype: str, num_blocks: int) -> int:
+def serve_peer(backend_name: str, dtype: str, num_blocks: int, tp: int = 1) -> int:
     """Own a cache and a backend, print the metadata, drain notifications until stdin says exit."""
     control = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # library noise must not corrupt the control channel
     quiet_nixl()
-    probe = cache_layout(4096, num_blocks, dtype)
+    probe = cache_layout(4096, num_blocks, dtype, tp)
     memory = np.ones(probe.size_bytes, dtype=np.uint8)  # touched: no page faults inside the timings
     received = 0
     with create_backend(backend_name) as backend:
-        backend.register(cache_layout(memory.ctypes.data, num_blocks, dtype))
+        backend.register(cache_layout(memory.ctypes.data, num_blocks, dtype, tp))
         control.write(msgspec.json.encode({"metadata": backend.peer_metadata().hex()}) + b"\n")
         while True:
             received += len(backend.notifications())
@@ -130,9 +134,9 @@ def drain_until(backend: KVTransferBackend, count: int, deadline_s: float) -> in
 class PeerProcess:
     """The peer, spawned with this interpreter; replies read with a deadline."""
 
-    def __init__(self, backend_name: str, dtype: str, num_blocks: int) -> None:
+    def __init__(self, backend_name: str, dtype: str, num_blocks: int, tp: int = 1) -> None:
         command = [sys.executable, "-m", "disagg.bench.transfer", "--serve-peer", "--backends", backend_name,
-                   "--dtypes", dtype, "--num-blocks", str(num_blocks)]
+                   "--dtypes", dtype, "--num-blocks", str(num_blocks), "--tp-sizes", f"{tp}:{tp}"]
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.metadata = bytes.fromhex(self._reply(PEER_START_TIMEOUT_S)["metadata"])
 
@@ -173,10 +177,10 @@ def transfer_once(backend: KVTransferBackend, peer: str, block_ids: list[int]) -
 
 
 def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: list[int],
-               src: np.ndarray, dst: np.ndarray) -> tuple[list[Row], Latency]:
+               src: np.ndarray, dst: np.ndarray, tp: tuple[int, int] = (1, 1)) -> tuple[list[Row], Latency]:
     num_blocks = num_blocks_for(max(tokens))
-    layout = cache_layout(src.ctypes.data, num_blocks, dtype)
-    peer_process = PeerProcess(backend_name, dtype, num_blocks)
+    layout = cache_layout(src.ctypes.data, num_blocks, dtype, tp[0])
+    peer_process = PeerProcess(backend_name, dtype, num_blocks, tp[1])
     rows = []
     try:
         with create_backend(backend_name) as backend:
@@ -184,11 +188,11 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
             peer = backend.add_peer(peer_process.metadata)
             for count in tokens:
                 block_ids = list(range(num_blocks_for(count)))
-                size = len(block_ids) * layout.block_size_bytes
+                size = len(block_ids) * layout.block_size_bytes * layout.tp_size
                 transfer_once(backend, peer, block_ids)  # warm-up: connection, registration caches
                 seconds, copy_s = timed([lambda: transfer_once(backend, peer, block_ids),
                                          lambda: np.copyto(dst[:size], src[:size])], args.min_time_s)
-                rows.append(make_row(backend_name, dtype, count, size, seconds, copy_s))
+                rows.append(make_row(backend_name, dtype, count, size, seconds, copy_s, f"{tp[0]}:{tp[1]}"))
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
             small = list(range(num_blocks_for(128)))
             samples = timed([lambda: transfer_once(backend, peer, small)], 0.0, args.latency_iters, args.latency_iters)[0]
@@ -200,32 +204,39 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
         peer_process.close()
     latency_us = sorted(s * 1e6 for s in samples)
     latency = Latency(backend_name, dtype, 128, statistics.median(latency_us),
-                      latency_us[int(0.9 * (len(latency_us) - 1))], len(latency_us))
+                      latency_us[int(0.9 * (len(latency_us) - 1))], len(latency_us), f"{tp[0]}:{tp[1]}")
     return rows, latency
 
 
-def make_row(backend: str, dtype: str, tokens: int, size: int, seconds: list[float], copy_s: list[float]) -> Row:
+def make_row(backend: str, dtype: str, tokens: int, size: int, seconds: list[float], copy_s: list[float],
+             tp: str = "1:1") -> Row:
     median, median_copy = size / statistics.median(seconds) / 1e9, size / statistics.median(copy_s) / 1e9
     best, best_copy = size / min(seconds) / 1e9, size / min(copy_s) / 1e9
-    return Row(backend, dtype, tokens, size, median, median_copy, median / median_copy, best, best_copy, len(seconds))
+    return Row(backend, dtype, tokens, size, median, median_copy, median / median_copy, best, best_copy, len(seconds), tp)
 
 
 def format_row(row: Row) -> str:
-    return (f"| {row.backend} | {row.dtype} | {row.tokens} | {row.size_bytes / 2**20:.1f} | "
+    return (f"| {row.backend} | {row.tp} | {row.dtype} | {row.tokens} | {row.size_bytes / 2**20:.1f} | "
             f"{row.transfer_gbps:.2f} | {row.memcpy_gbps:.2f} | {row.ratio:.0%} | {row.best_transfer_gbps:.2f} |")
 
 
 def format_report(rows: list[Row], latencies: list[Latency]) -> str:
     lines = [
-        "| backend | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| backend | TP src:dst | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *map(format_row, rows),
         "",
-        "| backend | dtype | latency of one 128-token transfer, median | p90 | samples |",
-        "|---|---|---|---|---|",
-        *(f"| {l.backend} | {l.dtype} | {l.median_us:.0f} us | {l.p90_us:.0f} us | {l.samples} |" for l in latencies),
+        "| backend | TP src:dst | dtype | latency of one 128-token transfer, median | p90 | samples |",
+        "|---|---|---|---|---|---|",
+        *(f"| {l.backend} | {l.tp} | {l.dtype} | {l.median_us:.0f} us | {l.p90_us:.0f} us | {l.samples} |"
+          for l in latencies),
     ]
     return "\n".join(lines)
+
+
+def tp_pairs(text: str) -> list[tuple[int, int]]:
+    """`1:1,1:3` -> [(1, 1), (1, 3)]."""
+    return [(int(a), int(b)) for a, b in (pair.split(":") for pair in text.split(","))]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,9 +249,10 @@ def run(args: argparse.Namespace) -> int:
         src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
         dst = np.ones(size, dtype=np.uint8)
         for backend_name in args.backends.split(","):
-            pair_rows, latency = bench_pair(args, backend_name, dtype, tokens, src, dst)
-            rows += pair_rows
-            latencies.append(latency)
+            for tp in tp_pairs(args.tp_sizes):
+                pair_rows, latency = bench_pair(args, backend_name, dtype, tokens, src, dst, tp)
+                rows += pair_rows
+                latencies.append(latency)
     print(f"{os.cpu_count()} CPUs; SmolLM2-135M KV: {SMOLLM2_KV}\n")
     print(format_report(rows, latencies))
     if args.out:
@@ -256,6 +268,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="prompt lengths")
     parser.add_argument("--min-time-s", type=float, default=0.5, help="time spent per measurement")
     parser.add_argument("--latency-iters", type=int, default=50, help="128-token transfers for the latency median")
+    parser.add_argument("--tp-sizes", default="1:1", help="source:destination TP sizes, comma-separated (SmolLM2's 3 KV "
+                        "heads split over 1 or 3 ranks, or replicated over 6)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--serve-peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
@@ -271,7 +285,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def dispatch(args: argparse.Namespace) -> int:
     if args.serve_peer:
-        return serve_peer(args.backends, args.dtypes, args.num_blocks)
+        return serve_peer(args.backends, args.dtypes, args.num_blocks, tp_pairs(args.tp_sizes)[0][1])
     return run(args)
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from disagg.cpus import split_cpus
 from disagg.engine_config import EngineConfig
 from disagg.wire.engine_msgs import ShutdownMsg
 
@@ -40,6 +41,12 @@ def rank_engine(config: EngineConfig) -> EngineConfig:
     size = config.tensor_parallel_size
     threads = config.num_threads or os.cpu_count() or 1
     return dataclasses.replace(config, num_threads=max(1, threads // size))
+
+
+def rank_cpus(spec: WorkerSpec, rank: int) -> frozenset[int] | None:
+    """The CPUs of one rank: the worker's (--cpus) in as many contiguous runs as the group has ranks,
+    shared when there are fewer CPUs than ranks; None when the worker is not pinned."""
+    return None if spec.cpus is None else split_cpus(spec.cpus, spec.engine.tensor_parallel_size)[rank]
 
 
 class Followers:
@@ -125,7 +132,7 @@ def follower_main(spec: WorkerSpec, rank: int, rendezvous: str, kv_file: str | N
     from disagg.logs import configure_logging
 
     if spec.cpus is not None:
-        os.sched_setaffinity(0, spec.cpus)
+        os.sched_setaffinity(0, rank_cpus(spec, rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_format)
     structlog.contextvars.bind_contextvars(dp_rank=spec.dp_rank, tp_rank=rank, pid=os.getpid())

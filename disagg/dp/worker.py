@@ -28,7 +28,7 @@ import structlog
 from disagg.engine_config import EngineConfig
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.kv_events import ZmqEventPublisher, open_publisher
-from disagg.dp.tp_group import Followers, MirroredCore, rank_engine
+from disagg.dp.tp_group import Followers, MirroredCore, rank_cpus, rank_engine
 from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
 from disagg.wire.engine_msgs import (
@@ -78,8 +78,9 @@ def run_worker(spec: WorkerSpec) -> None:
     """Process entry point (spawned)."""
     if spec.cpus is not None:
         # First, on the only thread there is: every thread started later (the engine thread, torch's
-        # OpenMP team, sized from this mask unless num_threads says otherwise) inherits the mask.
-        os.sched_setaffinity(0, spec.cpus)
+        # OpenMP team, sized from this mask unless num_threads says otherwise) inherits the mask. A
+        # TP group's rank 0 takes its share; each follower pins itself to its own.
+        os.sched_setaffinity(0, rank_cpus(spec, 0))
     # Ctrl-C reaches the whole process group; the front shuts workers down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_format)

@@ -1,40 +1,35 @@
 """Prefill and decode servers whose DP worker is a tensor-parallel group, with the same or different
-TP sizes on the two sides (the tiny model: 2 KV heads, one per rank at TP 2): every answer equals the
-unified TP 1 server's token for token, in both flows and on both backends; the KV that crosses is
-one copy of the prompt's blocks (each decode rank gets its heads, from the prefill rank holding
-them); the registry and the pull ticket carry the prefill's TP size; every block comes back."""
+TP sizes on the two sides (the tiny model: 2 KV heads, one per rank at TP 2, each on two ranks at
+TP 4): every answer equals the unified TP 1 server's token for token, in both flows and on both
+backends; the KV that crosses is one copy of the prompt's blocks per copy the decode holds (each
+decode rank gets its heads, from the prefill rank holding them; a replicated prefill head is read
+once); the registry and the pull ticket carry the prefill's TP size; every block comes back."""
 
 import asyncio
+import os
 import random
-from dataclasses import replace
+import signal
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
-from disagg.config import ServerConfig
-from disagg.launch import start_server
-from pd_cluster import TINY, Cluster, pd_config, start_decode, unified_answer
+from pd_cluster import start_tp_pd, unified_answer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
 BLOCK_BYTES = 2048  # one copy of a block: 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x 4 bytes
 PULL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
         "remote_host": None, "remote_port": None}
-LAYOUTS = [(2, 1, "tcp"), (2, 1, "nixl"), (1, 2, "tcp"), (1, 2, "nixl"), (2, 2, "tcp"), (2, 2, "nixl")]
+LAYOUTS = [(2, 1, "tcp"), (2, 1, "nixl"), (1, 2, "tcp"), (1, 2, "nixl"), (2, 2, "tcp"), (2, 2, "nixl"),
+           (4, 1, "tcp"), (1, 4, "nixl")]  # TP 4: each of the 2 KV heads on 2 ranks
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=LAYOUTS, ids=lambda p: f"p{p[0]}-d{p[1]}-{p[2]}")
 async def cluster(request):
     prefill_tp, decode_tp, backend = request.param
-    disagg = pd_config(backend)
-    prefill, decode = await asyncio.gather(
-        start_server(ServerConfig(port=0, dp_size=1, disaggregation_mode="prefill"),
-                     replace(TINY, tensor_parallel_size=prefill_tp), disagg, lambda _: None),
-        start_decode(disagg, replace(TINY, tensor_parallel_size=decode_tp), dp_size=1),
-    )
-    c = Cluster(prefill, decode, aiohttp.ClientSession())
+    c = await start_tp_pd(backend, prefill_tp, decode_tp)
     c.prefill_tp = prefill_tp
+    c.copies = max(1, decode_tp // 2)  # of the KV each block needs: the decode's replicated heads each get theirs
     yield c
     await c.close()
 
@@ -71,8 +66,9 @@ async def test_answers_equal_unified_and_one_copy_of_the_kv_crosses(cluster, uni
     before = await decode_kv_bytes(cluster)
     got, ticket = await pd_completion(cluster, flow, prompt)
     assert got == text
-    # push: all 11 blocks cross; pull: the 10 holding the first 40 tokens (the decode computes the last)
-    assert await decode_kv_bytes(cluster) - before == (11 if flow == "push" else 10) * BLOCK_BYTES
+    # push: all 11 blocks cross; pull: the 10 holding the first 40 tokens (the decode computes the last).
+    # A head the prefill replicates is read from one rank only.
+    assert await decode_kv_bytes(cluster) - before == (11 if flow == "push" else 10) * BLOCK_BYTES * cluster.copies
     if flow == "pull":
         assert ticket["tp_size"] == cluster.prefill_tp
     assert await cluster.settled(([96], [96])) == ([96], [96])
@@ -85,3 +81,51 @@ async def test_the_registry_carries_the_prefill_tp_size(cluster):
         assert r.status == 200
         topology = await r.json()
     assert (topology["tp_size"], topology["prefill_attn_tp_size"], topology["dp_size"]) == (cluster.prefill_tp,) * 2 + (1,)
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def restarted(server) -> None:
+    for _ in range(300):
+        worker = server.controller.workers[0]
+        if worker.num_restarts == 1 and worker.available:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"worker restarts {worker.num_restarts}, available {worker.available}")
+
+
+async def test_a_dead_rank_restarts_its_group_on_either_side(unified):
+    """kill -9 of the decode's follower while a request decodes: that request gets the dead worker's
+    503, the group restarts; then of the prefill's follower: its group restarts and registers again.
+    After each, a P/D answer equals unified's and every block is free on both sides."""
+    cluster = await start_tp_pd("tcp", 2, 2, server={"worker_restart_backoff_s": 0.1})
+    try:
+        rng = random.Random("kill")
+        prompt = [rng.randrange(32, 127) for _ in range(41)]
+        text, _ = await unified_answer(cluster, unified, prompt)
+        body = cluster.pd_body({"model": "tiny", "prompt": prompt, "temperature": 0, "ignore_eos": True, "max_tokens": 300})
+        running = asyncio.ensure_future(cluster.post_both("/v1/completions", body, body))
+        for _ in range(200):  # the KV landed and the request decodes on the decode's group
+            stats = await cluster.decode.controller.call_utility("stats")
+            if stats[0].num_running == 1:
+                break
+            await asyncio.sleep(0.02)
+        [follower] = children(cluster.decode.controller.workers[0].process.pid)
+        os.kill(follower, signal.SIGKILL)
+        (p_status, _, _), (status, data, _) = await running
+        assert p_status == 200 and status == 503 and data["error"]["message"].startswith("DP worker 0 died ("), data
+        await restarted(cluster.decode)
+        assert (await pd_completion(cluster, "push", prompt))[0] == text
+        assert await cluster.settled(([96], [96])) == ([96], [96])
+
+        [follower] = children(cluster.prefill.controller.workers[0].process.pid)
+        os.kill(follower, signal.SIGKILL)
+        await restarted(cluster.prefill)
+        assert (await pd_completion(cluster, "push", prompt))[0] == text
+        assert (await pd_completion(cluster, "pull", prompt))[0] == text
+        assert await cluster.settled(([96], [96])) == ([96], [96])
+    finally:
+        await cluster.close()

@@ -1,10 +1,11 @@
 """Pinned servers on real processes (tiny model): every thread of every DP worker runs on its share
-of `--cpus`, and `disagg serve`'s default gives prefill and decode a half of the machine each; a CPU
+of `--cpus`, each rank of a TP group on its share of its worker's, and `disagg serve`'s default gives prefill and decode a half of the machine each; a CPU
 list this process may not use stops the CLI before anything starts."""
 
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -34,6 +35,19 @@ async def test_a_unified_server_pinned_to_two_cpus_puts_one_worker_on_each():
     server = await start_server(ServerConfig(port=0, dp_size=2, cpus="0-1"), TINY, DisaggConfig(), lambda _: None)
     try:
         assert worker_affinities(server) == [{frozenset({0})}, {frozenset({1})}]
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_each_rank_of_a_tp_group_runs_on_its_share_of_the_worker_cpus():
+    tp2 = replace(TINY, tensor_parallel_size=2)
+    server = await start_server(ServerConfig(port=0, dp_size=1, cpus="0-1"), tp2, DisaggConfig(), lambda _: None)
+    try:
+        rank0 = server.controller.workers[0].process.pid
+        with open(f"/proc/{rank0}/task/{rank0}/children") as f:
+            [rank1] = [int(p) for p in f.read().split()]
+        assert (thread_affinities(rank0), thread_affinities(rank1)) == ({frozenset({0})}, {frozenset({1})})
     finally:
         await server.close()
 

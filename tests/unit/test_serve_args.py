@@ -1,5 +1,5 @@
-"""`disagg serve`'s options that shape the two servers differently: the decode's step budget, and
-the local-prefill limit that both the decode and the router get."""
+"""`disagg serve`'s options that shape the two servers differently: the decode's step budget and TP
+size, and the local-prefill limit that both the decode and the router get."""
 
 import pytest
 
@@ -46,6 +46,15 @@ def test_the_decode_gets_its_own_prompt_tokens_per_step(monkeypatch):
         0, 1024)
     assert (seen["decode_engine"].scheduler.max_prefill_tokens_per_step,
             seen["decode_engine"].scheduler.max_num_batched_tokens) == (24, 1024)
+
+
+def test_the_decode_gets_its_own_tp_size(monkeypatch):
+    seen = captured_run(monkeypatch, ["--tp-size", "2", "--decode-tp-size", "1"])
+    assert (seen["engine"].tensor_parallel_size, seen["decode_engine"].tensor_parallel_size) == (2, 1)
+    assert seen["decode_engine"].scheduler == seen["engine"].scheduler
+    seen = captured_run(monkeypatch, ["--decode-tensor-parallel-size", "2"])
+    assert (seen["engine"].tensor_parallel_size, seen["decode_engine"].tensor_parallel_size) == (1, 2)
+    assert captured_run(monkeypatch, ["--tp-size", "2"])["decode_engine"] is None  # both sides TP 2
 
 
 def test_without_the_option_both_run_one_engine(monkeypatch):

@@ -15,7 +15,7 @@ from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore, drain
-from kvtransfer.descriptors import BlockRun, Slices
+from kvtransfer.descriptors import BlockRun, Slices, host_view
 from kvtransfer.handshake import PeerInfo
 
 
@@ -124,11 +124,12 @@ class LoopbackBackend(BackendCore):
     def _copy(self, target: LoopbackBackend, pending: _Pending) -> None:
         local, remote = self._layout, target.registered_layout
         assert local is not None and remote is not None
-        if pending.slices is not None:
-            read = pending.handle.op is TransferOp.READ
-            for mine, theirs, size in zip(*(part.tolist() for part in pending.slices)):
-                src, dst = local.base_address + mine, remote.base_address + theirs
-                ctypes.memmove(src if read else dst, dst if read else src, size)
+        if pending.slices is not None:  # head slices: one vectorized gather and scatter
+            mine, theirs = pending.slices.segments()
+            if pending.handle.op is TransferOp.READ:
+                mine.scatter(host_view(local), theirs.gather(host_view(remote)))
+            else:
+                theirs.scatter(host_view(remote), mine.gather(host_view(local)))
             return
         for run in pending.runs:
             size = run.num_blocks * local.block_size_bytes

@@ -20,10 +20,10 @@ from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore, drain
-from kvtransfer.descriptors import BlockRun, Segment, Slices, host_view, run_segments
+from kvtransfer.descriptors import BlockRun, Segment, Segments, Slices, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
 from kvtransfer.tcp.auth import greet
-from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
+from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, listed, shutdown_quietly, staged
 from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 from kvtransfer.transfers import TransferTable
 
@@ -34,8 +34,8 @@ class _Job:
 
     kind: FrameKind
     transfer_id: int
-    local: tuple[Segment, ...] = ()
-    remote: tuple[Segment, ...] = ()
+    local: tuple[Segment, ...] | Segments = ()
+    remote: tuple[Segment, ...] | Segments = ()
     tag: bytes = b""
 
 
@@ -100,7 +100,7 @@ class _Link:
         while (job := self._jobs.get()) is not None:
             if job.transfer_id and not self._is_live(job.transfer_id):
                 continue  # aborted while queued
-            payload = [self._slice(s) for s in job.local] if job.kind is FrameKind.WRITE else []
+            payload = self._payload(job) if job.kind is FrameKind.WRITE else []
             head = FrameHead(job.kind, job.transfer_id, job.remote, job.tag, sum(map(len, payload)))
             try:
                 send_frame(self._sock, head, payload)
@@ -122,14 +122,24 @@ class _Link:
             if job is None:
                 discard(self._sock, head.payload_bytes)  # aborted or released: never touch its blocks
                 return
-            for segment in job.local:
-                recv_into_exact(self._sock, self._slice(segment))
+            if staged(job.local):  # head slices: one receive, one vectorized scatter
+                staging = bytearray(head.payload_bytes)
+                recv_into_exact(self._sock, memoryview(staging))
+                job.local.scatter(self._region, staging)
+            else:
+                for segment in listed(job.local):
+                    recv_into_exact(self._sock, self._slice(segment))
         if job is None:
             return
         if head.kind is FrameKind.ERROR:
             self._transfers.fail(head.transfer_id, f"peer {self.peer!r} refused the transfer: {head.tag.decode()}")
         else:
             self._transfers.advance(head.transfer_id, TransferState.SUCCESS)
+
+    def _payload(self, job: _Job) -> list[memoryview]:
+        if staged(job.local):
+            return [job.local.gather(self._region)]
+        return [self._slice(s) for s in listed(job.local)]
 
     def _slice(self, segment: Segment) -> memoryview:
         return self._region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes]
@@ -227,7 +237,7 @@ class TcpBackend(BackendCore):
     def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
         local, remote = slices.segments()
         kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
-        self._links[handle.peer].submit(_Job(kind, handle.transfer_id, tuple(local), tuple(remote), notif_tag))
+        self._links[handle.peer].submit(_Job(kind, handle.transfer_id, local, remote, notif_tag))
 
     def _progress(self, handle: TransferHandle) -> None:
         """Nothing to do: the link threads advance the state."""

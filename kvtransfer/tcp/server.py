@@ -12,14 +12,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from disagg.config import TcpListenerConfig
 from disagg.wire.auth import NonceTable, format_address
 from kvtransfer.base import Notification
-from kvtransfer.descriptors import segment_in_bounds
+from kvtransfer.descriptors import Segment, Segments, segment_in_bounds
 from kvtransfer.tcp.auth import Gate, HandshakeRefused, admit
 from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 
@@ -167,26 +167,45 @@ class InboundServer:
             return
         assert region is not None
         if head.kind is FrameKind.WRITE:
-            for segment in head.segments:
-                recv_into_exact(conn, region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes])
+            if staged(head.segments):  # head slices: one receive, one vectorized scatter
+                staging = bytearray(head.payload_bytes)
+                recv_into_exact(conn, memoryview(staging))
+                head.segments.scatter(region, staging)
+            else:
+                for segment in listed(head.segments):
+                    recv_into_exact(conn, region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes])
             if head.tag:
                 self._on_notification(Notification(peer, head.tag))
             send_frame(conn, FrameHead(FrameKind.ACK, head.transfer_id))
         else:
-            views = [region[s.offset_bytes: s.offset_bytes + s.size_bytes] for s in head.segments]
+            views = ([head.segments.gather(region)] if staged(head.segments)
+                     else [region[s.offset_bytes: s.offset_bytes + s.size_bytes] for s in listed(head.segments)])
             send_frame(conn, FrameHead(FrameKind.DATA, head.transfer_id, payload_bytes=sum(map(len, views))), views)
             if head.tag:
                 self._on_notification(Notification(peer, head.tag))
+
+
+def staged(segments: tuple[Segment, ...] | Segments) -> bool:
+    """Many small ranges: moved through one staging buffer rather than a syscall each."""
+    return isinstance(segments, Segments) and segments.small
+
+
+def listed(segments: tuple[Segment, ...] | Segments) -> Sequence[Segment]:
+    return segments.pairs() if isinstance(segments, Segments) else segments
 
 
 def _refusal(head: FrameHead, region: memoryview | None) -> str:
     """Why a WRITE/READ cannot be served ('' when it can)."""
     if region is None:
         return "no layout is registered"
-    for segment in head.segments:
-        if not segment_in_bounds(segment, len(region)):
-            return f"segment {tuple(segment)} is outside the registered region of {len(region)} bytes"
-    expected = sum(segment.size_bytes for segment in head.segments) if head.kind is FrameKind.WRITE else 0
+    if isinstance(head.segments, Segments):
+        bad = head.segments.first_out_of_bounds(len(region))
+    else:
+        bad = next((segment for segment in head.segments if not segment_in_bounds(segment, len(region))), None)
+    if bad is not None:
+        return f"segment {tuple(bad)} is outside the registered region of {len(region)} bytes"
+    total = head.segments.total_bytes if isinstance(head.segments, Segments) else sum(s.size_bytes for s in head.segments)
+    expected = total if head.kind is FrameKind.WRITE else 0
     if head.payload_bytes != expected:
         return f"payload of {head.payload_bytes} bytes does not match the segments ({expected} bytes)"
     return ""

@@ -22,13 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvtransfer.descriptors import Segment
+import numpy as np
+
+from kvtransfer.descriptors import Segment, Segments
 
 _HEADER = struct.Struct("<B3xIIQQ")
 HEADER_BYTES = _HEADER.size
 _SEGMENT = struct.Struct("<QQ")
 MAX_SEGMENTS = 1 << 20
 MAX_TAG_BYTES = 1 << 16
+FEW_SEGMENTS = 16  # a frame with more carries them as arrays (Segments): head slices
 _DISCARD_CHUNK_BYTES = 1 << 20
 
 
@@ -54,7 +57,7 @@ class FrameHead:
 
     kind: FrameKind
     transfer_id: int = 0
-    segments: tuple[Segment, ...] = ()
+    segments: tuple[Segment, ...] | Segments = ()
     tag: bytes = b""
     payload_bytes: int = 0
 
@@ -71,7 +74,10 @@ class Header(NamedTuple):
 
 def encode_head(head: FrameHead) -> bytes:
     parts = [_HEADER.pack(head.kind, len(head.segments), len(head.tag), head.transfer_id, head.payload_bytes)]
-    parts += [_SEGMENT.pack(*segment) for segment in head.segments]
+    if isinstance(head.segments, Segments):
+        parts.append(np.stack([head.segments.offsets, head.segments.sizes], axis=1).astype("<u8").tobytes())
+    else:
+        parts += [_SEGMENT.pack(*segment) for segment in head.segments]
     parts.append(head.tag)
     return b"".join(parts)
 
@@ -91,7 +97,14 @@ def read_head(sock: socket.socket) -> FrameHead:
     if num_segments > MAX_SEGMENTS or tag_bytes > MAX_TAG_BYTES:
         raise ProtocolError(f"frame too large: {num_segments} segments, {tag_bytes} tag bytes")
     raw = recv_exact(sock, num_segments * _SEGMENT.size + tag_bytes)
-    segments = tuple(Segment(*_SEGMENT.unpack_from(raw, i * _SEGMENT.size)) for i in range(num_segments))
+    segments: tuple[Segment, ...] | Segments
+    if num_segments > FEW_SEGMENTS:
+        pairs = np.frombuffer(raw, dtype="<u8", count=2 * num_segments).reshape(-1, 2)
+        if (pairs >= 1 << 62).any():
+            raise ProtocolError("a segment's offset or size is out of range")
+        segments = Segments(pairs[:, 0], pairs[:, 1])
+    else:
+        segments = tuple(Segment(*_SEGMENT.unpack_from(raw, i * _SEGMENT.size)) for i in range(num_segments))
     return FrameHead(kind, transfer_id, segments, bytes(raw[num_segments * _SEGMENT.size:]), payload_bytes)
 
 

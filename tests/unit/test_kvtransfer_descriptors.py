@@ -7,8 +7,8 @@ import pytest
 
 from kvtransfer.base import InvalidBlockIds, KVLayout
 from kvtransfer.descriptors import (
-    BlockRange, BlockRun, Descriptor, Segment, block_table, check_block_ids, check_block_pairs, coalesce, describe,
-    host_view, pair_runs, run_segments, segment_in_bounds,
+    SMALL_RANGE_BYTES, BlockRange, BlockRun, Descriptor, Segment, Segments, block_table, check_block_ids,
+    check_block_pairs, coalesce, describe, host_view, pair_runs, run_segments, segment_in_bounds,
 )
 
 LAYOUT = KVLayout(base_address=0x10000, num_blocks=8, block_size_bytes=256, block_size_tokens=16, dtype="bfloat16")
@@ -75,3 +75,18 @@ def test_host_view_aliases_the_callers_memory():
     assert memory[64:67].tolist() == [7, 9, 0]
     with pytest.raises(ValueError, match="needs host memory"):
         host_view(KVLayout(memory.ctypes.data, 4, 64, 16, "uint8", device="cuda:0"))
+
+
+def test_segments_gather_and_scatter_exact_bytes():
+    region = memoryview(bytearray(range(64)))
+    segments = Segments(np.array([8, 2, 40]), np.array([4, 2, 6]))
+    assert (len(segments), segments.total_bytes, segments.small) == (3, 12, True)
+    assert bytes(segments.gather(region)) == bytes([8, 9, 10, 11, 2, 3, 40, 41, 42, 43, 44, 45])
+    segments.scatter(region, bytearray(b"ABCDEFGHIJKL"))
+    assert bytes(region[0:12]) == bytes([0, 1]) + b"EF" + bytes([4, 5, 6, 7]) + b"ABCD"
+    assert bytes(region[40:46]) == b"GHIJKL" and region[46] == 46
+    assert segments.pairs() == [Segment(8, 4), Segment(2, 2), Segment(40, 6)]
+    assert segments.first_out_of_bounds(64) is None
+    assert Segments(np.array([0, 60]), np.array([4, 8])).first_out_of_bounds(64) == Segment(60, 8)
+    assert Segments(np.array([0, 8]), np.array([4, 0])).first_out_of_bounds(64) == Segment(8, 0)
+    assert not Segments(np.array([0]), np.array([SMALL_RANGE_BYTES])).small

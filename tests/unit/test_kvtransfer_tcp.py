@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from disagg.config import TcpListenerConfig
 from disagg.wire.auth import KV_TCP, Binding, answer
 from kvtransfer.base import BackendUnavailable, KVLayout, Notification, PeerUnavailable
-from kvtransfer.descriptors import Segment
+from kvtransfer.descriptors import Segment, Segments
 from kvtransfer.handshake import PeerInfo, encode_peer_info
 from kvtransfer.tcp.auth import NO_ANSWER
 from kvtransfer.tcp.backend import TcpBackend
@@ -32,6 +32,16 @@ def test_frame_head_round_trips_over_a_socket():
         send_frame(left, head, [memoryview(b"abcd"), memoryview(b"ef")])
         assert read_head(right) == head
         assert right.recv(6) == b"abcdef"
+
+
+def test_many_segments_travel_as_arrays():
+    left, right = socket.socketpair()
+    offsets, sizes = np.arange(20) * 256, np.full(20, 128)
+    with left, right:
+        send_frame(left, FrameHead(FrameKind.READ, 9, Segments(offsets, sizes), b"t"))
+        head = read_head(right)
+    assert isinstance(head.segments, Segments) and (head.kind, head.transfer_id, head.tag) == (FrameKind.READ, 9, b"t")
+    assert head.segments.offsets.tolist() == offsets.tolist() and head.segments.sizes.tolist() == [128] * 20
 
 
 def test_garbage_is_a_protocol_error():

@@ -106,14 +106,15 @@ async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig
     return Cluster(prefill, decode, aiohttp.ClientSession())
 
 
-async def start_tp_pd(backend: str, prefill_tp: int, decode_tp: int, server: dict | None = None) -> Cluster:
+async def start_tp_pd(backend: str, prefill_tp: int, decode_tp: int, server: dict | None = None,
+                      engine: EngineConfig = TINY) -> Cluster:
     """A prefill and a decode server, dp 1 each, whose worker is a TP group of `prefill_tp` and
-    `decode_tp` processes (tiny model); `server` overrides config fields of both."""
+    `decode_tp` processes (`engine`: the tiny model); `server` overrides config fields of both."""
     disagg = pd_config(backend)
     prefill, decode = await asyncio.gather(
         start_server(ServerConfig(port=0, dp_size=1, disaggregation_mode="prefill", **(server or {})),
-                     replace(TINY, tensor_parallel_size=prefill_tp), disagg, lambda _: None),
-        start_decode(disagg, replace(TINY, tensor_parallel_size=decode_tp), dp_size=1, server=server),
+                     replace(engine, tensor_parallel_size=prefill_tp), disagg, lambda _: None),
+        start_decode(disagg, replace(engine, tensor_parallel_size=decode_tp), dp_size=1, server=server),
     )
     return Cluster(prefill, decode, aiohttp.ClientSession())
 

@@ -1,5 +1,6 @@
-"""SmolLM2-135M (float32) through HTTP: disaggregated (nixl) equals unified token for token, and the
-unified server's batches, penalties, logit_bias and seeded n > 1 choices equal HF transformers."""
+"""SmolLM2-135M (float32) through HTTP: disaggregated (nixl) equals unified token for token, so does a
+prefill TP 3 (its 3 KV heads one per rank) to a decode TP 1 (tcp), and the unified server's batches,
+penalties, logit_bias and seeded n > 1 choices equal HF transformers."""
 
 import aiohttp
 import pytest
@@ -9,7 +10,7 @@ import torch
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.types import SamplingParams
 from hf_reference import hf_greedy_processed, hf_model_from_loaded, hf_sampled
-from pd_cluster import start_pd, start_unified
+from pd_cluster import start_pd, start_tp_pd, start_unified
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 SMOLLM2 = EngineConfig(
@@ -35,6 +36,20 @@ async def servers(smollm2_unified):
     cluster = await start_pd("nixl", engine=SMOLLM2)
     yield cluster, smollm2_unified[1]
     await cluster.close()
+
+
+async def test_smollm2_prefill_tp3_to_decode_tp1_equals_unified(smollm2_unified):
+    url, _ = smollm2_unified
+    cluster = await start_tp_pd("tcp", 3, 1, engine=SMOLLM2)
+    try:
+        for prompt in PROMPTS:
+            body = {"text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+            pd = cluster.pd_body(body)
+            _, (status, data, _) = await cluster.post_both("/generate", pd, pd)
+            assert status == 200, data
+            assert data["output_ids"] == (await post(url + "/generate", body))["output_ids"], prompt
+    finally:
+        await cluster.close()
 
 
 @pytest.fixture(scope="module")

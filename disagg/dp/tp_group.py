@@ -161,7 +161,8 @@ def follow(core, conn) -> None:
         name, args, kwargs = msg
         try:
             getattr(core, name)(*args, **kwargs)
-        except Exception:
+        except Exception as exc:
             if name == "step":
                 raise
+            log.debug("a mirrored call raised (as on rank 0)", call=name, error=f"{type(exc).__name__}: {exc}")
         core.take_outputs()  # only rank 0 answers

@@ -56,6 +56,12 @@ class Cluster:
         stats = [await s.controller.call_utility("stats") for s in (self.prefill, self.decode)]
         return [w.num_free_blocks for w in stats[0]], [w.num_free_blocks for w in stats[1]]
 
+    async def decode_kv_bytes(self) -> float:
+        """The decode server's `disagg_kv_transfer_bytes_total`: KV bytes it received so far."""
+        async with self.session.get(self.decode_url + "/metrics") as r:
+            lines = (await r.text()).splitlines()
+        return next((float(line.split()[1]) for line in lines if line.startswith("disagg_kv_transfer_bytes_total ")), 0.0)
+
     async def settled(self, expected: tuple, timeout_s: float = 5.0) -> tuple[list[int], list[int]]:
         """`free_blocks()` once it reads `expected` (polled until `timeout_s`), else its last reading."""
         deadline = asyncio.get_running_loop().time() + timeout_s

@@ -3,7 +3,6 @@ equals the unified server's token for token, on every generate endpoint, both ba
 
 import asyncio
 import json
-import random
 
 import aiohttp
 import pytest

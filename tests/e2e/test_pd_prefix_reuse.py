@@ -23,12 +23,6 @@ async def cluster(request):
     await c.close()
 
 
-async def decode_kv_bytes(cluster) -> float:
-    async with cluster.session.get(cluster.decode_url + "/metrics") as r:
-        lines = (await r.text()).splitlines()
-    return next((float(line.split()[1]) for line in lines if line.startswith("disagg_kv_transfer_bytes_total ")), 0.0)
-
-
 async def pd_completion(cluster, flow: str, prompt: list[int]) -> str:
     """One request through P/D, its decode pinned to DP rank 0 (a router keeps a conversation there)."""
     body = {"model": "tiny", "prompt": prompt, **GREEDY}
@@ -51,18 +45,18 @@ async def test_a_later_turn_moves_only_its_new_blocks(cluster, unified, flow):
     rng = random.Random(f"{flow}")
     first = [rng.randrange(32, 127) for _ in range(41)]  # a prompt no worker has seen
     first_text, first_ids = await unified_answer(cluster, unified, first)
-    before = await decode_kv_bytes(cluster)
+    before = await cluster.decode_kv_bytes()
     assert await pd_completion(cluster, flow, first) == first_text
     # 41 prompt tokens in 11 blocks: all of them cross (push), or the 10 holding the first 40 (pull).
     first_blocks = 11 if flow == "push" else 10
-    assert await decode_kv_bytes(cluster) - before == first_blocks * BLOCK_BYTES
+    assert await cluster.decode_kv_bytes() - before == first_blocks * BLOCK_BYTES
 
     second = first + first_ids + [rng.randrange(32, 127) for _ in range(10)]  # 63 tokens
     second_text, _ = await unified_answer(cluster, unified, second)
-    before = await decode_kv_bytes(cluster)
+    before = await cluster.decode_kv_bytes()
     assert await pd_completion(cluster, flow, second) == second_text
     # The decode computed 52 of the first turn's 53 tokens (not the last answer token): 13 full blocks
     # are its own. Only blocks 13-15 cross: the 11 new tokens' KV (push: the 63 prompt tokens; pull:
     # the 62 before the one it computes itself), not the 16 blocks of the whole history.
-    assert await decode_kv_bytes(cluster) - before == 3 * BLOCK_BYTES
+    assert await cluster.decode_kv_bytes() - before == 3 * BLOCK_BYTES
     assert await cluster.settled(([96, 96], [96, 96])) == ([96, 96], [96, 96])

@@ -34,12 +34,6 @@ async def cluster(request):
     await c.close()
 
 
-async def decode_kv_bytes(cluster) -> float:
-    async with cluster.session.get(cluster.decode_url + "/metrics") as r:
-        lines = (await r.text()).splitlines()
-    return next((float(line.split()[1]) for line in lines if line.startswith("disagg_kv_transfer_bytes_total ")), 0.0)
-
-
 async def pd_completion(cluster, flow: str, prompt: list[int]) -> tuple[str, dict]:
     body = {"model": "tiny", "prompt": prompt, **GREEDY}
     if flow == "push":
@@ -63,12 +57,12 @@ async def test_answers_equal_unified_and_one_copy_of_the_kv_crosses(cluster, uni
     rng = random.Random(f"{flow}-tp")
     prompt = [rng.randrange(32, 127) for _ in range(41)]  # 11 blocks of 4; chunked prefill (16 a step)
     text, _ = await unified_answer(cluster, unified, prompt)
-    before = await decode_kv_bytes(cluster)
+    before = await cluster.decode_kv_bytes()
     got, ticket = await pd_completion(cluster, flow, prompt)
     assert got == text
     # push: all 11 blocks cross; pull: the 10 holding the first 40 tokens (the decode computes the last).
     # A head the prefill replicates is read from one rank only.
-    assert await decode_kv_bytes(cluster) - before == (11 if flow == "push" else 10) * BLOCK_BYTES * cluster.copies
+    assert await cluster.decode_kv_bytes() - before == (11 if flow == "push" else 10) * BLOCK_BYTES * cluster.copies
     if flow == "pull":
         assert ticket["tp_size"] == cluster.prefill_tp
     assert await cluster.settled(([96], [96])) == ([96], [96])

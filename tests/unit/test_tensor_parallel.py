@@ -16,6 +16,7 @@ from disagg.engine.models.tiny import TINY_ARCH, build_tiny
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.types import SamplingParams
 from engine_runs import run_requests
+from kvtransfer.heads import rank_heads
 
 pytestmark = pytest.mark.timeout(180)
 TINY = EngineConfig(model=ModelConfig(model="tiny", dtype="float32"), cache=CacheConfig(num_blocks=64, block_size=4),
@@ -53,6 +54,16 @@ def test_a_model_that_does_not_split_is_refused():
         shard_weights({}, smollm2, 0, 2)
     assert str(err.value) == ("tensor_parallel_size 2 does not fit this model: num_heads 9 is not a multiple of 2; "
                               "num_kv_heads 3 neither divides nor is divided by 2")
+
+
+def test_the_transfer_layout_names_the_heads_the_engine_gives_each_rank():
+    """kvtransfer/heads.py decides which heads a rank's cache holds without the engine: its rule
+    must be the engine's split."""
+    for kv_heads, size in [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (3, 3), (2, 8), (8, 2)]:
+        arch = replace(TINY_ARCH, num_heads=8, num_kv_heads=kv_heads)
+        for rank in range(size):
+            split = head_split(arch, rank, size)
+            assert rank_heads(kv_heads, size, rank) == (split.kv_start, split.kv_end), (kv_heads, size, rank)
 
 
 def _rank(rank: int, size: int, init_file: str, results) -> None:

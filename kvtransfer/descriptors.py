@@ -6,7 +6,7 @@ Pure address arithmetic over a KVLayout; no transport here.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -51,6 +51,7 @@ class Slices(NamedTuple):
 
 
 SMALL_RANGE_BYTES = 64 * 1024
+STAGING_BYTES = 16 * 2**20  # the most one staged copy holds
 
 
 class Segments:
@@ -77,6 +78,17 @@ class Segments:
 
     def pairs(self) -> list[Segment]:
         return [Segment(o, n) for o, n in zip(self.offsets.tolist(), self.sizes.tolist())]
+
+    def chunks(self, max_bytes: int | None = None) -> Iterator[Segments]:
+        """The ranges in order, in runs of at most `max_bytes` (default STAGING_BYTES; one range, if
+        larger): a staging buffer stays bounded whatever a transfer's size."""
+        max_bytes = max_bytes or STAGING_BYTES
+        ends = np.cumsum(self.sizes)
+        start, done = 0, 0
+        while start < len(self):
+            stop = max(int(np.searchsorted(ends, done + max_bytes, side="right")), start + 1)
+            yield Segments(self.offsets[start:stop], self.sizes[start:stop])
+            start, done = stop, int(ends[stop - 1])
 
     def first_out_of_bounds(self, size_bytes: int) -> Segment | None:
         """The first range not inside a region of `size_bytes` (or empty), or None."""

@@ -100,10 +100,8 @@ class _Link:
         while (job := self._jobs.get()) is not None:
             if job.transfer_id and not self._is_live(job.transfer_id):
                 continue  # aborted while queued
-            payload = self._payload(job) if job.kind is FrameKind.WRITE else []
-            head = FrameHead(job.kind, job.transfer_id, job.remote, job.tag, sum(map(len, payload)))
             try:
-                send_frame(self._sock, head, payload)
+                self._send(job)
             except OSError as exc:
                 self._die(f"connection to peer {self.peer!r} lost while sending: {exc}")
                 return
@@ -122,10 +120,11 @@ class _Link:
             if job is None:
                 discard(self._sock, head.payload_bytes)  # aborted or released: never touch its blocks
                 return
-            if staged(job.local):  # head slices: one receive, one vectorized scatter
-                staging = bytearray(head.payload_bytes)
-                recv_into_exact(self._sock, memoryview(staging))
-                job.local.scatter(self._region, staging)
+            if staged(job.local):  # head slices: received and scattered a bounded run at a time
+                for part in job.local.chunks():
+                    staging = bytearray(part.total_bytes)
+                    recv_into_exact(self._sock, memoryview(staging))
+                    part.scatter(self._region, staging)
             else:
                 for segment in listed(job.local):
                     recv_into_exact(self._sock, self._slice(segment))
@@ -136,10 +135,14 @@ class _Link:
         else:
             self._transfers.advance(head.transfer_id, TransferState.SUCCESS)
 
-    def _payload(self, job: _Job) -> list[memoryview]:
-        if staged(job.local):
-            return [job.local.gather(self._region)]
-        return [self._slice(s) for s in listed(job.local)]
+    def _send(self, job: _Job) -> None:
+        if job.kind is FrameKind.WRITE and staged(job.local):  # head slices: gathered a bounded run at a time
+            send_frame(self._sock, FrameHead(job.kind, job.transfer_id, job.remote, job.tag, job.local.total_bytes))
+            for part in job.local.chunks():
+                self._sock.sendall(part.gather(self._region))
+            return
+        payload = [self._slice(s) for s in listed(job.local)] if job.kind is FrameKind.WRITE else []
+        send_frame(self._sock, FrameHead(job.kind, job.transfer_id, job.remote, job.tag, sum(map(len, payload))), payload)
 
     def _slice(self, segment: Segment) -> memoryview:
         return self._region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes]

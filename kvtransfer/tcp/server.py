@@ -167,10 +167,11 @@ class InboundServer:
             return
         assert region is not None
         if head.kind is FrameKind.WRITE:
-            if staged(head.segments):  # head slices: one receive, one vectorized scatter
-                staging = bytearray(head.payload_bytes)
-                recv_into_exact(conn, memoryview(staging))
-                head.segments.scatter(region, staging)
+            if staged(head.segments):  # head slices: received and scattered a bounded run at a time
+                for part in head.segments.chunks():
+                    staging = bytearray(part.total_bytes)
+                    recv_into_exact(conn, memoryview(staging))
+                    part.scatter(region, staging)
             else:
                 for segment in listed(head.segments):
                     recv_into_exact(conn, region[segment.offset_bytes: segment.offset_bytes + segment.size_bytes])
@@ -178,9 +179,13 @@ class InboundServer:
                 self._on_notification(Notification(peer, head.tag))
             send_frame(conn, FrameHead(FrameKind.ACK, head.transfer_id))
         else:
-            views = ([head.segments.gather(region)] if staged(head.segments)
-                     else [region[s.offset_bytes: s.offset_bytes + s.size_bytes] for s in listed(head.segments)])
-            send_frame(conn, FrameHead(FrameKind.DATA, head.transfer_id, payload_bytes=sum(map(len, views))), views)
+            if staged(head.segments):  # head slices: gathered and sent a bounded run at a time
+                send_frame(conn, FrameHead(FrameKind.DATA, head.transfer_id, payload_bytes=head.segments.total_bytes))
+                for part in head.segments.chunks():
+                    conn.sendall(part.gather(region))
+            else:
+                views = [region[s.offset_bytes: s.offset_bytes + s.size_bytes] for s in listed(head.segments)]
+                send_frame(conn, FrameHead(FrameKind.DATA, head.transfer_id, payload_bytes=sum(map(len, views))), views)
             if head.tag:
                 self._on_notification(Notification(peer, head.tag))
 
@@ -205,6 +210,8 @@ def _refusal(head: FrameHead, region: memoryview | None) -> str:
     if bad is not None:
         return f"segment {tuple(bad)} is outside the registered region of {len(region)} bytes"
     total = head.segments.total_bytes if isinstance(head.segments, Segments) else sum(s.size_bytes for s in head.segments)
+    if head.kind is FrameKind.WRITE and total > len(region):  # ranges written twice: never a transfer's
+        return f"a write of {total} bytes is larger than the registered region of {len(region)} bytes"
     expected = total if head.kind is FrameKind.WRITE else 0
     if head.payload_bytes != expected:
         return f"payload of {head.payload_bytes} bytes does not match the segments ({expected} bytes)"

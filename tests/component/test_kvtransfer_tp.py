@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvtransfer import descriptors
 from kvtransfer.base import KVLayout, wait
 from kvtransfer.factory import create_backend
 from kvtransfer.heads import rank_heads
@@ -47,6 +48,13 @@ class Cache:
         return out
 
 
+@pytest.fixture(params=["whole", "staged in runs of 64 bytes"])
+def staging(request, monkeypatch):
+    """tcp stages head slices in bounded runs: the bound forced down, every transfer takes many."""
+    if request.param != "whole":
+        monkeypatch.setattr(descriptors, "STAGING_BYTES", 64)
+
+
 def pair(kind: str):
     fabric = LoopbackFabric()
     return create_backend(kind, fabric=fabric), create_backend(kind, fabric=fabric)
@@ -56,6 +64,16 @@ def pair(kind: str):
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 1, 2), (4, 2, 1), (4, 2, 2), (4, 1, 4), (4, 4, 2), (2, 4, 1), (2, 1, 4)])
 def test_head_slices_land_on_their_ranks(kind, op, heads, src_tp, dst_tp):
+    move_and_check(kind, op, heads, src_tp, dst_tp)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 1, 2), (2, 4, 1)])
+def test_tcp_stages_head_slices_in_bounded_runs(staging, op, heads, src_tp, dst_tp):
+    move_and_check("tcp", op, heads, src_tp, dst_tp)
+
+
+def move_and_check(kind: str, op: str, heads: int, src_tp: int, dst_tp: int) -> None:
     src, dst = Cache(heads, src_tp, num_blocks=6), Cache(heads, dst_tp, num_blocks=5)
     src.fill(seed=7)
     src_ids, dst_ids = [5, 0, 1], [2, 3, 0]

@@ -90,3 +90,6 @@ def test_segments_gather_and_scatter_exact_bytes():
     assert Segments(np.array([0, 60]), np.array([4, 8])).first_out_of_bounds(64) == Segment(60, 8)
     assert Segments(np.array([0, 8]), np.array([4, 0])).first_out_of_bounds(64) == Segment(8, 0)
     assert not Segments(np.array([0]), np.array([SMALL_RANGE_BYTES])).small
+    parts = list(Segments(np.array([0, 10, 20, 30, 40]), np.array([4, 4, 9, 4, 4])).chunks(8))
+    assert [(p.offsets.tolist(), p.sizes.tolist()) for p in parts] == [
+        ([0, 10], [4, 4]), ([20], [9]), ([30, 40], [4, 4])]  # a range larger than the bound is a run alone

@@ -358,3 +358,16 @@ def test_a_listener_without_a_secret_admits_a_client_holding_one(backend):
     with TcpBackend("client", cluster_secret=SECRET) as client:
         client.register(KVLayout(region.ctypes.data, 4, 64, 16, "float32"))
         assert client.add_peer(tcp.peer_metadata()) == "srv"  # unset on the listener: as without a secret
+
+
+def test_a_write_larger_than_the_region_is_refused_before_any_byte_is_read():
+    from kvtransfer.tcp.server import _refusal
+
+    region = memoryview(bytearray(256))
+    twice = Segments(np.zeros(20, dtype=np.int64), np.full(20, 16))  # 320 bytes, all into the first 16
+    assert _refusal(FrameHead(FrameKind.WRITE, 1, twice, b"", 320), region) == (
+        "a write of 320 bytes is larger than the registered region of 256 bytes")
+    assert _refusal(FrameHead(FrameKind.READ, 2, twice, b"", 0), region) == ""  # a read sends what it reads
+    outside = Segments(np.arange(20) * 14, np.full(20, 8))  # 160 bytes, the last two past the end
+    assert _refusal(FrameHead(FrameKind.WRITE, 3, outside, b"", 160), region) == (
+        "segment (252, 8) is outside the registered region of 256 bytes")

@@ -70,8 +70,9 @@ class BackendCore(abc.ABC):
         """Start the transfer; report completion through self._transfers."""
 
     @abc.abstractmethod
-    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
-        """Start a transfer between caches of different TP sizes: byte copies of head slices."""
+    def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
+        """Start a transfer between caches of different TP sizes, of these (local, remote) block ids:
+        head slices (`_head_slices`), or whole blocks staged (kvtransfer/staging.py)."""
 
     @abc.abstractmethod
     def _progress(self, handle: TransferHandle) -> None:
@@ -210,15 +211,19 @@ class BackendCore(abc.ABC):
             handle = self._open(op, peer, len(local), len(local) * layout.tp_size * layout.block_size_bytes)
             self._post(handle, runs, bytes(notif_tag))
             return handle
-        if op is TransferOp.WRITE:
-            copies = head_slice_copies(layout, remote_layout, local, remote)
-            slices = Slices(copies.src, copies.dst, copies.size)
-        else:
-            copies = head_slice_copies(remote_layout, layout, remote, local)
-            slices = Slices(copies.dst, copies.src, copies.size)
-        handle = self._open(op, peer, len(local), copies.num_bytes)
-        self._post_slices(handle, slices, bytes(notif_tag))
+        dst = remote_layout if op is TransferOp.WRITE else layout  # each of its bytes is written once
+        handle = self._open(op, peer, len(local), len(local) * dst.tp_size * dst.block_size_bytes)
+        self._post_slices(handle, (local, remote), bytes(notif_tag))
         return handle
+
+    def _head_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]]) -> Slices:
+        """The byte copies of a transfer between caches of different TP sizes (kvtransfer/heads.py)."""
+        (local, remote), ours, theirs = block_ids, self._require_layout(), self._require_peer(handle.peer).layout
+        if handle.op is TransferOp.WRITE:
+            copies = head_slice_copies(ours, theirs, local, remote)
+            return Slices(copies.src, copies.dst, copies.size)
+        copies = head_slice_copies(theirs, ours, remote, local)
+        return Slices(copies.dst, copies.src, copies.size)
 
     def _open(self, op: TransferOp, peer: str, num_blocks: int, num_bytes: int) -> TransferHandle:
         handle = TransferHandle(next(self._ids), peer, op, num_blocks, num_bytes)

@@ -101,8 +101,8 @@ class LoopbackBackend(BackendCore):
         self._pending[handle.transfer_id] = _Pending(handle, tuple(runs), notif_tag)
         self._progress(handle)
 
-    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
-        self._pending[handle.transfer_id] = _Pending(handle, (), notif_tag, slices)
+    def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
+        self._pending[handle.transfer_id] = _Pending(handle, (), notif_tag, self._head_slices(handle, block_ids))
         self._progress(handle)
 
     def _progress(self, handle: TransferHandle) -> None:

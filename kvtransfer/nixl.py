@@ -21,11 +21,12 @@ import numpy as np
 
 from kvtransfer.base import (
     BackendUnavailable, IncompatiblePeer, KVLayout, KVTransferError, Notification, PeerUnavailable,
-    TransferHandle, TransferState,
+    TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore
-from kvtransfer.descriptors import BlockRun, Slices
+from kvtransfer.descriptors import BlockRun, host_view
 from kvtransfer.handshake import PeerInfo
+from kvtransfer.staging import assemble, disperse, read_staging, write_staging
 
 NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 # NIXL's progress thread waits this long on UCX events before re-polling (it wakes on events anyway).
@@ -92,11 +93,7 @@ def _block_array(layout: KVLayout) -> np.ndarray:
 
 def _slice_array(layout: KVLayout, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """Nx3 (address, size_bytes, device_id) of byte copies at `offsets` from the region's start."""
-    table = np.empty((offsets.size, 3), dtype=np.uint64)
-    table[:, 0] = layout.base_address + offsets.astype(np.uint64)
-    table[:, 1] = sizes
-    table[:, 2] = layout.device_id
-    return table
+    return _ranges(layout.base_address, offsets, sizes, layout.device_id)
 
 
 def _run_indices(runs: list[BlockRun]) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +104,58 @@ def _run_indices(runs: list[BlockRun]) -> tuple[np.ndarray, np.ndarray]:
 
 def _explain(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+class _StagedXfer:
+    """A transfer between caches of different TP sizes through a staging buffer of whole blocks,
+    registered for this transfer and deregistered once NIXL has released it."""
+
+    def __init__(self, agent: Any, staging: np.ndarray, registration: Any, finish: Any = None) -> None:
+        self.agent, self.staging, self.registration, self.finish = agent, staging, registration, finish
+        self.xfer: Any = None
+
+    @classmethod
+    def post(cls, agent: Any, handle: TransferHandle, local: KVLayout, remote: KVLayout,
+             block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> _StagedXfer:
+        write, (local_ids, remote_ids) = handle.op is TransferOp.WRITE, block_ids
+        plan = write_staging(remote, remote_ids) if write else read_staging(local, remote, remote_ids)
+        region = np.frombuffer(host_view(local), dtype=np.uint8)
+        staging = np.empty(plan.size_bytes, dtype=np.uint8)
+        if write:
+            assemble(staging, region, local, remote, local_ids)
+        registration = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM", backends=_UCX)
+        finish = None if write else (lambda: disperse(staging, region, local, remote, local_ids))
+        staged = cls(agent, staging, registration, finish)
+        try:
+            staged.xfer = agent.initialize_xfer(
+                handle.op.value,
+                agent.get_xfer_descs(_ranges(staging.ctypes.data, np.arange(len(plan.remote_offsets)) * plan.block_bytes,
+                                             plan.block_bytes, 0), "DRAM"),
+                agent.get_xfer_descs(_ranges(remote.base_address, plan.remote_offsets, plan.block_bytes,
+                                             remote.device_id), _mem_type(remote)),
+                handle.peer, notif_tag, backends=_UCX)
+        except BaseException:
+            staged.release()
+            raise
+        return staged
+
+    def release(self) -> None:
+        """Release the NIXL handle (raising, as NIXL does, while it cannot be cancelled yet), then the buffer."""
+        if self.xfer is not None:
+            self.xfer.release()
+            self.xfer = None
+        if self.registration is not None:
+            self.agent.deregister_memory(self.registration, backends=_UCX)
+            self.registration = None
+
+
+def _ranges(base: int, offsets: np.ndarray, sizes: np.ndarray | int, device_id: int) -> np.ndarray:
+    """Nx3 (address, size_bytes, device_id) of byte ranges at `offsets` from `base`."""
+    table = np.empty((offsets.size, 3), dtype=np.uint64)
+    table[:, 0] = base + offsets.astype(np.uint64)
+    table[:, 1] = sizes
+    table[:, 2] = device_id
+    return table
 
 
 class NixlBackend(BackendCore):
@@ -218,18 +267,23 @@ class NixlBackend(BackendCore):
             self._xfers[handle.transfer_id] = xfer
             self._settle(handle, self._call(self._agent.transfer, xfer))
 
-    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
-        """Head slices are not whole blocks: descriptor lists built for this transfer (not prepped)."""
+    def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
+        """Head slices are thousands of small ranges a block, and NIXL pays per range: host memory
+        moves whole blocks through a staging buffer instead (kvtransfer/staging.py); device memory
+        takes one descriptor per range, in a transfer built for it."""
         local, remote = self._layout, self._peers[handle.peer].layout
         assert local is not None
         with self._lock:
             try:
-                xfer = self._agent.initialize_xfer(
-                    handle.op.value,
-                    self._agent.get_xfer_descs(_slice_array(local, slices.local, slices.size), _mem_type(local)),
-                    self._agent.get_xfer_descs(_slice_array(remote, slices.remote, slices.size), _mem_type(remote)),
-                    handle.peer, notif_tag, backends=_UCX,
-                )
+                if local.is_cuda or remote.is_cuda:
+                    slices = self._head_slices(handle, block_ids)
+                    xfer: Any = self._agent.initialize_xfer(
+                        handle.op.value,
+                        self._agent.get_xfer_descs(_slice_array(local, slices.local, slices.size), _mem_type(local)),
+                        self._agent.get_xfer_descs(_slice_array(remote, slices.remote, slices.size), _mem_type(remote)),
+                        handle.peer, notif_tag, backends=_UCX)
+                else:
+                    xfer = _StagedXfer.post(self._agent, handle, local, remote, block_ids, notif_tag)
             except Exception as exc:
                 self._transfers.fail(handle.transfer_id, self._reason(handle, exc))
                 return
@@ -245,7 +299,7 @@ class NixlBackend(BackendCore):
     @staticmethod
     def _call(method: Any, xfer: Any) -> str | Exception:
         try:
-            return method(xfer)
+            return method(getattr(xfer, "xfer", xfer))  # a staged transfer's own NIXL handle
         except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError for a dead peer
             return exc
 
@@ -254,6 +308,9 @@ class NixlBackend(BackendCore):
         if state == "PROC":
             return
         if state == "DONE":
+            finish = getattr(self._xfers[handle.transfer_id], "finish", None)
+            if finish is not None:
+                finish()  # a staged read: the blocks are in the staging buffer, now in the cache
             self._transfers.advance(handle.transfer_id, TransferState.SUCCESS)
         else:
             self._transfers.fail(handle.transfer_id, self._reason(handle, state))

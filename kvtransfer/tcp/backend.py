@@ -20,7 +20,7 @@ from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore, drain
-from kvtransfer.descriptors import BlockRun, Segment, Segments, Slices, host_view, run_segments
+from kvtransfer.descriptors import BlockRun, Segment, Segments, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
 from kvtransfer.tcp.auth import greet
 from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, listed, shutdown_quietly, staged
@@ -237,8 +237,8 @@ class TcpBackend(BackendCore):
         kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
         self._links[handle.peer].submit(_Job(kind, handle.transfer_id, tuple(local), tuple(remote), notif_tag))
 
-    def _post_slices(self, handle: TransferHandle, slices: Slices, notif_tag: bytes) -> None:
-        local, remote = slices.segments()
+    def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
+        local, remote = self._head_slices(handle, block_ids).segments()
         kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
         self._links[handle.peer].submit(_Job(kind, handle.transfer_id, local, remote, notif_tag))
 

@@ -8,6 +8,7 @@ import pytest
 from kvtransfer.base import InvalidLayout, KVLayout, LayoutMismatch
 from kvtransfer.handshake import check_compatible
 from kvtransfer.heads import head_slice_copies, head_sources, rank_heads, same_split, split_problem
+from kvtransfer.staging import assemble, disperse, read_staging, source_ranks, write_staging
 
 
 def layout(tp: int, heads: int = 2, num_blocks: int = 3) -> KVLayout:
@@ -88,3 +89,25 @@ def test_copies_cover_every_destination_byte_once():
         copies = head_slice_copies(src, dst, [4, 0], [1, 3])
         written = np.concatenate([np.arange(d, d + n) for d, n in zip(copies.dst, copies.size)])
         assert written.size == np.unique(written).size == 2 * b * dst.block_size_bytes, (heads, a, b)
+
+
+def test_staging_moves_whole_blocks_of_the_ranks_needed():
+    # a WRITE stages every destination rank's blocks, rank by rank
+    staged = write_staging(layout(2), [2, 0])
+    assert (staged.size_bytes, staged.remote_offsets.tolist(), staged.block_bytes) == (16, [8, 0, 20, 12], 4)
+    # a READ from 4 ranks holding 2 heads twice reads ranks 0 and 2 only: one copy
+    assert source_ranks(layout(4), layout(1)) == [0, 2]
+    staged = read_staging(layout(1), layout(4), [1])
+    assert (staged.size_bytes, staged.remote_offsets.tolist()) == (8, [4, 28])  # block 1 of ranks 0 and 2, 4 bytes each
+    assert read_staging(layout(1), layout(4), [1, 2]).remote_offsets.tolist() == [4, 8, 28, 32]
+
+
+def test_assemble_and_disperse_put_each_head_where_its_rank_holds_it():
+    one, two = layout(1, num_blocks=2), layout(2, num_blocks=2)
+    region = np.arange(one.size_bytes, dtype=np.uint8)  # block b, row r, head h at b * 8 + r * 2 + h
+    staging = np.zeros(write_staging(two, [1]).size_bytes, dtype=np.uint8)
+    assemble(staging, region, one, two, [0])
+    assert staging.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]  # rank 0's block: head 0 of each row; then rank 1's
+    back = np.zeros(one.size_bytes, dtype=np.uint8)
+    disperse(staging, back, one, two, [1])  # read side: the staged source blocks are two's; we are one
+    assert back.tolist() == [0] * 8 + list(range(8))

@@ -1,0 +1,89 @@
+"""Whole blocks through a staging buffer, for a one-sided transport (NIXL) between caches of different
+TP sizes. Head slices are thousands of small ranges a block (kvtransfer/heads.py) and such a
+transport pays per range, so the side that posts the transfer copies locally and moves whole blocks:
+
+- a WRITE assembles each destination block as the destination rank lays it out (its heads, from our
+  ranks holding them) in the staging buffer, then writes whole destination blocks;
+- a READ reads whole blocks of the source ranks it needs (each head from its first holder) into the
+  staging buffer, then hands each local rank its heads from there.
+
+One copy of the needed KV crosses, as whole blocks. The local copies are numpy slice assignments over
+block views ([ranks, blocks, rows, heads, bytes per head]), one per (rank, run of heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvtransfer.heads import HeadLayout, head_sources, rank_heads
+
+
+class Staging(NamedTuple):
+    """A staged transfer: the buffer's size, and the whole blocks that cross, in buffer order, as
+    offsets in the peer's region (block i of the buffer is at `i * block_bytes`)."""
+
+    size_bytes: int
+    remote_offsets: np.ndarray
+    block_bytes: int
+
+
+def write_staging(remote: HeadLayout, remote_ids: Sequence[int]) -> Staging:
+    """The destination's blocks `remote_ids` on every one of its ranks, rank by rank."""
+    return _staging(remote, remote_ids, range(remote.tp_size))
+
+
+def read_staging(local: HeadLayout, remote: HeadLayout, remote_ids: Sequence[int]) -> Staging:
+    """The source's blocks `remote_ids` on the ranks our heads come from, rank by rank."""
+    return _staging(remote, remote_ids, source_ranks(remote, local))
+
+
+def source_ranks(src: HeadLayout, dst: HeadLayout) -> list[int]:
+    """The source ranks any destination head is read from (each head from its first holder)."""
+    return sorted({rank for groups in head_sources(src.num_kv_heads, src.tp_size, dst.tp_size) for *_, rank in groups})
+
+
+def assemble(staging: np.ndarray, region: np.ndarray, local: HeadLayout, remote: HeadLayout,
+             local_ids: Sequence[int]) -> None:
+    """WRITE: fill the buffer with the destination blocks (remote's layout) from our blocks `local_ids`."""
+    blocks = _blocks(staging, remote, remote.tp_size, len(local_ids))
+    ours = _blocks(region, local, local.tp_size, local.num_blocks)
+    ids = np.asarray(local_ids, dtype=np.int64)
+    for dst_rank, groups in enumerate(head_sources(local.num_kv_heads, local.tp_size, remote.tp_size)):
+        d_first = rank_heads(remote.num_kv_heads, remote.tp_size, dst_rank)[0]
+        for start, end, src_rank in groups:
+            s_first = rank_heads(local.num_kv_heads, local.tp_size, src_rank)[0]
+            blocks[dst_rank, :, :, start - d_first:end - d_first] = ours[src_rank, ids, :, start - s_first:end - s_first]
+
+
+def disperse(staging: np.ndarray, region: np.ndarray, local: HeadLayout, remote: HeadLayout,
+             local_ids: Sequence[int]) -> None:
+    """READ: hand our blocks `local_ids`, on every local rank, their heads from the source blocks in the buffer."""
+    ranks = source_ranks(remote, local)
+    position = {rank: i for i, rank in enumerate(ranks)}
+    blocks = _blocks(staging, remote, len(ranks), len(local_ids))
+    ours = _blocks(region, local, local.tp_size, local.num_blocks)
+    ids = np.asarray(local_ids, dtype=np.int64)
+    for dst_rank, groups in enumerate(head_sources(remote.num_kv_heads, remote.tp_size, local.tp_size)):
+        d_first = rank_heads(local.num_kv_heads, local.tp_size, dst_rank)[0]
+        for start, end, src_rank in groups:
+            s_first = rank_heads(remote.num_kv_heads, remote.tp_size, src_rank)[0]
+            ours[dst_rank, ids, :, start - d_first:end - d_first] = \
+                blocks[position[src_rank], :, :, start - s_first:end - s_first]
+
+
+def _staging(remote: HeadLayout, remote_ids: Sequence[int], ranks: Sequence[int]) -> Staging:
+    ids = np.asarray(remote_ids, dtype=np.int64)
+    ranks_arr = np.asarray(list(ranks), dtype=np.int64)
+    offsets = ((ranks_arr[:, None] * remote.num_blocks + ids[None, :]) * remote.block_size_bytes).ravel()
+    return Staging(offsets.size * remote.block_size_bytes, offsets, remote.block_size_bytes)
+
+
+def _blocks(buffer: np.ndarray, layout: HeadLayout, ranks: int, num_blocks: int) -> np.ndarray:
+    """A uint8 buffer of `ranks` x `num_blocks` blocks of `layout` as [ranks, blocks, rows, heads, bytes per head]."""
+    start, end = rank_heads(layout.num_kv_heads, layout.tp_size, 0)
+    rows = layout.num_layers * 2 * layout.block_size_tokens
+    return buffer[: ranks * num_blocks * layout.block_size_bytes].reshape(
+        ranks, num_blocks, rows, end - start, layout.block_size_bytes // (rows * (end - start)))

@@ -12,7 +12,10 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from disagg.config import TcpListenerConfig
 from disagg.wire.auth import format_address
@@ -22,21 +25,26 @@ from kvtransfer.base import (
 from kvtransfer.core import BackendCore, drain
 from kvtransfer.descriptors import BlockRun, Segment, Segments, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
+from kvtransfer.staging import assemble, disperse, read_staging, write_staging
 from kvtransfer.tcp.auth import greet
-from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, listed, shutdown_quietly, staged
+from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
 from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
 from kvtransfer.transfers import TransferTable
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One frame for the sender thread. `local` are the segments of our region it reads or fills."""
+    """One frame for the sender thread. `local` are the segments of our region it reads or fills; a
+    transfer between TP sizes reads or fills `staging` instead (whole blocks, kvtransfer/staging.py),
+    and a read then runs `finish` to hand our ranks their heads from it."""
 
     kind: FrameKind
     transfer_id: int
-    local: tuple[Segment, ...] | Segments = ()
+    local: tuple[Segment, ...] = ()
     remote: tuple[Segment, ...] | Segments = ()
     tag: bytes = b""
+    staging: np.ndarray | None = None
+    finish: Callable[[], None] | None = None
 
 
 class _Link:
@@ -120,14 +128,11 @@ class _Link:
             if job is None:
                 discard(self._sock, head.payload_bytes)  # aborted or released: never touch its blocks
                 return
-            if staged(job.local):  # head slices: received and scattered a bounded run at a time
-                for part in job.local.chunks():
-                    staging = bytearray(part.total_bytes)
-                    recv_into_exact(self._sock, memoryview(staging))
-                    part.scatter(self._region, staging)
-            else:
-                for segment in listed(job.local):
-                    recv_into_exact(self._sock, self._slice(segment))
+            if job.staging is not None:  # whole source blocks, then each local rank its heads
+                recv_into_exact(self._sock, memoryview(job.staging))
+                job.finish()
+            for segment in job.local:
+                recv_into_exact(self._sock, self._slice(segment))
         if job is None:
             return
         if head.kind is FrameKind.ERROR:
@@ -136,12 +141,9 @@ class _Link:
             self._transfers.advance(head.transfer_id, TransferState.SUCCESS)
 
     def _send(self, job: _Job) -> None:
-        if job.kind is FrameKind.WRITE and staged(job.local):  # head slices: gathered a bounded run at a time
-            send_frame(self._sock, FrameHead(job.kind, job.transfer_id, job.remote, job.tag, job.local.total_bytes))
-            for part in job.local.chunks():
-                self._sock.sendall(part.gather(self._region))
-            return
-        payload = [self._slice(s) for s in listed(job.local)] if job.kind is FrameKind.WRITE else []
+        payload = [self._slice(s) for s in job.local] if job.kind is FrameKind.WRITE else []
+        if job.kind is FrameKind.WRITE and job.staging is not None:  # the destination's blocks, assembled
+            payload = [memoryview(job.staging)]
         send_frame(self._sock, FrameHead(job.kind, job.transfer_id, job.remote, job.tag, sum(map(len, payload))), payload)
 
     def _slice(self, segment: Segment) -> memoryview:
@@ -238,9 +240,22 @@ class TcpBackend(BackendCore):
         self._links[handle.peer].submit(_Job(kind, handle.transfer_id, tuple(local), tuple(remote), notif_tag))
 
     def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
-        local, remote = self._head_slices(handle, block_ids).segments()
-        kind = FrameKind.WRITE if handle.op is TransferOp.WRITE else FrameKind.READ
-        self._links[handle.peer].submit(_Job(kind, handle.transfer_id, local, remote, notif_tag))
+        """Whole blocks through a staging buffer (kvtransfer/staging.py): a write sends the destination's
+        blocks assembled here, a read takes whole source blocks and hands our ranks their heads."""
+        assert self._layout is not None and self._region is not None
+        local, remote, (local_ids, remote_ids) = self._layout, self._peers[handle.peer].layout, block_ids
+        region = np.frombuffer(self._region, dtype=np.uint8)
+        write = handle.op is TransferOp.WRITE
+        plan = write_staging(remote, remote_ids) if write else read_staging(local, remote, remote_ids)
+        staging = np.empty(plan.size_bytes, dtype=np.uint8)
+        blocks = Segments(plan.remote_offsets, np.full(len(plan.remote_offsets), plan.block_bytes))
+        if write:
+            assemble(staging, region, local, remote, local_ids)
+            job = _Job(FrameKind.WRITE, handle.transfer_id, remote=blocks, tag=notif_tag, staging=staging)
+        else:
+            job = _Job(FrameKind.READ, handle.transfer_id, remote=blocks, tag=notif_tag, staging=staging,
+                       finish=lambda: disperse(staging, region, local, remote, local_ids))
+        self._links[handle.peer].submit(job)
 
     def _progress(self, handle: TransferHandle) -> None:
         """Nothing to do: the link threads advance the state."""

@@ -50,7 +50,8 @@ class Cache:
 
 @pytest.fixture(params=["whole", "staged in runs of 64 bytes"])
 def staging(request, monkeypatch):
-    """tcp stages head slices in bounded runs: the bound forced down, every transfer takes many."""
+    """The tcp listener takes a frame of many small ranges through a bounded staging buffer: the
+    bound forced down, every such frame takes many runs."""
     if request.param != "whole":
         monkeypatch.setattr(descriptors, "STAGING_BYTES", 64)
 
@@ -68,15 +69,16 @@ def test_head_slices_land_on_their_ranks(kind, op, heads, src_tp, dst_tp):
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
-@pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 1, 2), (2, 4, 1)])
-def test_tcp_stages_head_slices_in_bounded_runs(staging, op, heads, src_tp, dst_tp):
-    move_and_check("tcp", op, heads, src_tp, dst_tp)
+@pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 2, 2), (4, 1, 2), (2, 4, 1)])
+def test_tcp_listener_stages_many_small_ranges_in_bounded_runs(staging, op, heads, src_tp, dst_tp):
+    # 20 blocks apart from each other: a frame of 20 ranges or more, each a 512- to 1024-byte block
+    move_and_check("tcp", op, heads, src_tp, dst_tp, list(range(0, 40, 2)), list(range(41, 1, -2)))
 
 
-def move_and_check(kind: str, op: str, heads: int, src_tp: int, dst_tp: int) -> None:
-    src, dst = Cache(heads, src_tp, num_blocks=6), Cache(heads, dst_tp, num_blocks=5)
+def move_and_check(kind: str, op: str, heads: int, src_tp: int, dst_tp: int,
+                   src_ids: list[int] = (5, 0, 1), dst_ids: list[int] = (2, 3, 0)) -> None:
+    src, dst = Cache(heads, src_tp, num_blocks=max(src_ids) + 1), Cache(heads, dst_tp, num_blocks=max(dst_ids) + 2)
     src.fill(seed=7)
-    src_ids, dst_ids = [5, 0, 1], [2, 3, 0]
     a, b = pair(kind)
     try:
         a.register(src.layout)
@@ -96,11 +98,11 @@ def move_and_check(kind: str, op: str, heads: int, src_tp: int, dst_tp: int) -> 
         a.close()
         b.close()
     local_heads = rank_heads(heads, dst_tp, 0)[1] - rank_heads(heads, dst_tp, 0)[0]
-    assert handle.num_bytes == 3 * dst_tp * LAYERS * 2 * TOKENS * local_heads * HEAD_DIM * 4
+    assert handle.num_bytes == len(src_ids) * dst_tp * LAYERS * 2 * TOKENS * local_heads * HEAD_DIM * 4
     for s, d in zip(src_ids, dst_ids):
         want = src.heads_of(s)
         for rank in range(dst_tp):
             start, end = rank_heads(heads, dst_tp, rank)
             np.testing.assert_array_equal(dst.array[rank, d], want[:, :, :, start:end])
-    untouched = [i for i in range(5) if i not in dst_ids]
+    untouched = [i for i in range(dst.array.shape[1]) if i not in dst_ids]
     assert not dst.array[:, untouched].any()

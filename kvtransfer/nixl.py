@@ -3,8 +3,9 @@
 The whole region is registered once; per-block descriptor lists are prepped once locally and once per
 peer, and each transfer is posted by block index (make_prepped_xfer). NIXL merges descriptors that are
 contiguous on both sides, so a run of adjacent blocks moves as one range (measured: as fast as one
-coalesced descriptor). Completion: check_xfer_state here, the notification tag at the peer.
-This module is the only importer of NIXL.
+coalesced descriptor). Between caches of different TP sizes, host memory moves whole blocks through a
+staging buffer registered for the transfer (kvtransfer/staging.py). Completion: check_xfer_state
+here, the notification tag at the peer. This module is the only importer of NIXL.
 """
 
 from __future__ import annotations

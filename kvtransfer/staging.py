@@ -13,7 +13,7 @@ block views ([ranks, blocks, rows, heads, bytes per head]), one per (rank, run o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -49,29 +49,29 @@ def assemble(staging: np.ndarray, region: np.ndarray, local: HeadLayout, remote:
              local_ids: Sequence[int]) -> None:
     """WRITE: fill the buffer with the destination blocks (remote's layout) from our blocks `local_ids`."""
     blocks = _blocks(staging, remote, remote.tp_size, len(local_ids))
-    ours = _blocks(region, local, local.tp_size, local.num_blocks)
-    ids = np.asarray(local_ids, dtype=np.int64)
-    for dst_rank, groups in enumerate(head_sources(local.num_kv_heads, local.tp_size, remote.tp_size)):
-        d_first = rank_heads(remote.num_kv_heads, remote.tp_size, dst_rank)[0]
-        for start, end, src_rank in groups:
-            s_first = rank_heads(local.num_kv_heads, local.tp_size, src_rank)[0]
-            blocks[dst_rank, :, :, start - d_first:end - d_first] = ours[src_rank, ids, :, start - s_first:end - s_first]
+    ours, ids = _blocks(region, local, local.tp_size, local.num_blocks), np.asarray(local_ids, dtype=np.int64)
+    for dst_rank, dst_heads, src_rank, src_heads in _moves(local, remote):
+        blocks[dst_rank, :, :, dst_heads] = ours[src_rank, ids, :, src_heads]
 
 
 def disperse(staging: np.ndarray, region: np.ndarray, local: HeadLayout, remote: HeadLayout,
              local_ids: Sequence[int]) -> None:
     """READ: hand our blocks `local_ids`, on every local rank, their heads from the source blocks in the buffer."""
-    ranks = source_ranks(remote, local)
-    position = {rank: i for i, rank in enumerate(ranks)}
-    blocks = _blocks(staging, remote, len(ranks), len(local_ids))
-    ours = _blocks(region, local, local.tp_size, local.num_blocks)
-    ids = np.asarray(local_ids, dtype=np.int64)
-    for dst_rank, groups in enumerate(head_sources(remote.num_kv_heads, remote.tp_size, local.tp_size)):
-        d_first = rank_heads(local.num_kv_heads, local.tp_size, dst_rank)[0]
+    position = {rank: i for i, rank in enumerate(source_ranks(remote, local))}
+    blocks = _blocks(staging, remote, len(position), len(local_ids))
+    ours, ids = _blocks(region, local, local.tp_size, local.num_blocks), np.asarray(local_ids, dtype=np.int64)
+    for dst_rank, dst_heads, src_rank, src_heads in _moves(remote, local):
+        ours[dst_rank, ids, :, dst_heads] = blocks[position[src_rank], :, :, src_heads]
+
+
+def _moves(src: HeadLayout, dst: HeadLayout) -> Iterator[tuple[int, slice, int, slice]]:
+    """(destination rank, the slice of its heads, source rank, the slice of its heads) for each run of
+    heads, each head from the first source rank holding it."""
+    for dst_rank, groups in enumerate(head_sources(src.num_kv_heads, src.tp_size, dst.tp_size)):
+        d_first = rank_heads(dst.num_kv_heads, dst.tp_size, dst_rank)[0]
         for start, end, src_rank in groups:
-            s_first = rank_heads(remote.num_kv_heads, remote.tp_size, src_rank)[0]
-            ours[dst_rank, ids, :, start - d_first:end - d_first] = \
-                blocks[position[src_rank], :, :, start - s_first:end - s_first]
+            s_first = rank_heads(src.num_kv_heads, src.tp_size, src_rank)[0]
+            yield dst_rank, slice(start - d_first, end - d_first), src_rank, slice(start - s_first, end - s_first)
 
 
 def _staging(remote: HeadLayout, remote_ids: Sequence[int], ranks: Sequence[int]) -> Staging:

@@ -17,9 +17,9 @@ from kvtransfer.base import (
     BackendClosed, KVLayout, KVTransferError, Notification, NotRegistered, PeerUnavailable, TransferHandle,
     TransferOp, TransferStatus,
 )
-from kvtransfer.descriptors import BlockRun, Descriptor, Slices, check_block_pairs, describe, pair_runs, rank_runs
+from kvtransfer.descriptors import BlockRun, Descriptor, check_block_pairs, describe, pair_runs, rank_runs
 from kvtransfer.handshake import PeerInfo, check_compatible, decode_peer_info, encode_peer_info
-from kvtransfer.heads import head_slice_copies, same_split
+from kvtransfer.heads import same_split
 from kvtransfer.transfers import TransferTable
 
 
@@ -72,7 +72,8 @@ class BackendCore(abc.ABC):
     @abc.abstractmethod
     def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
         """Start a transfer between caches of different TP sizes, of these (local, remote) block ids:
-        head slices (`_head_slices`), or whole blocks staged (kvtransfer/staging.py)."""
+        whole blocks through a staging buffer (kvtransfer/staging.py), or on device memory the head
+        slices themselves (kvtransfer/heads.py)."""
 
     @abc.abstractmethod
     def _progress(self, handle: TransferHandle) -> None:
@@ -215,15 +216,6 @@ class BackendCore(abc.ABC):
         handle = self._open(op, peer, len(local), len(local) * dst.tp_size * dst.block_size_bytes)
         self._post_slices(handle, (local, remote), bytes(notif_tag))
         return handle
-
-    def _head_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]]) -> Slices:
-        """The byte copies of a transfer between caches of different TP sizes (kvtransfer/heads.py)."""
-        (local, remote), ours, theirs = block_ids, self._require_layout(), self._require_peer(handle.peer).layout
-        if handle.op is TransferOp.WRITE:
-            copies = head_slice_copies(ours, theirs, local, remote)
-            return Slices(copies.src, copies.dst, copies.size)
-        copies = head_slice_copies(theirs, ours, remote, local)
-        return Slices(copies.dst, copies.src, copies.size)
 
     def _open(self, op: TransferOp, peer: str, num_blocks: int, num_bytes: int) -> TransferHandle:
         handle = TransferHandle(next(self._ids), peer, op, num_blocks, num_bytes)

@@ -45,10 +45,6 @@ class Slices(NamedTuple):
     remote: np.ndarray
     size: np.ndarray
 
-    def segments(self) -> tuple[Segments, Segments]:
-        """(local segments, remote segments), for backends that address by offset."""
-        return Segments(self.local, self.size), Segments(self.remote, self.size)
-
 
 SMALL_RANGE_BYTES = 64 * 1024
 STAGING_BYTES = 16 * 2**20  # the most one staged copy holds

@@ -11,12 +11,15 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore, drain
-from kvtransfer.descriptors import BlockRun, Slices, host_view
+from kvtransfer.descriptors import BlockRun, host_view
 from kvtransfer.handshake import PeerInfo
+from kvtransfer.staging import Staged, stage
 
 
 class LoopbackFabric:
@@ -61,7 +64,7 @@ class _Pending:
     handle: TransferHandle
     runs: tuple[BlockRun, ...]
     tag: bytes
-    slices: Slices | None = None  # head slices between caches of different TP sizes, instead of runs
+    staged: Staged | None = None  # between caches of different TP sizes: whole blocks through a buffer
 
 
 class LoopbackBackend(BackendCore):
@@ -102,7 +105,10 @@ class LoopbackBackend(BackendCore):
         self._progress(handle)
 
     def _post_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> None:
-        self._pending[handle.transfer_id] = _Pending(handle, (), notif_tag, self._head_slices(handle, block_ids))
+        assert self._layout is not None
+        region = np.frombuffer(host_view(self._layout), dtype=np.uint8)
+        staged = stage(handle.op is TransferOp.WRITE, region, self._layout, self._peers[handle.peer].layout, block_ids)
+        self._pending[handle.transfer_id] = _Pending(handle, (), notif_tag, staged)
         self._progress(handle)
 
     def _progress(self, handle: TransferHandle) -> None:
@@ -124,12 +130,14 @@ class LoopbackBackend(BackendCore):
     def _copy(self, target: LoopbackBackend, pending: _Pending) -> None:
         local, remote = self._layout, target.registered_layout
         assert local is not None and remote is not None
-        if pending.slices is not None:  # head slices: one vectorized gather and scatter
-            mine, theirs = pending.slices.segments()
-            if pending.handle.op is TransferOp.READ:
-                mine.scatter(host_view(local), theirs.gather(host_view(remote)))
-            else:
-                theirs.scatter(host_view(remote), mine.gather(host_view(local)))
+        if pending.staged is not None:  # whole blocks between the buffer and the peer's region
+            plan, buffer, finish = pending.staged
+            for i, offset in enumerate(plan.remote_offsets.tolist()):
+                ours, theirs = buffer.ctypes.data + i * plan.block_bytes, remote.base_address + offset
+                src, dst = (ours, theirs) if finish is None else (theirs, ours)  # a WRITE, or a READ
+                ctypes.memmove(dst, src, plan.block_bytes)
+            if finish is not None:
+                finish()
             return
         for run in pending.runs:
             size = run.num_blocks * local.block_size_bytes

@@ -25,9 +25,10 @@ from kvtransfer.base import (
     TransferHandle, TransferOp, TransferState,
 )
 from kvtransfer.core import BackendCore
-from kvtransfer.descriptors import BlockRun, host_view
+from kvtransfer.descriptors import BlockRun, Slices, host_view
 from kvtransfer.handshake import PeerInfo
-from kvtransfer.staging import assemble, disperse, read_staging, write_staging
+from kvtransfer.heads import head_slice_copies
+from kvtransfer.staging import stage
 
 NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 # NIXL's progress thread waits this long on UCX events before re-polling (it wakes on events anyway).
@@ -84,12 +85,8 @@ def _mem_type(layout: KVLayout) -> str:
 
 def _block_array(layout: KVLayout) -> np.ndarray:
     """Nx3 (address, size_bytes, device_id), one row per block of every TP rank: the list NIXL preps once."""
-    blocks = layout.tp_size * layout.num_blocks
-    table = np.empty((blocks, 3), dtype=np.uint64)
-    table[:, 0] = layout.base_address + np.arange(blocks, dtype=np.uint64) * layout.block_size_bytes
-    table[:, 1] = layout.block_size_bytes
-    table[:, 2] = layout.device_id
-    return table
+    offsets = np.arange(layout.tp_size * layout.num_blocks, dtype=np.uint64) * layout.block_size_bytes
+    return _ranges(layout.base_address, offsets, layout.block_size_bytes, layout.device_id)
 
 
 def _slice_array(layout: KVLayout, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -118,19 +115,15 @@ class _StagedXfer:
     @classmethod
     def post(cls, agent: Any, handle: TransferHandle, local: KVLayout, remote: KVLayout,
              block_ids: tuple[list[int], list[int]], notif_tag: bytes) -> _StagedXfer:
-        write, (local_ids, remote_ids) = handle.op is TransferOp.WRITE, block_ids
-        plan = write_staging(remote, remote_ids) if write else read_staging(local, remote, remote_ids)
-        region = np.frombuffer(host_view(local), dtype=np.uint8)
-        staging = np.empty(plan.size_bytes, dtype=np.uint8)
-        if write:
-            assemble(staging, region, local, remote, local_ids)
-        registration = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM", backends=_UCX)
-        finish = None if write else (lambda: disperse(staging, region, local, remote, local_ids))
-        staged = cls(agent, staging, registration, finish)
+        staged_copy = stage(handle.op is TransferOp.WRITE, np.frombuffer(host_view(local), dtype=np.uint8), local,
+                            remote, block_ids)
+        plan, buffer = staged_copy.plan, staged_copy.buffer
+        registration = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM", backends=_UCX)
+        staged = cls(agent, buffer, registration, staged_copy.finish)
         try:
             staged.xfer = agent.initialize_xfer(
                 handle.op.value,
-                agent.get_xfer_descs(_ranges(staging.ctypes.data, np.arange(len(plan.remote_offsets)) * plan.block_bytes,
+                agent.get_xfer_descs(_ranges(buffer.ctypes.data, np.arange(len(plan.remote_offsets)) * plan.block_bytes,
                                              plan.block_bytes, 0), "DRAM"),
                 agent.get_xfer_descs(_ranges(remote.base_address, plan.remote_offsets, plan.block_bytes,
                                              remote.device_id), _mem_type(remote)),
@@ -290,6 +283,15 @@ class NixlBackend(BackendCore):
                 return
             self._xfers[handle.transfer_id] = xfer
             self._settle(handle, self._call(self._agent.transfer, xfer))
+
+    def _head_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]]) -> Slices:
+        """The byte copies of a transfer between caches of different TP sizes (kvtransfer/heads.py)."""
+        (local, remote), ours, theirs = block_ids, self._require_layout(), self._require_peer(handle.peer).layout
+        if handle.op is TransferOp.WRITE:
+            copies = head_slice_copies(ours, theirs, local, remote)
+            return Slices(copies.src, copies.dst, copies.size)
+        copies = head_slice_copies(theirs, ours, remote, local)
+        return Slices(copies.dst, copies.src, copies.size)
 
     def _progress(self, handle: TransferHandle) -> None:
         with self._lock:

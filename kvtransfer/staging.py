@@ -13,7 +13,7 @@ block views ([ranks, blocks, rows, heads, bytes per head]), one per (rank, run o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -28,6 +28,28 @@ class Staging(NamedTuple):
     size_bytes: int
     remote_offsets: np.ndarray
     block_bytes: int
+
+
+class Staged(NamedTuple):
+    """One staged transfer, ready to move: its whole blocks (`plan`), the buffer, and for a READ what
+    hands our ranks their heads once the blocks landed in it (None for a WRITE: it is assembled)."""
+
+    plan: Staging
+    buffer: np.ndarray
+    finish: Callable[[], None] | None
+
+
+def stage(write: bool, region: np.ndarray, local: HeadLayout, remote: HeadLayout,
+          block_ids: tuple[Sequence[int], Sequence[int]]) -> Staged:
+    """The staging of a WRITE (the destination's blocks assembled from `region`, our cache as uint8)
+    or a READ (a buffer for the source's blocks, and the step that disperses them into `region`)."""
+    local_ids, remote_ids = block_ids
+    plan = write_staging(remote, remote_ids) if write else read_staging(local, remote, remote_ids)
+    buffer = np.empty(plan.size_bytes, dtype=np.uint8)
+    if write:
+        assemble(buffer, region, local, remote, local_ids)
+        return Staged(plan, buffer, None)
+    return Staged(plan, buffer, lambda: disperse(buffer, region, local, remote, local_ids))
 
 
 def write_staging(remote: HeadLayout, remote_ids: Sequence[int]) -> Staging:

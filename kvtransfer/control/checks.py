@@ -7,6 +7,7 @@ from kvtransfer.heads import layout_mismatch
 
 _LABELS = {"block_size_tokens": "page size", "dtype": "kv cache dtype"}
 
+
 def check_peer(local: PeerMsg, peer: PeerMsg) -> str | None:
     """Why `peer` cannot register with the `local` prefill worker, or None if it can."""
     if not peer.peer_name:

@@ -25,7 +25,7 @@ from kvtransfer.base import (
 from kvtransfer.core import BackendCore, drain
 from kvtransfer.descriptors import BlockRun, Segment, Segments, host_view, run_segments
 from kvtransfer.handshake import PeerInfo
-from kvtransfer.staging import assemble, disperse, read_staging, write_staging
+from kvtransfer.staging import stage
 from kvtransfer.tcp.auth import greet
 from kvtransfer.tcp.server import JOIN_TIMEOUT_S, InboundServer, shutdown_quietly
 from kvtransfer.tcp.wire import FrameHead, FrameKind, ProtocolError, discard, read_head, recv_into_exact, send_frame
@@ -243,18 +243,12 @@ class TcpBackend(BackendCore):
         """Whole blocks through a staging buffer (kvtransfer/staging.py): a write sends the destination's
         blocks assembled here, a read takes whole source blocks and hands our ranks their heads."""
         assert self._layout is not None and self._region is not None
-        local, remote, (local_ids, remote_ids) = self._layout, self._peers[handle.peer].layout, block_ids
-        region = np.frombuffer(self._region, dtype=np.uint8)
-        write = handle.op is TransferOp.WRITE
-        plan = write_staging(remote, remote_ids) if write else read_staging(local, remote, remote_ids)
-        staging = np.empty(plan.size_bytes, dtype=np.uint8)
-        blocks = Segments(plan.remote_offsets, np.full(len(plan.remote_offsets), plan.block_bytes))
-        if write:
-            assemble(staging, region, local, remote, local_ids)
-            job = _Job(FrameKind.WRITE, handle.transfer_id, remote=blocks, tag=notif_tag, staging=staging)
-        else:
-            job = _Job(FrameKind.READ, handle.transfer_id, remote=blocks, tag=notif_tag, staging=staging,
-                       finish=lambda: disperse(staging, region, local, remote, local_ids))
+        write, remote = handle.op is TransferOp.WRITE, self._peers[handle.peer].layout
+        staged = stage(write, np.frombuffer(self._region, dtype=np.uint8), self._layout, remote, block_ids)
+        offsets = staged.plan.remote_offsets
+        blocks = Segments(offsets, np.full(len(offsets), staged.plan.block_bytes))
+        job = _Job(FrameKind.WRITE if write else FrameKind.READ, handle.transfer_id, remote=blocks, tag=notif_tag,
+                   staging=staged.buffer, finish=staged.finish)
         self._links[handle.peer].submit(job)
 
     def _progress(self, handle: TransferHandle) -> None:

@@ -154,6 +154,9 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--kernels", default="torch,auto",
                         help="comma-separated kernel choices to compare (torch: pure-torch ops; auto: csrc where built)")
+    parser.add_argument("--isas", default=None,
+                        help="comma list of csrc instruction sets to compare on this CPU (avx512, avx2, base), each "
+                             "a form of every csrc row; default: the best this CPU runs")
     parser.add_argument("--kv-cache-dtypes", default="auto",
                         help="comma list of KV cache dtypes to run (auto: the model's; bfloat16); every form's "
                              "engine stays loaded for the whole run (weights and a 256 MiB cache each)")

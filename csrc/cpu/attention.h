@@ -7,6 +7,101 @@
 // are widened to float32 as they load, and every rounding follows T, as the reference does after
 // `.to(q.dtype)`.
 
+// ---- 16-lane vectors (GCC vector extensions: every instruction set lowers them its own way) ----
+
+constexpr int kLanes = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load_f32x16(const float* p) {
+  f32x16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x16 load_f32x16(const bf16* p) {
+  u16x16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return reinterpret_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
+}
+
+// Lane-wise helpers: loops over the 16 lanes, which GCC turns into one vector instruction each.
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+  f32x16 r;
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) r[i] = fma32(a[i], b[i], c[i]);
+  return r;
+}
+
+// One broadcast (`f32x16{} + x` would add 0.0 first; a loop over the lanes became 16 masked moves).
+inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// ---- native vectors: one register of the build's instruction set (16 floats on avx512, 8 elsewhere)
+// The attention kernels work in these: 16-lane vectors on avx2 spilled, moved halves through xmm
+// registers and ran exp lane by lane (prefill attention at 8 GFLOP/s, decode attention 4x avx512's
+// time on one core).
+#if defined(DISAGG_AVX512)
+constexpr int kVL = 16;
+#else
+constexpr int kVL = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kVL * 4)));
+typedef uint16_t u16vec __attribute__((vector_size(kVL * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(kVL * 4)));
+typedef int32_t i32vec __attribute__((vector_size(kVL * 4)));
+
+inline fvec load_v(const float* p) {
+  fvec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline fvec load_v(const bf16* p) {
+  u16vec h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return reinterpret_cast<fvec>(__builtin_convertvector(h, u32vec) << 16);
+}
+
+inline void store_v(float* p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline fvec splat_v(float x) {
+#if defined(DISAGG_AVX512)
+  return fvec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return fvec{x, x, x, x, x, x, x, x};
+#endif
+}
+
+inline fvec fma_v(fvec a, fvec b, fvec c) {
+  fvec r;
+#pragma omp simd
+  for (int i = 0; i < kVL; ++i) r[i] = fma32(a[i], b[i], c[i]);
+  return r;
+}
+
+// exp_approx lane by lane, the same operations in the same order (a loop of exp_approx ran scalar on
+// avx2).
+inline fvec exp_v(fvec x) {
+  const fvec t = x * 1.44269504088896341f + 0.5f;
+  const fvec truncated = __builtin_convertvector(__builtin_convertvector(t, i32vec), fvec);
+  const fvec fn = truncated - (truncated > t ? splat_v(1.0f) : fvec{});  // floor(t)
+  const i32vec n = __builtin_convertvector(fn, i32vec);
+  fvec r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  fvec p = splat_v(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const fvec y = (p * r * r + r + 1.0f) * reinterpret_cast<fvec>((n + 127) << 23);
+  const fvec low = x < -87.0f ? fvec{} : y;
+  return x > 88.0f ? splat_v(__builtin_inff()) : low;
+}
+
+inline fvec max_v(fvec a, fvec b) { return a > b ? a : b; }
+
 // ---- paged decode attention ----------------------------------------------------------------
 
 // Softmax over scores[0, ctx) in place, probabilities rounded to T as `.to(values.dtype)` does.
@@ -15,12 +110,12 @@ inline void softmax_row(float* s, int64_t ctx) {
   float m = s[0];
 #pragma omp simd reduction(max : m)
   for (int64_t t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+  int64_t t = 0;  // exp a vector at a time (a loop of exp_approx ran scalar on avx2), the same bits
+  for (const fvec mv = splat_v(m); t + kVL <= ctx; t += kVL) store_v(s + t, exp_v(load_v(s + t) - mv));
+  for (; t < ctx; ++t) s[t] = exp_approx(s[t] - m);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < ctx; ++t) {
-    s[t] = exp_approx(s[t] - m);
-    sum += s[t];
-  }
+  for (t = 0; t < ctx; ++t) sum += s[t];
   const float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t t = 0; t < ctx; ++t) s[t] = round_to<T>(s[t] * inv);
@@ -111,36 +206,6 @@ struct RowsAhead {
   }
 };
 
-// ---- 16-lane vectors (GCC vector extensions: every instruction set lowers them its own way) ----
-
-constexpr int kLanes = 16;
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load_f32x16(const float* p) {
-  f32x16 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x16 load_f32x16(const bf16* p) {
-  u16x16 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  return reinterpret_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
-}
-
-// Lane-wise helpers: loops over the 16 lanes, which GCC turns into one vector instruction each.
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-  f32x16 r;
-#pragma omp simd
-  for (int i = 0; i < kLanes; ++i) r[i] = fma32(a[i], b[i], c[i]);
-  return r;
-}
-
-// One broadcast (`f32x16{} + x` would add 0.0 first; a loop over the lanes became 16 masked moves).
-inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
 // transpose_sum's input order: the vector of lane j's sum goes in slot kBitReversed[j].
 constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
@@ -160,51 +225,71 @@ inline f32x16 transpose_sum(const f32x16* v) {
          __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
+// transpose_sum for native vectors: on avx512 the one above; on 8 lanes, three rounds of the same
+// pairing, so that lane j = the sum of the lanes of v[kBitReversedV[j]].
+#if defined(DISAGG_AVX512)
+constexpr const int* kBitReversedV = kBitReversed;
+inline fvec transpose_sum_v(const fvec* v) { return transpose_sum(v); }
+#else
+constexpr int kBitReversedV[kVL] = {0, 4, 2, 6, 1, 5, 3, 7};
+inline fvec transpose_sum_v(const fvec* v) {
+  fvec a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
+
 // attend_group_any with the group size and head size known at compile time: the query rows and
 // the accumulators stay in registers and every loop over the head unrolls.
 template <typename T, typename KV, int G, int D>
 void attend_group_fixed(T* out, const T* q, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
                         const int64_t* blocks, int64_t ctx, int64_t block_size, float scale, float* scores) {
-  constexpr int C = D / kLanes;  // vectors per head
-  f32x16 qv[G][C];
+  constexpr int C = D / kVL;  // vectors per head
+  fvec qv[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = load_f32x16(q + g * D + c * kLanes);
-  // Scores a tile of kLanes tokens at a time: each dot stays a vector of partial sums until one
+    for (int c = 0; c < C; ++c) qv[g][c] = load_v(q + g * D + c * kVL);
+  // Scores a tile of kVL tokens at a time: each dot stays a vector of partial sums until one
   // transpose_sum reduces the tile's (a horizontal sum per dot was latency-bound: a batch-16
   // bfloat16 layer call at 280 tokens took 297 us, now 127).
   TokenRows<KV> keys{k_base, k, blocks, block_size};
   RowsAhead<KV, D> keys_ahead(keys, kPrefetchTokens, ctx);
-  for (int64_t t0 = 0; t0 < ctx; t0 += kLanes) {
-    const int64_t tile = ctx - t0 < kLanes ? ctx - t0 : kLanes;
-    f32x16 partial[G][kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const int slot = kBitReversed[j];
+  for (int64_t t0 = 0; t0 < ctx; t0 += kVL) {
+    const int64_t tile = ctx - t0 < kVL ? ctx - t0 : kVL;
+    fvec partial[G][kVL];
+    for (int64_t j = 0; j < kVL; ++j) {
+      const int slot = kBitReversedV[j];
       if (j >= tile) {
-        for (int g = 0; g < G; ++g) partial[g][slot] = f32x16{};
+        for (int g = 0; g < G; ++g) partial[g][slot] = fvec{};
         continue;
       }
       const KV* kt = keys.row();
       keys.next();
       keys_ahead.next();
-      f32x16 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load_f32x16(kt + c * kLanes);
+      fvec kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load_v(kt + c * kVL);
       for (int g = 0; g < G; ++g) {
-        f32x16 acc = qv[g][0] * kv[0];
+        fvec acc = qv[g][0] * kv[0];
         for (int c = 1; c < C; ++c) acc += qv[g][c] * kv[c];
         partial[g][slot] = acc;
       }
     }
     for (int g = 0; g < G; ++g) {
-      const f32x16 dots = transpose_sum(partial[g]);
+      const fvec dots = transpose_sum_v(partial[g]);
       for (int64_t j = 0; j < tile; ++j) scores[g * ctx + t0 + j] = round_to<T>(dots[j]) * scale;
     }
   }
   for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * ctx, ctx);
   // out_g = sum_t p[g][t] v_t: one fused multiply-add per value and token, in token order, the
-  // accumulators in registers (G * D / 16 vectors).
-  f32x16 acc[G][C];
+  // accumulators in registers (G * D / kVL vectors).
+  fvec acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = f32x16{};
+    for (int c = 0; c < C; ++c) acc[g][c] = fvec{};
   TokenRows<KV> values{v_base, v, blocks, block_size};
   RowsAhead<KV, D> values_ahead(values, 0, ctx);
   for (int64_t t = 0; t < kPrefetchTokens; ++t) values_ahead.next();  // the first rows, then kPrefetchTokens ahead
@@ -212,16 +297,16 @@ void attend_group_fixed(T* out, const T* q, const KV* k_base, const KV* v_base, 
     const KV* vt = values.row();
     values.next();
     values_ahead.next();
-    f32x16 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load_f32x16(vt + c * kLanes);
+    fvec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_v(vt + c * kVL);
     for (int g = 0; g < G; ++g) {
-      const f32x16 p = splat16(scores[g * ctx + t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = fma16(p, vv[c], acc[g][c]);
+      const fvec p = splat_v(scores[g * ctx + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = fma_v(p, vv[c], acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c)
-      for (int i = 0; i < kLanes; ++i) out[g * D + c * kLanes + i] = from_f32<T>(acc[g][c][i]);
+      for (int i = 0; i < kVL; ++i) out[g * D + c * kVL + i] = from_f32<T>(acc[g][c][i]);
 }
 
 template <typename T, typename KV>
@@ -258,15 +343,7 @@ void paged_decode_attention_t(void* out, const void* q, CacheView k, CacheView v
 
 // ---- paged prefill attention (flash-style) ----------------------------------------------------
 
-// Lane-wise helpers: loops over the 16 lanes, which GCC turns into one vector instruction each.
-
-inline f32x16 exp16(f32x16 x) {
-  f32x16 r;
-#pragma omp simd
-  for (int i = 0; i < kLanes; ++i) r[i] = exp_approx(x[i]);
-  return r;
-}
-
+// 16-lane reductions (quant_matmul.h's activation blocks of 32 values).
 
 inline f32x16 max2(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
@@ -287,96 +364,149 @@ inline float sum16(f32x16 v) {
   return v[0];
 }
 
-constexpr int64_t kKeyTile = 16;       // keys per step: one vector of scores per query
-constexpr int64_t kMaxQueries = 64;    // query vectors (tokens x heads of a group) per work item
-constexpr int kRowBlock = 8;           // query vectors whose scores share each key load (8 FMA chains)
-constexpr int kOutBlock = 4;           // query vectors whose outputs share each value load
+constexpr int64_t kKeyTile = 32;                 // keys per step of the online softmax
+constexpr int64_t kMaxQueries = 64;              // query vectors (tokens x heads of a group) per work item
+constexpr int kQueryVecs = kMaxQueries / kVL;    // the work item's queries as lanes of its vectors
+constexpr int kScoreVecs = 4;                    // query vectors scored together
+constexpr int kKeyBlock = kVL == 16 ? 4 : 2;     // keys whose scores share each load of the queries
+constexpr int kOutVecs = 4;                      // output vectors of a row accumulated together
+constexpr int kOutRows = kVL == 16 ? 4 : 2;      // rows whose outputs share each value load
+
+// Scores of keys [j0, j0 + kKeyBlock) for the NV query vectors from v0: p[j][i] = qt[:, i] . kf[j],
+// the queries in lanes, so that the softmax below works lane by lane (no horizontal reductions).
+template <int NV, int D>
+inline void score_block(float (*p)[kMaxQueries], const float (*qt)[kMaxQueries], const float (*kf)[D], int v0,
+                        int64_t j0) {
+  fvec s[NV][kKeyBlock] = {};
+  for (int d = 0; d < D; ++d) {
+    fvec qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = load_v(qt[d] + (v0 + v) * kVL);
+    for (int j = 0; j < kKeyBlock; ++j) {
+      const fvec kb = splat_v(kf[j0 + j][d]);
+      for (int v = 0; v < NV; ++v) s[v][j] = fma_v(qv[v], kb, s[v][j]);
+    }
+  }
+  for (int j = 0; j < kKeyBlock; ++j)
+    for (int v = 0; v < NV; ++v) store_v(p[j0 + j] + (v0 + v) * kVL, s[v][j]);
+}
+
+template <int D>
+void score_tile(float (*p)[kMaxQueries], const float (*qt)[kMaxQueries], const float (*kf)[D], int nv, int64_t nk) {
+  for (int v0 = 0; v0 < nv; v0 += kScoreVecs) {
+    for (int64_t j0 = 0; j0 < nk; j0 += kKeyBlock) {
+      switch (nv - v0 < kScoreVecs ? nv - v0 : kScoreVecs) {
+        case 1: score_block<1, D>(p, qt, kf, v0, j0); break;
+        case 2: score_block<2, D>(p, qt, kf, v0, j0); break;
+        case 3: score_block<3, D>(p, qt, kf, v0, j0); break;
+        default: score_block<kScoreVecs, D>(p, qt, kf, v0, j0); break;
+      }
+    }
+  }
+}
+
+// The online softmax of one key tile for the queries of vector v: masks the keys past each lane's
+// `sees` (when `masked`), turns p's scores into exp(score - running max), and returns the factor
+// that rescales what the vector's lanes summed before.
+inline fvec softmax_tile(float (*p)[kMaxQueries], int v, int64_t nk, bool masked, fvec sees, fvec& m, fvec& l) {
+  fvec tile_max = m;
+  for (int64_t j = 0; j < nk; ++j) {
+    fvec s = load_v(p[j] + v * kVL);
+    if (masked) {
+      s = splat_v(static_cast<float>(j)) < sees ? s : splat_v(-__builtin_inff());
+      store_v(p[j] + v * kVL, s);
+    }
+    tile_max = max_v(tile_max, s);
+  }
+  const fvec corr = exp_v(m - tile_max);
+  fvec sum = fvec{};
+  for (int64_t j = 0; j < nk; ++j) {
+    const fvec e = exp_v(load_v(p[j] + v * kVL) - tile_max);
+    sum += e;
+    store_v(p[j] + v * kVL, e);
+  }
+  l = l * corr + sum;
+  m = tile_max;
+  return corr;
+}
+
+// o[i][c0 ..] = o[i][c0 ..] * corr[i] + sum_j p[j][i] v[j][c0 ..] for the rows [i0, i0 + kOutRows)
+// and kOutVecs vectors from column c0: the accumulators stay in registers while the values stream past.
+template <int D>
+inline void accumulate_rows(float (*o)[D], const float* corr, const float (*p)[kMaxQueries], const float (*vf)[D],
+                            int64_t i0, int c0, int64_t nk) {
+  fvec acc[kOutRows][kOutVecs];
+  for (int r = 0; r < kOutRows; ++r)
+    for (int c = 0; c < kOutVecs; ++c) acc[r][c] = load_v(o[i0 + r] + c0 + c * kVL) * corr[i0 + r];
+  for (int64_t j = 0; j < nk; ++j) {
+    fvec vv[kOutVecs];
+    for (int c = 0; c < kOutVecs; ++c) vv[c] = load_v(vf[j] + c0 + c * kVL);
+    for (int r = 0; r < kOutRows; ++r) {
+      const fvec pr = splat_v(p[j][i0 + r]);
+      for (int c = 0; c < kOutVecs; ++c) acc[r][c] = fma_v(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kOutRows; ++r)
+    for (int c = 0; c < kOutVecs; ++c) store_v(o[i0 + r] + c0 + c * kVL, acc[r][c]);
+}
 
 // One work item: query tokens [t0, t0 + nt) of a segment, the `group` heads that share one KV head,
 // against keys [0, position of its last token]: scores and probabilities in float32 (online softmax),
-// keys and values read in place from the cache blocks, a 16-key tile at a time.
+// keys and values read in place from the cache blocks, kKeyTile keys at a time. Query i (token
+// t0 + i / group, head i % group) is lane i % kVL of vector i / kVL while scores and probabilities
+// are computed, and row i of the outputs.
 template <typename T, typename KV, int D>
 void prefill_item(T* out, const T* q, int64_t tok_stride, const KV* k_base, const KV* v_base, CacheView k, CacheView v,
                   const int64_t* blocks, int64_t block_size, int64_t start_pos, int64_t t0, int64_t nt, int64_t group,
                   float scale) {
-  constexpr int C = D / kLanes;
-  const int64_t nq = nt * group;  // query vector i: token t0 + i / group, head i % group
-  const int64_t padded = (nq + kRowBlock - 1) / kRowBlock * kRowBlock;
-  alignas(64) float qf[kMaxQueries][D];  // q * scale, float32; rows past nq are zero
+  static_assert(D % (kOutVecs * kVL) == 0 && kMaxQueries % kOutRows == 0, "the output passes tile the item");
+  const int64_t nq = nt * group;
+  const int nv = static_cast<int>((nq + kVL - 1) / kVL);
+  const int64_t rows = (nq + kOutRows - 1) / kOutRows * kOutRows;
+  alignas(64) float qt[D][kMaxQueries];        // q * scale, transposed; lanes past nq are zero
   alignas(64) float o[kMaxQueries][D];
-  alignas(64) float p[kMaxQueries][kKeyTile];  // a tile's scores, then its probabilities
-  alignas(64) float kt[D][kKeyTile];           // the key tile, transposed
+  alignas(64) float p[kKeyTile][kMaxQueries];  // a tile's scores, then its probabilities
+  alignas(64) float kf[kKeyTile][D];
   alignas(64) float vf[kKeyTile][D];
-  float m[kMaxQueries], l[kMaxQueries], corr[kMaxQueries];
-  for (int64_t i = 0; i < padded; ++i) {
+  alignas(64) float corr[kMaxQueries];
+  alignas(64) float pos[kMaxQueries];  // each lane's position past first_pos (a padding lane: the last query's)
+  for (int64_t i = 0; i < kMaxQueries; ++i) {
     const T* qi = q + (t0 + i / group) * tok_stride + (i % group) * D;
-    for (int d = 0; d < D; ++d) {
-      qf[i][d] = i < nq ? to_f32(qi[d]) * scale : 0.0f;
-      o[i][d] = 0.0f;
-    }
-    m[i] = -__builtin_inff();
-    l[i] = 0.0f;
+    for (int d = 0; d < D; ++d) qt[d][i] = i < nq ? to_f32(qi[d]) * scale : 0.0f;
+    for (int d = 0; d < D; ++d) o[i][d] = 0.0f;
+    pos[i] = static_cast<float>((i < nq ? i : nq - 1) / group);
+  }
+  fvec m[kQueryVecs], l[kQueryVecs];
+  for (int v = 0; v < kQueryVecs; ++v) {
+    m[v] = splat_v(-__builtin_inff());
+    l[v] = fvec{};
   }
   const int64_t first_pos = start_pos + t0, end = first_pos + nt;  // keys [0, end) are seen by some query
   for (int64_t k0 = 0; k0 < end; k0 += kKeyTile) {
     const int64_t nk = end - k0 < kKeyTile ? end - k0 : kKeyTile;
     for (int64_t j = 0; j < kKeyTile; ++j) {
-      if (j >= nk) {
-        for (int d = 0; d < D; ++d) kt[d][j] = vf[j][d] = 0.0f;
+      if (j >= nk) {  // whole key blocks are scored: rows past the tile score 0 and are never used
+        for (int d = 0; d < D; ++d) kf[j][d] = 0.0f;
         continue;
       }
       const int64_t t = k0 + j;
       const KV* kr = k_base + blocks[t / block_size] * k.block_stride + (t % block_size) * k.token_stride;
       const KV* vr = v_base + blocks[t / block_size] * v.block_stride + (t % block_size) * v.token_stride;
-      for (int d = 0; d < D; ++d) {
-        kt[d][j] = to_f32(kr[d]);
-        vf[j][d] = to_f32(vr[d]);
+      for (int c = 0; c < D; c += kVL) {
+        store_v(kf[j] + c, load_v(kr + c));
+        store_v(vf[j] + c, load_v(vr + c));
       }
     }
-    // Scores: a block of query rows per pass over the key tile.
-    for (int64_t i0 = 0; i0 < padded; i0 += kRowBlock) {
-      f32x16 s[kRowBlock] = {};
-      for (int d = 0; d < D; ++d) {
-        const f32x16 kv = load_f32x16(kt[d]);
-#pragma GCC unroll 8
-        for (int r = 0; r < kRowBlock; ++r) s[r] = fma16(splat16(qf[i0 + r][d]), kv, s[r]);
-      }
-      for (int r = 0; r < kRowBlock; ++r) __builtin_memcpy(p[i0 + r], &s[r], sizeof s[r]);
-    }
-    // Online softmax: keys past a query's own position (or past the tile) score -inf.
-    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t sees = first_pos + i / group - k0 + 1;  // keys of this tile the query sees
-      const f32x16 visible = splat16(static_cast<float>(sees < nk ? sees : nk));
-      f32x16 s = load_f32x16(p[i]);
-      s = lane < visible ? s : splat16(-__builtin_inff());
-      const float tile_max = max16(s);
-      const float m_new = tile_max > m[i] ? tile_max : m[i];
-      corr[i] = exp_approx(m[i] - m_new);
-      const f32x16 e = exp16(s - splat16(m_new));
-      l[i] = l[i] * corr[i] + sum16(e);
-      m[i] = m_new;
-      __builtin_memcpy(p[i], &e, sizeof e);
-    }
-    // Outputs: o = o * corr + p . v, a block of query rows per pass over the value tile.
-    for (int64_t i0 = 0; i0 < nq; i0 += kOutBlock) {
-      const int rows = nq - i0 < kOutBlock ? static_cast<int>(nq - i0) : kOutBlock;
-      f32x16 acc[kOutBlock][C];
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = load_f32x16(o[i0 + r] + c * kLanes) * corr[i0 + r];
-      for (int64_t j = 0; j < nk; ++j) {
-        for (int c = 0; c < C; ++c) {
-          const f32x16 vv = load_f32x16(vf[j] + c * kLanes);
-          for (int r = 0; r < rows; ++r) acc[r][c] = fma16(splat16(p[i0 + r][j]), vv, acc[r][c]);
-        }
-      }
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < C; ++c) __builtin_memcpy(o[i0 + r] + c * kLanes, &acc[r][c], sizeof acc[r][c]);
-    }
+    score_tile<D>(p, qt, kf, nv, nk);
+    // A tile that reaches past the item's first query is masked: lane i sees keys k0 .. its position.
+    const bool masked = k0 + nk - 1 > first_pos;
+    const fvec offset = splat_v(static_cast<float>(masked ? first_pos - k0 + 1 : 0));
+    for (int v = 0; v < nv; ++v) store_v(corr + v * kVL, softmax_tile(p, v, nk, masked, load_v(pos + v * kVL) + offset, m[v], l[v]));
+    for (int64_t i0 = 0; i0 < rows; i0 += kOutRows)
+      for (int c0 = 0; c0 < D; c0 += kOutVecs * kVL) accumulate_rows<D>(o, corr, p, vf, i0, c0, nk);
   }
   for (int64_t i = 0; i < nq; ++i) {
     T* oi = out + (t0 + i / group) * tok_stride + (i % group) * D;
-    const float inv = 1.0f / l[i];
+    const float inv = 1.0f / l[i / kVL][i % kVL];
     for (int d = 0; d < D; ++d) oi[d] = from_f32<T>(o[i][d] * inv);
   }
 }

@@ -176,6 +176,19 @@ inline V load_lanes(const void* p) {
   return v;
 }
 
+// The L lanes of v to out[0, L), rounded to T.
+template <typename T, int L, typename F>
+inline void store_lanes(T* out, F v) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    __builtin_memcpy(out, &v, sizeof v);
+  } else {
+    T lanes[L];
+#pragma omp simd
+    for (int j = 0; j < L; ++j) lanes[j] = from_f32<T>(v[j]);
+    __builtin_memcpy(out, lanes, sizeof lanes);
+  }
+}
+
 // R activation rows times lanes [lane0, lane0 + L) of one tile: out[r, j] for the tile's columns j
 // in that range below `cols` (<= 16).
 template <typename T, int R, int Bits, int L>
@@ -221,6 +234,10 @@ void quant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const i
     }
   }
   const int64_t n = cols - lane0 < L ? cols - lane0 : L;
+  if (n == L) {  // whole lanes: one vector store per row (an element loop took ~15% of a prefill's tiles)
+    for (int r = 0; r < R; ++r) store_lanes<T, L>(out + r * out_stride + lane0, acc[r]);
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = from_f32<T>(acc[r][j]);
 }

@@ -11,6 +11,7 @@ float32 matmul GFLOP/s, from which batch decode's compute bound follows (two FLO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -27,6 +28,7 @@ from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, Schedul
 from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
 from disagg.engine.loader import load_model
+from disagg.ops import csrc_status
 from disagg.types import SamplingParams
 
 
@@ -147,30 +149,61 @@ def run_engine(args: argparse.Namespace) -> dict:
     results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
         hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
-        forms = []  # (engine, kernels name, quantization, kv cache dtype)
+        forms = []  # (engine, kernels name, quantization, kv cache dtype, csrc instruction set or None)
         for kernels, q, kv in itertools.product(comma_list(args.kernels), quantizations, comma_list(args.kv_cache_dtypes)):
-            engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv), loads[q])
-            name = engine.runner.model.ops.name
-            sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
-            forms.append((engine, name, q, kv))
-            print(f"{dtype_name}, {name}, {q}, kv cache {kv}: {engine.engine_summary}", flush=True)
+            for isa in isas_for(kernels, args.isas):
+                with instruction_set(isa):
+                    engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv), loads[q])
+                name = engine.runner.model.ops.name
+                sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
+                forms.append((engine, name, q, kv, isa))
+                print(f"{dtype_name}, {name}, {q}, kv cache {kv}: {engine.engine_summary}", flush=True)
         for b in map(int, args.batches.split(",")):
             batch = prompts(b, args.input_len, dense.arch.vocab_size)
-            runs = [functools.partial(bench_ours, engine, batch, args.output_len) for engine, *_ in forms]
+            runs = [functools.partial(run_with_isa, isa, bench_ours, engine, batch, args.output_len)
+                    for engine, _, _, _, isa in forms]
             if hf is not None:
                 runs.append(functools.partial(bench_hf, hf, batch, args.output_len))
             best = best_in_rounds(runs, args.repeat)
             theirs = best[-1] if hf is not None else (float("nan"), float("nan"))
-            for (engine, name, q, kv), ours in zip(forms, best):
+            for (engine, name, q, kv, isa), ours in zip(forms, best):
                 results.append(Result(dtype_name, name, q, b, *ours, *theirs, kv_cache_dtype=kv))
                 print(_row(results[-1]), flush=True)
                 if args.profile:
-                    print(f"decode profile, {results[-1].form}, batch {b} (8 steps):\n{profile_decode(engine, batch)}", flush=True)
+                    profile = run_with_isa(isa, profile_decode, engine, batch)
+                    print(f"decode profile, {results[-1].form}, batch {b} (8 steps):\n{profile}", flush=True)
     print(table(results, args))
     print(bound_lines(results, sizes, memcpy_gbps, read_gbps))
     print(compute_bound_lines(results, sizes, matmul_gflops))
     return {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "matmul_gflops": matmul_gflops,
             "engine": [asdict(r) for r in results]}
+
+
+def isas_for(kernels: str, isas: str | None) -> list[str | None]:
+    """The csrc instruction sets a `kernels` choice runs under: each of `isas` for csrc kernels (auto
+    where the library is built), else [None] (the process's own)."""
+    if isas is None or kernels == "torch" or (kernels == "auto" and csrc_status() is not None):
+        return [None]
+    return list(comma_list(isas))
+
+
+@contextlib.contextmanager
+def instruction_set(isa: str | None):
+    """csrc's kernel table switched to `isa` for the block (None: left as it is), then back."""
+    if isa is None:
+        yield
+        return
+    before = torch.ops.disagg.isa()
+    torch.ops.disagg.set_isa(isa)  # a RuntimeError names an instruction set this CPU lacks
+    try:
+        yield
+    finally:
+        torch.ops.disagg.set_isa(before)
+
+
+def run_with_isa(isa: str | None, fn: Callable, *args):
+    with instruction_set(isa):
+        return fn(*args)
 
 
 def engine_config(model: str, dtype: str, kernels: str, quantization: str, kv_cache_dtype: str = "auto") -> EngineConfig:

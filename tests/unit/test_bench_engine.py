@@ -7,8 +7,10 @@ import argparse
 import pytest
 import torch
 
-from disagg.bench.engine import Result, best_in_rounds, bound_lines, compute_bound_lines, machine_line, measure_matmul_gflops, table
+from disagg.bench.engine import (Result, best_in_rounds, bound_lines, compute_bound_lines, instruction_set, isas_for,
+                                 machine_line, measure_matmul_gflops, run_with_isa, table)
 from disagg.engine.models.llama import LlamaModel
+from disagg.ops import load_ops
 
 
 @pytest.mark.slow
@@ -106,3 +108,30 @@ def test_hf_is_timed_per_step_inside_one_generate(tiny_loaded, monkeypatch):
     prefill_tps, decode_tps = bench_engine.bench_hf(hf_model_from_loaded(tiny_loaded), batch, output_len=3)
     assert clock.now == 4.0  # start, then steps 1 (the first token) .. 4
     assert (prefill_tps, decode_tps) == (8.0, 2.0)  # 8 prompt tokens in 1 tick; 2 x 3 tokens in 3 ticks
+
+
+def test_isas_make_one_csrc_form_each_and_leave_torch_and_the_default_alone():
+    assert isas_for("auto", "avx512,avx2") == ["avx512", "avx2"]
+    assert isas_for("csrc", "base") == ["base"]
+    assert isas_for("torch", "avx512,avx2") == [None]
+    assert isas_for("auto", None) == [None]
+
+
+def test_an_instruction_set_is_switched_for_the_run_and_switched_back():
+    best = torch.ops.disagg.isa()
+    seen = []
+    with instruction_set("base"):
+        seen.append(torch.ops.disagg.isa())
+        seen.append(load_ops("csrc").name)
+    assert seen == ["base", "csrc-base"]
+    assert torch.ops.disagg.isa() == best
+    with pytest.raises(ValueError, match="raised inside"):
+        run_with_isa("base", _raise)
+    assert torch.ops.disagg.isa() == best
+    with instruction_set(None):
+        assert torch.ops.disagg.isa() == best
+
+
+def _raise():
+    assert torch.ops.disagg.isa() == "base"
+    raise ValueError("raised inside")

@@ -113,11 +113,13 @@ def test_paged_decode_attention_refuses_a_context_past_its_blocks(csrc):
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS)
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 1), (8, 2, 128, 5), (6, 1, 64, 32)])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size",
+                         [(9, 3, 64, 16), (4, 4, 128, 1), (8, 2, 128, 5), (6, 1, 64, 32), (40, 1, 64, 16)])
 @pytest.mark.parametrize("tokens,start_pos", [(1, 0), (37, 0), (100, 0), (5, 23), (70, 41)])
 def test_paged_prefill_attention(csrc, dtype, kv_dtype, heads, kv_heads, dim, block_size, tokens, start_pos):
     """Causal over the cached context and the segment itself, in place from shuffled blocks; work items
-    of 64 query vectors (several tiles at 37 and 100 tokens) and key tiles of 16 with a tail."""
+    of 64 query vectors (several items at 37 and 100 tokens; one token's 40 heads and its padding), key
+    tiles of 32 with a tail, masked where a tile reaches past an item's first query."""
     gen = torch.Generator().manual_seed(heads * 1000 + tokens + start_pos)
     blocks = (start_pos + tokens + block_size - 1) // block_size
     _, k_cache, v_cache = _cache(blocks + 4, block_size, kv_heads, dim, kv_dtype, gen)

@@ -7,7 +7,7 @@
 // are widened to float32 as they load, and every rounding follows T, as the reference does after
 // `.to(q.dtype)`.
 
-// ---- 16-lane vectors (GCC vector extensions: every instruction set lowers them its own way) ----
+// ---- 16-lane vectors (GCC vector extensions): quant_matmul.h's blocks of 32 activations ------
 
 constexpr int kLanes = 16;
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -25,17 +25,6 @@ inline f32x16 load_f32x16(const bf16* p) {
   __builtin_memcpy(&h, p, sizeof h);
   return reinterpret_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
 }
-
-// Lane-wise helpers: loops over the 16 lanes, which GCC turns into one vector instruction each.
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-  f32x16 r;
-#pragma omp simd
-  for (int i = 0; i < kLanes; ++i) r[i] = fma32(a[i], b[i], c[i]);
-  return r;
-}
-
-// One broadcast (`f32x16{} + x` would add 0.0 first; a loop over the lanes became 16 masked moves).
-inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // ---- native vectors: one register of the build's instruction set (16 floats on avx512, 8 elsewhere)
 // The attention kernels work in these: 16-lane vectors on avx2 spilled, moved halves through xmm
@@ -65,6 +54,7 @@ inline fvec load_v(const bf16* p) {
 
 inline void store_v(float* p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// One broadcast (`fvec{} + x` would add 0.0 first; a loop over the lanes became 16 masked moves).
 inline fvec splat_v(float x) {
 #if defined(DISAGG_AVX512)
   return fvec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
@@ -73,6 +63,7 @@ inline fvec splat_v(float x) {
 #endif
 }
 
+// A lane-wise loop, which GCC turns into one vector instruction.
 inline fvec fma_v(fvec a, fvec b, fvec c) {
   fvec r;
 #pragma omp simd

@@ -7,7 +7,7 @@
 // Numerics follow the pure-torch ops in disagg/ops/reference.py: products and sums are rounded to
 // the model dtype where torch would round them (so bfloat16 results match it), float32 math
 // otherwise; the build uses -ffp-contract=off so that no multiply-add is fused behind our back
-// (fma32 and fma16 fuse where a kernel asks for it).
+// (fma32 and fma_v fuse where a kernel asks for it).
 
 #include <cstdint>
 

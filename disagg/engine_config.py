@@ -11,7 +11,8 @@ from disagg.config import Choice, ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "csrc", "torch")
 # none: dense weights in the model dtype; int8/int4: quantize on load; gguf: keep a GGUF's own blocks.
-QUANTIZATIONS = ("none", "int8", "int4", "gguf", "auto")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "gguf_float", "auto")
+GGUF_BLOCKS = ("gguf", "gguf_float")  # the quantizations that keep a .gguf file's own blocks
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,10 @@ class ModelConfig:
     quantization: str = field(
         default="none",
         metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
-                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8), "
-                          "auto (gguf for a .gguf file on CPU, else none); CPU only"},
+                          "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8, "
+                          "activations rounded to int8 as llama.cpp does), gguf_float (the same blocks, dequantized "
+                          "in registers, float32 activations: the dense numbers), "
+                          "auto (gguf_float for a .gguf file on CPU, else none); CPU only"},
     )
     device: str = field(default="cpu", metadata={"help": "cpu, cuda (DP rank r takes cuda:r) or cuda:N (every rank)"})
     kernels: str = field(

@@ -79,6 +79,7 @@ inline float fma32(float a, float b, float c) { return a * b + c; }
 
 #include "attention.h"  // paged decode and prefill attention
 #include "quant_matmul.h"  // quantized weights x int8 activations
+#include "dequant_matmul.h"  // quantized weights x float32 activations
 #include "dense_matmul.h"  // float32 weights x float32 activations, few rows
 
 // ---- RMSNorm (with the residual add folded in) ----------------------------------------------
@@ -271,6 +272,12 @@ void quant_matmul(void* out, const int8_t* xq, const float* xd, const float* xs,
   fn(out, xq, xd, xs, w, ws, rows, n, k);
 }
 
+void dequant_matmul(float* out, const float* x, const uint8_t* w, const float* ws, int64_t rows, int64_t n, int64_t k,
+                    int bits) {
+  auto fn = bits == 4 ? dequant_matmul_t<4> : dequant_matmul_t<8>;
+  fn(out, x, w, ws, rows, n, k);
+}
+
 void dense_matmul(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
   dense_matmul_f32(out, x, w, xt, rows, n, k);
 }
@@ -287,7 +294,8 @@ KernelTable DISAGG_PASTE(kernels_, DISAGG_ISA)() {
   return {DISAGG_STRING(DISAGG_ISA), DISAGG_ISA::paged_decode_attention, DISAGG_ISA::paged_prefill_attention,
           DISAGG_ISA::rms_norm,
           DISAGG_ISA::rope_and_cache, DISAGG_ISA::silu_and_mul,
-          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul, DISAGG_ISA::dense_matmul, DISAGG_ISA::argmax_rows};
+          DISAGG_ISA::quantize_q8, DISAGG_ISA::quant_matmul, DISAGG_ISA::dequant_matmul, DISAGG_ISA::dense_matmul,
+          DISAGG_ISA::argmax_rows};
 }
 
 }  // namespace disagg

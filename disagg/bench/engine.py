@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from disagg.cli_args import comma_list
-from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine_config import GGUF_BLOCKS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
 from disagg.engine.loader import load_model
@@ -143,7 +143,8 @@ def run_engine(args: argparse.Namespace) -> dict:
     size: the forms and HF take turns, a round each (best_in_rounds)."""
     quantizations = comma_list(args.quantization)
     dense = load_model(ModelConfig(model=args.model))
-    loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q == "gguf" else dense for q in quantizations}
+    loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q in GGUF_BLOCKS else dense
+             for q in quantizations}
     memcpy_gbps, read_gbps = measure_memory_gbps()
     matmul_gflops = measure_matmul_gflops()
     results, sizes = [], {}

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from disagg.config import ConfigError
-from disagg.engine_config import ModelConfig
+from disagg.engine_config import GGUF_BLOCKS, ModelConfig
 from disagg.engine import gguf_reader
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.tokenizer import Tokenizer, compile_chat_template
@@ -90,9 +90,9 @@ def read_chat_template(value: str) -> str:
 
 
 def _load(config: ModelConfig) -> LoadedModel:
-    keep_blocks = config.quantization == "gguf"
+    keep_blocks = config.quantization in GGUF_BLOCKS
     if config.model == "tiny":
-        _refuse_gguf_quantization(keep_blocks, "the tiny model is built in code")
+        _refuse_gguf_quantization(config.quantization, "the tiny model is built in code")
         # Imported here: tiny.py builds a LoadedModel, so it imports this module.
         from disagg.engine.models.tiny import build_tiny
 
@@ -100,14 +100,15 @@ def _load(config: ModelConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
     name = config.model if config.model in BUILTIN_MODELS else _name_of(path)
     if os.path.isdir(path):
-        _refuse_gguf_quantization(keep_blocks, f"{path!r} is an HF folder")
+        _refuse_gguf_quantization(config.quantization, f"{path!r} is an HF folder")
         return load_hf_folder(path, name)
     return load_gguf(path, name, keep_blocks)
 
 
-def _refuse_gguf_quantization(keep_blocks: bool, why: str) -> None:
-    if keep_blocks:
-        raise ConfigError(f"quantization 'gguf' needs a .gguf model, but {why}; use int8 or int4 to quantize on load")
+def _refuse_gguf_quantization(quantization: str, why: str) -> None:
+    if quantization in GGUF_BLOCKS:
+        raise ConfigError(f"quantization {quantization!r} needs a .gguf model, but {why}; use int8 or int4 to quantize "
+                          "on load")
 
 
 def resolve_model_path(name: str) -> str:

@@ -64,12 +64,13 @@ def kernels_reason(asked: str, chosen: str) -> str:
 
 
 def resolve_quantization(model: ModelConfig) -> tuple[ModelConfig, str | None]:
-    """`quantization auto`: a .gguf file's own blocks on CPU (`gguf`), anything else dense (`none`);
+    """`quantization auto`: a .gguf file's own blocks on CPU with float32 activations (`gguf_float`: the
+    dense weights' numbers, where `gguf`'s int8 activations change answers), anything else dense (`none`);
     the config with the resolved value, and why (for the ready line; None when it was not `auto`)."""
     if model.quantization != "auto":
         return model, None
     is_gguf = model.model != "tiny" and resolve_model_path(model.model).endswith(".gguf")
     if is_gguf and model.device.startswith("cpu"):
-        return replace(model, quantization="gguf"), "auto: a .gguf file, its own blocks on CPU"
+        return replace(model, quantization="gguf_float"), "auto: a .gguf file, its own blocks on CPU, float32 activations"
     why = "not a .gguf file" if not is_gguf else "the GGUF's blocks run on CPU only"
     return replace(model, quantization="none"), f"auto: {why}"

@@ -50,6 +50,7 @@ class PackedWeight:
     scales: torch.Tensor
     source: str
     quant_matmul: QuantMatmul | None = None
+    float_activations: bool = False  # quant_matmul is csrc's dequant_matmul, not its int8 kernel
 
     @property
     def bits(self) -> int:
@@ -57,6 +58,8 @@ class PackedWeight:
 
     @property
     def kernel(self) -> str:
+        if self.quant_matmul is not None and self.float_activations:
+            return "csrc dequant_matmul, float32 activations"
         if self.quant_matmul is not None:
             return f"csrc quant_matmul, int8 activations in blocks of {QUANT_BLOCK}"
         return f"torch {self.kind.value}pack, {dtype_name(ACTIVATION_DTYPE)} activations"
@@ -134,16 +137,16 @@ def pack_dense(w: torch.Tensor, dense_matmul: DenseMatmul | None = None) -> torc
 
 
 def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu",
-                   quant_matmul: QuantMatmul | None = None) -> PackedWeight:
-    """The kernel-ready form of `w` (CPU only). With `quant_matmul` (an ops' `quant_matmul`), a weight
-    whose groups split into blocks of 32 runs on it, its integers and scales as they are; otherwise
-    torch's int4/int8 packed CPU ops."""
+                   quant_matmul: QuantMatmul | None = None, float_activations: bool = False) -> PackedWeight:
+    """The kernel-ready form of `w` (CPU only). With `quant_matmul` (an ops' `quant_matmul`, or its
+    `dequant_matmul` with `float_activations`), a weight whose groups split into blocks of 32 runs on
+    it, its integers and scales as they are; otherwise torch's int4/int8 packed CPU ops."""
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantized weights run on CPU only, not on {device}")
     if quant_matmul is not None and w.group_size % QUANT_BLOCK == 0:
         packed, scales = pack_blocks(w)
         return PackedWeight(w.kind, w.out_features, w.in_features, w.group_size, packed, scales, w.source,
-                            quant_matmul=quant_matmul)
+                            quant_matmul=quant_matmul, float_activations=float_activations)
     if w.kind is QuantKind.INT8:
         w = to_per_channel_int8(w)
     return _prepare_int4(w) if w.kind is QuantKind.INT4 else _prepare_int8(w)

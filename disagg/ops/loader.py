@@ -45,6 +45,7 @@ class CsrcOps:
         self.quantize_q8 = ops.quantize_q8
         self.quant_matmul = ops.quant_matmul
         self.quant_matmul_preferred = ops.isa() in QUANT_MATMUL_ISAS
+        self.dequant_matmul = ops.dequant_matmul
         self.dense_matmul = ops.dense_matmul
         self.dense_matmul_preferred = ops.isa() in DENSE_MATMUL_ISAS
         self.argmax_rows = ops.argmax_rows

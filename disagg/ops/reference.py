@@ -110,6 +110,17 @@ class TorchOps:
         return acc[:, :n].to(x.dtype)
 
     @staticmethod
+    def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        """x [rows, k] @ a weight [n, k] of `bits` (quant.pack_blocks' layout) dequantized as
+        quant.dequantize computes it (4 bits d * q + m, 8 bits d * (q - 128)), in float32 → [rows, n]
+        in x's dtype."""
+        assert weight.shape[2] == 16 * 32 * bits // 8, "the weight's blocks are not of this many bits"
+        values, d, m = unpack_blocks(weight, scales)
+        d, m = d.repeat_interleave(32, dim=1), m.repeat_interleave(32, dim=1)
+        w = values.float() * d + m if bits == 4 else (values.to(torch.int16) - 128).float() * d
+        return F.linear(x.float(), w[:n]).to(x.dtype)
+
+    @staticmethod
     def dense_matmul(x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
         """x [rows, k] float32 @ a float32 weight [n, k] in tiles of 32 (linear.pack_tiles) → [rows, n]."""
         return F.linear(x, unpack_tiles(weight, n))

@@ -119,7 +119,7 @@ def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded
     from disagg.engine.resolve import resolve_quantization
 
     gguf, why = resolve_quantization(ModelConfig(quantization="auto"))  # the default model: a .gguf file
-    assert (gguf.quantization, why) == ("gguf", "auto: a .gguf file, its own blocks on CPU")
+    assert (gguf.quantization, why) == ("gguf_float", "auto: a .gguf file, its own blocks on CPU, float32 activations")
     cuda, why = resolve_quantization(ModelConfig(quantization="auto", device="cuda"))
     assert (cuda.quantization, why) == ("none", "auto: the GGUF's blocks run on CPU only")
     assert resolve_quantization(ModelConfig(quantization="int8")) == (ModelConfig(quantization="int8"), None)
@@ -180,6 +180,32 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
     for out, ref, same in zip(outs, refs, SAME_TOKENS[route]):
         assert out.outputs.token_ids[:same] == ref.outputs.token_ids[:same]
     assert outs[0].outputs.text.startswith(" Paris.")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gguf_float_runs_the_blocks_with_the_dense_engines_numbers(smollm2_loaded, smollm2_gguf):
+    """gguf_float keeps the file's Q4_1 and Q8_0 blocks and multiplies them dequantized in registers
+    by float32 activations: the dense float32 engine's numbers, summed in another order. Measured on
+    these prompts (106 positions) with the avx512 build: prompt logprobs equal to the dense engine's
+    to the last bit (the bound leaves room for another order elsewhere); the same 16 greedy tokens; the
+    README's question answered as the dense weights answer it (gguf's int8 activations do not)."""
+    tokenizer = smollm2_loaded.tokenizer
+    question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("The capital of France is", question)]
+    prompts.append(tokenizer.encode("The printing press changed how books were made across Europe. " * 6))
+    fast = engine(smollm2_gguf, "gguf_float", model="smollm2-135m")
+    kernel = "csrc dequant_matmul, float32 activations"
+    assert fast.engine_summary == (
+        f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf_float: 120 Q4_1 as int4 g32 ({kernel}), "
+        f"1 Q8_0 as int8 g32 ({kernel}), kv cache float32 (auto: the model's dtype)")
+    outs = run_all(fast, prompts)
+    refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
+    assert prompt_logprob_errors(outs, refs, prompts).max() <= 1e-4
+    assert [o.outputs.token_ids for o in outs] == [r.outputs.token_ids for r in refs]
+    answer = run_all(fast, prompts[1:2], SamplingParams(max_tokens=16, temperature=0))[0].outputs
+    assert (answer.text, answer.token_ids) == ("The capital of France is Paris.", [504, 3575, 282, 4649, 314, 7042, 30, 2])
 
 
 @pytest.mark.slow

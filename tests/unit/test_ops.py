@@ -351,6 +351,68 @@ def test_quant_matmul_is_bit_exact_to_its_twin(csrc, dtype, kind, rows, n, k):
     assert ((got.float() - exact).abs() <= 2**-6 * (x.float().abs() @ dequantize(w).abs().t()) + 1e-6).all()
 
 
+def _packed_weight(kind: str, n: int, k: int, gen: torch.Generator):
+    from disagg.ops.quant import QuantizedWeight, QuantKind, quantize_int4
+
+    if kind == "q8_0":  # int8 values with one scale per 32, as a GGUF holds them, the full range -128..127
+        values = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        return QuantizedWeight(QuantKind.INT8, n, k, 32, values, torch.rand(n, k // 32, generator=gen) / 100, None, "Q8_0")
+    return quantize_int4(torch.randn(n, k, generator=gen) * 0.1)  # q 0..15, d and m per group of 32
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (45, 96), (77, 576)])
+def test_dequant_matmul_dequantizes_as_dequantize_does_to_the_bit(csrc, kind, n, k):
+    """Rows of the identity pick the weight's columns out one at a time: each output is 1 x w + 0 x the
+    rest, so the kernel's dequantized weight itself comes back, equal to quant.dequantize's: all k rows
+    at once (the path for many rows, its dequantized buffer) and 8 at a time (a decode's few rows)."""
+    from disagg.ops.quant import dequantize, pack_blocks
+
+    w = _packed_weight(kind, n, k, torch.Generator().manual_seed(n + k))
+    packed, scales = pack_blocks(w)
+    bits = 4 if kind == "int4" else 8
+    assert torch.equal(csrc.dequant_matmul(torch.eye(k), packed, scales, n, bits).t(), dequantize(w))
+    few = torch.cat([csrc.dequant_matmul(rows, packed, scales, n, bits) for rows in torch.eye(k).split(8)])
+    assert torch.equal(few.t(), dequantize(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (2, 45, 96), (5, 129, 64), (7, 31, 96), (9, 9, 160),
+                                      (17, 77, 576), (31, 40, 64), (37, 264, 288), (64, 16, 96)])
+def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtype, kind, rows, n, k):
+    """Float32 activations times the dequantized weight: under 32 rows in passes of 1-16 (a remainder
+    of each size on VNNI's passes of 16 and others' of 8; 4 chains a row under 4), from 32 rows over
+    pairs of tiles dequantized once (passes of 12 or 3 and single rows; a lone last tile; threaded),
+    partial last tiles and half tiles: the twin's float32 matmul within float32 summation order, in
+    x's dtype."""
+    from disagg.ops.quant import pack_blocks
+
+    gen = torch.Generator().manual_seed(rows * n + k)
+    packed, scales = pack_blocks(_packed_weight(kind, n, k, gen))
+    bits = 4 if kind == "int4" else 8
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    got = csrc.dequant_matmul(x, packed, scales, n, bits)
+    assert (got.shape, got.dtype) == ((rows, n), dtype)
+    torch.testing.assert_close(got, REF.dequant_matmul(x, packed, scales, n, bits), **TOL[dtype])
+
+
+def test_dequant_matmul_refuses_what_quant_matmul_refuses(csrc):
+    from disagg.ops.quant import pack_blocks, quantize_int4
+
+    packed, scales = pack_blocks(quantize_int4(torch.randn(20, 64)))
+    x = torch.randn(3, 64)
+    assert csrc.dequant_matmul(torch.zeros(0, 64), packed, scales, 20, 4).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="weights of 4 or 8 bits, not 2"):
+        csrc.dequant_matmul(x, packed, scales, 20, 2)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\], got \[3, 32\]"):
+        csrc.dequant_matmul(x[:, :32], packed, scales, 20, 4)
+    with pytest.raises(RuntimeError, match="16 output rows do not fill 2 tiles of 16"):
+        csrc.dequant_matmul(x, packed, scales, 16, 4)
+    with pytest.raises(RuntimeError, match="disagg ops support float32 and bfloat16, got Half"):
+        csrc.dequant_matmul(x.half(), packed, scales, 20, 4)
+
+
 def test_quant_matmul_refuses_what_it_cannot_read(csrc):
     from disagg.ops.quant import pack_blocks, quantize_int4
 

@@ -8,6 +8,8 @@
   CPU kernels.
 - gguf: the GGUF's own Q4_0/Q4_1 blocks as int4 (the same q and scales), Q8_0 as int8 (for
   torch's int8 kernel requantized per channel: it has one scale per row); other types dense.
+- gguf_float: the same blocks on csrc's dequant_matmul (dequantized in registers, float32
+  activations: the dense weight's numbers); dense where csrc is not built.
 A weight whose input width does not split into int4 groups stays dense.
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from disagg.ops.linear import DenseMatmul, OnednnWeight, PackedWeight, QuantMatmul, TiledWeight, Weight, dtype_name, pack_dense, prepare_weight
-from disagg.ops.quant import INT4_GROUP_SIZE, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
+from disagg.ops.quant import INT4_GROUP_SIZE, QUANT_BLOCK, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
 Part = torch.Tensor | QuantizedWeight
 
@@ -31,8 +33,10 @@ def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, 
     `packed`: a dense result goes to oneDNN's layout where the device has it, or with `dense_matmul`
     a float32 one to that kernel's tiles (disagg.ops.linear.pack_dense); `quant_matmul`: a quantized
     one runs on that kernel instead of torch's (disagg.ops.linear.prepare_weight)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts):
-        return prepare_weight(concat_rows(list(parts)), device, quant_matmul)
+    float_activations = quantization == "gguf_float"  # the blocks on dequant_matmul, else dense
+    if all(isinstance(p, QuantizedWeight) for p in parts) and _fusable(parts) and (
+            not float_activations or (quant_matmul is not None and parts[0].group_size % QUANT_BLOCK == 0)):
+        return prepare_weight(concat_rows(list(parts)), device, quant_matmul, float_activations)
     dense = [dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
     dense = dense[0] if len(dense) == 1 else torch.cat(dense)
     if quantization == "int8":

@@ -1,0 +1,218 @@
+// Quantized weights times float32 activations, a fragment of kernels.h (after quant_matmul.h, whose
+// weight layout, lane types and helpers it shares). It includes nothing itself.
+//
+// The weight stays in quant_matmul's packed layout (disagg.ops.quant.pack_blocks) and is dequantized
+// in registers, one column of a tile at a time, exactly as disagg.ops.quant.dequantize computes it
+// (one float32 rounding per operation): 4 bits d * q + m, 8 bits d * (q - 128), the stored byte less
+// its offset. The activations stay float32: each column is multiplied into the rows' sums with fused
+// multiply-adds, columns in order. So a GGUF's blocks give the numbers of the dense weight they
+// encode (`--quantization none`), summed in another order, while the weights a decode step reads
+// from memory stay 4 or 8 bits. (quant_matmul rounds the activations to int8 as llama.cpp does:
+// faster on a prompt, further from the dense numbers.)
+
+#if defined(DISAGG_VNNI)
+constexpr int kDequantRows = 16;  // rows per pass: R accumulators, the column and its scales
+#else
+constexpr int kDequantRows = 8;
+#endif
+
+template <typename F>
+inline F fma_lanes(F a, F b, F c) {
+  F r;
+#pragma omp simd
+  for (int i = 0; i < static_cast<int>(sizeof(F) / sizeof(float)); ++i) r[i] = fma32(a[i], b[i], c[i]);
+  return r;
+}
+
+template <typename F>
+inline F splat_lanes(float x) {
+  if constexpr (sizeof(F) == 64) {
+    return F{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+  } else {
+    return F{x, x, x, x, x, x, x, x};
+  }
+}
+
+// acc[r][chain] += x[r * k] * column for the R rows of a pass (x: the column's activation in row 0).
+template <int R, int Chains, typename F>
+inline void add_column(F (*acc)[Chains], int chain, F column, const float* x, int64_t k) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][chain] = fma_lanes(splat_lanes<F>(x[r * k]), column, acc[r][chain]);
+}
+
+// R activation rows times lanes [lane0, lane0 + L) of one tile: out[r, j] for the tile's columns j
+// in that range below `cols` (<= 16).
+template <typename T, int R, int Bits, int L>
+void dequant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* x, int64_t k,
+                  const uint8_t* w, const float* ws) {
+  using I = typename Lanes<L>::i32;
+  using U = typename Lanes<L>::u32;
+  using F = typename Lanes<L>::f32;
+  constexpr int64_t kBlockBytes = kTileRows * kQ8Block * Bits / 8;
+  // Under 4 rows a row's sums form 4 chains (column j of every 4 in chain j), so that the fused
+  // multiply-adds' latency does not bound a decode step's few rows; the chains add up at the end.
+  constexpr int C = R >= 4 ? 1 : 4;
+  const int64_t blocks = k / kQ8Block;
+  F acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = F{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * kBlockBytes + 4 * lane0;
+    const F dw = load_lanes<F>(ws + b * 2 * kTileRows + lane0);
+    const F mw = load_lanes<F>(ws + b * 2 * kTileRows + kTileRows + lane0);
+    const float* xb = x + b * kQ8Block;
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 4; ++c) {  // chunk c: columns 8c .. 8c + 3 in the low nibbles, 8c + 4 .. in the high
+        const U v = load_lanes<U>(wb + 64 * c);
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j) {
+            const I q = reinterpret_cast<I>((v >> (8 * j + 4 * h)) & 0x0Fu);
+            add_column<R, C>(acc, j % C, __builtin_convertvector(q, F) * dw + mw, xb + 8 * c + 4 * h + j, k);
+          }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {  // chunk c: columns 4c .. 4c + 3, each the value plus 128
+        const U v = load_lanes<U>(wb + 64 * c);
+        for (int j = 0; j < 4; ++j) {
+          const I q = reinterpret_cast<I>((v >> (8 * j)) & 0xFFu) - 128;
+          add_column<R, C>(acc, j % C, __builtin_convertvector(q, F) * dw, xb + 4 * c + j, k);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 1; c < C; ++c) acc[r][0] += acc[r][c];
+  const int64_t n = cols - lane0 < L ? cols - lane0 : L;
+  if (n == L) {
+    for (int r = 0; r < R; ++r) store_lanes<T, L>(out + r * out_stride + lane0, acc[r][0]);
+    return;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = from_f32<T>(acc[r][0][j]);
+}
+
+// ---- many rows (a prompt): two tiles dequantized once into a buffer, then rows x 32 columns ----
+
+// Two tiles from tile t (the second all zero past the last) as float32 [k][32]: column kk of tile t's
+// 16 output rows, then tile t + 1's, each value as dequant_tile computes it.
+template <int Bits>
+void dequantize_pair(float* buf, const uint8_t* w, const float* ws, int64_t t, int64_t tiles, int64_t k) {
+  using I = typename Lanes<kLanesPerPass>::i32;
+  using U = typename Lanes<kLanesPerPass>::u32;
+  using F = typename Lanes<kLanesPerPass>::f32;
+  constexpr int64_t kBlockBytes = kTileRows * kQ8Block * Bits / 8;
+  const int64_t blocks = k / kQ8Block;
+  for (int64_t half = 0; half < 2; ++half) {
+    for (int64_t lane0 = 0; lane0 < kTileRows; lane0 += kLanesPerPass) {
+      float* col = buf + half * kTileRows + lane0;
+      if (t + half >= tiles) {
+        for (int64_t kk = 0; kk < k; ++kk) __builtin_memcpy(col + kk * 2 * kTileRows, &(const F&)F{}, sizeof(F));
+        continue;
+      }
+      const uint8_t* wt = w + (t + half) * blocks * kBlockBytes + 4 * lane0;
+      const float* st = ws + (t + half) * blocks * 2 * kTileRows + lane0;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const F dw = load_lanes<F>(st + b * 2 * kTileRows), mw = load_lanes<F>(st + b * 2 * kTileRows + kTileRows);
+        for (int c = 0; c < Bits; ++c) {  // 4 bits: 4 chunks of 8 columns; 8 bits: 8 chunks of 4
+          const U v = load_lanes<U>(wt + b * kBlockBytes + 64 * c);
+          for (int e = 0; e < 32 / Bits; ++e) {  // column 8c + e (4 bits) or 4c + e (8 bits)
+            F value;
+            if constexpr (Bits == 4) {
+              const int shift = 8 * (e % 4) + 4 * (e / 4);
+              value = __builtin_convertvector(reinterpret_cast<I>((v >> shift) & 0x0Fu), F) * dw + mw;
+            } else {
+              value = __builtin_convertvector(reinterpret_cast<I>((v >> (8 * e)) & 0xFFu) - 128, F) * dw;
+            }
+            const int64_t kk = b * kQ8Block + c * (32 / Bits) + e;
+            __builtin_memcpy(col + kk * 2 * kTileRows, &value, sizeof value);
+          }
+        }
+      }
+    }
+  }
+}
+
+// R rows times the 32 columns of a dequantized pair: V vectors a row in registers, one load of each
+// buffer vector per column for all R rows.
+template <int R>
+void pair_rows(float* out, int64_t out_stride, int64_t cols, const float* x, int64_t k, const float* buf) {
+  using F = typename Lanes<kLanesPerPass>::f32;
+  constexpr int V = 2 * kTileRows / kLanesPerPass;
+  F acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = F{};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    F wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load_lanes<F>(buf + kk * 2 * kTileRows + v * kLanesPerPass);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const F xr = splat_lanes<F>(x[r * k + kk]);
+      for (int v = 0; v < V; ++v) acc[r][v] = fma_lanes(xr, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[2 * kTileRows];
+    __builtin_memcpy(row, acc[r], sizeof row);
+    for (int64_t j = 0; j < cols; ++j) out[r * out_stride + j] = row[j];
+  }
+}
+
+#if defined(DISAGG_VNNI)
+constexpr int kPairRows = 12;  // 12 rows x 2 zmm: 24 accumulators
+#else
+constexpr int kPairRows = 3;   // 3 rows x 4 ymm
+#endif
+constexpr int64_t kManyRows = 32;  // from this many rows a pair's dequantizing pays for its buffer
+
+template <int Bits>
+void dequant_matmul_many(float* out, const float* x, const uint8_t* w, const float* ws, int64_t rows, int64_t n,
+                         int64_t k) {
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows, pairs = (tiles + 1) / 2;
+#pragma omp parallel
+  {
+    float* buf = new float[k * 2 * kTileRows];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+      dequantize_pair<Bits>(buf, w, ws, 2 * p, tiles, k);
+      const int64_t c0 = p * 2 * kTileRows, cols = n - c0 < 2 * kTileRows ? n - c0 : 2 * kTileRows;
+      int64_t r0 = 0;
+      for (; r0 + kPairRows <= rows; r0 += kPairRows) pair_rows<kPairRows>(out + r0 * n + c0, n, cols, x + r0 * k, k, buf);
+      for (; r0 < rows; ++r0) pair_rows<1>(out + r0 * n + c0, n, cols, x + r0 * k, k, buf);
+    }
+    delete[] buf;
+  }
+}
+
+#define DISAGG_DEQUANT_TILE(R) dequant_tile<float, R, Bits, kLanesPerPass>
+
+template <int Bits>
+void dequant_matmul_t(float* out, const float* x, const uint8_t* w, const float* ws, int64_t rows, int64_t n,
+                      int64_t k) {
+  using Tile = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const uint8_t*, const float*);
+  static constexpr Tile kTiles[17] = {
+      nullptr,                 DISAGG_DEQUANT_TILE(1),  DISAGG_DEQUANT_TILE(2),  DISAGG_DEQUANT_TILE(3),
+      DISAGG_DEQUANT_TILE(4),  DISAGG_DEQUANT_TILE(5),  DISAGG_DEQUANT_TILE(6),  DISAGG_DEQUANT_TILE(7),
+      DISAGG_DEQUANT_TILE(8),  DISAGG_DEQUANT_TILE(9),  DISAGG_DEQUANT_TILE(10), DISAGG_DEQUANT_TILE(11),
+      DISAGG_DEQUANT_TILE(12), DISAGG_DEQUANT_TILE(13), DISAGG_DEQUANT_TILE(14), DISAGG_DEQUANT_TILE(15),
+      DISAGG_DEQUANT_TILE(16)};
+  static_assert(kDequantRows <= 16, "kTiles holds passes of up to 16 rows");
+  if (rows >= kManyRows) return dequant_matmul_many<Bits>(out, x, w, ws, rows, n, k);
+  const int64_t blocks = k / kQ8Block, tiles = (n + kTileRows - 1) / kTileRows;
+  const int64_t tile_bytes = blocks * kTileRows * kQ8Block * Bits / 8;
+  const int64_t passes = (rows + kDequantRows - 1) / kDequantRows;
+  // As quant_matmul: tiles outer, so that a thread's passes over one tile reread its weights from L1.
+#pragma omp parallel for collapse(2) schedule(static) if (rows * n * k >= 8 * kParallelElems)
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t r0 = p * kDequantRows;
+      const int64_t nr = rows - r0 < kDequantRows ? rows - r0 : kDequantRows;
+      const int64_t cols = n - t * kTileRows < kTileRows ? n - t * kTileRows : kTileRows;
+      for (int64_t lane0 = 0; lane0 < cols; lane0 += kLanesPerPass) {
+        kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, k, w + t * tile_bytes,
+                   ws + t * blocks * 2 * kTileRows);
+      }
+    }
+  }
+}
+
+#undef DISAGG_DEQUANT_TILE

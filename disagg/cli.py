@@ -146,7 +146,7 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--quantization", default="none",
-                        help="comma list of weight forms to run (none, int8, int4, gguf), each beside dense HF")
+                        help="comma list of weight forms to run (none, int8, int4, gguf, gguf_float), each beside dense HF")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)

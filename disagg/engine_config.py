@@ -26,7 +26,7 @@ class ModelConfig:
         metadata={"help": "auto (bfloat16 where the CPU supports it, never float16 on CPU), float32, bfloat16"},
     )
     quantization: str = field(
-        default="none",
+        default="auto",
         metadata={"help": "matmul weights: none (dense, the model dtype), int8 (per-channel, quantized on load), "
                           "int4 (group 32, quantized on load), gguf (a .gguf's own Q4_0/Q4_1 as int4, Q8_0 as int8, "
                           "activations rounded to int8 as llama.cpp does), gguf_float (the same blocks, dequantized "

@@ -43,7 +43,7 @@ class EngineCore:
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model_config, self.quantization_reason = resolve_quantization(config.model)
+        model_config, self.quantization_reason = resolve_quantization(config.model, 1 if tp is None else tp.size)
         config = self.config = dataclasses.replace(config, model=model_config)  # `auto` resolved
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer

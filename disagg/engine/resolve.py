@@ -63,14 +63,20 @@ def kernels_reason(asked: str, chosen: str) -> str:
     return f"auto: {csrc_status() or 'csrc runs on the CPU only'}"
 
 
-def resolve_quantization(model: ModelConfig) -> tuple[ModelConfig, str | None]:
-    """`quantization auto`: a .gguf file's own blocks on CPU with float32 activations (`gguf_float`: the
-    dense weights' numbers, where `gguf`'s int8 activations change answers), anything else dense (`none`);
+def resolve_quantization(model: ModelConfig, tp_size: int = 1) -> tuple[ModelConfig, str | None]:
+    """`quantization auto` (the default): a .gguf file's own blocks on CPU with float32 activations
+    (`gguf_float`: the dense weights' numbers, where `gguf`'s int8 activations change answers), dense
+    (`none`) for anything else and under tensor parallelism (`tp_size` > 1: it splits dense weights);
     the config with the resolved value, and why (for the ready line; None when it was not `auto`)."""
     if model.quantization != "auto":
         return model, None
     is_gguf = model.model != "tiny" and resolve_model_path(model.model).endswith(".gguf")
-    if is_gguf and model.device.startswith("cpu"):
+    if is_gguf and model.device.startswith("cpu") and tp_size == 1:
         return replace(model, quantization="gguf_float"), "auto: a .gguf file, its own blocks on CPU, float32 activations"
-    why = "not a .gguf file" if not is_gguf else "the GGUF's blocks run on CPU only"
+    if not is_gguf:
+        why = "not a .gguf file"
+    elif tp_size > 1:
+        why = "tensor parallelism splits dense weights"
+    else:
+        why = "the GGUF's blocks run on CPU only"
     return replace(model, quantization="none"), f"auto: {why}"

@@ -55,7 +55,8 @@ async def test_openai_sdk_streams_a_chat_completion(server):
 async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server):
     async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
         info = await r.json()
-    assert info["engine"] == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: "
+    assert info["engine"] == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none (auto: not a .gguf "
+                              "file): "
                               f"9 float32 dense ({dense_kernel()}), kv cache float32 (auto: the model's dtype)")
 
 

@@ -122,6 +122,8 @@ def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded
     assert (gguf.quantization, why) == ("gguf_float", "auto: a .gguf file, its own blocks on CPU, float32 activations")
     cuda, why = resolve_quantization(ModelConfig(quantization="auto", device="cuda"))
     assert (cuda.quantization, why) == ("none", "auto: the GGUF's blocks run on CPU only")
+    split, why = resolve_quantization(ModelConfig(quantization="auto"), tp_size=3)
+    assert (split.quantization, why) == ("none", "auto: tensor parallelism splits dense weights")
     assert resolve_quantization(ModelConfig(quantization="int8")) == (ModelConfig(quantization="int8"), None)
     assert engine(tiny_loaded, "auto", kernels="torch").engine_summary == (
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none (auto: not a .gguf file): "

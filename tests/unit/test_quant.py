@@ -204,15 +204,20 @@ def test_groups_that_are_not_blocks_of_32_stay_on_torchs_kernel():
 
 
 def test_quantization_config_names_the_choices():
-    with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, int4, gguf, auto, got 'int3'$"):
+    with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, int4, gguf, gguf_float, auto, "
+                                          r"got 'int3'$"):
         ModelConfig(quantization="int3")
     with pytest.raises(ConfigError, match=r"^quantization 'int4' runs on CPU only \(torch's int4/int8 CPU kernels\); "
                                           r"use quantization none on cuda$"):
         ModelConfig(quantization="int4", device="cuda")
-    assert ModelConfig().quantization == "none"
+    assert ModelConfig().quantization == "auto"
+    assert ModelConfig(device="cuda").quantization == "auto"  # resolved to none there (resolve_quantization)
 
 
 def test_gguf_quantization_needs_a_gguf_file():
     with pytest.raises(ConfigError, match=r"^quantization 'gguf' needs a .gguf model, but the tiny model is built "
                                           r"in code; use int8 or int4 to quantize on load$"):
         load_model(ModelConfig(model="tiny", quantization="gguf"))
+    with pytest.raises(ConfigError, match=r"^quantization 'gguf_float' needs a .gguf model, but the tiny model is "
+                                          r"built in code; use int8 or int4 to quantize on load$"):
+        load_model(ModelConfig(model="tiny", quantization="gguf_float"))

@@ -10,7 +10,8 @@ from disagg.config import Choice, ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "csrc", "torch")
-# none: dense weights in the model dtype; int8/int4: quantize on load; gguf: keep a GGUF's own blocks.
+# none: dense weights in the model dtype; int8/int4: quantize on load; gguf, gguf_float: keep a GGUF's
+# own blocks (int8 activations, float32 activations).
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "gguf_float", "auto")
 GGUF_BLOCKS = ("gguf", "gguf_float")  # the quantizations that keep a .gguf file's own blocks
 

@@ -7,24 +7,31 @@
 // are widened to float32 as they load, and every rounding follows T, as the reference does after
 // `.to(q.dtype)`.
 
-// ---- 16-lane vectors (GCC vector extensions): quant_matmul.h's blocks of 32 activations ------
+// ---- float vectors (GCC vector extensions) loaded from float32 or bfloat16 ------------------
 
+// V's lanes from p: float32 as they are, bfloat16 widened (its bits the high half of a float32's).
+template <typename V>
+inline V load_floats(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V, typename Half, typename Word>  // Half, Word: uint16 and uint32 vectors of V's lanes
+inline V load_floats(const bf16* p) {
+  Half h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return reinterpret_cast<V>(__builtin_convertvector(h, Word) << 16);
+}
+
+// 16-lane vectors: quant_matmul.h's blocks of 32 activations.
 constexpr int kLanes = 16;
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-inline f32x16 load_f32x16(const float* p) {
-  f32x16 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x16 load_f32x16(const bf16* p) {
-  u16x16 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  return reinterpret_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
-}
+inline f32x16 load_f32x16(const float* p) { return load_floats<f32x16>(p); }
+inline f32x16 load_f32x16(const bf16* p) { return load_floats<f32x16, u16x16, u32x16>(p); }
 
 // ---- native vectors: one register of the build's instruction set (16 floats on avx512, 8 elsewhere)
 // The attention kernels work in these: 16-lane vectors on avx2 spilled, moved halves through xmm
@@ -36,21 +43,12 @@ constexpr int kVL = 16;
 constexpr int kVL = 8;
 #endif
 typedef float fvec __attribute__((vector_size(kVL * 4)));
+typedef int32_t i32vec __attribute__((vector_size(kVL * 4)));
 typedef uint16_t u16vec __attribute__((vector_size(kVL * 2)));
 typedef uint32_t u32vec __attribute__((vector_size(kVL * 4)));
-typedef int32_t i32vec __attribute__((vector_size(kVL * 4)));
 
-inline fvec load_v(const float* p) {
-  fvec v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline fvec load_v(const bf16* p) {
-  u16vec h;
-  __builtin_memcpy(&h, p, sizeof h);
-  return reinterpret_cast<fvec>(__builtin_convertvector(h, u32vec) << 16);
-}
+inline fvec load_v(const float* p) { return load_floats<fvec>(p); }
+inline fvec load_v(const bf16* p) { return load_floats<fvec, u16vec, u32vec>(p); }
 
 inline void store_v(float* p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
 

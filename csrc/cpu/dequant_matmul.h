@@ -197,22 +197,11 @@ void dequant_matmul_t(float* out, const float* x, const uint8_t* w, const float*
       DISAGG_DEQUANT_TILE(16)};
   static_assert(kDequantRows <= 16, "kTiles holds passes of up to 16 rows");
   if (rows >= kManyRows) return dequant_matmul_many<Bits>(out, x, w, ws, rows, n, k);
-  const int64_t blocks = k / kQ8Block, tiles = (n + kTileRows - 1) / kTileRows;
-  const int64_t tile_bytes = blocks * kTileRows * kQ8Block * Bits / 8;
-  const int64_t passes = (rows + kDequantRows - 1) / kDequantRows;
-  // As quant_matmul: tiles outer, so that a thread's passes over one tile reread its weights from L1.
-#pragma omp parallel for collapse(2) schedule(static) if (rows * n * k >= 8 * kParallelElems)
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int64_t p = 0; p < passes; ++p) {
-      const int64_t r0 = p * kDequantRows;
-      const int64_t nr = rows - r0 < kDequantRows ? rows - r0 : kDequantRows;
-      const int64_t cols = n - t * kTileRows < kTileRows ? n - t * kTileRows : kTileRows;
-      for (int64_t lane0 = 0; lane0 < cols; lane0 += kLanesPerPass) {
-        kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, k, w + t * tile_bytes,
-                   ws + t * blocks * 2 * kTileRows);
-      }
-    }
-  }
+  const int64_t blocks = k / kQ8Block, tile_bytes = blocks * kTileRows * kQ8Block * Bits / 8;
+  each_tile_pass(rows, n, k, kDequantRows, [&](int64_t t, int64_t r0, int64_t nr, int64_t cols, int64_t lane0) {
+    kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, k, w + t * tile_bytes,
+               ws + t * blocks * 2 * kTileRows);
+  });
 }
 
 #undef DISAGG_DEQUANT_TILE

@@ -397,40 +397,29 @@ def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtyp
     torch.testing.assert_close(got, REF.dequant_matmul(x, packed, scales, n, bits), **TOL[dtype])
 
 
-def test_dequant_matmul_refuses_what_quant_matmul_refuses(csrc):
+@pytest.mark.parametrize("op", ["quant_matmul", "dequant_matmul"])
+def test_the_packed_matmuls_refuse_what_they_cannot_read(csrc, op):
     from disagg.ops.quant import pack_blocks, quantize_int4
 
+    matmul = getattr(csrc, op)
     packed, scales = pack_blocks(quantize_int4(torch.randn(20, 64)))
     x = torch.randn(3, 64)
-    assert csrc.dequant_matmul(torch.zeros(0, 64), packed, scales, 20, 4).shape == (0, 20)
+    assert matmul(torch.zeros(0, 64), packed, scales, 20, 4).shape == (0, 20)
     with pytest.raises(RuntimeError, match="weights of 4 or 8 bits, not 2"):
-        csrc.dequant_matmul(x, packed, scales, 20, 2)
-    with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\], got \[3, 32\]"):
-        csrc.dequant_matmul(x[:, :32], packed, scales, 20, 4)
-    with pytest.raises(RuntimeError, match="16 output rows do not fill 2 tiles of 16"):
-        csrc.dequant_matmul(x, packed, scales, 16, 4)
-    with pytest.raises(RuntimeError, match="disagg ops support float32 and bfloat16, got Half"):
-        csrc.dequant_matmul(x.half(), packed, scales, 20, 4)
-
-
-def test_quant_matmul_refuses_what_it_cannot_read(csrc):
-    from disagg.ops.quant import pack_blocks, quantize_int4
-
-    packed, scales = pack_blocks(quantize_int4(torch.randn(20, 64)))
-    x = torch.randn(3, 64)
-    assert csrc.quant_matmul(torch.zeros(0, 64), packed, scales, 20, 4).shape == (0, 20)
-    with pytest.raises(RuntimeError, match="weights of 4 or 8 bits, not 2"):
-        csrc.quant_matmul(x, packed, scales, 20, 2)
+        matmul(x, packed, scales, 20, 2)
     with pytest.raises(RuntimeError, match=r"weight must be contiguous uint8 \[tiles, k / 32, 512\]"):
-        csrc.quant_matmul(x, packed, scales, 20, 8)
+        matmul(x, packed, scales, 20, 8)
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\], got \[3, 32\]"):
-        csrc.quant_matmul(x[:, :32], packed, scales, 20, 4)
+        matmul(x[:, :32], packed, scales, 20, 4)
     with pytest.raises(RuntimeError, match="16 output rows do not fill 2 tiles of 16"):
-        csrc.quant_matmul(x, packed, scales, 16, 4)
+        matmul(x, packed, scales, 16, 4)
     with pytest.raises(RuntimeError, match=r"scales must be contiguous float32 \[2, 2, 2, 16\]"):
-        csrc.quant_matmul(x, packed, scales[:, :1].contiguous(), 20, 4)
+        matmul(x, packed, scales[:, :1].contiguous(), 20, 4)
     with pytest.raises(RuntimeError, match="disagg ops support float32 and bfloat16, got Half"):
-        csrc.quant_matmul(x.half(), packed, scales, 20, 4)
+        matmul(x.half(), packed, scales, 20, 4)
+
+
+def test_quantize_q8_refuses_a_width_past_its_blocks(csrc):
     with pytest.raises(RuntimeError, match=r"x must be \[rows, k\] with k a multiple of 32, got \[3, 48\]"):
         csrc.quantize_q8(torch.randn(3, 48))
 

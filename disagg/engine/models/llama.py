@@ -93,9 +93,9 @@ class LlamaModel:
         self.ops = load_ops(kernels, device)
         self.packed = self.ops.name != "torch"  # the reference path keeps F.linear, as HF computes
         # Quantized weights run on csrc's quant_matmul (int8 activations) where it is the fast kernel;
-        # gguf_float's on csrc's dequant_matmul (float32 activations), dense where csrc is not built.
+        # gguf_float's on csrc's dequant_matmul (float32 activations) on the same CPUs, dense elsewhere.
         if quantization == "gguf_float":
-            self._quant_matmul = self.ops.dequant_matmul if self.packed else None
+            self._quant_matmul = self.ops.dequant_matmul if self.ops.quant_matmul_preferred else None
         else:
             self._quant_matmul = self.ops.quant_matmul if self.ops.quant_matmul_preferred else None
         # Dense float32 weights run on csrc's dense_matmul where it beats oneDNN (decode's few rows).

@@ -5,7 +5,7 @@
 // in registers, one column of a tile at a time, exactly as disagg.ops.quant.dequantize computes it
 // (one float32 rounding per operation): 4 bits d * q + m, 8 bits d * (q - 128), the stored byte less
 // its offset. The activations stay float32: each column is multiplied into the rows' sums with fused
-// multiply-adds, columns in order. So a GGUF's blocks give the numbers of the dense weight they
+// multiply-adds, columns in order (in 4 interleaved chains under 4 rows). So a GGUF's blocks give the numbers of the dense weight they
 // encode (`--quantization none`), summed in another order, while the weights a decode step reads
 // from memory stay 4 or 8 bits. (quant_matmul rounds the activations to int8 as llama.cpp does:
 // faster on a prompt, further from the dense numbers.)
@@ -106,7 +106,8 @@ void dequantize_pair(float* buf, const uint8_t* w, const float* ws, int64_t t, i
     for (int64_t lane0 = 0; lane0 < kTileRows; lane0 += kLanesPerPass) {
       float* col = buf + half * kTileRows + lane0;
       if (t + half >= tiles) {
-        for (int64_t kk = 0; kk < k; ++kk) __builtin_memcpy(col + kk * 2 * kTileRows, &(const F&)F{}, sizeof(F));
+        const F zero{};
+        for (int64_t kk = 0; kk < k; ++kk) __builtin_memcpy(col + kk * 2 * kTileRows, &zero, sizeof zero);
         continue;
       }
       const uint8_t* wt = w + (t + half) * blocks * kBlockBytes + 4 * lane0;

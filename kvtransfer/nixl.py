@@ -269,7 +269,7 @@ class NixlBackend(BackendCore):
         assert local is not None
         with self._lock:
             try:
-                if local.is_cuda or remote.is_cuda:
+                if self._per_slice(local, remote):
                     slices = self._head_slices(handle, block_ids)
                     xfer: Any = self._agent.initialize_xfer(
                         handle.op.value,
@@ -283,6 +283,11 @@ class NixlBackend(BackendCore):
                 return
             self._xfers[handle.transfer_id] = xfer
             self._settle(handle, self._call(self._agent.transfer, xfer))
+
+    @staticmethod
+    def _per_slice(local: KVLayout, remote: KVLayout) -> bool:
+        """Device memory on either side: one descriptor per head slice (no host staging buffer)."""
+        return local.is_cuda or remote.is_cuda
 
     def _head_slices(self, handle: TransferHandle, block_ids: tuple[list[int], list[int]]) -> Slices:
         """The byte copies of a transfer between caches of different TP sizes (kvtransfer/heads.py)."""

@@ -68,6 +68,23 @@ def test_head_slices_land_on_their_ranks(kind, op, heads, src_tp, dst_tp):
     move_and_check(kind, op, heads, src_tp, dst_tp)
 
 
+@pytest.mark.skipif(not nixl_installed(), reason="nixl not installed")
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 1, 2), (4, 2, 1), (4, 4, 2), (2, 4, 1), (2, 1, 4)])
+def test_nixl_device_path_moves_one_descriptor_per_head_slice(monkeypatch, op, heads, src_tp, dst_tp):
+    """What NIXL does between GPU caches of different TP sizes (one descriptor per head slice, no
+    staging), run here on host memory: the same exact placement as the staged path."""
+    from kvtransfer.nixl import NixlBackend
+
+    monkeypatch.setattr(NixlBackend, "_per_slice", staticmethod(lambda local, remote: True))
+    monkeypatch.setattr("kvtransfer.nixl._StagedXfer.post", _no_staging)
+    move_and_check("nixl", op, heads, src_tp, dst_tp)
+
+
+def _no_staging(*args, **kwargs):
+    raise AssertionError("the per-slice path staged")
+
+
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, 2, 2), (4, 1, 2), (2, 4, 1)])
 def test_tcp_listener_stages_many_small_ranges_in_bounded_runs(staging, op, heads, src_tp, dst_tp):

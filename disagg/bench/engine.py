@@ -142,7 +142,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     """Every (kernels, quantization, KV cache) form of the engine beside dense HF, per dtype and batch
     size: the forms and HF take turns, a round each (best_in_rounds)."""
     quantizations = comma_list(args.quantization)
-    dense = load_model(ModelConfig(model=args.model))
+    dense = load_model(ModelConfig(model=args.model, quantization="none"))
     loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q in GGUF_BLOCKS else dense
              for q in quantizations}
     memcpy_gbps, read_gbps = measure_memory_gbps()

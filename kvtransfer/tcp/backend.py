@@ -141,9 +141,12 @@ class _Link:
             self._transfers.advance(head.transfer_id, TransferState.SUCCESS)
 
     def _send(self, job: _Job) -> None:
-        payload = [self._slice(s) for s in job.local] if job.kind is FrameKind.WRITE else []
-        if job.kind is FrameKind.WRITE and job.staging is not None:  # the destination's blocks, assembled
+        if job.kind is not FrameKind.WRITE:
+            payload = []
+        elif job.staging is not None:  # the destination's blocks, assembled
             payload = [memoryview(job.staging)]
+        else:
+            payload = [self._slice(s) for s in job.local]
         send_frame(self._sock, FrameHead(job.kind, job.transfer_id, job.remote, job.tag, sum(map(len, payload))), payload)
 
     def _slice(self, segment: Segment) -> memoryview:

@@ -23,6 +23,7 @@ from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
 from disagg.tool_config import ToolConfig
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
+ADMISSION_FIELDS = ("max_waiting_requests", "max_kv_usage")  # ServerConfig's limits that `disagg serve` sets on both servers
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +140,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
     add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
     add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
+    add_dataclass_args(serve.add_argument_group("admission (on both servers)"), ServerConfig, only=ADMISSION_FIELDS)
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
 
 
@@ -188,11 +190,12 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    """`disagg serve`: a bad CPU list or timeout fails before anything starts."""
+    """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts."""
     from disagg import cluster
 
     disagg = disagg_from_args(args, bootstrap_port=0)
     check_shutdown_timeout(args.shutdown_timeout_s)
+    ServerConfig(max_waiting_requests=args.max_waiting_requests, max_kv_usage=args.max_kv_usage)  # checks the limits
     cache_aware = CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens,
                                    local_prefill_min_prefill_load=args.local_prefill_min_prefill_load)
     plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
@@ -200,18 +203,26 @@ def run_cluster(args: argparse.Namespace) -> int:
     if (problem := tools.problem()) is not None:
         raise ConfigError(problem)
     engine = engine_from_args(args)
-    decode_engine = None
+    options = cluster.ClusterOptions(
+        host=args.host, port=args.port, dp_size=args.dp_size, log_format=args.log_format, api_key=args.api_key,
+        admin_key=args.admin_key, tls=dataclass_from_args(TlsConfig, args), tools=tools, prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus, decode_engine=decode_engine(engine, args), cache_aware=cache_aware,
+        max_waiting_requests=args.max_waiting_requests, max_kv_usage=args.max_kv_usage,
+        shutdown_timeout_s=args.shutdown_timeout_s)
+    return cluster.run(engine, disagg, options)
+
+
+def decode_engine(engine: EngineConfig, args: argparse.Namespace) -> EngineConfig | None:
+    """The decode's engine when its `--decode-*` flags make it differ from the prefill's, else None."""
     decode_scheduler = {name: value for name, value in (
         ("max_num_batched_tokens", args.decode_max_num_batched_tokens),
         ("max_prefill_tokens_per_step", args.decode_max_prefill_tokens_per_step),
         ("max_num_seqs", args.decode_max_num_seqs)) if value is not None}
-    if decode_scheduler or args.decode_tensor_parallel_size is not None:
-        decode_engine = dataclasses.replace(
-            engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler),
-            tensor_parallel_size=args.decode_tensor_parallel_size or engine.tensor_parallel_size)
-    return cluster.run(engine, disagg, args.host, args.port, args.dp_size, args.log_format,
-                       args.shutdown_timeout_s, args.api_key, args.admin_key, dataclass_from_args(TlsConfig, args),
-                       (args.prefill_cpus, args.decode_cpus), decode_engine, tools, cache_aware=cache_aware)
+    if not decode_scheduler and args.decode_tensor_parallel_size is None:
+        return None
+    return dataclasses.replace(
+        engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler),
+        tensor_parallel_size=args.decode_tensor_parallel_size or engine.tensor_parallel_size)
 
 
 def run_top(args: argparse.Namespace) -> int:

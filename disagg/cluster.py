@@ -8,7 +8,8 @@ servers), then prefill and decode within what is left of `--shutdown-timeout-s`,
 Every part gets the same cluster secret (a random one when none is given), so the control streams,
 the KV listeners and the registry writes are authenticated; `api_key` guards the router and both
 servers, `admin_key` the servers' admin routes; `tls` puts HTTPS on the router's port (the servers
-behind it speak plain HTTP to it).
+behind it speak plain HTTP to it). Both servers get the same admission limits (`--max-waiting-requests`,
+`--max-kv-usage`), so an overloaded cluster answers 429 at once through the router.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
 from disagg.tool_config import ToolConfig
@@ -53,31 +54,51 @@ def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: Ca
         decode=(f"http://{host}:{decode.port}",), **settings)
 
 
-async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str = "127.0.0.1", port: int = 30000,
-                        dp_size: int = 2, log_format: str = "console", api_key: str | None = None,
-                        admin_key: str | None = None, tls: TlsConfig = TlsConfig(), prefill_cpus: str | None = None,
-                        decode_cpus: str | None = None, decode_engine: EngineConfig | None = None,
-                        tools: ToolConfig = ToolConfig(),
-                        cache_aware: CacheAwareConfig | None = None) -> tuple[RunningServer, RunningServer, RouterServer]:
-    """Start the cluster. Prefill and decode each get their own CPUs (`plan_cluster_cpus`: by default
-    the first and the second half of the usable ones); the router and the registry are not pinned.
-    `decode_engine` is the decode's engine when it differs (its step budget), else `engine`;
-    `cache_aware` the router's pick (default: the decode's --max-local-prefill-tokens, nothing else set)."""
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What `disagg serve` sets beside the engine and the P/D config: where the router listens, what
+    both servers share (DP size, logs, keys, tool calling, the admission limits), the CPU split, the
+    decode's own engine when it differs (its step budget, its TP size) and the router's pick."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dp_size: int = 2
+    log_format: str = "console"
+    api_key: str | None = None
+    admin_key: str | None = None
+    tls: TlsConfig = TlsConfig()
+    tools: ToolConfig = ToolConfig()
+    prefill_cpus: str | None = None  # --prefill-cpus (None: planned)
+    decode_cpus: str | None = None  # --decode-cpus (None: planned)
+    decode_engine: EngineConfig | None = None  # None: the prefill's engine
+    cache_aware: CacheAwareConfig | None = None  # None: the decode's --max-local-prefill-tokens, nothing else set
+    max_waiting_requests: int = 0  # both servers' --max-waiting-requests (0: no limit)
+    max_kv_usage: float = 1.0  # both servers' --max-kv-usage (1.0: off)
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+
+
+async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions | None = None,
+                        **fields) -> tuple[RunningServer, RunningServer, RouterServer]:
+    """Start the cluster that `options` (with `fields` replaced: `port=0, dp_size=1`) describe. Prefill
+    and decode each get their own CPUs (`plan_cluster_cpus`: by default the first and the second half
+    of the usable ones); the router and the registry are not pinned."""
+    o = replace(options or ClusterOptions(), **fields)
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
-    planned = plan_cluster_cpus(usable_cpus(), prefill_cpus, decode_cpus)
-    base = ServerConfig(host=host, port=0, dp_size=dp_size, log_format=log_format, api_key=api_key, admin_key=admin_key,
-                        tools=tools)
+    planned = plan_cluster_cpus(usable_cpus(), o.prefill_cpus, o.decode_cpus)
+    base = ServerConfig(host=o.host, port=0, dp_size=o.dp_size, log_format=o.log_format, api_key=o.api_key,
+                        admin_key=o.admin_key, tools=o.tools, max_waiting_requests=o.max_waiting_requests,
+                        max_kv_usage=o.max_kv_usage)
     prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL, cpus=cpus_text(planned[0]),
                           load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
     # A conversation's later turns go back to the decode worker that holds its KV (decode-side prefix reuse).
     decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, cpus=cpus_text(planned[1]),
                          load_balance_method=LoadBalanceMethod.CACHE_AWARE)
-    say(f"starting prefill and decode servers (dp_size={dp_size} each, backend {disagg.transfer_backend}; "
+    say(f"starting prefill and decode servers (dp_size={o.dp_size} each, backend {disagg.transfer_backend}; "
         f"{cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(
         start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),
-        start_server(decode_cfg, decode_engine or engine, disagg, lambda line: say(f"[decode] {line}")),
+        start_server(decode_cfg, o.decode_engine or engine, disagg, lambda line: say(f"[decode] {line}")),
         return_exceptions=True,
     )
     started = [r for r in results if isinstance(r, RunningServer)]
@@ -87,9 +108,9 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
             await server.close()
         raise failed[0]
     prefill, decode = results
-    cache_aware = cache_aware or CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens)
-    router = RouterServer(router_config(prefill, decode, cache_aware, host=host, port=port, log_format=log_format,
-                                        api_key=api_key, tls=tls))
+    cache_aware = o.cache_aware or CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens)
+    router = RouterServer(router_config(prefill, decode, cache_aware, host=o.host, port=o.port,
+                                        log_format=o.log_format, api_key=o.api_key, tls=o.tls))
     try:
         await router.start()
     except BaseException:
@@ -99,18 +120,12 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, *, host: str
     return prefill, decode, router
 
 
-async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
-                        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None,
-                        admin_key: str | None = None, tls: TlsConfig = TlsConfig(),
-                        cpus: tuple[str | None, str | None] = (None, None), decode_engine: EngineConfig | None = None,
-                        tools: ToolConfig = ToolConfig(), cache_aware: CacheAwareConfig | None = None) -> int:
-    prefill, decode, router = await start_cluster(engine, disagg, host=host, port=port, dp_size=dp_size,
-                                                  log_format=log_format, api_key=api_key, admin_key=admin_key, tls=tls,
-                                                  prefill_cpus=cpus[0], decode_cpus=cpus[1], decode_engine=decode_engine,
-                                                  tools=tools, cache_aware=cache_aware)
+async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions) -> int:
+    prefill, decode, router = await start_cluster(engine, disagg, options)
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
+    host, dp_size = options.host, options.dp_size
     say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
     say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend}; "
         f"{cpus_note(prefill.controller.server, decode.controller.server)}); "
@@ -119,7 +134,7 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, host: str, p
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")
     await signals.requested.wait()
     say("shutting down")
-    await drain_cluster(prefill, decode, router, shutdown_timeout_s, signals.hurry)
+    await drain_cluster(prefill, decode, router, options.shutdown_timeout_s, signals.hurry)
     return 0
 
 
@@ -136,17 +151,11 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
     await asyncio.gather(prefill.close(), decode.close())
 
 
-def run(engine: EngineConfig, disagg: DisaggConfig, host: str, port: int, dp_size: int, log_format: str,
-        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, api_key: str | None = None, admin_key: str | None = None,
-        tls: TlsConfig = TlsConfig(), cpus: tuple[str | None, str | None] = (None, None),
-        decode_engine: EngineConfig | None = None, tools: ToolConfig = ToolConfig(),
-        cache_aware: CacheAwareConfig | None = None) -> int:
-    """`disagg serve`; `cpus` are the --prefill-cpus and --decode-cpus lists (None: planned); `tools`
-    the tool-calling flags of both servers; `cache_aware` the router's pick (start_cluster)."""
-    configure_logging(log_format)
+def run(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions) -> int:
+    """`disagg serve`."""
+    configure_logging(options.log_format)
     try:
-        return asyncio.run(serve_cluster(engine, disagg, host, port, dp_size, log_format, shutdown_timeout_s,
-                                         api_key, admin_key, tls, cpus, decode_engine, tools, cache_aware))
+        return asyncio.run(serve_cluster(engine, disagg, options))
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

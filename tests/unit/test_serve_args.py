@@ -1,5 +1,6 @@
 """`disagg serve`'s options that shape the two servers differently: the decode's step budget and TP
-size, and the local-prefill limit that both the decode and the router get."""
+size, and the local-prefill limit that both the decode and the router get; and the admission limits
+that both servers get alike."""
 
 import pytest
 
@@ -11,8 +12,9 @@ from disagg.router.config import CacheAwareConfig
 def captured_run(monkeypatch, argv: list[str]) -> dict:
     seen = {}
 
-    def fake_run(engine, disagg, *args, cache_aware):
-        seen.update(engine=engine, disagg=disagg, decode_engine=args[-2], tools=args[-1], cache_aware=cache_aware)
+    def fake_run(engine, disagg, options):
+        seen.update(engine=engine, disagg=disagg, decode_engine=options.decode_engine, tools=options.tools,
+                    cache_aware=options.cache_aware, options=options)
         return 0
 
     monkeypatch.setattr(cluster, "run", fake_run)
@@ -88,3 +90,29 @@ def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():
     assert (config.policy, config.cache_aware) == (Policy.CACHE_AWARE, cache_aware)
     assert (config.prefill[0].url, config.prefill[0].bootstrap_port, config.decode) == (
         "http://127.0.0.1:7001", 7002, ("http://127.0.0.1:7003",))
+
+
+def test_both_servers_get_the_admission_limits(monkeypatch):
+    options = captured_run(monkeypatch, ["--max-waiting-requests", "2", "--max-kv-usage", "0.9"])["options"]
+    assert (options.max_waiting_requests, options.max_kv_usage) == (2, 0.9)
+    options = captured_run(monkeypatch, [])["options"]
+    assert (options.max_waiting_requests, options.max_kv_usage) == (0, 1.0)  # off, as on one server
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--max-waiting-requests", "-1"], "max_waiting_requests must be >= 0 (0: no limit), got -1"),
+    (["--max-kv-usage", "0"], "max_kv_usage must be in (0, 1] (1: off), got 0.0"),
+])
+def test_a_bad_admission_limit_fails_before_anything_starts(monkeypatch, flags, error):
+    monkeypatch.setattr(cluster, "run", lambda *args: pytest.fail("started"))
+    with pytest.raises(ConfigError) as refused:
+        cli.run(["serve", "--model", "tiny", *flags])
+    assert str(refused.value) == error
+
+
+def test_the_options_reach_the_servers_and_the_router(monkeypatch):
+    seen = captured_run(monkeypatch, ["--port", "0", "--dp-size", "1", "--log-format", "json", "--host", "127.0.0.2",
+                                      "--shutdown-timeout-s", "7", "--prefill-cpus", "0", "--decode-cpus", "0"])
+    o = seen["options"]
+    assert (o.host, o.port, o.dp_size, o.log_format, o.shutdown_timeout_s, o.prefill_cpus, o.decode_cpus) == (
+        "127.0.0.2", 0, 1, "json", 7.0, "0", "0")

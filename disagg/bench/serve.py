@@ -276,6 +276,8 @@ def format_turns(report: dict) -> list[str]:
     if "per_turn" not in report:
         return []
     lines = [f"conversations completed:   {report['num_conversations_completed']} of {report['num_conversations']}",
+             f"turns good / sent / offered: {report['num_good']} / {report['num_requests']} / "
+             f"{report['num_turns_offered']} (a failed turn ends its conversation: its later turns are not sent)",
              f"{'turn':<12} {'done':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'cached':>9}"]
     for row in report["per_turn"]:
         cells = [f"{row['num_completed']}/{row['num_requests']}",

@@ -84,6 +84,7 @@ def chat_load(args: argparse.Namespace, model: str) -> tuple[list[dict], Drive]:
         num_done = sum(len(rs) == num_turns and all(r.ok for r in rs) for rs in per_conversation)
         results = [r for rs in per_conversation for r in rs]
         return results, duration_s, {"num_conversations": len(conversations),
-                                     "num_conversations_completed": num_done, "per_turn": per_turn(results)}
+                                     "num_conversations_completed": num_done,
+                                     "num_turns_offered": len(conversations) * num_turns, "per_turn": per_turn(results)}
 
     return warmups, drive

@@ -174,7 +174,7 @@ def test_chat_command_against_fake_server(chat_server, tmp_path, capsys):
     assert [m for _, _, m in sent] == [expected_messages(c, (n - 2) // 2) for c, n, _ in sent]
 
     report = json.loads(out.read_text())
-    assert (report["num_conversations"], report["num_conversations_completed"]) == (3, 2)
+    assert (report["num_conversations"], report["num_conversations_completed"], report["num_turns_offered"]) == (3, 2, 9)
     assert (report["num_requests"], report["num_completed"], report["num_failed"]) == (8, 7, 1)
     assert (report["first_error"], report["num_good"], report["num_output_tokens"]) == ("HTTP 503: busy", 7, 21)
     assert report["num_prompt_tokens"] == 3 * 20 + 2 * 40 + 2 * 60
@@ -187,6 +187,8 @@ def test_chat_command_against_fake_server(chat_server, tmp_path, capsys):
     assert summary[0] == (f"== disagg bench serve: chat (fake-model at {base_url}, 3 conversations x 3 turns, "
                           f"3 out, rate inf conv/s) ==")
     assert "conversations completed:   2 of 3" in summary
+    assert ("turns good / sent / offered: 7 / 8 / 9 (a failed turn ends its conversation: its later turns are not "
+            "sent)") in summary
     turn_lines = [line for line in summary if line[:1] in "012" and line.endswith("%")]
     assert [(line.split()[:2], line.split()[-1]) for line in turn_lines] == [
         (["0", "3/3"], "0.0%"), (["1", "2/3"], "50.0%"), (["2", "2/2"], "66.7%")]

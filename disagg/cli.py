@@ -114,6 +114,24 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--decode-cpus", default=None, metavar="LIST",
                        help="the decode server's CPUs (default: the usable CPUs prefill does not take; the second "
                             "half when neither is given); the lists may overlap")
+    add_decode_args(serve)
+    serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
+                       help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
+                            "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
+                            "and the decode's steps stay free of prefill work (0: whenever the rest is short; "
+                            "default: 1)")
+    serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                       default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
+    serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
+    add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
+    add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
+    add_dataclass_args(serve.add_argument_group("admission (on both servers)"), ServerConfig, only=ADMISSION_FIELDS)
+    serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
+
+
+def add_decode_args(serve: argparse.ArgumentParser) -> None:
+    """`disagg serve`'s options that set the decode server apart from the prefill's engine."""
     serve.add_argument("--decode-max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="the decode server's token budget per step (default: --max-num-batched-tokens); with "
                             "--max-local-prefill-tokens a small one chunks the prompts the decode prefills itself, "
@@ -129,19 +147,6 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        type=int, default=None, metavar="N",
                        help="the decode server's TP size (default: --tensor-parallel-size, which then sizes the "
                             "prefill alone); each decode rank receives its KV heads from the prefill ranks holding them")
-    serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
-                       help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
-                            "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
-                            "and the decode's steps stay free of prefill work (0: whenever the rest is short; "
-                            "default: 1)")
-    serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
-                       default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
-    serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
-    add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
-    add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
-    add_dataclass_args(serve.add_argument_group("admission (on both servers)"), ServerConfig, only=ADMISSION_FIELDS)
-    serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:

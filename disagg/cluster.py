@@ -77,14 +77,8 @@ class ClusterOptions:
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
 
 
-async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions | None = None,
-                        **fields) -> tuple[RunningServer, RunningServer, RouterServer]:
-    """Start the cluster that `options` (with `fields` replaced: `port=0, dp_size=1`) describe. Prefill
-    and decode each get their own CPUs (`plan_cluster_cpus`: by default the first and the second half
-    of the usable ones); the router and the registry are not pinned."""
-    o = replace(options or ClusterOptions(), **fields)
-    if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
-        disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
+def server_configs(o: ClusterOptions) -> tuple[ServerConfig, ServerConfig]:
+    """The prefill's and the decode's: what they share from `o`, each its planned CPUs and DP pick."""
     planned = plan_cluster_cpus(usable_cpus(), o.prefill_cpus, o.decode_cpus)
     base = ServerConfig(host=o.host, port=0, dp_size=o.dp_size, log_format=o.log_format, api_key=o.api_key,
                         admin_key=o.admin_key, tools=o.tools, max_waiting_requests=o.max_waiting_requests,
@@ -94,6 +88,18 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
     # A conversation's later turns go back to the decode worker that holds its KV (decode-side prefix reuse).
     decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, cpus=cpus_text(planned[1]),
                          load_balance_method=LoadBalanceMethod.CACHE_AWARE)
+    return prefill_cfg, decode_cfg
+
+
+async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions | None = None,
+                        **fields) -> tuple[RunningServer, RunningServer, RouterServer]:
+    """Start the cluster that `options` (with `fields` replaced: `port=0, dp_size=1`) describe. Prefill
+    and decode each get their own CPUs (`plan_cluster_cpus`: by default the first and the second half
+    of the usable ones); the router and the registry are not pinned."""
+    o = replace(options or ClusterOptions(), **fields)
+    if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
+        disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
+    prefill_cfg, decode_cfg = server_configs(o)
     say(f"starting prefill and decode servers (dp_size={o.dp_size} each, backend {disagg.transfer_backend}; "
         f"{cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(

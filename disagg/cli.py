@@ -23,7 +23,8 @@ from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
 from disagg.tool_config import ToolConfig
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
-ADMISSION_FIELDS = ("max_waiting_requests", "max_kv_usage")  # ServerConfig's limits that `disagg serve` sets on both servers
+# ServerConfig's limits that `disagg serve` sets on both of its servers
+ADMISSION_FIELDS = ("max_waiting_requests", "max_kv_usage")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

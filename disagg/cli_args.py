@@ -29,9 +29,10 @@ def comma_list(value: str) -> tuple[str, ...]:
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
                        only: tuple[str, ...] | None = None) -> None:
-    """One `--field-name` option per dataclass field (of `only` when given), typed and documented from the field (plus the
-    spellings other servers use, from the field's `aliases` metadata, and its allowed values from
-    `choices`; a bool field whose metadata says `negatable: False` has no `--no-` form)."""
+    """One `--field-name` option per dataclass field (of `only` when given), typed and documented from
+    the field (plus the spellings other servers use, from the field's `aliases` metadata, and its
+    allowed values from `choices`; a bool field whose metadata says `negatable: False` has no `--no-`
+    form)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or (only is not None and f.name not in only) or dataclasses.is_dataclass(hints[f.name]):

@@ -174,7 +174,8 @@ def test_chat_command_against_fake_server(chat_server, tmp_path, capsys):
     assert [m for _, _, m in sent] == [expected_messages(c, (n - 2) // 2) for c, n, _ in sent]
 
     report = json.loads(out.read_text())
-    assert (report["num_conversations"], report["num_conversations_completed"], report["num_turns_offered"]) == (3, 2, 9)
+    assert (report["num_conversations"], report["num_conversations_completed"],
+            report["num_turns_offered"]) == (3, 2, 9)
     assert (report["num_requests"], report["num_completed"], report["num_failed"]) == (8, 7, 1)
     assert (report["first_error"], report["num_good"], report["num_output_tokens"]) == ("HTTP 503: busy", 7, 21)
     assert report["num_prompt_tokens"] == 3 * 20 + 2 * 40 + 2 * 60

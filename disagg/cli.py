@@ -15,7 +15,7 @@ from disagg.config import (
     SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, ControlConfig, DisaggConfig, DisaggregationMode,
     LoadBalanceMethod, ServerConfig, TcpListenerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
 )
-from disagg.cpus import plan_cluster_cpus, usable_cpus, worker_cpu_sets
+from disagg.cpus import usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
 from disagg.router.config import CacheAwareConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -201,10 +201,8 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     disagg = disagg_from_args(args, bootstrap_port=0)
     check_shutdown_timeout(args.shutdown_timeout_s)
-    ServerConfig(max_waiting_requests=args.max_waiting_requests, max_kv_usage=args.max_kv_usage)  # checks the limits
     cache_aware = CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens,
                                    local_prefill_min_prefill_load=args.local_prefill_min_prefill_load)
-    plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
     tools = dataclass_from_args(ToolConfig, args)
     if (problem := tools.problem()) is not None:
         raise ConfigError(problem)
@@ -215,6 +213,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         decode_cpus=args.decode_cpus, decode_engine=decode_engine(engine, args), cache_aware=cache_aware,
         max_waiting_requests=args.max_waiting_requests, max_kv_usage=args.max_kv_usage,
         shutdown_timeout_s=args.shutdown_timeout_s)
+    cluster.server_configs(options)  # both servers' configs: their CPU lists and limits are checked here
     return cluster.run(engine, disagg, options)
 
 

@@ -84,6 +84,17 @@ async def counting_listener():
         yield server.sockets[0].getsockname()[1], accepted
 
 
+async def until(condition, what: str, action=None) -> None:
+    """Poll `condition` (awaiting `action` between tries) for up to 10 s; fails naming `what`."""
+    for _ in range(100):
+        if condition():
+            return
+        if action is not None:
+            await action()
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def pd_config(backend: str, force_query: bool = False, **options) -> DisaggConfig:
     return DisaggConfig(**{"transfer_backend": backend, "bootstrap_port": 0, "force_query_prefill_dp_rank": force_query,
                            "bootstrap_timeout_s": 30, "waiting_timeout_s": 30, **options})

@@ -2,7 +2,6 @@
 prompt primed on prefill DP rank 1 behind the router's back is routed to rank 1, which the router's
 own trees never saw; text prompts are tokenized by the prefill's /tokenize for the match."""
 
-import asyncio
 import random
 
 import aiohttp
@@ -15,7 +14,7 @@ from disagg.launch import start_server
 from disagg.router.config import CacheAwareConfig, PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from disagg.router.workers import Role
-from pd_cluster import TINY, Cluster, pd_config, start_decode
+from pd_cluster import TINY, Cluster, pd_config, start_decode, until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -47,16 +46,6 @@ async def on_rank(cluster, rank: int, body: dict, path: str = "/generate") -> di
         path, dict(pd, routed_dp_rank=rank, disagg_prefill_dp_rank=rank), dict(pd, disagg_prefill_dp_rank=rank))
     assert (p_status, status) == (200, 200), data
     return data
-
-
-async def until(condition, what: str, action=None) -> None:
-    for _ in range(100):
-        if condition():
-            return
-        if action is not None:
-            await action()
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def subscribed(cluster, router) -> tuple[int, object]:

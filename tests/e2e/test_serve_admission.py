@@ -10,20 +10,12 @@ import pytest
 
 from disagg.api.admission import num_waiting_requests
 from disagg.cluster import drain_cluster, start_cluster
-from pd_cluster import TINY, pd_config
+from pd_cluster import TINY, pd_config, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 REQUEST = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0}
 REFUSAL = {"error": {"message": "the server has 1 requests waiting, its limit (--max-waiting-requests 1): retry later",
                      "type": "RateLimitError", "param": None, "code": "too_many_waiting_requests"}}
-
-
-async def until(condition, what: str) -> None:
-    for _ in range(250):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def free_blocks(server) -> list[int]:

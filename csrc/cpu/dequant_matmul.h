@@ -2,7 +2,8 @@
 // weight layout, lane types and helpers it shares). It includes nothing itself.
 //
 // The weight stays in quant_matmul's packed layout (disagg.ops.quant.pack_blocks) and is dequantized
-// in registers, one column of a tile at a time, exactly as disagg.ops.quant.dequantize computes it
+// in registers, one column of a tile at a time (from kManyRows rows, a pair of tiles at a time into a
+// buffer each thread reuses for the pass), exactly as disagg.ops.quant.dequantize computes it
 // (one float32 rounding per operation): 4 bits d * q + m, 8 bits d * (q - 128), the stored byte less
 // its offset. The activations stay float32: each column is multiplied into the rows' sums with fused
 // multiply-adds, columns in order (in 4 interleaved chains under 4 rows). So a GGUF's blocks give the numbers of the dense weight they

@@ -143,8 +143,10 @@ def run_engine(args: argparse.Namespace) -> dict:
     size: the forms and HF take turns, a round each (best_in_rounds)."""
     quantizations = comma_list(args.quantization)
     dense = load_model(ModelConfig(model=args.model, quantization="none"))
-    loads = {q: load_model(ModelConfig(model=args.model, quantization=q)) if q in GGUF_BLOCKS else dense
-             for q in quantizations}
+    # gguf and gguf_float load the same blocks: one load serves both
+    wants_blocks = set(quantizations) & set(GGUF_BLOCKS)
+    blocks = load_model(ModelConfig(model=args.model, quantization="gguf")) if wants_blocks else None
+    loads = {q: blocks if q in GGUF_BLOCKS else dense for q in quantizations}
     memcpy_gbps, read_gbps = measure_memory_gbps()
     matmul_gflops = measure_matmul_gflops()
     results, sizes = [], {}

@@ -211,7 +211,6 @@ def test_quantization_config_names_the_choices():
                                           r"use quantization none on cuda$"):
         ModelConfig(quantization="int4", device="cuda")
     assert ModelConfig().quantization == "auto"
-    assert ModelConfig(device="cuda").quantization == "auto"  # resolved to none there (resolve_quantization)
 
 
 def test_gguf_quantization_needs_a_gguf_file():

@@ -4,12 +4,18 @@ choices the ops loader made (csrc is built wherever tests run: tests/unit/test_o
 from __future__ import annotations
 
 from disagg.ops import load_ops
+from disagg.ops.cpu import cpu_features
 from disagg.ops.linear import OnednnWeight, TiledWeight
+
+
+def cpu_summary() -> str:
+    """The ready line's first words: the instruction set in force and what it offers."""
+    return f"cpu {cpu_features().describe()}"
 
 
 def auto_kernels() -> str:
     isa = load_ops("csrc").name.removeprefix("csrc-")
-    return f"kernels csrc-{isa} (auto: csrc built, this CPU runs its {isa} code)"
+    return f"kernels csrc-{isa} (auto: csrc built, runs its {isa} code)"
 
 
 def dense_kernel() -> str:

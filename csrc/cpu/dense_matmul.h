@@ -1,11 +1,14 @@
-// Float32 weights times float32 activations, a fragment of kernels.h (compiled once per instruction
-// set like the rest). It includes nothing itself.
+// Float32 or bfloat16 weights times float32 activations, all computed in float32 (a bfloat16 weight is
+// widened in registers: exact), a fragment of kernels.h (compiled once per instruction set like the
+// rest). It includes nothing itself.
 //
 // Made for decode, where a step multiplies a few rows by every weight of the model: the weights
 // stream from memory once per step and their bandwidth, not the multiply-adds, sets the pace. The
-// packed weight (disagg.ops.linear.pack_tiles builds it): output rows in tiles of 32, float32
-// [tiles, k, 32], so that column i of a tile's 32 rows is 128 contiguous bytes and a pass reads its
-// tile front to back, fetching a few KB ahead. Rows past n in the last tile are zero.
+// packed weight (disagg.ops.linear.pack_tiles builds it): output rows in tiles of 32, [tiles, k, 32]
+// of W (float or bf16), so that column i of a tile's 32 rows is 128 (64) contiguous bytes and a pass
+// reads its tile front to back, fetching a few KB ahead. Rows past n in the last tile are zero. A
+// bfloat16 weight is half the bytes to stream: where no bf16 dot product exists (AVX2), the model's
+// bfloat16 weights run here rather than on torch's emulated bf16 GEMM.
 //
 // Each output is one chain of multiply-adds over the columns in order, fused where the build has FMA
 // (the base build multiplies and adds): within k * 2^-24 * sum |x w| of the exact product, which
@@ -14,8 +17,8 @@
 constexpr int64_t kDenseTile = 32;
 // Bytes of weights fetched ahead of the column a pass is at: 6 KB took SmolLM2's 30 layers at 16 rows
 // from 13.0-13.2 to 10.7-11.0 ms (none: hardware prefetch only; 2 KB and 12 KB were slower).
-constexpr int64_t kDensePrefetchColumns = 6144 / (kDenseTile * 4);
-constexpr int64_t kDenseLine = 64 / 4;  // floats in a cache line
+constexpr int64_t kDensePrefetchBytes = 6144;
+constexpr int64_t kDenseLine = 64;  // bytes in a cache line
 
 // A pass works on P lanes of a tile with vectors of W floats, over R activation rows, so that its
 // R * P / W accumulators stay in registers: AVX-512 all 32 lanes x 8 rows (16 of 32 zmm); AVX2 16
@@ -36,6 +39,9 @@ constexpr int kDenseRowsPerPass = 4;
 
 typedef float dense_vec __attribute__((vector_size(4 * kDenseWidth)));
 
+typedef uint16_t dense_half_vec __attribute__((vector_size(2 * kDenseWidth)));
+typedef uint32_t dense_wide_vec __attribute__((vector_size(4 * kDenseWidth)));
+
 inline dense_vec dense_fma(dense_vec a, float b, dense_vec c) {
   dense_vec r;
 #pragma omp simd
@@ -43,24 +49,40 @@ inline dense_vec dense_fma(dense_vec a, float b, dense_vec c) {
   return r;
 }
 
+// kDenseWidth weights of a column as floats: a copy, or bfloat16 widened (its bits, 16 places up).
+inline dense_vec dense_load(const float* w) {
+  dense_vec v;
+  __builtin_memcpy(&v, w, sizeof(v));
+  return v;
+}
+
+inline dense_vec dense_load(const bf16* w) {
+  dense_half_vec h;
+  __builtin_memcpy(&h, w, sizeof(h));
+  return __builtin_bit_cast(dense_vec, __builtin_convertvector(h, dense_wide_vec) << 16);
+}
+
 // R activation rows (xt: [k, R], the pass's rows transposed) times lanes [lane0, lane0 + P) of one
 // tile: out[r, j] for the tile's columns j in that range below `cols` (<= 32). With `ahead`, column
 // i also fetches the line at ahead + i lines into L2 (a share of the next tile).
-template <int R>
+template <typename W, int R>
 void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* xt, int64_t k,
-                const float* tile, const float* ahead) {
+                const W* tile, const char* ahead) {
   constexpr int V = kDenseLanesPerPass / kDenseWidth;
-  const float* w = tile + lane0;
+  constexpr int64_t kLineWeights = kDenseLine / sizeof(W);
+  constexpr int64_t kPrefetchColumns = kDensePrefetchBytes / (kDenseTile * sizeof(W));
+  const W* w = tile + lane0;
   const int64_t n = cols - lane0 < kDenseLanesPerPass ? cols - lane0 : kDenseLanesPerPass;
   dense_vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = dense_vec{};
   for (int64_t i = 0; i < k; ++i) {
-    const float* wi = w + i * kDenseTile;
-    for (int line = 0; line < kDenseLanesPerPass; line += 16) __builtin_prefetch(wi + kDensePrefetchColumns * kDenseTile + line);
+    const W* wi = w + i * kDenseTile;
+    for (int line = 0; line < kDenseLanesPerPass; line += kLineWeights)
+      __builtin_prefetch(wi + kPrefetchColumns * kDenseTile + line);
     if (ahead) __builtin_prefetch(ahead + i * kDenseLine, 0, 2);  // to L2: read after this tile
     dense_vec wv[V];
-    for (int v = 0; v < V; ++v) __builtin_memcpy(&wv[v], wi + v * kDenseWidth, sizeof(dense_vec));
+    for (int v = 0; v < V; ++v) wv[v] = dense_load(wi + v * kDenseWidth);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {  // unrolled, so that acc stays in registers
       const float x = xt[i * R + r];
@@ -77,10 +99,13 @@ void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, con
     for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = acc[r][j / kDenseWidth][j % kDenseWidth];
 }
 
-void dense_matmul_block(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
-  using Pass = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const float*);
-  static constexpr Pass kPasses[9] = {nullptr, dense_pass<1>, dense_pass<2>, dense_pass<3>, dense_pass<4>,
-                                      dense_pass<5>, dense_pass<6>, dense_pass<7>, dense_pass<8>};
+template <typename W>
+void dense_matmul_block(float* out, const float* x, const W* w, float* xt, int64_t rows, int64_t n, int64_t k) {
+  using Pass = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const W*, const char*);
+  static constexpr Pass kPasses[9] = {nullptr, dense_pass<W, 1>, dense_pass<W, 2>, dense_pass<W, 3>, dense_pass<W, 4>,
+                                      dense_pass<W, 5>, dense_pass<W, 6>, dense_pass<W, 7>, dense_pass<W, 8>};
+  // A tile's lines, fetched ahead by its first passes a line per column each: 2 passes for float, 1 for bf16.
+  constexpr int64_t kAheadPasses = kDenseTile * sizeof(W) / kDenseLine;
   static_assert(kDenseRowsPerPass <= 8, "kPasses holds passes of up to 8 rows");
   constexpr int64_t R = kDenseRowsPerPass;
   const int64_t tiles = (n + kDenseTile - 1) / kDenseTile, passes = (rows + R - 1) / R;
@@ -100,13 +125,14 @@ void dense_matmul_block(float* out, const float* x, const float* w, float* xt, i
     const int64_t first = me * share + (me < extra ? me : extra), end = first + share + (me < extra ? 1 : 0);
     for (int64_t t = first; t < end; ++t) {
       const int64_t cols = n - t * kDenseTile < kDenseTile ? n - t * kDenseTile : kDenseTile;
-      // With two passes or more, the first two also fetch the thread's next tile into L2, a line per
+      // With two passes or more, the first (two) also fetch the thread's next tile into L2, a line per
       // column each, so that memory streams while the passes compute (with one pass there is no
       // second to hide it behind). SmolLM2's 121 matmuls at 16 rows: 27.6 -> 24.8 ms (medians of 5).
-      const float* next = passes > 1 && t + 1 < end ? w + (t + 1) * k * kDenseTile : nullptr;
+      const char* next =
+          passes > 1 && t + 1 < end ? reinterpret_cast<const char*>(w + (t + 1) * k * kDenseTile) : nullptr;
       for (int64_t p = 0; p < passes; ++p) {
         const int64_t r0 = p * R, nr = rows - r0 < R ? rows - r0 : R;
-        const float* ahead = next && p < 2 ? next + p * kDenseLine * k : nullptr;
+        const char* ahead = next && p < kAheadPasses ? next + p * kDenseLine * k : nullptr;
         for (int64_t lane0 = 0; lane0 < cols; lane0 += kDenseLanesPerPass)
           kPasses[nr](out + r0 * n + t * kDenseTile, n, cols, lane0, xt + r0 * k, k, w + t * k * kDenseTile,
                       lane0 == 0 ? ahead : nullptr);
@@ -120,7 +146,8 @@ void dense_matmul_block(float* out, const float* x, const float* w, float* xt, i
 // tile (the engine's batch-16 prefill: 1009-1071 tok/s, 1172-1185 with them).
 constexpr int64_t kDenseRowBlock = 128;
 
-void dense_matmul_f32(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
+template <typename W>
+void dense_matmul_t(float* out, const float* x, const W* w, float* xt, int64_t rows, int64_t n, int64_t k) {
   for (int64_t r0 = 0; r0 < rows; r0 += kDenseRowBlock) {
     const int64_t nr = rows - r0 < kDenseRowBlock ? rows - r0 : kDenseRowBlock;
     dense_matmul_block(out + r0 * n, x + r0 * k, w, xt + r0 * k, nr, n, k);

@@ -278,8 +278,10 @@ void dequant_matmul(float* out, const float* x, const uint8_t* w, const float* w
   fn(out, x, w, ws, rows, n, k);
 }
 
-void dense_matmul(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k) {
-  dense_matmul_f32(out, x, w, xt, rows, n, k);
+void dense_matmul(float* out, const float* x, const void* w, DType w_dtype, float* xt, int64_t rows, int64_t n,
+                  int64_t k) {
+  if (w_dtype == DType::kFloat32) dense_matmul_t(out, x, static_cast<const float*>(w), xt, rows, n, k);
+  else dense_matmul_t(out, x, static_cast<const bf16*>(w), xt, rows, n, k);
 }
 
 }  // namespace

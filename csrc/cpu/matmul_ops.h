@@ -69,14 +69,15 @@ at::Tensor dequant_matmul(const at::Tensor& x_in, const at::Tensor& weight, cons
   return out.to(x_in.scalar_type());
 }
 
-// x [rows, k] @ a float32 weight of n output rows packed in tiles of 32 ([tiles, k, 32], dense_matmul.h)
-// → [rows, n], all float32.
+// x [rows, k] @ a float32 or bfloat16 weight of n output rows packed in tiles of 32 ([tiles, k, 32],
+// dense_matmul.h) → [rows, n], computed in float32.
 at::Tensor dense_matmul(const at::Tensor& x_in, const at::Tensor& weight, int64_t n) {
   check_cpu(x_in, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "dense_matmul takes float32 x, got ", x_in.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 3 && weight.size(2) == 32 &&
-              weight.size(1) > 0 && weight.is_contiguous(), "weight must be contiguous float32 [tiles, k, 32]");
+  const DType w_dtype = dtype_of(weight);
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == 32 && weight.size(1) > 0 && weight.is_contiguous(),
+              "weight must be contiguous [tiles, k, 32]");
   const int64_t tiles = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "], got ", x_in.sizes());
   TORCH_CHECK(n > (tiles - 1) * 32 && n <= tiles * 32, n, " output rows do not fill ", tiles, " tiles of 32");
@@ -88,6 +89,6 @@ at::Tensor dense_matmul(const at::Tensor& x_in, const at::Tensor& weight, int64_
   // prefill chunk's megabytes page-faulted on every call.
   static thread_local std::vector<float> xt;
   if (xt.size() < static_cast<size_t>(rows * k)) xt.resize(rows * k);
-  table().dense_matmul(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), xt.data(), rows, n, k);
+  table().dense_matmul(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr(), w_dtype, xt.data(), rows, n, k);
   return out;
 }

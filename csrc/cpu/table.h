@@ -64,9 +64,10 @@ struct KernelTable {
   // (from 32 rows, a pair of tiles at a time into a buffer; dequant_matmul.h), all float32.
   void (*dequant_matmul)(float* out, const float* x, const uint8_t* w, const float* ws, int64_t rows, int64_t n,
                          int64_t k, int bits);
-  // out[rows, n] = x [rows, k] times a float32 weight [n, k] packed in tiles of 32 rows
-  // (dense_matmul.h gives the layout), all float32; xt: rows * k floats of scratch.
-  void (*dense_matmul)(float* out, const float* x, const float* w, float* xt, int64_t rows, int64_t n, int64_t k);
+  // out[rows, n] = x [rows, k] times a float32 or bfloat16 (w_dtype) weight [n, k] packed in tiles of
+  // 32 rows (dense_matmul.h gives the layout), computed in float32; xt: rows * k floats of scratch.
+  void (*dense_matmul)(float* out, const float* x, const void* w, DType w_dtype, float* xt, int64_t rows, int64_t n,
+                       int64_t k);
   // out[r] = the index of row r's largest value in x [rows, cols] float32 (cols >= 1), as torch.argmax:
   // the first of equal ones, and the first NaN where the row has one.
   void (*argmax_rows)(int64_t* out, const float* x, int64_t rows, int64_t cols);

@@ -12,15 +12,17 @@ from disagg.config import ConfigError
 from disagg.engine_config import KVCacheDType, ModelConfig
 from disagg.engine.loader import resolve_model_path
 from disagg.ops import csrc_status
+from disagg.ops.cpu import cpu_features
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """'auto' is bfloat16 where the device computes it natively (AVX512_BF16 CPUs, Ampere and later
-    GPUs); else float16 on a GPU (bfloat16 would be emulated) and float32 on a CPU."""
+    """'auto' is bfloat16 where the device computes it natively (AVX512_BF16 or AMX CPUs, as
+    disagg.ops.cpu answers under DISAGG_CPU_ISA; Ampere and later GPUs); else float16 on a GPU
+    (bfloat16 would be emulated) and float32 on a CPU."""
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16 if _cuda_has_native_bf16(device) else torch.float16
-        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+        return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
     return getattr(torch, name)
 
 
@@ -35,7 +37,7 @@ def dtype_reason(name: str, device: str) -> str:
         return "set by --dtype"
     if device.startswith("cuda"):
         return "auto: native bf16 on this GPU" if _cuda_has_native_bf16(device) else "auto: no native bf16 on this GPU"
-    return "auto: native bf16 (AVX512_BF16)" if torch.cpu._is_avx512_bf16_supported() else "auto: no native bf16 on this CPU"
+    return "auto: native bf16 on this CPU" if cpu_features().native_bf16 else "auto: no native bf16 on this CPU"
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: KVCacheDType, model_dtype: torch.dtype) -> torch.dtype:
@@ -59,7 +61,7 @@ def kernels_reason(asked: str, chosen: str) -> str:
     if asked != "auto":
         return "set by --kernels"
     if chosen != "torch":
-        return f"auto: csrc built, this CPU runs its {chosen.removeprefix('csrc-')} code"
+        return f"auto: csrc built, runs its {chosen.removeprefix('csrc-')} code"
     return f"auto: {csrc_status() or 'csrc runs on the CPU only'}"
 
 

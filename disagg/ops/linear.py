@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.ops.cpu import cpu_features
 from disagg.ops.quant import (
     QUANT_BLOCK, QuantizedWeight, QuantKind, integer_values, pack_blocks, to_per_channel_int8,
 )
@@ -78,6 +79,7 @@ class OnednnWeight:
     out_features: int
     in_features: int
     dtype: torch.dtype
+    widened: bool = False  # a bfloat16 weight held as float32: oneDNN has no bf16 path on this CPU
 
     kernel = "oneDNN packed"
 
@@ -94,8 +96,9 @@ DenseMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 @dataclass(frozen=True)
 class TiledWeight:
-    """A dense float32 [out_features, in_features] weight in csrc dense_matmul's layout: [tiles, in, 32],
-    column i of a tile's 32 output rows contiguous (pack_tiles). Decode streams each weight once per
+    """A dense float32 or bfloat16 [out_features, in_features] weight in csrc dense_matmul's layout:
+    [tiles, in, 32], column i of a tile's 32 output rows contiguous (pack_tiles); the kernel computes
+    in float32 (a bfloat16 weight widened in registers). Decode streams each weight once per
     step; this layout and a kernel that reads it front to back, fetching ahead, took SmolLM2's
     matmuls at 16 rows from 19.2-20.2 ms (oneDNN packed) to 14.4-17.0 (docs/engine.md)."""
 
@@ -105,6 +108,10 @@ class TiledWeight:
     matmul: DenseMatmul
 
     kernel = "csrc dense_matmul"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
 
 
 # Every form a matmul weight takes (linear() runs each).
@@ -124,16 +131,22 @@ def unpack_tiles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_dense(w: torch.Tensor, dense_matmul: DenseMatmul | None = None) -> torch.Tensor | OnednnWeight | TiledWeight:
-    """`w` for its fastest kernel: with `dense_matmul` (an ops' `dense_matmul`) a float32 weight in its
-    tiles; else oneDNN's layout where torch's CPU build has it (float32, bfloat16); else `w` itself."""
+    """`w` for its fastest kernel that this CPU runs (disagg.ops.cpu): with `dense_matmul` (an ops'
+    `dense_matmul`) a float32 weight, or a bfloat16 one where the CPU has no native bf16, in its tiles
+    (bfloat16 tiles are widened to float32 in registers); else oneDNN's layout where torch's CPU build
+    has it (bfloat16 only where oneDNN's bf16 path runs here, else the weight as float32); else `w`."""
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return w
-    if dense_matmul is not None and w.dtype == torch.float32:
+    cpu = cpu_features()
+    if dense_matmul is not None and (w.dtype == torch.float32 or not cpu.native_bf16):
         return TiledWeight(pack_tiles(w), w.shape[0], w.shape[1], dense_matmul)
     if not torch.backends.mkldnn.is_available():
         return w
+    widened = w.dtype == torch.bfloat16 and not cpu.onednn_bf16
+    if widened:
+        w = w.float()  # float32 compute: torch's bf16 matmul without AVX-512 is emulated, 3-8x slower
     packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT)
-    return OnednnWeight(packed, w.shape[0], w.shape[1], w.dtype)
+    return OnednnWeight(packed, w.shape[0], w.shape[1], w.dtype, widened)
 
 
 def prepare_weight(w: QuantizedWeight, device: torch.device | str = "cpu",
@@ -188,30 +201,32 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 
 def onednn_matmul(x: torch.Tensor, w: OnednnWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., K] @ [N, K].T (+ bias) → [..., N] with torch's mkldnn linear on the reordered weight."""
+    """[..., K] @ [N, K].T (+ bias) → [..., N] with torch's mkldnn linear on the reordered weight, in
+    the weight's dtype (float32 for a bfloat16 model's weight where oneDNN has no bf16 path here)."""
     rows = x.reshape(-1, w.in_features)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.out_features)
-    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), w.packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], w.out_features)
+    bias = None if bias is None else bias.to(w.dtype)
+    out = torch.ops.mkldnn._linear_pointwise(rows.to(w.dtype).contiguous(), w.packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], w.out_features).to(x.dtype)
 
 
 def tiled_matmul(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., K] @ [N, K].T (+ bias) → [..., N]: csrc dense_matmul below `TILED_MAX_ROWS` rows; from there
-    oneDNN on the weight unpacked and reordered for the call (two transient copies of the weight;
-    F.linear on the unpacked weight where torch has no oneDNN)."""
-    flat = x.dim() == 2  # the model's case: no reshape and view around the call
-    rows = x if flat else x.reshape(-1, w.in_features)
+    """[..., K] @ [N, K].T (+ bias) → [..., N] in x's dtype, computed in float32: csrc dense_matmul below
+    `TILED_MAX_ROWS` rows; from there oneDNN on the weight unpacked (as float32) and reordered for the
+    call (two transient copies of the weight; F.linear on the unpacked weight where torch has no oneDNN)."""
+    flat = x.dim() == 2 and x.dtype == torch.float32  # the float32 model's case: no reshape, view or cast
+    rows = x if flat else x.reshape(-1, w.in_features).float()
     if rows.shape[0] < TILED_MAX_ROWS:
         out = w.matmul(rows, w.packed, w.out_features)
     elif torch.backends.mkldnn.is_available():
-        dense = unpack_tiles(w.packed, w.out_features).contiguous()
+        dense = unpack_tiles(w.packed, w.out_features).float().contiguous()
         reordered = torch.ops.mkldnn._reorder_linear_weight(dense, rows.shape[0])
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), reordered, None, "none", [], "")
     else:
-        out = F.linear(rows, unpack_tiles(w.packed, w.out_features))
+        out = F.linear(rows, unpack_tiles(w.packed, w.out_features).float())
     if not flat:
-        out = out.view(*x.shape[:-1], w.out_features)
+        out = out.view(*x.shape[:-1], w.out_features).to(x.dtype)
     return out if bias is None else out + bias
 
 

@@ -9,6 +9,7 @@ import torch
 
 from disagg.engine_config import KERNEL_CHOICES
 from disagg.ops import build
+from disagg.ops.cpu import Isa, cpu_features
 from disagg.ops.reference import TorchOps
 
 log = structlog.get_logger(__name__)
@@ -55,7 +56,8 @@ class CsrcOps:
 
 @functools.cache
 def csrc_status() -> str | None:
-    """None when the csrc library is loaded, else why it is not (checked once per process)."""
+    """None when the csrc library is loaded, else why it is not (checked once per process). Loaded, it
+    runs the best build the CPU has, or the level DISAGG_CPU_ISA caps it at (disagg.ops.cpu)."""
     path = build.library_path()
     if not path.is_file():
         return f"csrc kernels not built ({path} is missing; `make install` or `python -m disagg.ops` builds them)"
@@ -63,6 +65,9 @@ def csrc_status() -> str | None:
         torch.ops.load_library(str(path))
     except OSError as exc:
         return f"csrc kernels at {path} do not load: {exc}"
+    cap = cpu_features().isa
+    if Isa(torch.ops.disagg.isa()).rank > cap.rank:
+        torch.ops.disagg.set_isa(cap.value)
     return None
 
 

@@ -122,8 +122,9 @@ class TorchOps:
 
     @staticmethod
     def dense_matmul(x: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
-        """x [rows, k] float32 @ a float32 weight [n, k] in tiles of 32 (linear.pack_tiles) → [rows, n]."""
-        return F.linear(x, unpack_tiles(weight, n))
+        """x [rows, k] float32 @ a float32 or bfloat16 weight [n, k] in tiles of 32 (linear.pack_tiles) →
+        [rows, n] float32."""
+        return F.linear(x, unpack_tiles(weight, n).float())
 
     @staticmethod
     def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

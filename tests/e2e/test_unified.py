@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from disagg.config import DisaggConfig, ServerConfig
 from disagg.launch import start_server
-from kernel_summary import auto_kernels, dense_kernel
+from kernel_summary import auto_kernels, cpu_summary, dense_kernel
 from pd_cluster import TINY
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -55,8 +55,8 @@ async def test_openai_sdk_streams_a_chat_completion(server):
 async def test_server_info_says_which_dtype_and_kernels_the_workers_chose(server):
     async with aiohttp.ClientSession() as s, s.get(url(server) + "/server_info") as r:
         info = await r.json()
-    assert info["engine"] == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none (auto: not a .gguf "
-                              "file): "
+    assert info["engine"] == (f"{cpu_summary()}, dtype float32 (set by --dtype), {auto_kernels()}, "
+                              "quantization none (auto: not a .gguf file): "
                               f"9 float32 dense ({dense_kernel()}), kv cache float32 (auto: the model's dtype)")
 
 

@@ -16,7 +16,7 @@ from disagg.engine.loader import load_model
 from disagg.ops import loader, quant
 from disagg.types import SamplingParams
 from engine_runs import run_requests
-from kernel_summary import auto_kernels, dense_kernel
+from kernel_summary import auto_kernels, cpu_summary, dense_kernel
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}
@@ -99,19 +99,21 @@ def test_quantized_engine_stays_near_the_dense_one(tiny_loaded, quantization, me
 
 def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
     assert engine(tiny_loaded).engine_summary == (
+        f"{cpu_summary()}, "
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense ({dense_kernel()}), "
         "kv cache float32 (auto: the model's dtype)")
     assert engine(tiny_loaded, kernels="torch").engine_summary == (
+        f"{cpu_summary()}, "
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear), "
         "kv cache float32 (auto: the model's dtype)")
     expected = "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)"
     if route == "quant_matmul":
         expected = "9 quantized on load as int4 g32 (csrc quant_matmul, int8 activations in blocks of 32)"
     assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
-        f"dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}, "
+        f"{cpu_summary()}, dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}, "
         "kv cache bfloat16 (auto: the model's dtype)")
     assert engine(tiny_loaded, "int4", "bfloat16", kernels="torch").engine_summary == (
-        "dtype bfloat16 (set by --dtype), kernels torch (set by --kernels), quantization int4: "
+        f"{cpu_summary()}, dtype bfloat16 (set by --dtype), kernels torch (set by --kernels), quantization int4: "
         "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)")
 
 
@@ -126,6 +128,7 @@ def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded
     assert (split.quantization, why) == ("none", "auto: tensor parallelism splits dense weights")
     assert resolve_quantization(ModelConfig(quantization="int8")) == (ModelConfig(quantization="int8"), None)
     assert engine(tiny_loaded, "auto", kernels="torch").engine_summary == (
+        f"{cpu_summary()}, "
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none (auto: not a .gguf file): "
         "9 float32 dense (F.linear), kv cache float32 (auto: the model's dtype)")
 
@@ -173,7 +176,7 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
     else:
         weights = ("120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), "
                    "1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations)")
-    assert gguf.engine_summary == (f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}, "
+    assert gguf.engine_summary == (f"{cpu_summary()}, dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}, "
                                    "kv cache float32 (auto: the model's dtype)")
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
@@ -186,12 +189,15 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_gguf_float_runs_the_blocks_with_the_dense_engines_numbers(smollm2_loaded, smollm2_gguf):
+def test_gguf_float_runs_the_blocks_with_the_dense_engines_numbers(smollm2_loaded, smollm2_gguf, monkeypatch):
     """gguf_float keeps the file's Q4_1 and Q8_0 blocks and multiplies them dequantized in registers
     by float32 activations: the dense float32 engine's numbers, summed in another order. Measured on
     these prompts (106 positions) with the avx512 build: prompt logprobs equal to the dense engine's
     to the last bit (the bound leaves room for another order elsewhere); the same 16 greedy tokens; the
-    README's question answered as the dense weights answer it (gguf's int8 activations do not)."""
+    README's question answered as the dense weights answer it (gguf's int8 activations do not).
+    dequant_matmul is forced on any build (the base build's goes dense otherwise), as `route` forces
+    quant_matmul."""
+    monkeypatch.setattr(loader, "QUANT_MATMUL_ISAS", ("base", "avx2", "avx512"))
     tokenizer = smollm2_loaded.tokenizer
     question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True)
@@ -200,6 +206,7 @@ def test_gguf_float_runs_the_blocks_with_the_dense_engines_numbers(smollm2_loade
     fast = engine(smollm2_gguf, "gguf_float", model="smollm2-135m")
     kernel = "csrc dequant_matmul, float32 activations"
     assert fast.engine_summary == (
+        f"{cpu_summary()}, "
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf_float: 120 Q4_1 as int4 g32 ({kernel}), "
         f"1 Q8_0 as int8 g32 ({kernel}), kv cache float32 (auto: the model's dtype)")
     outs = run_all(fast, prompts)

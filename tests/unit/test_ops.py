@@ -1,4 +1,5 @@
-"""csrc kernels against their pure-torch twins (disagg/ops/reference.py), on every instruction set this CPU runs.
+"""csrc kernels against their pure-torch twins (disagg/ops/reference.py), on every instruction set this CPU runs
+(up to the level DISAGG_CPU_ISA caps it at).
 
 Exact where the op only moves bytes (cache writes, block gather/scatter) or picks an index (argmax_rows); float32 within a few ulp
 and bfloat16 within one rounding step elsewhere (the kernels sum in a different order than torch).
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from disagg.ops import KernelsUnavailable, csrc_status, load_ops
+from disagg.ops.cpu import Isa, cpu_features
 from disagg.ops.reference import TorchOps, rope_cos_sin
 
 REF = TorchOps()
@@ -21,7 +23,10 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2
 def _isas() -> list[str]:
     if csrc_status() is not None:
         return []
-    return [isa for isa in ("base", "avx2", "avx512") if _supported(isa)]
+    in_force, cap = torch.ops.disagg.isa(), cpu_features().isa
+    isas = [isa.value for isa in reversed(Isa) if isa.rank <= cap.rank and _supported(isa.value)]
+    torch.ops.disagg.set_isa(in_force)
+    return isas
 
 
 def _supported(isa: str) -> bool:
@@ -440,21 +445,24 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor, fused: bool) -> torch.Tensor:
                                       (8, 40, 17), (9, 95, 24), (17, 33, 8), (33, 600, 16),  # the last one threaded
                                       (9, 600, 64), (261, 40, 16),  # and three blocks of up to 128 rows
                                       (128, 30, 96)])  # threaded, one tile: a thread without tiles
-def test_dense_matmul_is_one_multiply_add_chain_per_output(csrc, rows, n, k):
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_dense_matmul_is_one_multiply_add_chain_per_output(csrc, rows, n, k, w_dtype):
     """Every pass size (remainders of AVX-512's passes of 8 rows and AVX2's and base's of 4), partial
     last tiles, threaded, blocks of rows: the kernel's bits are those of one chain per output over the columns in
-    order, fused on avx2 and avx512; within k 2^-24 sum |x w| of the float64 product."""
+    order, fused on avx2 and avx512; within k 2^-24 sum |x w| of the float64 product. A bfloat16 weight is
+    widened exactly: the same bits as its float32 values."""
     from disagg.ops.linear import pack_tiles
 
     gen = torch.Generator().manual_seed(rows * n + k)
-    w = torch.randn(n, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).to(w_dtype)
     x = torch.randn(rows, k, generator=gen)
     got = csrc.dense_matmul(x, pack_tiles(w), n)
     assert (got.shape, got.dtype) == ((rows, n), torch.float32)
+    w = w.float()
     assert torch.equal(got, _fma_chain(x, w, fused=torch.ops.disagg.isa() != "base"))
     exact = x.double() @ w.double().t()
     assert ((got.double() - exact).abs() <= k * 2**-24 * (x.double().abs() @ w.double().abs().t())).all()
-    torch.testing.assert_close(got, REF.dense_matmul(x, pack_tiles(w), n), **TOL[torch.float32])
+    torch.testing.assert_close(got, REF.dense_matmul(x, pack_tiles(w.to(w_dtype)), n), **TOL[torch.float32])
 
 
 def test_dense_matmul_refuses_what_it_cannot_read(csrc):
@@ -466,8 +474,10 @@ def test_dense_matmul_refuses_what_it_cannot_read(csrc):
     assert csrc.dense_matmul(torch.zeros(0, 24), packed, 40).shape == (0, 40)
     with pytest.raises(RuntimeError, match="dense_matmul takes float32 x, got BFloat16"):
         csrc.dense_matmul(x.bfloat16(), packed, 40)
-    with pytest.raises(RuntimeError, match=r"weight must be contiguous float32 \[tiles, k, 32\]"):
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous \[tiles, k, 32\]"):
         csrc.dense_matmul(x, packed.transpose(0, 1), 40)
+    with pytest.raises(RuntimeError, match="disagg ops support float32 and bfloat16, got Half"):
+        csrc.dense_matmul(x, packed.half(), 40)
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 24\], got \[3, 16\]"):
         csrc.dense_matmul(x[:, :16], packed, 40)
     with pytest.raises(RuntimeError, match="32 output rows do not fill 2 tiles of 32"):
@@ -492,7 +502,33 @@ def test_tiled_linear_equals_f_linear(rows):
     got = linear(x, packed, bias)
     assert got.shape == (rows, 1, 77) and got.dtype == torch.float32
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), **TOL[torch.float32])
-    assert pack_dense(w.bfloat16(), ops.dense_matmul).kernel == "oneDNN packed"  # float32 only
+
+
+@pytest.mark.parametrize("rows", [1, 16, 1024])
+def test_a_bfloat16_weight_runs_in_float32_tiles_where_the_cpu_has_no_native_bf16(monkeypatch, rows):
+    """No bf16 dot product (AVX2, or AVX-512 without AVX512_BF16): the bfloat16 weight stays bfloat16 in
+    dense_matmul's tiles and is computed in float32; the answer is rounded to x's bfloat16. Where the CPU
+    has native bf16, oneDNN's bf16 linear keeps it (as a CPU of that level answers; checked here only
+    where this CPU runs oneDNN's bf16 path)."""
+    from disagg.ops import linear as linear_mod
+    from disagg.ops.cpu import features_of
+
+    ops = load_ops("csrc")
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(77, 96, generator=gen).bfloat16()
+    bias = torch.randn(77, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    monkeypatch.setattr(linear_mod, "cpu_features", lambda: features_of(frozenset({"avx2", "fma"})))
+    packed = linear_mod.pack_dense(w, ops.dense_matmul)
+    assert (packed.kernel, packed.dtype, packed.packed.dtype) == ("csrc dense_matmul", torch.bfloat16, torch.bfloat16)
+    got = linear_mod.linear(x, packed, bias)
+    assert (got.shape, got.dtype) == ((rows, 77), torch.bfloat16)
+    want = (torch.nn.functional.linear(x.float(), w.float()).bfloat16() + bias)
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])  # float32 sums in another order, rounded
+    if cpu_features().onednn_bf16:
+        native = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+        monkeypatch.setattr(linear_mod, "cpu_features", lambda: features_of(native))
+        assert linear_mod.pack_dense(w, ops.dense_matmul).kernel == "oneDNN packed"
 
 
 def test_tiled_linear_of_many_rows_without_onednn_is_f_linear(monkeypatch):
@@ -516,6 +552,8 @@ def test_onednn_packed_linear_equals_f_linear(dtype, rows):
     x = torch.randn(2, rows, 96, generator=gen).to(dtype)  # leading dimensions are kept
     packed = pack_dense(w)
     assert isinstance(packed, OnednnWeight) and (packed.out_features, packed.in_features) == (77, 96)
+    # A bfloat16 weight stays bfloat16 only where oneDNN's bf16 path runs (else float32 compute).
+    assert packed.dtype == (torch.float32 if dtype == torch.float32 or not cpu_features().onednn_bf16 else dtype)
     got = linear(x, packed, bias)
     assert got.shape == (2, rows, 77) and got.dtype == dtype
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), **TOL[dtype])

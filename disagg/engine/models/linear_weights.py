@@ -1,8 +1,9 @@
 """Which form each matmul weight takes (`ModelConfig.quantization`), and a one-line account of it.
 
-- none: dense in the model dtype: float32 in csrc dense_matmul's tiles where the model chose it
-  (`packed`, csrc on avx512 or avx2), otherwise reordered for oneDNN's linear on CPU (`packed`), or
-  F.linear as the HF reference computes (`--kernels torch`).
+- none: dense in the model dtype: float32, or bfloat16 where the CPU has no native bf16, in csrc
+  dense_matmul's tiles where the model chose it (`packed`, csrc on avx512 or avx2), otherwise reordered
+  for oneDNN's linear on CPU (`packed`; a bfloat16 weight widened to float32 where oneDNN has no bf16
+  path here), or F.linear as the HF reference computes (`--kernels torch`).
 - int8 / int4: dense float32 weights quantized on load (per-channel int8; asymmetric int4 in
   groups of 32 columns), run by csrc's quant_matmul where the model chose it, else torch's packed
   CPU kernels.
@@ -60,9 +61,11 @@ def describe_weights(weights: Iterable[Weight]) -> str:
 
 def _describe(w: Weight) -> str:
     if isinstance(w, OnednnWeight):
+        if w.widened:
+            return f"bfloat16 dense as float32 ({w.kernel}; no oneDNN bf16 on this CPU)"
         return f"{dtype_name(w.dtype)} dense ({w.kernel})"
     if isinstance(w, TiledWeight):
-        return f"float32 dense ({w.kernel})"
+        return f"{dtype_name(w.dtype)} dense ({w.kernel})"
     if isinstance(w, PackedWeight):
         layout = f"{w.kind.value} g{w.group_size}" if w.group_size != w.in_features else f"{w.kind.value} per channel"
         return f"{w.source} as {layout} ({w.kernel})"

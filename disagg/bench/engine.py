@@ -29,6 +29,7 @@ from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
 from disagg.engine.loader import load_model
 from disagg.ops import csrc_status
+from disagg.ops.cpu import cpu_features, read_flags
 from disagg.types import SamplingParams
 
 
@@ -218,23 +219,22 @@ def engine_config(model: str, dtype: str, kernels: str, quantization: str, kv_ca
 
 
 def machine_line() -> str:
-    """CPU model, the flags that decide the kernels and dtype, cores and torch threads."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    """CPU model, the flags that decide the kernels and dtype, the level the engine runs as (disagg.ops.cpu,
+    DISAGG_CPU_ISA included), cores and torch threads."""
+    model, flags = _cpu_model(), read_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
     shown = " ".join(flag for flag in wanted if flag in flags) or "none of avx2/avx512/amx"
-    return (f"CPU: {model}; flags: {shown}; {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
-            f"torch {torch.__version__}")
+    return (f"CPU: {model}; flags: {shown}; runs as {cpu_features().describe()}; {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads; torch {torch.__version__}")
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    return "unknown CPU"
 
 
 def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple[float, float]:

@@ -11,6 +11,7 @@ from disagg.bench.engine import (Result, best_in_rounds, bound_lines, compute_bo
                                  machine_line, measure_matmul_gflops, run_with_isa, table)
 from disagg.engine.models.llama import LlamaModel
 from disagg.ops import load_ops
+from disagg.ops.cpu import cpu_features
 
 
 @pytest.mark.slow
@@ -73,7 +74,7 @@ def test_every_run_takes_its_turn_each_round_and_keeps_its_best_rates():
 def test_the_machine_line_names_the_flags_and_threads():
     line = machine_line()
     assert line.startswith("CPU: ") and f"{torch.get_num_threads()} torch threads" in line
-    assert "flags: " in line
+    assert "flags: " in line and f"; runs as {cpu_features().describe()}; " in line
 
 
 def test_the_table_gives_ratios_and_dashes_where_hf_did_not_run():

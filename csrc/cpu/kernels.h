@@ -152,12 +152,23 @@ void rope_and_cache_t(void* q_, int64_t q_stride, void* k_, int64_t k_stride, co
 // ---- SiLU and multiply --------------------------------------------------------------------
 
 template <typename T>
+inline float silu_mul(T gate, float e, T up) {  // e = exp(-gate)
+  const float g = to_f32(gate);
+  return round_to<T>(g / (1.0f + e)) * to_f32(up);
+}
+
+// exp a vector at a time, the same bits: a loop of exp_approx ran scalar on avx2, where SmolLM2's 30
+// SiLUs of a 256-token prefill took 74 ms against torch's 24 (more than its prefill attention).
+template <typename T>
 inline void silu_mul_row(T* __restrict o, const T* __restrict gate, const T* __restrict up, int64_t dim) {
+  int64_t d = 0;
+  for (; d + kVL <= dim; d += kVL) {
+    float e[kVL];
+    store_v(e, exp_v(-load_v(gate + d)));
 #pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) {
-    const float g = to_f32(gate[d]);
-    o[d] = from_f32<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * to_f32(up[d]));
+    for (int i = 0; i < kVL; ++i) o[d + i] = from_f32<T>(silu_mul(gate[d + i], e[i], up[d + i]));
   }
+  for (; d < dim; ++d) o[d] = from_f32<T>(silu_mul(gate[d], exp_approx(-to_f32(gate[d])), up[d]));
 }
 
 template <typename T>

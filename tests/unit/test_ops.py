@@ -227,8 +227,9 @@ def test_a_cache_wider_than_the_model_or_a_mixed_pair_is_refused(csrc):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(csrc, dtype):
-    x = (torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+@pytest.mark.parametrize("dim", [1536, 77, 5])  # whole vectors of exp, and a scalar tail after them or alone
+def test_silu_and_mul(csrc, dtype, dim):
+    x = (torch.randn(5, 2 * dim, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     torch.testing.assert_close(csrc.silu_and_mul(x), REF.silu_and_mul(x), **TOL[dtype])
 
 

@@ -10,9 +10,7 @@ requests pinned to the dead rank fail fast, and nothing waits on it forever.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -32,7 +30,7 @@ from disagg.dp.dispatch import Dispatcher, estimate_tokens, routing_prompt
 from disagg.dp.faults import PD_FAULTS, WORKER_FAULTS, ProcessFaults
 from disagg.dp.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
-from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker
+from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker, worker_context
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
     UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, Utility, UtilityMsg,
@@ -93,21 +91,6 @@ class _Sent:
         sampling = replace(self.msg.sampling, prompt_logprobs=None)
         return msgspec.structs.replace(self.msg, resume_token_ids=list(self.token_ids), return_prompt=False,
                                        sampling=sampling)
-
-
-# What a worker imports before it loads its engine: a fork server imports it once, and each worker
-# starts as a fork of that server (tens of milliseconds) instead of a fresh interpreter that imports
-# torch again (about 2 s of CPU on a 2-core host, at every start and every restart). The fork server
-# holds no threads, sockets or engine state: only modules; nothing there reads the environment.
-WORKER_PRELOAD = ["torch", "disagg.dp.worker", "disagg.engine.core"]
-
-
-@functools.cache
-def worker_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context DP workers start from (one fork server per front process)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(WORKER_PRELOAD)
-    return context
 
 
 class DPController:

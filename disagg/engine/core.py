@@ -24,12 +24,11 @@ from disagg.engine.models.tensor_parallel import Collectives, shard_arch, shard_
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
 from disagg.engine.resolve import (
-    dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization,
+    cpu_summary, dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization,
 )
 from disagg.engine.progress import CacheSpec, EngineStats, RequestProgress, Reservation
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.tokenizer import Tokenizer
-from disagg.ops.cpu import cpu_features
 from disagg.ops.linear import dtype_name
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 
@@ -60,7 +59,7 @@ class EngineCore:
         why = dtype_reason(config.model.dtype, config.model.device)
         quantization_note = "" if self.quantization_reason is None else f" ({self.quantization_reason})"
         # For the ready line and /server_info: what runs the model and why.
-        self.engine_summary = (f"cpu {cpu_features().describe()}, dtype {dtype_name(self.dtype)} ({why}), "
+        self.engine_summary = (f"{cpu_summary()}, dtype {dtype_name(self.dtype)} ({why}), "
                                f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
                                f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
                                f"kv cache {dtype_name(self.kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")

@@ -51,6 +51,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: KVCacheDType, model_dtype: torch.dtyp
     return torch.bfloat16
 
 
+def cpu_summary() -> str:
+    """The ready line's first words: the CPU level in force and what it offers (disagg.ops.cpu)."""
+    return f"cpu {cpu_features().describe()}"
+
+
 def kv_cache_reason(kv_cache_dtype: KVCacheDType) -> str:
     """Why the KV cache holds what it does, for the ready line."""
     return "auto: the model's dtype" if kv_cache_dtype == KVCacheDType.AUTO else "set by --kv-cache-dtype"

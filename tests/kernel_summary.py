@@ -3,14 +3,9 @@ choices the ops loader made (csrc is built wherever tests run: tests/unit/test_o
 
 from __future__ import annotations
 
+from disagg.engine.resolve import cpu_summary  # its text is asserted exactly in tests/unit/test_cpu_features.py
 from disagg.ops import load_ops
-from disagg.ops.cpu import cpu_features
 from disagg.ops.linear import OnednnWeight, TiledWeight
-
-
-def cpu_summary() -> str:
-    """The ready line's first words: the instruction set in force and what it offers."""
-    return f"cpu {cpu_features().describe()}"
 
 
 def auto_kernels() -> str:

@@ -445,7 +445,8 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor, fused: bool) -> torch.Tensor:
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (2, 31, 5), (3, 32, 96), (4, 33, 64), (5, 77, 33), (7, 64, 40),
                                       (8, 40, 17), (9, 95, 24), (17, 33, 8), (33, 600, 16),  # the last one threaded
                                       (9, 600, 64), (261, 40, 16),  # and three blocks of up to 128 rows
-                                      (128, 30, 96)])  # threaded, one tile: a thread without tiles
+                                      (128, 30, 96),  # threaded, one tile: a thread without tiles
+                                      (2, 600, 256), (6, 64, 40)])  # AVX2's 2-row passes of a whole tile
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_dense_matmul_is_one_multiply_add_chain_per_output(csrc, rows, n, k, w_dtype):
     """Every pass size (remainders of AVX-512's passes of 8 rows and AVX2's and base's of 4), partial

@@ -1,6 +1,6 @@
 """Decode side of the push flow (SGLang's protocol): the prefill writes into our reserved blocks.
 
-Steps, each bounded by the caller's deadline: resolve the prefill DP rank (disagg/dp/rank_rule.py,
+Steps, each bounded by the caller's deadline: resolve the prefill DP rank (disagg/rank_rule.py,
 asking the registry when the rule says so), open (or reuse) the control stream to that rank, send
 TransferInfo (room, destination blocks), wait for its verdict. SUCCESS carries the first token.
 A request that ends first is fenced: its blocks stay quarantined until the prefill acknowledges the
@@ -18,7 +18,7 @@ from decode.peers import PrefillPeers
 from decode.registries import Registry
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
-from disagg.dp.rank_rule import QUERY, resolve_prefill_rank
+from disagg.rank_rule import QUERY, resolve_prefill_rank
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import InvalidRequest

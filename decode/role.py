@@ -22,7 +22,8 @@ from decode.pull import PullFetch, carries_ticket, ticket_of
 from decode.push import PushFetch
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
-from disagg.dp.worker_role import WorkerRole, admission_error, error_output
+from disagg.worker.outputs import admission_error, error_output
+from disagg.worker.transfer import TransferRole
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import FinishReason, InvalidRequest
@@ -34,9 +35,7 @@ from kvtransfer.control.endpoint import open_endpoint
 log = structlog.get_logger(__name__)
 
 
-class DecodeRole(WorkerRole):
-    can_sleep = False
-
+class DecodeRole(TransferRole):
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig):
         super().__init__(core, dp_rank, model_name)
         self.config = config

@@ -2,7 +2,7 @@
 among its DP ranks, and `disagg serve`'s split of the machine between prefill and decode.
 
 Pure but for `usable_cpus()`: the functions take the CPUs this process may use; the worker applies
-its set itself (disagg/dp/worker.py). Where the OS cannot pin (not Linux) nothing is pinned by default
+its set itself (disagg/worker/process.py). Where the OS cannot pin (not Linux) nothing is pinned by default
 and a CPU list is refused.
 """
 

@@ -27,11 +27,11 @@ from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController
-from disagg.dp.worker import RoleSpec
+from disagg.worker.roles import RoleSpec, decode_role, prefill_role
 from disagg.drain import Drain, StopSignals
 from disagg.http_site import server_ssl_context
 from disagg.logs import configure_logging
-from prefill.controller import PrefillController
+from disagg.dp.prefill_front import PrefillController
 
 log = structlog.get_logger(__name__)
 
@@ -70,11 +70,11 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
                                                     cluster_secret=disagg.cluster_secret,
                                                     insecure_no_cluster_secret=disagg.insecure_no_cluster_secret))
         disagg = replace(disagg, bootstrap_port=await bootstrap.start())
-        role = RoleSpec("prefill.role:PrefillRole", dict(
+        role = RoleSpec(prefill_role, dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
         return PrefillController(server, engine, role, disagg, kv_events), bootstrap
     if server.disaggregation_mode is DisaggregationMode.DECODE:
-        return DPController(server, engine, RoleSpec("decode.role:DecodeRole", dict(config=disagg)), kv_events), None
+        return DPController(server, engine, RoleSpec(decode_role, dict(config=disagg)), kv_events), None
     return DPController(server, engine, kv_events=kv_events), None
 
 

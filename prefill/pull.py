@@ -13,7 +13,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from disagg.dp.worker_role import error_output
+from disagg.worker.outputs import error_output
 from disagg.engine.core import EngineCore
 from disagg.types import SamplingParams
 from disagg.wire.control_msgs import LeaseMsg, LeaseStatusMsg

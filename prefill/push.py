@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from disagg.config import DisaggConfig
-from disagg.dp.worker_role import error_output, logprob_pairs
+from disagg.worker.outputs import error_output, logprob_pairs
 from disagg.engine.core import EngineCore
 from disagg.types import FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg

@@ -17,7 +17,7 @@ import structlog
 
 from bootstrap.client import BootstrapClient
 from disagg.config import DisaggConfig, LoadBalanceMethod
-from disagg.dp.worker_role import WorkerRole
+from disagg.worker.transfer import TransferRole
 from disagg.engine.core import EngineCore
 from disagg.types import RequestOutput, SamplingParams
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
@@ -38,9 +38,7 @@ def one_token(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
-class PrefillRole(WorkerRole):
-    can_sleep = False
-
+class PrefillRole(TransferRole):
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig, dp_size: int,
                  load_balance_method: LoadBalanceMethod):
         super().__init__(core, dp_rank, model_name)

@@ -13,18 +13,22 @@ PACKAGES = ("disagg", "prefill", "decode", "bootstrap", "kvtransfer")
 # Most specific prefix wins.
 LAYERS = {
     "disagg.cli": 4, "disagg.launch": 4, "disagg.cluster": 4, "disagg.testing": 4,
-    "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.api": 3, "disagg.router": 3,
+    "prefill": 3, "decode": 3, "disagg.dp": 3, "disagg.worker": 3, "disagg.worker.roles": 3, "disagg.api": 3, "disagg.router": 3,
     "bootstrap.server": 3, "disagg.bench": 3, "disagg.top": 3,
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
     "disagg.ops": 1,
     "disagg.config": 0, "disagg.registry_config": 0, "disagg.host_patterns": 0, "disagg.engine_config": 0, "disagg.types": 0, "disagg.wire": 0, "disagg": 0, "bootstrap": 2,
-    "disagg.http_site": 0, "disagg.kv_events_config": 0, "disagg.tool_config": 0, "disagg.cpus": 0, "disagg.block_hashes": 0,
+    "disagg.http_site": 0, "disagg.kv_events_config": 0, "disagg.tool_config": 0, "disagg.cpus": 0, "disagg.block_hashes": 0, "disagg.rank_rule": 0,
 }
-# Same-layer edges that are allowed: the roles build on the front door and the DP controller; the
-# HTTP site reads its TLS options (and raises ConfigError) from config.
+# Same-layer edges that are allowed: the P/D roles build on the worker's unified role; the front's
+# controller starts workers (their spec, the role factories); the factories import the three roles
+# (in the worker); the HTTP site reads its TLS options (and raises ConfigError) from config.
 SAME_LAYER_OK = {
-    ("prefill", "disagg.api"), ("prefill", "disagg.dp"), ("decode", "disagg.api"), ("decode", "disagg.dp"),
-    ("disagg.api", "disagg.dp"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.config", "disagg.tool_config"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
+    ("prefill", "disagg.worker"), ("decode", "disagg.worker"), ("disagg.dp", "disagg.worker"),
+    ("disagg.dp", "disagg.worker.roles"), ("disagg.worker.roles", "disagg.worker"),
+    ("disagg.worker.roles", "prefill"), ("disagg.worker.roles", "decode"),
+    ("disagg.worker", "disagg.worker.roles"),  # the worker's spec names RoleSpec's type (TYPE_CHECKING only)
+    ("disagg.api", "disagg.dp"), ("disagg.rank_rule", "disagg.config"), ("disagg.rank_rule", "disagg.types"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.config", "disagg.tool_config"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
     ("disagg.testing", "disagg.launch"),
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests", "zmq"}

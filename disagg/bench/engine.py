@@ -153,15 +153,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     results, sizes = [], {}
     for dtype_name in args.dtypes.split(","):
         hf = None if args.no_hf else hf_model_from_loaded(dense, getattr(torch, dtype_name))
-        forms = []  # (engine, kernels name, quantization, kv cache dtype, csrc instruction set or None)
-        for kernels, q, kv in itertools.product(comma_list(args.kernels), quantizations, comma_list(args.kv_cache_dtypes)):
-            for isa in isas_for(kernels, args.isas):
-                with instruction_set(isa):
-                    engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv), loads[q])
-                name = engine.runner.model.ops.name
-                sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
-                forms.append((engine, name, q, kv, isa))
-                print(f"{dtype_name}, {name}, {q}, kv cache {kv}: {engine.engine_summary}", flush=True)
+        forms = engine_forms(args, dtype_name, loads, sizes)
         for b in map(int, args.batches.split(",")):
             batch = prompts(b, args.input_len, dense.arch.vocab_size)
             runs = [functools.partial(run_with_isa, isa, bench_ours, engine, batch, args.output_len)
@@ -181,6 +173,23 @@ def run_engine(args: argparse.Namespace) -> dict:
     print(compute_bound_lines(results, sizes, matmul_gflops))
     return {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "matmul_gflops": matmul_gflops,
             "engine": [asdict(r) for r in results]}
+
+
+def engine_forms(args: argparse.Namespace, dtype_name: str, loads: dict, sizes: dict) -> list[tuple]:
+    """Every (kernels, quantization, KV cache, instruction set) form of the engine in `dtype_name`, each
+    as (engine, kernels name, quantization, kv cache dtype, csrc instruction set or None); its weight
+    bytes go into `sizes`."""
+    forms = []
+    for kernels, q, kv in itertools.product(comma_list(args.kernels), comma_list(args.quantization),
+                                            comma_list(args.kv_cache_dtypes)):
+        for isa in isas_for(kernels, args.isas):
+            with instruction_set(isa):
+                engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv), loads[q])
+            name = engine.runner.model.ops.name
+            sizes[(dtype_name, name, q)] = engine.runner.model.weight_bytes()
+            forms.append((engine, name, q, kv, isa))
+            print(f"{dtype_name}, {name}, {q}, kv cache {kv}: {engine.engine_summary}", flush=True)
+    return forms
 
 
 def isas_for(kernels: str, isas: str | None) -> list[str | None]:

@@ -28,9 +28,10 @@ from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher, estimate_tokens, routing_prompt
 from disagg.dp.faults import PD_FAULTS, WORKER_FAULTS, ProcessFaults
-from disagg.dp.framing import frame, read_frame
+from disagg.wire.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
-from disagg.dp.worker import RoleSpec, WorkerSpec, run_worker, worker_context
+from disagg.worker.process import WorkerSpec, run_worker, worker_context
+from disagg.worker.roles import RoleSpec
 from disagg.types import FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
     UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, Utility, UtilityMsg,
@@ -147,7 +148,7 @@ class DPController:
         if self.cpu_sets is not None:
             cpus = self.cpu_sets[rank]
             engine = replace(engine, num_threads=engine.num_threads or len(cpus))
-        return WorkerSpec(rank, engine, self._socket_path, self.server.log_format, self.role, self.kv_events, cpus,
+        return WorkerSpec(rank, engine, self._socket_path, self.role, self.server.log_format, self.kv_events, cpus,
                           self.server.enable_fault_injection)
 
     def _spawn(self, rank: int):

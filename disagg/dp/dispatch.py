@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from disagg.config import LoadBalanceMethod
-from disagg.dp.rank_rule import implied_rank
+from disagg.rank_rule import implied_rank
 from disagg.prefix_tree import CacheOutcome, CacheRule, PrefixTrees, Prompt, pick_by_cache
 from disagg.types import InvalidRequest
 from disagg.wire.engine_msgs import GenerateMsg

@@ -5,7 +5,7 @@ front's side: which faults exist and their parameters, and the three that act he
   (requests, control streams, heartbeats), as a hung process would.
 - `kill`: SIGKILL; the controller notices and restarts it as it does any dead worker.
 - `fail_requests` (count, status): the next `count` requests sent to that rank answer `status`.
-- Sent to the worker (a utility call, disagg/dp/worker_role.py): `slow_steps` (ms before each
+- Sent to the worker (a utility call: disagg/worker/unified.py, the transfer ones disagg/worker/transfer.py): `slow_steps` (ms before each
   engine step; 0 ends it), `delay_transfers` (count, seconds), `fail_transfers` (count),
   `stop_heartbeats` (seconds).
 """

@@ -23,9 +23,7 @@ from disagg.engine.models.llama import LlamaModel
 from disagg.engine.models.tensor_parallel import Collectives, shard_arch, shard_weights
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
-from disagg.engine.resolve import (
-    cpu_summary, dtype_reason, kernels_reason, kv_cache_reason, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization,
-)
+from disagg.engine.resolve import engine_summary, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from disagg.engine.progress import CacheSpec, EngineStats, RequestProgress, Reservation
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.tokenizer import Tokenizer
@@ -56,13 +54,7 @@ class EngineCore:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
-        why = dtype_reason(config.model.dtype, config.model.device)
-        quantization_note = "" if self.quantization_reason is None else f" ({self.quantization_reason})"
-        # For the ready line and /server_info: what runs the model and why.
-        self.engine_summary = (f"{cpu_summary()}, dtype {dtype_name(self.dtype)} ({why}), "
-                               f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
-                               f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
-                               f"kv cache {dtype_name(self.kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")
+        self.engine_summary = engine_summary(config, self.dtype, self.kv_dtype, model, self.quantization_reason)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.shared_kv = None if kv_file is None or tp is None else SharedKV(kv_file, tp.rank, tp.size)
         if self.shared_kv is not None and config.model.device != "cpu":

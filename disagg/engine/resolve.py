@@ -9,10 +9,11 @@ from dataclasses import replace
 import torch
 
 from disagg.config import ConfigError
-from disagg.engine_config import KVCacheDType, ModelConfig
+from disagg.engine_config import EngineConfig, KVCacheDType, ModelConfig
 from disagg.engine.loader import resolve_model_path
 from disagg.ops import csrc_status
 from disagg.ops.cpu import cpu_features
+from disagg.ops.linear import dtype_name
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -87,3 +88,13 @@ def resolve_quantization(model: ModelConfig, tp_size: int = 1) -> tuple[ModelCon
     else:
         why = "the GGUF's blocks run on CPU only"
     return replace(model, quantization="none"), f"auto: {why}"
+
+
+def engine_summary(config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype, model, quantization_reason: str | None) -> str:
+    """For the ready line and /server_info: what runs the model (a built LlamaModel) and why."""
+    why = dtype_reason(config.model.dtype, config.model.device)
+    quantization_note = "" if quantization_reason is None else f" ({quantization_reason})"
+    return (f"{cpu_summary()}, dtype {dtype_name(dtype)} ({why}), "
+            f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
+            f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
+            f"kv cache {dtype_name(kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")

@@ -1,6 +1,6 @@
 """A prefill whose tcp listener serves the READs of chosen requests late: a decode's read of their
-blocks stays in flight for `delay_s`, deterministically. Test-only: the workers import it by path
-(RoleSpec), so production code carries no hook."""
+blocks stays in flight for `delay_s`, deterministically. Test-only: the workers build it through
+`slow_read_role` (a RoleSpec factory, pickled by reference), so production code carries no hook."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from disagg.api.state import STATE
 from disagg.config import DisaggConfig, ServerConfig
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
-from disagg.dp.worker import RoleSpec
+from disagg.worker.roles import RoleSpec
 from disagg.launch import RunningServer
 from kvtransfer.tcp.wire import FrameKind
-from prefill.controller import PrefillController
+from disagg.dp.prefill_front import PrefillController
 from prefill.role import PrefillRole
 
 
@@ -44,13 +44,17 @@ class SlowReadPrefillRole(PrefillRole):
         server._serve_frame = serve_late
 
 
+def slow_read_role(core, dp_rank: int, model_name: str, **kwargs) -> SlowReadPrefillRole:
+    return SlowReadPrefillRole(core, dp_rank, model_name, **kwargs)
+
+
 async def start_slow_prefill(disagg: DisaggConfig, engine: EngineConfig, *, slow_tag: bytes, marker: Path,
                              delay_s: float, dp_size: int = 2) -> RunningServer:
     """What disagg.launch.start_server builds for a prefill, with SlowReadPrefillRole workers."""
     bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=0))
     disagg = replace(disagg, bootstrap_port=await bootstrap.start())
     server = ServerConfig(port=0, dp_size=dp_size, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
-    role = RoleSpec("slow_reads:SlowReadPrefillRole", dict(
+    role = RoleSpec(slow_read_role, dict(
         config=disagg, dp_size=dp_size, load_balance_method=server.load_balance_method,
         slow_tag=slow_tag, marker=str(marker), delay_s=delay_s))
     controller = PrefillController(server, engine, role, disagg)

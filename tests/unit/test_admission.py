@@ -6,8 +6,8 @@ import math
 import pytest
 
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
-from disagg.dp.worker_role import WorkerRole
-from disagg.dp.worker import apply
+from disagg.worker.unified import UnifiedRole
+from disagg.worker.process import apply
 from disagg.engine.core import EngineCore
 from disagg.types import SEED_MAX, SEED_MIN, FinishReason, InvalidRequest, SamplingParams
 from disagg.wire.engine_msgs import AbortMsg, GenerateMsg, OutputMsg
@@ -130,7 +130,7 @@ def chat(request_id: str, content: object, max_tokens: int | None = 4) -> Genera
 
 
 async def test_an_unexpected_admission_error_answers_500_and_the_role_goes_on(core):
-    role = WorkerRole(core, 0, "tiny")
+    role = UnifiedRole(core, 0, "tiny")
     # A content list the front did not flatten makes the chat template raise TypeError.
     [out] = await role.submit(chat("bad", [{"type": "text", "text": "hi"}]))
     assert out == OutputMsg("bad", finish_reason=FinishReason.ABORT, error_status=500, error=(
@@ -143,13 +143,13 @@ async def test_an_unexpected_admission_error_answers_500_and_the_role_goes_on(co
 
 
 async def test_admission_answers_a_refused_request_with_a_400_naming_the_field(core):
-    role = WorkerRole(core, 0, "tiny")
+    role = UnifiedRole(core, 0, "tiny")
     [out] = await role.submit(GenerateMsg("big", SamplingParams(max_tokens=503), prompt_token_ids=list(range(1, 11))))
     assert out == OutputMsg("big", finish_reason=FinishReason.ABORT, error_status=400, error_param="max_tokens",
                             error=VLLM_CONTEXT_MESSAGE)
 
 
-class RaisingRole(WorkerRole):
+class RaisingRole(UnifiedRole):
     """A role whose own error handling has a bug: the worker loop is the last line of defence."""
 
     async def submit(self, msg):

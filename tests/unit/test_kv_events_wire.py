@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from disagg.config import ConfigError
-from disagg.dp.kv_events import to_wire
+from disagg.worker.kv_events import to_wire
 from disagg.engine import kv_events as engine_events
 from disagg.kv_events_config import KVEventsConfig, parse_kv_events_config
 from disagg.wire import kv_events as ours

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from disagg.dp.rank_rule import QUERY, RoomPlan, plan_room, resolve_prefill_rank
+from disagg.rank_rule import QUERY, RoomPlan, plan_room, resolve_prefill_rank
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg
 from prefill.rooms import PrefillRoom
@@ -56,7 +56,7 @@ def test_the_rule_has_one_modulo_in_the_package():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and "dp_size" in ast.unparse(node.right):
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert found == ["disagg/dp/rank_rule.py:20"]
+    assert found == ["disagg/rank_rule.py:20"]
 
 
 def test_blocks_go_out_as_chunks_complete():

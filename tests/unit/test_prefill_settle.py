@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prefill.controller import PrefillController
+from disagg.dp.prefill_front import PrefillController
 
 
 class Counts:

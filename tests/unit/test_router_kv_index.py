@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from disagg.dp.kv_events import to_wire
+from disagg.worker.kv_events import to_wire
 from disagg.engine.core import EngineCore
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.router import bodies

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from disagg.dp.tokenization import detokenize, tokenize
+from disagg.worker.tokenization import detokenize, tokenize
 from disagg.engine.models.tiny import build_tiny_tokenizer
 from disagg.engine.tokenizer import Tokenizer
 from disagg.wire.engine_msgs import TokenizeMsg

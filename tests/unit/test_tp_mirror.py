@@ -4,7 +4,7 @@ too) and ends on a step that raises."""
 
 import pytest
 
-from disagg.dp.tp_group import MirroredCore, follow
+from disagg.worker.tp_group import MirroredCore, follow
 from disagg.wire.engine_msgs import ShutdownMsg
 
 

@@ -16,52 +16,35 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import multiprocessing
 import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
 from disagg.engine_config import EngineConfig
-from disagg.dp.framing import frame, read_frame
-from disagg.dp.kv_events import ZmqEventPublisher, open_publisher
-from disagg.dp.tp_group import Followers, MirroredCore, rank_cpus, rank_engine
+from disagg.wire.framing import frame, read_frame
+from disagg.worker.kv_events import ZmqEventPublisher, open_publisher
+from disagg.worker.tp_group import Followers, MirroredCore, rank_cpus, rank_engine
 from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
+from disagg.worker.outputs import admission_error
+from disagg.worker.role import Role, RoomRole
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, RoomFailedMsg, RoomPlacedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
     encode,
 )
 
 if TYPE_CHECKING:
-    from disagg.dp.worker_role import WorkerRole
+    from disagg.worker.roles import RoleSpec
 
 log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.5
 WAKE = object()
-UNIFIED_ROLE = "disagg.dp.worker_role:WorkerRole"
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """Which WorkerRole a worker runs, named by import path so the front never imports torch."""
-
-    path: str = UNIFIED_ROLE
-    kwargs: dict = field(default_factory=dict)
-
-    @property
-    def moves_kv(self) -> bool:
-        """A P/D role: its transfer backend registers the worker's KV cache."""
-        return self.path != UNIFIED_ROLE
-
-    def build(self, core, dp_rank: int, model_name: str) -> WorkerRole:
-        module, _, name = self.path.partition(":")
-        return getattr(importlib.import_module(module), name)(core, dp_rank, model_name, **self.kwargs)
 
 
 @dataclass(frozen=True)
@@ -69,8 +52,8 @@ class WorkerSpec:
     dp_rank: int
     engine: EngineConfig
     socket_path: str
+    role: RoleSpec  # which role the worker builds (disagg/worker/roles.py)
     log_format: str = "console"
-    role: RoleSpec = RoleSpec()  # the P/D roles plug in here
     kv_events: KVEventsConfig = KVEventsConfig()  # the server's; the worker offsets its endpoints by dp_rank
     cpus: frozenset[int] | None = None  # the CPUs this worker runs on (None: not pinned)
     faults: bool = False  # the server's --enable-fault-injection
@@ -80,7 +63,7 @@ class WorkerSpec:
 # starts as a fork of that server (tens of milliseconds) instead of a fresh interpreter that imports
 # torch again (about 2 s of CPU on a 2-core host, at every start and every restart). The fork server
 # holds no threads, sockets or engine state: only modules; nothing there reads the environment.
-WORKER_PRELOAD = ["torch", "disagg.dp.worker", "disagg.engine.core"]
+WORKER_PRELOAD = ["torch", "disagg.worker.process", "disagg.engine.core"]
 
 
 @functools.cache
@@ -170,7 +153,7 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
         inbox.put_nowait(ShutdownMsg())
 
 
-async def serve(role: WorkerRole, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+async def serve(role: Role, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None,
                 followers: Followers | None = None) -> None:
     """The worker loop; with `followers` (tensor parallelism), the role's engine is a MirroredCore
@@ -224,13 +207,13 @@ def _drain(inbox: asyncio.Queue) -> list:
     return out
 
 
-def _send(role: WorkerRole, writer: asyncio.StreamWriter, msgs: list) -> None:
+def _send(role: Role, writer: asyncio.StreamWriter, msgs: list) -> None:
     role.sent(msgs)
     if msgs:
         writer.write(b"".join(frame(encode(m)) for m in msgs))
 
 
-async def apply(role: WorkerRole, msg, engine_thread: ThreadPoolExecutor | None = None) -> list:
+async def apply(role: Role, msg, engine_thread: ThreadPoolExecutor | None = None) -> list:
     """Apply one message from the front. A message that raises never stops the loop: a request
     that could not be admitted answers with a 500 naming the exception; a failed abort is logged.
     Utility calls (sleep, wake-up, cache resets: torch work) run on `engine_thread` when given."""
@@ -238,22 +221,21 @@ async def apply(role: WorkerRole, msg, engine_thread: ThreadPoolExecutor | None 
         return await _apply(role, msg, engine_thread)
     except Exception as exc:  # noqa: BLE001 - the roles answer their own errors; this is the backstop
         if isinstance(msg, GenerateMsg):
-            from disagg.dp.worker_role import admission_error  # torch: the worker process only
-
             return [admission_error(msg.request_id, exc)]
         log.exception("applying a message failed", message=type(msg).__name__)
         return []
 
 
-async def _apply(role: WorkerRole, msg, engine_thread: ThreadPoolExecutor | None) -> list:
+async def _apply(role: Role, msg, engine_thread: ThreadPoolExecutor | None) -> list:
     if isinstance(msg, GenerateMsg):
         role.note(msg)
         return await role.submit(msg)
     if isinstance(msg, AbortMsg):
         return await role.abort(msg.request_id)
-    if isinstance(msg, RoomFailedMsg):
-        return await role.room_failed(msg.bootstrap_room, msg.reason, msg.decode)
-    if isinstance(msg, RoomPlacedMsg):
+    if isinstance(msg, (RoomFailedMsg, RoomPlacedMsg)):  # only a prefill front sends them
+        assert isinstance(role, RoomRole), f"{type(msg).__name__} reached a {type(role).__name__}, which holds no rooms"
+        if isinstance(msg, RoomFailedMsg):
+            return await role.room_failed(msg.bootstrap_room, msg.reason, msg.decode)
         return role.room_placed(msg.bootstrap_room, msg.dp_rank)
     if isinstance(msg, UtilityMsg):
         try:
@@ -270,7 +252,7 @@ async def _on_engine_thread(engine_thread: ThreadPoolExecutor | None, fn, *args)
     return await asyncio.get_running_loop().run_in_executor(engine_thread, fn, *args)
 
 
-def step(role: WorkerRole) -> list:
+def step(role: Role) -> list:
     """One engine step. A step that raises fails its requests, not the worker; on a rank of a
     tensor-parallel group it takes the worker down (its ranks' collectives no longer match): the
     controller then fails its requests as a dead worker's (503) and restarts the group."""

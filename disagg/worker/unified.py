@@ -1,4 +1,4 @@
-"""Runs one EngineCore for a worker process: wire messages in, wire messages out.
+"""The unified worker role: one EngineCore behind wire messages (GenerateMsg in, OutputMsg out).
 
 Tokenization, chat templates and detokenization happen here, so the HTTP front stays torch- and
 tokenizer-free. One bad request becomes one error OutputMsg; it never stops the loop.
@@ -13,59 +13,19 @@ from functools import partial
 import msgspec
 import structlog
 
-from disagg.dp import tokenization
 from disagg.engine.core import EngineCore
-from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput
+from disagg.types import FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
-from kvtransfer.faulty import FaultyBackend, pause_heartbeats
+from disagg.worker import tokenization
+from disagg.worker.outputs import admission_error, to_output_msg
 
 log = structlog.get_logger(__name__)
 
-def error_output(request_id: str, exc: Exception) -> OutputMsg:
-    status = 400 if isinstance(exc, InvalidRequest) else 503 if isinstance(exc, EngineSleeping) else 500
-    param = getattr(exc, "param", None)
-    return OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=str(exc), error_status=status, error_param=param)
 
-
-def admission_error(request_id: str, exc: Exception) -> OutputMsg:
-    """The answer to a request that could not be admitted: 400/503 for the typed errors; anything
-    else is our bug, logged with its traceback and answered 500 with the exception's text."""
-    if isinstance(exc, (InvalidRequest, EngineSleeping)):
-        return error_output(request_id, exc)
-    log.exception("could not admit the request", request_id=request_id)
-    return error_output(request_id, RuntimeError(f"the worker could not admit the request: {type(exc).__name__}: {exc}"))
-
-
-def logprob_pairs(top: dict[int, float], sampled: int, num_top: int, extra_ids: tuple[int, ...] = ()) -> list[tuple[int, float]]:
-    """The sampled (or actual) token first, then the top `num_top` by descending logprob, which
-    include that token again when it ranks among them (as OpenAI's top_logprobs do), then the
-    `extra_ids` asked for by id. The top-n of `top` are its `num_top` largest: it holds them all."""
-    ranked = sorted(top.items(), key=lambda p: -p[1])[:num_top]
-    return [(sampled, top[sampled])] + ranked + [(t, top[t]) for t in extra_ids]
-
-
-def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
-    new = out.new_token_ids
-    logprobs = None
-    if out.outputs.logprobs is not None and new:
-        tops = out.outputs.logprobs[len(out.outputs.logprobs) - len(new) :]
-        logprobs = [logprob_pairs(top, tok, out.num_logprobs or 0, out.logprob_token_ids) for top, tok in zip(tops, new)]
-    prompt_logprobs = None
-    if first and out.prompt_logprobs is not None:
-        prompt_logprobs = [
-            None if top is None else logprob_pairs(top, tok, out.num_prompt_logprobs or 0, out.logprob_token_ids)
-            for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
-        ]
-    return OutputMsg(
-        request_id=out.request_id, new_token_ids=list(new), new_text=out.new_text,
-        finish_reason=out.outputs.finish_reason, stop_reason=out.outputs.stop_reason,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens, num_output_tokens=len(out.outputs.token_ids),
-    )
-
-
-class WorkerRole:
-    """The unified (non-disaggregated) worker: every request runs start to end on this engine."""
+class UnifiedRole:
+    """The unified (non-disaggregated) worker: every request runs start to end on this engine. The
+    P/D roles build on it (disagg/worker/transfer.py) and add the KV transfer.
+    Implements disagg/worker/role.py's Role."""
 
     can_sleep = True  # the P/D roles register the KV cache with peers: freeing it would break them
     fault_injection = False  # the server's --enable-fault-injection, set by the worker before start()
@@ -131,15 +91,6 @@ class WorkerRole:
 
     async def poll(self) -> list[OutputMsg]:
         """Advance background work between engine steps (the roles: KV transfers)."""
-        return []
-
-    def room_placed(self, room: int, dp_rank: int) -> list:
-        """The front dispatched a room to another rank (the prefill role answers a misrouted decode)."""
-        return []
-
-    async def room_failed(self, room: int, reason: str, decode: str = "") -> list[OutputMsg]:
-        """The front says a bootstrap room will not be served (the prefill role answers its decode);
-        `decode`: the misrouted decode that caused it, if one did."""
         return []
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
@@ -211,21 +162,12 @@ class WorkerRole:
         }
         return table[method](*args)
 
-    def faulty(self, backend):
-        """The role's transfer backend, wrapped so that transfer faults reach it when the server allows them."""
-        return FaultyBackend(backend) if self.fault_injection else backend
-
     def inject_fault(self, kind: str, params: dict) -> None:
-        """A worker-side fault (the front checked `kind`, `params` and that a transfer fault reaches a
-        P/D worker, whose backend `faulty()` wrapped: disagg/dp/faults.py)."""
-        if kind == "slow_steps":
-            self.step_delay_s = params["ms"] / 1000
-        elif kind == "stop_heartbeats":
-            pause_heartbeats(params["seconds"])
-        elif kind == "delay_transfers":
-            self.backend.delay(params["count"], params["seconds"])
-        else:
-            self.backend.fail(params["count"])
+        """A worker-side fault the front checked (disagg/dp/faults.py): here only slow_steps; the P/D
+        roles also take the transfer faults (disagg/worker/transfer.py)."""
+        if kind != "slow_steps":
+            raise InvalidRequest(f"fault {kind!r} needs a prefill or decode worker", "kind")
+        self.step_delay_s = params["ms"] / 1000
         log.warning("fault injected", fault=kind, **params)
 
     def _sleep(self, level: int = 1) -> None:

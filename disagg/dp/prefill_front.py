@@ -13,10 +13,10 @@ from disagg.config import DisaggConfig, ServerConfig
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController
-from disagg.dp.worker import RoleSpec
+from disagg.worker.roles import RoleSpec
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg, Utility
-from disagg.dp.rank_rule import implied_rank, plan_room
+from disagg.rank_rule import implied_rank, plan_room
 
 log = structlog.get_logger(__name__)
 LEASE_POLL_S = 0.05

@@ -28,7 +28,7 @@ from disagg.engine_config import EngineConfig
 from disagg.wire.engine_msgs import ShutdownMsg
 
 if TYPE_CHECKING:
-    from disagg.dp.worker import WorkerSpec
+    from disagg.worker.process import WorkerSpec
 
 log = structlog.get_logger(__name__)
 # The EngineCore methods that change its state: what the followers must do too, in rank 0's order.

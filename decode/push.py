@@ -21,7 +21,7 @@ from disagg.config import DisaggConfig
 from disagg.rank_rule import QUERY, resolve_prefill_rank
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
-from disagg.types import InvalidRequest
+from disagg.types import ErrorCode, InvalidRequest
 from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import TransferInfoMsg, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
@@ -57,10 +57,11 @@ class PushFetch:
         """Refuse, before any connection, a request that cannot be served: a missing bootstrap field
         or a registry (host:port) the decode may not reach."""
         missing = [f for f in BOOTSTRAP_FIELDS if getattr(msg, f) is None]
-        if missing:
+        if missing:  # without a room, a request sent alone: a router may send it again with a prefill
             raise InvalidRequest(
                 f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
-                "locally (send it through a P/D router)", missing[0])
+                "locally (send it through a P/D router)", missing[0],
+                ErrorCode.LOCAL_PREFILL_REFUSED if msg.bootstrap_room is None else None)
         if not self.config.allows_bootstrap_address(msg.bootstrap_host, msg.bootstrap_port):
             address = format_address(msg.bootstrap_host, msg.bootstrap_port)
             raise InvalidRequest(f"bootstrap_host:bootstrap_port {address!r} is not allowed on this decode server "

@@ -26,7 +26,7 @@ from disagg.worker.outputs import admission_error, error_output
 from disagg.worker.transfer import TransferRole
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
-from disagg.types import FinishReason, InvalidRequest
+from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 from kvtransfer.base import PeerUnavailable
@@ -91,7 +91,7 @@ class DecodeRole(TransferRole):
     def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
         """A request sent to this decode alone (selective disaggregation): prefilled here when its
         prompt tokens missing from our prefix cache, with those of the local prefills still running,
-        are at most `max_local_prefill_tokens`; else refused (400, param bootstrap_room) so that a
+        are at most `max_local_prefill_tokens`; else refused (400, code local_prefill_refused) so that a
         router sends it again with a prefill (a busy decode hands the work to the prefill)."""
         limit = self.config.max_local_prefill_tokens
         try:
@@ -103,7 +103,8 @@ class DecodeRole(TransferRole):
                 raise InvalidRequest(
                     f"{len(ids) - cached} of the prompt's {len(ids)} tokens are not in this decode's prefix cache{waiting}; "
                     f"it prefills at most {limit} itself (--max-local-prefill-tokens): send the request with a prefill "
-                    "(bootstrap_room, bootstrap_host and bootstrap_port, or kv_transfer_params)", "bootstrap_room")
+                    "(bootstrap_room, bootstrap_host and bootstrap_port, or kv_transfer_params)", "bootstrap_room",
+                    ErrorCode.LOCAL_PREFILL_REFUSED)
             self.core.add_request(msg.request_id, ids, msg.sampling, priority=msg.priority)
         except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
             return [admission_error(msg.request_id, exc)]

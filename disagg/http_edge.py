@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from disagg.types import ErrorCode
+
 T = TypeVar("T")
 # Why a JSON body that exhausts the decoder's recursion is refused; each server puts its own words before it.
 JSON_TOO_DEEP = "it is nested too deeply"
@@ -31,17 +33,12 @@ TYPE_OF_STATUS = {
     504: "GatewayTimeoutError",
 }
 
-# Error codes of the drain (disagg.drain): a 503 with DRAINING_CODE refuses a new request because the
-# server is shutting down (a router sends the request to another server); SHUTDOWN_CODE ends a request
-# the shutdown aborted.
-DRAINING_CODE = "draining"
-SHUTDOWN_CODE = "shutdown"
 
 
 def is_draining_answer(status: int, body: object) -> bool:
-    """True for a server's 503 whose JSON error body carries DRAINING_CODE."""
+    """True for a server's 503 whose JSON error body carries ErrorCode.DRAINING."""
     error = body.get("error") if isinstance(body, dict) else None
-    return status == 503 and isinstance(error, dict) and error.get("code") == DRAINING_CODE
+    return status == 503 and isinstance(error, dict) and error.get("code") == ErrorCode.DRAINING
 
 
 def error_type_of(status: int) -> str:
@@ -81,8 +78,8 @@ class HttpError(Exception):
 class BadRequest(HttpError):
     """400: the request cannot be served as sent; `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(400, message, param=param)
+    def __init__(self, message: str, param: str | None = None, code: ErrorCode | None = None):
+        super().__init__(400, message, param=param, code=code)
 
 
 def decode_json(raw: bytes, kind: type[T] = Any, *, malformed: str, invalid: str = "invalid request body",

@@ -16,13 +16,23 @@ GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily (vLLM's _
 MAX_LOGPROBS = 20
 
 
-class InvalidRequest(ValueError):
-    """User input that cannot be served; `param` names the offending field (OpenAI's `param`)."""
+class ErrorCode(str, enum.Enum):
+    """The `code` of an error answer that a router acts on (OpenAI's error `code`)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    DRAINING = "draining"  # a 503: the server is shutting down; send the request to another one
+    SHUTDOWN = "shutdown"  # the shutdown aborted this request
+    LOCAL_PREFILL_REFUSED = "local_prefill_refused"  # a 400: a decode sent a request alone will not prefill it
+
+
+class InvalidRequest(ValueError):
+    """User input that cannot be served; `param` names the offending field (OpenAI's `param`), `code`
+    what a router may do about it."""
+
+    def __init__(self, message: str, param: str | None = None, code: ErrorCode | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class EngineSleeping(RuntimeError):

@@ -29,7 +29,7 @@ SAME_LAYER_OK = {
     ("disagg.worker.roles", "prefill"), ("disagg.worker.roles", "decode"),
     ("disagg.worker", "disagg.worker.roles"),  # the worker's spec names RoleSpec's type (TYPE_CHECKING only)
     ("disagg.api", "disagg.dp"), ("disagg.rank_rule", "disagg.config"), ("disagg.rank_rule", "disagg.types"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.config", "disagg.tool_config"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
-    ("disagg.testing", "disagg.launch"),
+    ("disagg.testing", "disagg.launch"), ("disagg", "disagg.types"),  # http_edge's error codes
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests", "zmq"}
 NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.config", "disagg.tool_config", "disagg.cpus", "disagg.block_hashes", "disagg.kv_events_config", "disagg.registry_config", "disagg.host_patterns", "disagg.engine_config",

@@ -10,8 +10,8 @@ from disagg.api.admission import RETRY_AFTER_S, Overload
 from disagg.dp.faults import ENGINE_STATUSES
 from disagg.dp.protocol import InconsistentUtilityResults, UtilityFailed, WorkerUnavailable
 from disagg.drain import Drain
-from disagg.http_edge import DRAINING_CODE, SHUTDOWN_CODE, BadRequest, Edge, HttpError, error_middleware, http_error_of
-from disagg.types import EngineSleeping, InvalidRequest
+from disagg.http_edge import BadRequest, Edge, HttpError, error_middleware, http_error_of
+from disagg.types import EngineSleeping, ErrorCode, InvalidRequest
 
 log = structlog.get_logger("disagg.api")
 
@@ -33,12 +33,12 @@ class Unauthorized(HttpError):
 
 def draining_error(drain: Drain) -> HttpError:
     """503 for a new generate request, and for `/health`, while the server drains."""
-    return HttpError(503, drain.refusal_message(), code=DRAINING_CODE)
+    return HttpError(503, drain.refusal_message(), code=ErrorCode.DRAINING)
 
 
 def shutdown_error(drain: Drain) -> HttpError:
     """503 (or the stream's error event) for a request the drain aborted."""
-    return HttpError(503, drain.abort_message(), code=SHUTDOWN_CODE)
+    return HttpError(503, drain.abort_message(), code=ErrorCode.SHUTDOWN)
 
 
 def overloaded_error(overload: Overload) -> HttpError:
@@ -62,18 +62,18 @@ class AdminDisabled(HttpError):
                               "start it with --admin-key (or DISAGG_ADMIN_KEY) to use it", code="admin_disabled")
 
 
-def engine_error(message: str, status: int, param: str | None) -> HttpError:
+def engine_error(message: str, status: int, param: str | None, code: ErrorCode | None = None) -> HttpError:
     """An HttpError for a request the engine failed (`OutputMsg.error*`); statuses other than
     ENGINE_STATUSES become 500 (a role's own 499 and 504 included: docs/faults.md)."""
     if status not in ENGINE_STATUSES:  # 429 only from a fail_requests fault
         status = 500
-    return HttpError(status, message, param=param)
+    return HttpError(status, message, param=param, code=code)
 
 
 def to_api_error(exc: BaseException) -> HttpError:
     """Map any exception a handler lets out to the HttpError the client sees."""
     if isinstance(exc, InvalidRequest):
-        return BadRequest(exc.message, exc.param)
+        return BadRequest(exc.message, exc.param, code=exc.code)
     if isinstance(exc, (WorkerUnavailable, EngineSleeping)):
         return HttpError(503, str(exc))
     if isinstance(exc, TimeoutError):  # asyncio.TimeoutError too

@@ -117,7 +117,7 @@ class Generation:
             async for out in stream:
                 if out.error is not None:
                     done = True  # the worker already dropped the request
-                    raise engine_error(out.error, out.error_status, out.error_param)
+                    raise engine_error(out.error, out.error_status, out.error_param, out.error_code)
                 self.totals.add(out)
                 yield out
                 if out.finish_reason is not None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from disagg.http_edge import DRAINING_CODE, SHUTDOWN_CODE, HttpError
+from disagg.http_edge import HttpError
+from disagg.types import ErrorCode
 
 
 class NoHealthyServer(HttpError):
@@ -23,14 +24,14 @@ class RouterDraining(HttpError):
     """503: the router is shutting down and takes no new requests (its /health says the same)."""
 
     def __init__(self, message: str):
-        super().__init__(503, message, code=DRAINING_CODE)
+        super().__init__(503, message, code=ErrorCode.DRAINING)
 
 
 class RequestShutDown(HttpError):
     """503 (or the stream's error event): the router shut down before this request finished."""
 
     def __init__(self, message: str):
-        super().__init__(503, message, code=SHUTDOWN_CODE)
+        super().__init__(503, message, code=ErrorCode.SHUTDOWN)
 
 
 class ServerUnreachable(HttpError):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from disagg.http_edge import HttpError
+from disagg.types import ErrorCode
 from disagg.router.bodies import CHAT_PATH, COMPLETIONS_PATH
 from disagg.router.errors import ServerError
 from disagg.router.legs import json_or_none
@@ -91,8 +92,8 @@ class LocalPrefillRefused(HttpError):
 
 
 def refuses_local_prefill(exc: ServerError) -> bool:
-    """The decode's answer to a request sent alone that it would not prefill: 400 naming bootstrap_room."""
+    """The decode's answer to a request sent alone that it would not prefill: a 400 with its ErrorCode."""
     if exc.role != str(Role.DECODE) or exc.status != 400:
         return False
     error = (json_or_none(exc.raw) or {}).get("error")
-    return isinstance(error, dict) and error.get("param") == "bootstrap_room"
+    return isinstance(error, dict) and error.get("code") == ErrorCode.LOCAL_PREFILL_REFUSED

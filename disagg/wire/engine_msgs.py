@@ -10,7 +10,7 @@ import enum
 
 import msgspec
 
-from disagg.types import FinishReason, SamplingParams
+from disagg.types import ErrorCode, FinishReason, SamplingParams
 
 
 class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=True):
@@ -147,6 +147,7 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     error: str | None = None  # the request failed; `error_status` says how (400 bad input, 500, 503)
     error_status: int = 0
     error_param: str | None = None
+    error_code: ErrorCode | None = None  # what a router may do about it (a local prefill refused)
     kv_transfer_params: dict | None = None  # pull flow, prefill: the ticket the decode reads with
     kv: KVStatsMsg | None = None  # on the prefill's final output and on the decode's first
     prompt_token_ids: list[int] | None = None  # on the first message, when GenerateMsg.return_prompt

@@ -12,8 +12,9 @@ log = structlog.get_logger(__name__)
 
 def error_output(request_id: str, exc: Exception) -> OutputMsg:
     status = 400 if isinstance(exc, InvalidRequest) else 503 if isinstance(exc, EngineSleeping) else 500
-    param = getattr(exc, "param", None)
-    return OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=str(exc), error_status=status, error_param=param)
+    param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+    return OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=str(exc), error_status=status, error_param=param,
+                     error_code=code)
 
 
 def admission_error(request_id: str, exc: Exception) -> OutputMsg:

@@ -169,6 +169,6 @@ async def test_the_async_form_starts_and_stops_off_the_tests_loop():
     async with Cluster(router=False) as c:
         status, answer = await asyncio.to_thread(post, c.decode.url + "/v1/completions", {**BODY, "max_tokens": 1})
         assert status == 400  # a decode alone needs the P/D fields: the server answered, from its own loop
-        assert answer["error"]["param"] == "bootstrap_room"
+        assert (answer["error"]["param"], answer["error"]["code"]) == ("bootstrap_room", "local_prefill_refused")
         pids = c.pids()
     assert len(pids) == 2 and [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []

@@ -37,11 +37,15 @@ def test_nothing_is_learned_from_what_no_next_turn_continues():
     assert learned_text("/v1/completions", "p", b'{"choices": [{"text": ""}]}', stream=False) is None  # no answer
 
 
-def test_only_a_decodes_400_naming_bootstrap_room_sends_the_request_again_with_a_prefill():
-    body = json.dumps({"error": {"message": "...", "type": "BadRequestError", "param": "bootstrap_room", "code": None}})
+def test_only_a_decodes_400_with_the_local_prefill_code_sends_the_request_again_with_a_prefill():
+    body = json.dumps({"error": {"message": "...", "type": "BadRequestError", "param": "bootstrap_room",
+                                 "code": "local_prefill_refused"}})
     refusal = ServerError("decode", "http://d", 400, body.encode(), "application/json")
     assert refuses_local_prefill(refusal)
     other = json.dumps({"error": {"message": "...", "param": "max_tokens"}}).encode()
     assert not refuses_local_prefill(ServerError("decode", "http://d", 400, other, "application/json"))
+    # the field's name is no signal: only the code is
+    uncoded = json.dumps({"error": {"message": "...", "param": "bootstrap_room", "code": None}}).encode()
+    assert not refuses_local_prefill(ServerError("decode", "http://d", 400, uncoded, "application/json"))
     assert not refuses_local_prefill(ServerError("prefill", "http://p", 400, body.encode(), "application/json"))
     assert not refuses_local_prefill(ServerError("decode", "http://d", 503, body.encode(), "application/json"))

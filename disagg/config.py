@@ -129,7 +129,7 @@ def refuse_open_binds(command: str, binds: dict[str, str], secret: str | None, i
 # --- HTTP front door and data-parallel workers ----------------------------------------------------
 
 class LoadBalanceMethod(Choice):
-    """How a server's DP controller picks the worker of a request (DESIGN.md section 3)."""
+    """How a server's DP controller picks the worker of a request (docs/api.md, "DP routing and P/D fields")."""
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"  # the fewest outstanding tokens

@@ -1,4 +1,4 @@
-"""Which prefill DP rank holds a room's KV (DESIGN.md section 3), in one place. Pure.
+"""Which prefill DP rank holds a room's KV (docs/api.md, "Which prefill DP rank holds a room's KV"), in one place. Pure.
 
 The prefill front dispatches, plans and refuses rooms by it; the decode resolves the rank by it; the
 DP dispatcher's `follow_bootstrap_room` method is it. `implied_rank` is the rule's only modulo.

@@ -24,6 +24,22 @@ class ErrorCode(str, enum.Enum):
     LOCAL_PREFILL_REFUSED = "local_prefill_refused"  # a 400: a decode sent a request alone will not prefill it
 
 
+class FaultKind(str, enum.Enum):
+    """A fault a server started with --enable-fault-injection injects on purpose (docs/testing.md): the
+    front applies stall, kill and fail_requests itself; the worker the others (transfer ones on P/D only)."""
+
+    STALL = "stall"
+    KILL = "kill"
+    FAIL_REQUESTS = "fail_requests"
+    SLOW_STEPS = "slow_steps"
+    DELAY_TRANSFERS = "delay_transfers"
+    FAIL_TRANSFERS = "fail_transfers"
+    STOP_HEARTBEATS = "stop_heartbeats"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class InvalidRequest(ValueError):
     """User input that cannot be served; `param` names the offending field (OpenAI's `param`), `code`
     what a router may do about it."""

@@ -48,7 +48,7 @@ def test_the_parser_reads_folders_from_headings():
 
 
 PROCESSES = {"front", "worker", "router", "registry", "cli", "tests", "any"}
-TORCH_FREE = {"front", "router", "registry"}  # processes that never import torch (DESIGN: the front starts fast)
+TORCH_FREE = {"front", "router", "registry"}  # processes that never import torch (they start fast)
 
 
 def rows(text: str) -> list[tuple[list[str], set[str]]]:

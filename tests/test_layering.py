@@ -1,4 +1,4 @@
-"""The import rule of DESIGN.md section 2, enforced by walking every module's AST."""
+"""The import rule (docs/architecture.md, "Floors and the import rule"), enforced by walking every module's AST."""
 
 from __future__ import annotations
 

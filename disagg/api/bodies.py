@@ -30,7 +30,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class RoutedBody(msgspec.Struct, kw_only=True):
-    """DP routing and P/D fields, accepted on every generate endpoint (DESIGN.md section 3).
+    """DP routing and P/D fields, accepted on every generate endpoint (docs/api.md).
 
     Decoded from the same body as the endpoint's own struct, so every endpoint reads them alike.
     """

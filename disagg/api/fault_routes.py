@@ -32,8 +32,8 @@ async def inject(request: web.Request) -> web.Response:
     state = state_of(request)
     body = decode_body(await read_body(request), FaultBody)
     given = {name: getattr(body, name) for name in ("seconds", "count", "status", "ms")}
-    params = check_fault(body.fault, given)
-    await state.engine.inject_fault(body.fault, body.dp_rank, params)
+    kind, params = check_fault(body.fault, given)
+    await state.engine.inject_fault(kind, body.dp_rank, params)
     state.metrics.faults.labels(body.fault, str(body.dp_rank)).inc()
     log.warning("fault injected", fault=body.fault, dp_rank=body.dp_rank, **params)
     return json_response({"fault": body.fault, "dp_rank": body.dp_rank, **params})

@@ -1,4 +1,4 @@
-"""DP routing fields of a generate request (DESIGN.md section 3): body, deprecated alias, header."""
+"""DP routing fields of a generate request (docs/api.md, "DP routing and P/D fields"): body, deprecated alias, header."""
 
 from __future__ import annotations
 

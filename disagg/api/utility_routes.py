@@ -1,4 +1,4 @@
-"""Engine utilities fanned out to every DP worker and aggregated (DESIGN.md section 3).
+"""Engine utilities fanned out to every DP worker and aggregated (docs/api.md: the routes table, and the errors of a disagreement).
 
 `/is_sleeping` needs every worker to agree (else 500 InconsistentUtilityResults listing each value);
 `/reset_prefix_cache` needs every worker to answer True, `/sleep` and `/wake_up` need no worker to

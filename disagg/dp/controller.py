@@ -32,7 +32,7 @@ from disagg.wire.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
 from disagg.worker.process import WorkerSpec, run_worker, worker_context
 from disagg.worker.roles import RoleSpec
-from disagg.types import FinishReason, InvalidRequest
+from disagg.types import FaultKind, FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
     UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, Utility, UtilityMsg,
     UtilityResultMsg, decode_from_worker, encode,
@@ -334,7 +334,7 @@ class DPController:
                 worker.outstanding.pop(msg.request_id, None)
                 worker.send(AbortMsg(msg.request_id))
 
-    async def inject_fault(self, kind: str, dp_rank: int, params: dict) -> None:
+    async def inject_fault(self, kind: FaultKind, dp_rank: int, params: dict) -> None:
         """One fault on the worker of `dp_rank` (checked by faults.check_fault; docs/testing.md)."""
         worker = self.workers[self.dispatcher.check_rank(dp_rank)]
         if kind in PD_FAULTS and self.server.disaggregation_mode is DisaggregationMode.NULL:

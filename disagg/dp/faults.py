@@ -16,26 +16,30 @@ import asyncio
 import os
 import signal
 
-from disagg.types import InvalidRequest
+from disagg.types import FaultKind, InvalidRequest
 
-FAULTS: dict[str, tuple[str, ...]] = {
-    "stall": ("seconds",), "kill": (), "fail_requests": ("count", "status"), "slow_steps": ("ms",),
-    "delay_transfers": ("count", "seconds"), "fail_transfers": ("count",), "stop_heartbeats": ("seconds",),
+FAULTS: dict[FaultKind, tuple[str, ...]] = {  # each fault's parameters
+    FaultKind.STALL: ("seconds",), FaultKind.KILL: (), FaultKind.FAIL_REQUESTS: ("count", "status"),
+    FaultKind.SLOW_STEPS: ("ms",), FaultKind.DELAY_TRANSFERS: ("count", "seconds"), FaultKind.FAIL_TRANSFERS: ("count",),
+    FaultKind.STOP_HEARTBEATS: ("seconds",),
 }
-WORKER_FAULTS = frozenset({"slow_steps", "delay_transfers", "fail_transfers", "stop_heartbeats"})
-PD_FAULTS = frozenset({"delay_transfers", "fail_transfers", "stop_heartbeats"})  # prefill and decode servers only
+# The faults the worker applies (a utility call), and those only prefill and decode workers take.
+PD_FAULTS = frozenset({FaultKind.DELAY_TRANSFERS, FaultKind.FAIL_TRANSFERS, FaultKind.STOP_HEARTBEATS})
+WORKER_FAULTS = PD_FAULTS | {FaultKind.SLOW_STEPS}
 _LIMITS = {"seconds": (0.001, 3600.0), "count": (1, 1_000_000), "ms": (0.0, 60_000.0)}
 ENGINE_STATUSES = (400, 404, 413, 429, 500, 503)  # what a worker's failed request may answer (api/errors.py)
 
 
-def check_fault(kind: str, params: dict[str, object]) -> dict[str, float | int]:
-    """The fault's parameters, checked: InvalidRequest naming what is wrong."""
-    if kind not in FAULTS:
-        raise InvalidRequest(f"unknown fault {kind!r}: one of {', '.join(FAULTS)}", "fault")
-    return {name: _checked(kind, name, params.get(name)) for name in FAULTS[kind]}
+def check_fault(name: str, params: dict[str, object]) -> tuple[FaultKind, dict[str, float | int]]:
+    """The fault named `name` and its parameters, checked: InvalidRequest naming what is wrong."""
+    try:
+        kind = FaultKind(name)
+    except ValueError:
+        raise InvalidRequest(f"unknown fault {name!r}: one of {', '.join(FAULTS)}", "fault") from None
+    return kind, {param: _checked(kind, param, params.get(param)) for param in FAULTS[kind]}
 
 
-def _checked(kind: str, name: str, value: object) -> float | int:
+def _checked(kind: FaultKind, name: str, value: object) -> float | int:
     if name == "status":
         if isinstance(value, bool) or value not in ENGINE_STATUSES:
             raise InvalidRequest(f"{kind} needs status: one of {', '.join(map(str, ENGINE_STATUSES))}, got {value!r}", name)
@@ -54,13 +58,13 @@ class ProcessFaults:
     def __init__(self) -> None:
         self._failing: dict[int, tuple[int, int]] = {}  # rank -> (requests left to fail, status)
 
-    def apply(self, kind: str, rank: int, pid: int | None, params: dict) -> None:
-        if kind == "fail_requests":
+    def apply(self, kind: FaultKind, rank: int, pid: int | None, params: dict) -> None:
+        if kind is FaultKind.FAIL_REQUESTS:
             self._failing[rank] = (params["count"], params["status"])
             return
         if pid is None:
             raise InvalidRequest(f"DP worker {rank} has no process", "dp_rank")
-        if kind == "kill":
+        if kind is FaultKind.KILL:
             os.kill(pid, signal.SIGKILL)
         else:
             os.kill(pid, signal.SIGSTOP)

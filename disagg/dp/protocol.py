@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from disagg.config import LoadBalanceMethod
+from disagg.types import FaultKind
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, Utility
 
 
@@ -90,7 +91,7 @@ class EngineClient(Protocol):
         """Run on every worker (or on `ranks`); one result per worker called. Raises UtilityFailed,
         WorkerUnavailable."""
 
-    async def inject_fault(self, kind: str, dp_rank: int, params: dict) -> None:
+    async def inject_fault(self, kind: FaultKind, dp_rank: int, params: dict) -> None:
         """A fault on one worker, on purpose (--enable-fault-injection; disagg/dp/faults.py)."""
 
     def worker_states(self) -> list[WorkerState]:

@@ -152,6 +152,7 @@ class CacheAwarePairPicker:
     alone (`PairPick.local`: no prefill is picked, its trees are left as they were)."""
 
     uses_text = True  # the proxy passes each request's prompt (bodies.routing_text)
+    learns_answers = True  # a decode's answers go into its tree (with --max-local-prefill-tokens)
 
     def __init__(self, config: CacheAwareConfig, rng: random.Random | None = None, index: KVIndex | None = None):
         self.prefill = CacheAwarePicker(config, index)
@@ -176,6 +177,10 @@ class CacheAwarePairPicker:
         """Every eligible prefill has at least --local-prefill-min-prefill-load prefill legs unanswered."""
         floor = self.prefill.config.local_prefill_min_prefill_load
         return min(load.prefilling for load in prefill if load.eligible) >= floor
+
+    def wants_token_ids(self, prefill: Sequence[ServerLoad]) -> bool:
+        """The KV-event index steers the prefill pick once every eligible prefill publishes."""
+        return self.prefill.index is not None and self.prefill.events_ready(prefill)
 
     def learn_answer(self, decode_server_id: int, text: Prompt) -> None:
         """Record a prompt and the answer its decode gave in that decode's tree (it holds both now)."""

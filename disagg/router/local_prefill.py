@@ -20,6 +20,7 @@ from disagg.types import ErrorCode
 from disagg.router.bodies import CHAT_PATH, COMPLETIONS_PATH
 from disagg.router.errors import ServerError
 from disagg.router.legs import json_or_none
+from disagg.router.policy import PairPolicy
 from disagg.router.workers import Role
 
 JOINERS = {CHAT_PATH: " ", COMPLETIONS_PATH: ""}
@@ -69,17 +70,16 @@ def learned_text(path: str, prompt: object, raw: bytes, stream: bool) -> str | N
     return prompt + JOINERS[path] + answer
 
 
-def learner(picker: object, path: str, prompt: object, decode_id: int, stream: bool) -> Callable[[bytes], None] | None:
+def learner(picker: PairPolicy, path: str, prompt: object, decode_id: int, stream: bool) -> Callable[[bytes], None] | None:
     """What records a successful answer in the decode's tree; None when the picker keeps no decode
     trees or the route has no answer to learn."""
-    learn_answer = getattr(picker, "learn_answer", None)
-    if learn_answer is None or path not in JOINERS:
+    if not picker.learns_answers or path not in JOINERS:
         return None
 
     def learn(raw: bytes) -> None:
         learned = learned_text(path, prompt, raw, stream)
         if learned is not None:
-            learn_answer(decode_id, learned)
+            picker.learn_answer(decode_id, learned)
     return learn
 
 

@@ -10,6 +10,7 @@ import random
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from disagg.config import Choice
 from disagg.prefix_tree import CacheOutcome
@@ -78,10 +79,29 @@ class ServerPicker:
         return chosen
 
 
+class PairPolicy(Protocol):
+    """What the proxy asks of a pair policy: PairPicker, or cache_aware.CacheAwarePairPicker."""
+
+    uses_text: bool  # the proxy passes each request's prompt to pick()
+    learns_answers: bool  # the proxy hands each answer to learn_answer()
+
+    def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: object = None,
+             local_ok: bool = True, token_ids: Sequence[int] | None = None) -> PairPick:
+        """The pair for one request; NoHealthyServer names the role that has none."""
+
+    def wants_token_ids(self, prefill: Sequence[ServerLoad]) -> bool:
+        """Whether the prompt's token ids (a prefill's /tokenize) would steer the pick now."""
+
+    def learn_answer(self, decode_server_id: int, text: object) -> None:
+        """Record a prompt and the answer its decode gave."""
+
+
 class PairPicker:
-    """Picks a (prefill, decode) pair; each role has its own cursor."""
+    """Picks a (prefill, decode) pair; each role has its own cursor. A PairPolicy that reads no
+    prompt, no token ids and no answers."""
 
     uses_text = False  # the prompt does not matter to these policies
+    learns_answers = False
 
     def __init__(self, policy: Policy | str, rng: random.Random | None = None):
         policy = Policy(policy)
@@ -107,6 +127,12 @@ class PairPicker:
         """`pick_pair` as a PairPick; `text`, `local_ok` and `token_ids` are not used (these policies
         always prefill remotely and read no cache)."""
         return PairPick(*self.pick_pair(prefill, decode))
+
+    def wants_token_ids(self, prefill: Sequence[ServerLoad]) -> bool:
+        return False
+
+    def learn_answer(self, decode_server_id: int, text: object) -> None:
+        """Never called (learns_answers is False): these policies keep no trees."""
 
 
 def draw_bootstrap_room(randbits: Callable[[int], int] = secrets.randbits) -> int:

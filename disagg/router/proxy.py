@@ -32,8 +32,7 @@ from disagg.router.errors import (
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.metrics import RouterMetrics
-from disagg.router.cache_aware import CacheAwarePairPicker
-from disagg.router.policy import PairPicker, draw_rooms, pick_dp_rank
+from disagg.router.policy import PairPolicy, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
 
@@ -72,7 +71,7 @@ class Proxy:
     """Dispatches generate requests over one LegClient; owns no connections itself."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, health: HealthChecker, legs: LegClient,
-                 picker: PairPicker | CacheAwarePairPicker, rng: random.Random | None = None,
+                 picker: PairPolicy, rng: random.Random | None = None,
                  randbits: Callable[[int], int] = secrets.randbits, drain: Drain | None = None,
                  metrics: RouterMetrics | None = None):
         self._config = config
@@ -195,8 +194,7 @@ class Proxy:
                               headers: dict[str, str] | None) -> tuple[int, ...] | None:
         """The prompt's token ids for the KV-event index, once every prefill publishes: given, or from
         an eligible prefill's /tokenize (None when it cannot tell: the trees decide then)."""
-        index_picker = getattr(self._picker, "prefill", None)
-        if index_picker is None or index_picker.index is None or not index_picker.events_ready(loads):
+        if not self._picker.wants_token_ids(loads):
             return None
         if isinstance(text, tuple):
             return text

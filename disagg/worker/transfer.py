@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import structlog
 
+from disagg.types import FaultKind
 from disagg.worker.unified import UnifiedRole
 from kvtransfer.base import KVTransferBackend
 from kvtransfer.faulty import FaultyBackend, pause_heartbeats
@@ -24,14 +25,15 @@ class TransferRole(UnifiedRole):
         """The role's transfer backend, wrapped so that transfer faults reach it when the server allows them."""
         return FaultyBackend(backend) if self.fault_injection else backend
 
-    def inject_fault(self, kind: str, params: dict) -> None:
-        """A worker-side fault the front checked (disagg/dp/faults.py): the unified role's, or one of
-        the transfer's (on the backend `faulty()` wrapped)."""
-        if kind == "slow_steps":
-            return super().inject_fault(kind, params)
-        if kind == "stop_heartbeats":
+    def inject_fault(self, name: str, params: dict) -> None:
+        """A worker-side fault the front checked (disagg/dp/faults.py), by its FaultKind's value: the
+        unified role's, or one of the transfer's (on the backend `faulty()` wrapped)."""
+        kind = FaultKind(name)
+        if kind is FaultKind.SLOW_STEPS:
+            return super().inject_fault(name, params)
+        if kind is FaultKind.STOP_HEARTBEATS:
             pause_heartbeats(params["seconds"])
-        elif kind == "delay_transfers":
+        elif kind is FaultKind.DELAY_TRANSFERS:
             self.backend.delay(params["count"], params["seconds"])
         else:
             self.backend.fail(params["count"])

@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from disagg.engine.core import EngineCore
-from disagg.types import FinishReason, InvalidRequest, RequestOutput
+from disagg.types import FaultKind, FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
 from disagg.worker import tokenization
 from disagg.worker.outputs import admission_error, to_output_msg
@@ -162,10 +162,11 @@ class UnifiedRole:
         }
         return table[method](*args)
 
-    def inject_fault(self, kind: str, params: dict) -> None:
-        """A worker-side fault the front checked (disagg/dp/faults.py): here only slow_steps; the P/D
-        roles also take the transfer faults (disagg/worker/transfer.py)."""
-        if kind != "slow_steps":
+    def inject_fault(self, name: str, params: dict) -> None:
+        """A worker-side fault the front checked (disagg/dp/faults.py), by its FaultKind's value: here
+        only slow_steps; the P/D roles also take the transfer faults (disagg/worker/transfer.py)."""
+        kind = FaultKind(name)
+        if kind is not FaultKind.SLOW_STEPS:
             raise InvalidRequest(f"fault {kind!r} needs a prefill or decode worker", "kind")
         self.step_delay_s = params["ms"] / 1000
         log.warning("fault injected", fault=kind, **params)

@@ -48,7 +48,7 @@ def test_decode_resolution_order():
 
 
 def test_the_rule_has_one_modulo_in_the_package():
-    """DESIGN's rank rule is defined once (rank_rule.implied_rank); every other place calls it."""
+    """The rank rule is defined once (rank_rule.implied_rank); every other place calls it."""
     root = pathlib.Path(__file__).resolve().parents[2]
     found = []
     for pkg in ("disagg", "prefill", "decode", "bootstrap", "kvtransfer"):

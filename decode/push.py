@@ -18,7 +18,7 @@ from decode.peers import PrefillPeers
 from decode.registries import Registry
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
-from disagg.rank_rule import QUERY, resolve_prefill_rank
+from disagg.rank_rule import resolve_prefill_rank
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import ErrorCode, InvalidRequest
@@ -76,7 +76,7 @@ class PushFetch:
             rank = resolve_prefill_rank(room, msg.disagg_prefill_dp_rank, dp_size=topology.dp_size,
                                         method=topology.load_balance_method,
                                         force_query=self.config.force_query_prefill_dp_rank)
-            if rank == QUERY:
+            if rank is None:  # only the registry knows
                 rank = await registry.client.wait_for_dp_rank(room, deadline_s=remaining())
             if msg.disagg_prefill_dp_rank is None and topology.dp_size > 1:  # the implied rank, or the registry's
                 client = await self._implied_client(registry, room, rank, remaining)

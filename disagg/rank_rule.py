@@ -12,7 +12,6 @@ from disagg.config import LoadBalanceMethod
 from disagg.types import InvalidRequest
 
 FORCE_QUERY_FLAG = "DISAGG_FORCE_QUERY_PREFILL_DP_RANK"
-QUERY = -1  # the decode asks the registry
 
 
 def implied_rank(room: int, dp_size: int) -> int:
@@ -51,9 +50,10 @@ def plan_room(*, dp_size: int, method: LoadBalanceMethod, dp_rank: int, room: in
 
 
 def resolve_prefill_rank(room: int, requested: int | None, *, dp_size: int, method: LoadBalanceMethod,
-                         force_query: bool) -> int:
+                         force_query: bool) -> int | None:
     """Decode side, in order: the request's `disagg_prefill_dp_rank`; dp_size 1 → 0; the
-    follow_bootstrap_room fast path (no round trip) unless forced to query; else QUERY."""
+    follow_bootstrap_room fast path (no round trip) unless forced to query; else None: only the
+    bootstrap registry knows the rank (the decode asks it)."""
     if requested is not None:
         if isinstance(requested, bool) or not 0 <= requested < dp_size:
             raise InvalidRequest(f"disagg_prefill_dp_rank {requested} is not active (prefill dp_size={dp_size})",
@@ -63,4 +63,4 @@ def resolve_prefill_rank(room: int, requested: int | None, *, dp_size: int, meth
         return 0
     if method == LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM and not force_query:
         return implied_rank(room, dp_size)
-    return QUERY
+    return None

@@ -23,7 +23,7 @@ from disagg.worker.outputs import error_output, logprob_pairs
 from disagg.engine.core import EngineCore
 from disagg.types import FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomMisroutedMsg
+from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
 from kvtransfer.control.server import ControlServer
 from prefill.rooms import PrefillRoom, RoomTable, Settling
@@ -31,9 +31,9 @@ from prefill.rooms import PrefillRoom, RoomTable, Settling
 log = structlog.get_logger(__name__)
 
 
-def decode_of(info: TransferInfoMsg) -> str:
-    """Which decode request a TransferInfo came from: "peer_name/request_id"."""
-    return f"{info.peer_name}/{info.request_id}"
+def decode_of(info: TransferInfoMsg) -> DecodeKey:
+    """Which decode request a TransferInfo came from."""
+    return DecodeKey(info.peer_name, info.request_id)
 
 
 class PushRooms:
@@ -130,9 +130,9 @@ class PushRooms:
 
     # ---- what the front and the control plane say ----------------------------------------------
 
-    async def room_failed(self, room: int, reason: str, decode: str = "") -> list[OutputMsg]:
+    async def room_failed(self, room: int, reason: str, decode: DecodeKey | None = None) -> list[OutputMsg]:
         held = self.rooms[room].info if room in self.rooms else self.early_infos.get(room, (None,))[0]
-        if decode and held is not None and decode_of(held) != decode:
+        if decode is not None and held is not None and decode_of(held) != decode:
             # A stray duplicate asked the wrong rank; the room's own decode is here and is served.
             log.info("room kept: another decode was misrouted", bootstrap_room=room, decode=decode, reason=reason)
             return []

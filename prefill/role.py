@@ -22,7 +22,7 @@ from disagg.engine.core import EngineCore
 from disagg.types import RequestOutput, SamplingParams
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, StatsMsg
+from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, StatsMsg
 from kvtransfer.control.endpoint import open_endpoint
 from kvtransfer.control.server import ControlServer
 from prefill.pull import PullRequests, is_pull
@@ -117,7 +117,7 @@ class PrefillRole(TransferRole):
         out = self.push.abort(request_id)
         return await super().abort(request_id) if out is None else out
 
-    async def room_failed(self, room: int, reason: str, decode: str = "") -> list[OutputMsg]:
+    async def room_failed(self, room: int, reason: str, decode: DecodeKey | None = None) -> list[OutputMsg]:
         return await self.push.room_failed(room, reason, decode)
 
     def room_placed(self, room: int, dp_rank: int) -> list:

@@ -15,7 +15,7 @@ from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController
 from disagg.worker.roles import RoleSpec
 from disagg.types import FinishReason
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg, Utility
+from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg, Utility
 from disagg.rank_rule import implied_rank, plan_room
 
 log = structlog.get_logger(__name__)
@@ -84,7 +84,7 @@ class PrefillController(DPController):
         else:
             super()._on_message(worker, msg)
 
-    def broadcast_room_failure(self, room: int, reason: str, decode: str = "") -> None:
+    def broadcast_room_failure(self, room: int, reason: str, decode: DecodeKey | None = None) -> None:
         """Whichever worker the decode asks about this room answers with the failure at once."""
         for worker in self.workers:
             if worker.alive and worker.writer is not None:

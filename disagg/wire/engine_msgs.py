@@ -46,6 +46,14 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     priority: int = 0
 
 
+class DecodeKey(msgspec.Struct, frozen=True):
+    """One decode request as a prefill worker knows it: the decode worker's transfer identity and its
+    request id (a TransferInfo's `peer_name` and `request_id`)."""
+
+    peer_name: str
+    request_id: str
+
+
 class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
     """Prefill front -> every worker: this room will never be served here; answer its decode so.
     `decode`: set when the failure is one decode's misrouting (RoomMisroutedMsg); the rank holding the
@@ -53,7 +61,7 @@ class RoomFailedMsg(msgspec.Struct, frozen=True, tag="room_failed"):
 
     bootstrap_room: int
     reason: str
-    decode: str = ""
+    decode: DecodeKey | None = None
 
 
 class RoomPlacedMsg(msgspec.Struct, frozen=True, tag="room_placed"):
@@ -189,12 +197,11 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
 class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):
     """Prefill worker -> front: a decode asked this worker for a room another rank holds (it was told
     so by RoomPlacedMsg); the front fails the room on the rank that holds it, with `reason`, unless
-    a destination from another decode is there already. `decode`: the asking decode's
-    "peer_name/request_id"."""
+    a destination from another decode is there already. `decode`: the asking decode."""
 
     bootstrap_room: int
     reason: str
-    decode: str = ""
+    decode: DecodeKey | None = None
 
 
 FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg | RoomMisroutedMsg

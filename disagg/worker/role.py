@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
+from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
 
 if TYPE_CHECKING:
     from disagg.engine.core import EngineCore
@@ -76,5 +76,5 @@ class RoomRole(Role, Protocol):
     def room_placed(self, room: int, dp_rank: int) -> list[OutputMsg]:
         """The front dispatched `room` to another rank (answer a decode that came here for it)."""
 
-    async def room_failed(self, room: int, reason: str, decode: str = "") -> list[OutputMsg]:
+    async def room_failed(self, room: int, reason: str, decode: DecodeKey | None = None) -> list[OutputMsg]:
         """The front says `room` will not be served; `decode`: the misrouted decode that caused it, if one did."""

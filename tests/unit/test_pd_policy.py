@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from disagg.rank_rule import QUERY, RoomPlan, plan_room, resolve_prefill_rank
+from disagg.rank_rule import RoomPlan, plan_room, resolve_prefill_rank
 from disagg.types import InvalidRequest
 from disagg.wire.control_msgs import TransferInfoMsg
 from prefill.rooms import PrefillRoom
@@ -41,8 +41,8 @@ def test_decode_resolution_order():
     assert resolve(3, force_query=True) == 3  # the request's field first
     assert resolve(None, dp_size=1, force_query=True) == 0
     assert resolve(None) == 2  # 10 % 4, no round trip
-    assert resolve(None, force_query=True) == QUERY
-    assert resolve(None, method="round_robin") == QUERY
+    assert resolve(None, force_query=True) is None
+    assert resolve(None, method="round_robin") is None
     with pytest.raises(InvalidRequest, match=r"^disagg_prefill_dp_rank 4 is not active \(prefill dp_size=4\)$"):
         resolve(4)
 
@@ -53,10 +53,13 @@ def test_the_rule_has_one_modulo_in_the_package():
     found = []
     for pkg in ("disagg", "prefill", "decode", "bootstrap", "kvtransfer"):
         for path in sorted((root / pkg).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and "dp_size" in ast.unparse(node.right):
-                    found.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert found == ["disagg/rank_rule.py:20"]
+                    home = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                            and f.lineno <= node.lineno <= f.end_lineno]
+                    found.append(f"{path.relative_to(root)}:{'.'.join(home)}")
+    assert found == ["disagg/rank_rule.py:implied_rank"]
 
 
 def test_blocks_go_out_as_chunks_complete():

@@ -18,17 +18,7 @@ NAME = re.compile(r"`([\w/]+\.py)`")
 
 def listed_files(text: str) -> list[str]:
     """Every file a table row of the map names, as a path from the repository root."""
-    folder, found = None, []
-    for line in text.splitlines():
-        heading = HEADING.match(line)
-        if heading:
-            folder = heading.group(1)
-        elif line.startswith("#"):
-            folder = None
-        elif line.startswith("|") and folder is not None:
-            first_cell = line.split("|")[1]
-            found += [folder + name for name in NAME.findall(first_cell)]
-    return found
+    return [path for files, _ in rows(text) for path in files]
 
 
 def package_files() -> set[str]:

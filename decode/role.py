@@ -4,7 +4,8 @@ The role owns what both flows share: admission (each flow's checks, the prompt),
 requests waiting for room in the KV cache (in arrival order), each pending request's deadline, and
 the end of a request that fails or is aborted (its flow fences the blocks). decode/push.py (the
 prefill writes, SGLang's protocol) and decode/pull.py (we read, vLLM's protocol) move the KV.
-SUCCESS turns the request into an ordinary running one.
+SUCCESS turns the request into an ordinary running one. Each request it holds is in one state of
+decode/requests.py's table, and moves only as that file allows.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import deque
 
 import msgspec
 import structlog
@@ -20,6 +20,7 @@ import structlog
 from decode.peers import PrefillPeers
 from decode.pull import PullFetch, carries_ticket, ticket_of
 from decode.push import PushFetch
+from decode.requests import DecodeRequest, DecodeRequests, DecodeState
 from decode.waiting import Fences, PendingKV
 from disagg.config import DisaggConfig
 from disagg.worker.outputs import admission_error, error_output
@@ -39,12 +40,8 @@ class DecodeRole(TransferRole):
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig):
         super().__init__(core, dp_rank, model_name)
         self.config = config
-        self.pending: dict[str, PendingKV] = {}
-        self.finished: list[tuple[str, TransferStatusMsg | Exception]] = []
-        self.kv_stats: dict[str, KVStatsMsg] = {}  # attached to each admitted request's first output
-        self.queued: deque[tuple[PendingKV, list[int]]] = deque()  # waiting for room in the KV cache, in order
+        self.requests = DecodeRequests()
         self.fences = Fences(lambda: self.wake())
-        self.local: dict[str, int] = {}  # local prefills not computed yet: request id -> tokens cached at admission
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -57,8 +54,8 @@ class DecodeRole(TransferRole):
         self.pull = PullFetch(self.core, self.config, self.backend, self.peers, self.fences)
 
     async def close(self) -> None:
-        for pending in [p for p, _ in self.queued] + list(self.pending.values()):
-            for task in (pending.task, pending.hold):
+        for request in self.requests:
+            for task in () if request.pending is None else (request.pending.task, request.pending.hold):
                 if task is not None:
                     task.cancel()
         self.fences.cancel()
@@ -85,7 +82,7 @@ class DecodeRole(TransferRole):
         pending = PendingKV(msg, ticket, time.monotonic())
         if ticket is not None:
             self.pull.hold(pending)
-        self.queued.append((pending, prompt_ids))
+        self.requests.add(DecodeRequest(msg.request_id, DecodeState.QUEUED, pending, prompt_ids))
         return self._reserve_queued()
 
     def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
@@ -108,47 +105,48 @@ class DecodeRole(TransferRole):
             self.core.add_request(msg.request_id, ids, msg.sampling, priority=msg.priority)
         except Exception as exc:  # noqa: BLE001 - one request's input never stops the worker
             return [admission_error(msg.request_id, exc)]
-        self.local[msg.request_id] = cached
+        self.requests.add(DecodeRequest(msg.request_id, DecodeState.LOCAL, cached_tokens=cached))
         return []
 
     def _local_backlog(self) -> int:
-        """Prompt tokens the local prefills admitted here have not computed yet (finished ones forgotten)."""
+        """Prompt tokens the local prefills admitted here have not computed yet (the others dropped)."""
         backlog = 0
-        for request_id, cached in list(self.local.items()):
-            progress = self.core.request_progress(request_id)
+        for request in self.requests.in_state(DecodeState.LOCAL):
+            progress = self.core.request_progress(request.request_id)
             if progress is None or progress.finished or progress.num_computed_tokens >= progress.num_prompt_tokens:
-                del self.local[request_id]
+                self.requests.drop(request.request_id)
             else:
-                backlog += progress.num_prompt_tokens - max(progress.num_computed_tokens, cached)
+                backlog += progress.num_prompt_tokens - max(progress.num_computed_tokens, request.cached_tokens)
         return backlog
 
     def _reserve_queued(self) -> list[OutputMsg]:
         """Reserve blocks for queued requests in arrival order while the cache has room; a request
         that waited past the deadline for room fails with 503."""
         out = []
-        while self.queued:
-            pending, prompt_ids = self.queued[0]
-            request_id = pending.msg.request_id
+        for request in self.requests.in_state(DecodeState.QUEUED):
+            pending, request_id = request.pending, request.request_id
             try:
-                reservation = self.core.reserve_for_remote_kv(request_id, prompt_ids, pending.msg.sampling,
+                reservation = self.core.reserve_for_remote_kv(request_id, request.prompt_ids, pending.msg.sampling,
                                                               pending.msg.priority)
             except Exception as exc:
-                self.queued.popleft()
-                self._flow(pending).end(request_id, pending, str(exc))
+                self._drop_queued(request, str(exc))
                 out.append(error_output(request_id, exc))
                 continue
             if reservation is None:
                 if time.monotonic() - pending.started > self.config.waiting_timeout_s:
-                    self.queued.popleft()
                     reason = f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s"
-                    self._flow(pending).end(request_id, pending, reason)
+                    self._drop_queued(request, reason)
                     out.append(OutputMsg(request_id, finish_reason=FinishReason.ABORT, error_status=503, error=reason))
                     continue
                 break
-            self.queued.popleft()
+            self.requests.move(request_id, DecodeState.FETCHING).prompt_ids = []
             pending.task = asyncio.create_task(self._fetch_kv(pending, reservation))
-            self.pending[request_id] = pending
         return out
+
+    def _drop_queued(self, request: DecodeRequest, reason: str) -> None:
+        """A request that ends before its blocks were reserved: only its flow lets go."""
+        self.requests.drop(request.request_id)
+        self._flow(request.pending).end(request.request_id, request.pending, reason)
 
     async def _fetch_kv(self, pending: PendingKV, reservation: Reservation) -> None:
         """The flow's fetch (of the KV after our own cached prefix), bounded by the waiting deadline;
@@ -164,38 +162,42 @@ class DecodeRole(TransferRole):
             raise
         except Exception as exc:  # bootstrap or control failures end this request only
             status = exc
-        self.finished.append((pending.msg.request_id, status))
+        request = self.requests.get(pending.msg.request_id)
+        if request is None or request.state is not DecodeState.FETCHING:
+            return  # ended meanwhile (a cancelled wait_for still returns a result that was ready): moot
+        self.requests.move(request.request_id, DecodeState.LANDED).verdict = status
         self.wake()
 
     def idle_wait_s(self, default_s: float) -> float:
-        return 0.002 if self.queued else default_s
+        return 0.002 if self.requests.count(DecodeState.QUEUED) else default_s
 
     async def poll(self) -> list[OutputMsg]:
         self.backend.notifications()  # write tags: SUCCESS on the control stream is what counts
         out = self._reserve_queued()
         for request_id in self.fences.take():
+            self.requests.drop(request_id, fenced=True)
             self.core.release(request_id)
-        for request_id in [rid for rid in self.pending if self._ended(rid)]:
-            # The engine failed it (and answered it): stop waiting, fence its blocks.
-            self._end_pending(request_id, self.pending.pop(request_id), "the decode engine failed the request")
-        finished, self.finished = self.finished, []
-        for request_id, status in finished:
-            pending = self.pending.pop(request_id, None)
-            if pending is None:
-                continue  # aborted meanwhile
+        for request in self.requests.in_state(DecodeState.FETCHING, DecodeState.LANDED):
+            if self._ended(request.request_id):  # the engine failed it (and answered it): stop waiting, fence
+                self._end_pending(request, "the decode engine failed the request")
+        for request in self.requests.in_state(DecodeState.LANDED):
+            status = request.verdict
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                self._admit(request_id, pending, status)
+                self._admit(request, status)
             else:
-                out += self._fail(request_id, pending, status)
+                out += self._fail(request, status)
+        self._local_backlog()  # forget the local prefills whose prompts are computed
         # An admitted request's first token (it came with the KV) goes out now, not with the next
         # decode step's token: the client sees it as soon as it reached us.
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
 
-    def _admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> None:
+    def _admit(self, request: DecodeRequest, status: TransferStatusMsg) -> None:
+        request_id, pending = request.request_id, request.pending
         if not self._flow(pending).admit(request_id, pending, status):
-            return  # the engine ended the request meanwhile and already answered it
+            self.requests.drop(request_id)  # the engine ended the request meanwhile and already answered it
+            return
         wait_s = time.monotonic() - pending.started
-        self.kv_stats[request_id] = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
+        self.requests.move(request_id, DecodeState.ADMITTED).kv_stats = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
         log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,
                  wait_s=round(wait_s, 6))
 
@@ -207,10 +209,15 @@ class DecodeRole(TransferRole):
         return [self._with_kv_stats(msg) for msg in super().step()]
 
     def _with_kv_stats(self, msg: OutputMsg) -> OutputMsg:
-        stats = self.kv_stats.pop(msg.request_id, None)
-        return msg if stats is None else msgspec.structs.replace(msg, kv=stats)
+        """An admitted request's first output carries its KV figures; then the role forgets it."""
+        request = self.requests.get(msg.request_id)
+        if request is None or request.state is not DecodeState.ADMITTED:
+            return msg
+        self.requests.drop(msg.request_id)
+        return msgspec.structs.replace(msg, kv=request.kv_stats)
 
-    def _fail(self, request_id: str, pending: PendingKV, status) -> list[OutputMsg]:
+    def _fail(self, request: DecodeRequest, status) -> list[OutputMsg]:
+        request_id = request.request_id
         if isinstance(status, TransferStatusMsg):
             reason = status.reason
         else:  # bad input reads as itself; anything else names its kind
@@ -218,27 +225,32 @@ class DecodeRole(TransferRole):
         unavailable = isinstance(status, PeerUnavailable) or getattr(status, "peer_lost", False)
         code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
-        self.core.abort(request_id)
-        self._end_pending(request_id, pending, reason)
+        self.core.abort(request_id, answer=False)  # the answer is ours, with the failure's status
+        self._end_pending(request, reason)
         return [OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=code,
                           error_param=getattr(status, "param", None))]
 
     async def abort(self, request_id: str) -> list[OutputMsg]:
-        for queued in self.queued:
-            if queued[0].msg.request_id == request_id:  # nothing reserved yet: only the flow lets go
-                self.queued.remove(queued)
-                self._flow(queued[0]).end(request_id, queued[0], "aborted on the decode side")
-                return [OutputMsg(request_id, finish_reason=FinishReason.ABORT)]
-        pending = self.pending.pop(request_id, None)
+        request = self.requests.get(request_id)
+        if request is not None and request.state is DecodeState.QUEUED:  # nothing reserved yet
+            self._drop_queued(request, "aborted on the decode side")
+            return [OutputMsg(request_id, finish_reason=FinishReason.ABORT)]
         out = await super().abort(request_id)  # the engine ends it and quarantines its reserved blocks
-        if pending is not None:
-            self._end_pending(request_id, pending, "aborted on the decode side")
+        if request is None or request.state is DecodeState.FENCED:
+            return out
+        if request.state in (DecodeState.FETCHING, DecodeState.LANDED):
+            self._end_pending(request, "aborted on the decode side")
+        else:  # ADMITTED or LOCAL: the engine's own request, ended there
+            self.requests.drop(request_id)
         return out
 
-    def _end_pending(self, request_id: str, pending: PendingKV, reason: str) -> None:
+    def _end_pending(self, request: DecodeRequest, reason: str) -> None:
         """Stop waiting for a request's KV. The engine keeps its blocks quarantined; they are released
         once no write into them can land: at once when the flow says so, else when its fence ends."""
+        request_id, pending = request.request_id, request.pending
         pending.task.cancel()
-        self.kv_stats.pop(request_id, None)
         if self._flow(pending).end(request_id, pending, reason):
+            self.requests.drop(request_id)
             self.core.release(request_id)
+        else:
+            self.requests.move(request_id, DecodeState.FENCED)

@@ -174,12 +174,13 @@ class EngineCore:
         if needed > self.num_blocks:
             raise InvalidRequest(f"the prompt needs {needed} KV blocks; the cache holds {self.num_blocks}", "prompt")
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request at any stage; its blocks are freed and a final output is queued."""
+    def abort(self, request_id: str, answer: bool = True) -> bool:
+        """Abort a request at any stage; its blocks are freed and, unless the caller answers it itself
+        (`answer` False), a final output is queued."""
         request = self.scheduler.abort(request_id)
         if request is None:
             return False
-        self._finish_output(request)
+        self._finish_output(request, answer)
         return True
 
     def fail(self, request_id: str, reason: str) -> bool:
@@ -303,13 +304,14 @@ class EngineCore:
         elif request.output_token_ids:
             self._pending.append(self.outputs.emit(request))
 
-    def _finish_output(self, request: Request) -> None:
+    def _finish_output(self, request: Request, answer: bool = True) -> None:
         # An aborted request is finished at once and again when the scheduler's finished list is
         # drained; by then a new request may carry its id: only the owner of the stream reports.
         if not self.outputs.owns(request):
             return
-        self.outputs.check_stop_strings(request)
-        self._pending.append(self.outputs.emit(request))
+        if answer:
+            self.outputs.check_stop_strings(request)
+            self._pending.append(self.outputs.emit(request))
         self.outputs.remove(request)
         self.runner.sampler.forget(request.request_id)
 

@@ -4,6 +4,7 @@ prefilled there while its uncached tokens and those of the local prefills still 
 
 import asyncio
 
+from decode.requests import DecodeRequest, DecodeState
 from decode.role import DecodeRole
 from disagg.config import DisaggConfig
 from disagg.types import SamplingParams
@@ -20,6 +21,11 @@ def alone(request_id: str, ids: list[int]) -> GenerateMsg:
     return GenerateMsg(request_id, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), prompt_token_ids=ids)
 
 
+def local(role: DecodeRole) -> dict[str, int]:
+    """The local prefills the role holds: request id -> prompt tokens cached when it was admitted."""
+    return {r.request_id: r.cached_tokens for r in role.requests.in_state(DecodeState.LOCAL)}
+
+
 def test_local_prefills_share_one_budget_of_uncached_tokens(tiny_loaded):
     core = engine(tiny_loaded)
     role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", max_local_prefill_tokens=16))
@@ -29,14 +35,14 @@ def test_local_prefills_share_one_budget_of_uncached_tokens(tiny_loaded):
     assert (refused.request_id, refused.error_status, refused.error_param) == ("b", 400, "bootstrap_room")
     assert refused.error == REFUSAL.format(uncached=8, n=8, waiting=", and 12 of other requests wait to be prefilled here")
     core.step()  # a's prompt is computed: nothing of it waits any more
-    assert role.local == {"a": 0} and role._local_backlog() == 0 and role.local == {}
+    assert local(role) == {"a": 0} and role._local_backlog() == 0 and local(role) == {}
     assert submit(alone("b", list(range(60, 68)))) == []
     # A prompt the decode holds 8 tokens of (a's first two blocks), with 9 new: 9 + b's 8 is over 16.
     [refused] = submit(alone("c", list(range(40, 48)) + list(range(80, 89))))
     assert refused.error == REFUSAL.format(uncached=9, n=17, waiting=", and 8 of other requests wait to be prefilled here")
     while core.has_unfinished():
         core.step()
-    assert submit(alone("c", list(range(40, 48)) + list(range(80, 89)))) == [] and role.local == {"c": 8}
+    assert submit(alone("c", list(range(40, 48)) + list(range(80, 89)))) == [] and local(role) == {"c": 8}
     while core.has_unfinished():
         core.step()
     assert core.kv.num_free_blocks == core.num_blocks
@@ -60,10 +66,13 @@ def test_a_first_token_that_came_with_the_kv_goes_out_before_any_decode_step(tin
     msg = GenerateMsg("r", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), prompt_token_ids=prompt,
                       bootstrap_room=7, bootstrap_host="127.0.0.1", bootstrap_port=1)
     assert core.reserve_for_remote_kv("r", prompt, msg.sampling).new_block_ids == [0, 1, 2]
-    role.pending["r"] = PendingKV(msg, None, time.monotonic())
-    role.finished.append(("r", TransferStatusMsg(room=7, state=TransferState.SUCCESS, first_token_id=42, num_bytes=6144)))
+    role.requests.add(DecodeRequest("r", DecodeState.QUEUED, PendingKV(msg, None, time.monotonic())))
+    role.requests.move("r", DecodeState.FETCHING)
+    role.requests.move("r", DecodeState.LANDED).verdict = TransferStatusMsg(
+        room=7, state=TransferState.SUCCESS, first_token_id=42, num_bytes=6144)
     [first] = asyncio.run(role.poll())
     assert (first.request_id, first.new_token_ids, first.finish_reason, first.kv.kv_bytes) == ("r", [42], None, 6144)
+    assert len(role.requests) == 0  # its first output carried the KV figures: the role holds it no more
     assert role.step()[0].num_output_tokens == 2  # the next step brings the second token alone
     while core.has_unfinished():
         core.step()

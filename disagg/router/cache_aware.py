@@ -168,7 +168,7 @@ class CacheAwarePairPicker:
             raise NoHealthyServer("prefill")
         d, local = self._pick_decode(decode, text)
         if local and local_ok and self._prefills_busy(prefill):
-            return PairPick(-1, d, local=True)
+            return PairPick(None, d)
         p = self.prefill.pick(prefill, text, token_ids)
         assert p is not None, "an eligible prefill was checked above"
         return PairPick(p.index, d, p.dp_rank, p.outcome, p.match_ratio)

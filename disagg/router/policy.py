@@ -43,12 +43,16 @@ class ServerLoad:
 class PairPick:
     """The chosen pair (positions in the loads given), and the prefill DP rank to pin, if any."""
 
-    prefill: int
+    prefill: int | None  # None: the decode prefills the request itself (--max-local-prefill-tokens)
     decode: int
     prefill_dp_rank: int | None = None
     cache_outcome: CacheOutcome | None = None  # cache_aware only
     match_ratio: float = 0.0  # cache_aware only: the matched share of the prompt (0 when imbalanced)
-    local: bool = False  # the decode prefills the request itself (--max-local-prefill-tokens): no prefill leg
+
+    @property
+    def local(self) -> bool:
+        """No prefill leg: the decode prefills the request itself."""
+        return self.prefill is None
 
 
 class ServerPicker:

@@ -160,7 +160,7 @@ def test_a_decode_holding_the_prefix_prefills_a_short_rest_itself():
     assert picker.pick(two_servers(), decodes, first) == PairPick(0, 0, 0, "miss", 0.0)
     # The first decode's tree holds 31 of 47 characters; the other 16 are 4 tokens: the decode alone.
     second = first + " How are you, my"
-    assert picker.pick(two_servers(), decodes, second) == PairPick(-1, 0, local=True)
+    assert picker.pick(two_servers(), decodes, second) == PairPick(None, 0)
     # 17 characters past what the decode holds are 5 tokens: with a prefill (whose tree holds `first`).
     third = second + " friend, tell me!"
     assert picker.pick(two_servers(), decodes, third) == PairPick(0, 0, 0, "hit", 31 / 64)
@@ -171,7 +171,7 @@ def test_a_decode_holding_the_prefix_prefills_a_short_rest_itself():
     # Token ids count exactly: 4 ids past the decode's tree go alone, a fifth does not.
     ids = tuple(range(100, 120))
     assert picker.pick(two_servers(), decodes, ids).local is False  # ids share nothing with text: a miss
-    assert picker.pick(two_servers(), decodes, ids + (1, 2, 3, 4)) == PairPick(-1, 1, local=True)
+    assert picker.pick(two_servers(), decodes, ids + (1, 2, 3, 4)) == PairPick(None, 1)
     assert picker.pick(two_servers(), decodes, ids + (1, 2, 3, 4, 5, 6, 7, 8, 9)).local is False
 
 

@@ -26,7 +26,7 @@ from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, Tr
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
 from kvtransfer.control.server import ControlServer
-from prefill.rooms import PrefillRoom, RoomTable, Settling
+from prefill.rooms import RUNNING, PrefillRoom, RoomBook, RoomState, Settling
 
 log = structlog.get_logger(__name__)
 
@@ -44,13 +44,7 @@ class PushRooms:
         self.core, self.dp_rank, self.config = core, dp_rank, config
         self.backend, self.control = backend, control
         self.register_room = register_room  # async (room, dp_rank): tell the registry this rank holds it
-        self.rooms: dict[int, PrefillRoom] = {}
-        self.by_request: dict[str, int] = {}
-        ttl_s = config.bootstrap_timeout_s
-        self.early_infos = RoomTable(ttl_s)  # room -> (TransferInfo that came before the request, expiry)
-        self.failed_rooms = RoomTable(ttl_s)  # room -> (why it failed, expiry)
-        self.elsewhere = RoomTable(ttl_s)  # rooms the front placed on another rank: rank, expiry
-        self.served = RoomTable(ttl_s)  # rooms whose KV went out: a second decode for one is refused at once
+        self.book = RoomBook(config.bootstrap_timeout_s)  # every room, in one state (prefill/rooms.py)
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
@@ -58,7 +52,7 @@ class PushRooms:
     @property
     def busy(self) -> bool:
         """A room is moving: the worker polls at once instead of idling."""
-        return bool(self.rooms or self.early_infos)
+        return bool(self.book.running or self.book.num_early)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -67,21 +61,19 @@ class PushRooms:
         try:
             if room is None:
                 raise InvalidRequest("a prefill request needs bootstrap_room (and bootstrap_host, bootstrap_port)", "bootstrap_room")
-            if room in self.rooms:
+            if room in self.book.running:
                 raise InvalidRequest(f"bootstrap_room {room} is already in use on this prefill worker", "bootstrap_room")
             self.core.add_request(msg.request_id, prompt_ids(msg), params, hold_blocks=True, priority=msg.priority)
         except Exception as exc:
-            if room is not None and room not in self.rooms:  # a duplicate never spoils the room in use
+            if room is not None and room not in self.book.running:  # a duplicate never spoils the room in use
                 await self.room_failed(room, f"the prefill rejected the request: {exc}")
             return [error_output(msg.request_id, exc)]
-        self.failed_rooms.pop(room, None)  # a room dispatched here now is served here (a router's retry)
-        self.elsewhere.pop(room, None)
-        self.served.pop(room, None)
-        self.rooms[room] = PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s,
-                                       self.core.block_size)
-        self.by_request[msg.request_id] = room
-        if room in self.early_infos:
-            self._attach(self.early_infos.pop(room)[0])
+        # A room dispatched here now is served here, whatever was said of it before (a router's retry).
+        early = self.book.verdict(room) if self.book.state_of(room) is RoomState.EARLY else None
+        self.book.start(PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s,
+                                    self.core.block_size))
+        if early is not None:
+            self._attach(early)
         if msg.register_room:
             return await self._register(room)
         return []
@@ -92,25 +84,25 @@ class PushRooms:
         try:
             await self.register_room(room, self.dp_rank)
         except Exception as exc:  # noqa: BLE001 - one room's registration never stops the worker
-            if room not in self.rooms:
+            if room not in self.book.running:
                 return []  # ended meanwhile (aborted): already answered
             reason = f"the bootstrap registry did not take bootstrap_room {room}: {type(exc).__name__}: {exc}"
-            return self._fail(self.rooms[room], reason, status=503)
+            return self._fail(self.book.running[room], reason, status=503)
         return []
 
     def abort(self, request_id: str) -> list[OutputMsg] | None:
         """Abort a push request on the prefill side; None when it is not one."""
-        room = self.by_request.get(request_id)
-        return None if room is None else self._fail(self.rooms[room], "aborted on the prefill side", status=499)
+        room = self.book.by_request.get(request_id)
+        return None if room is None else self._fail(self.book.running[room], "aborted on the prefill side", status=499)
 
     def take(self, out: RequestOutput, msg: OutputMsg) -> bool:
         """Hold a push request's answer until its KV is delivered, taking the first token (and the
         prompt logprobs) from the engine's output; False when it is not one. It may run in the
         engine-step thread: a request the engine failed fails its room in the next poll."""
-        room = self.by_request.get(out.request_id)
+        room = self.book.by_request.get(out.request_id)
         if room is None:
             return False
-        state = self.rooms[room]
+        state = self.book.running[room]
         if out.error is not None:
             state.error = out.error
         elif out.new_token_ids:
@@ -131,31 +123,35 @@ class PushRooms:
     # ---- what the front and the control plane say ----------------------------------------------
 
     async def room_failed(self, room: int, reason: str, decode: DecodeKey | None = None) -> list[OutputMsg]:
-        held = self.rooms[room].info if room in self.rooms else self.early_infos.get(room, (None,))[0]
+        was = self.book.state_of(room)
+        held = self.book.running[room].info if was in RUNNING else self.book.verdict(room) if was is RoomState.EARLY else None
         if decode is not None and held is not None and decode_of(held) != decode:
             # A stray duplicate asked the wrong rank; the room's own decode is here and is served.
             log.info("room kept: another decode was misrouted", bootstrap_room=room, decode=decode, reason=reason)
             return []
-        if room in self.rooms:  # its decode went to another rank: no destination will come here
-            return self._fail(self.rooms[room], reason)
-        self.failed_rooms.put(room, reason)
-        if room in self.early_infos:
-            self.early_infos.pop(room)
+        if was in RUNNING:  # its decode went to another rank: no destination will come here
+            return self._fail(self.book.running[room], reason)
+        self.book.settle(room, RoomState.FAILED, reason)
+        if was is RoomState.EARLY:
             self._status(room, TransferState.FAILED, reason)
         return []
 
     def room_placed(self, room: int, dp_rank: int) -> list:
-        self.failed_rooms.pop(room, None)  # an earlier verdict on this room is superseded by its new dispatch
-        self.elsewhere.put(room, dp_rank)
-        if room in self.early_infos:  # the decode came here before the front placed the room
-            return self._misrouted(self.early_infos.pop(room)[0])
+        """An earlier verdict on this room is superseded by its new dispatch (a room running here stays)."""
+        was = self.book.state_of(room)
+        if was in RUNNING:
+            return []
+        early = self.book.verdict(room) if was is RoomState.EARLY else None
+        self.book.settle(room, RoomState.ELSEWHERE, dp_rank)
+        if early is not None:  # the decode came here before the front placed the room
+            return self._misrouted(early)
         return []
 
     def _misrouted(self, info: TransferInfoMsg) -> list:
         """Answer a decode that asked this rank for a room another rank holds; the front then fails
         the room there too (RoomMisroutedMsg), so neither side waits for its deadline."""
         room = info.room
-        reason = (f"bootstrap_room {room} was dispatched to prefill DP rank {self.elsewhere[room][0]}, but the decode "
+        reason = (f"bootstrap_room {room} was dispatched to prefill DP rank {self.book.verdict(room)}, but the decode "
                   f"asked prefill DP rank {self.dp_rank} for its KV: disagg_prefill_dp_rank must name the rank the "
                   "prefill request went to")
         log.warning("misrouted decode", bootstrap_room=room, reason=reason)
@@ -163,26 +159,28 @@ class PushRooms:
         return [RoomMisroutedMsg(room, reason, decode_of(info))]
 
     def on_transfer_info(self, info: TransferInfoMsg) -> list:
-        if info.room in self.failed_rooms:
-            self._status(info.room, TransferState.FAILED, self.failed_rooms[info.room][0])
-        elif info.room in self.rooms:
+        was = self.book.state_of(info.room)
+        if was is RoomState.FAILED:
+            self._status(info.room, TransferState.FAILED, self.book.verdict(info.room))
+        elif was in RUNNING:
             self._attach(info)
-        elif info.room in self.elsewhere:
+        elif was is RoomState.ELSEWHERE:
             return self._misrouted(info)
-        elif info.room in self.served:  # its KV went to another decode already: no prefill will come for this one
+        elif was is RoomState.SERVED:  # its KV went to another decode already: no prefill will come for this one
             self._status(info.room, TransferState.FAILED, f"bootstrap_room {info.room} was already served on this prefill worker")
         else:
-            self.early_infos.put(info.room, info)
+            self.book.settle(info.room, RoomState.EARLY, info)
         return []
 
     def on_decode_abort(self, room: int, reason: str) -> list[OutputMsg]:
         """Every abort is answered with a final status once nothing can be written any more: the
         decode keeps the room's blocks quarantined until then."""
         reason = f"aborted by decode: {reason}"
-        state = self.rooms.get(room)
+        state = self.book.running.get(room)
         if state is not None:
             return self._fail(state, reason, status=499)
-        self.early_infos.pop(room, None)
+        if self.book.state_of(room) is RoomState.EARLY:
+            self.book.forget(room)
         if not any(entry.room == room for entry in self.settling):  # else settle() answers, once settled
             self._status(room, TransferState.FAILED, reason)  # never written to
         return []
@@ -191,8 +189,8 @@ class PushRooms:
         self.peer_failures.pop(peer_name, None)
         out = []
         for room in rooms:
-            if room in self.rooms:
-                out += self._fail(self.rooms[room], f"lost decode {peer_name}: {reason}", tell_decode=False)
+            if room in self.book.running:
+                out += self._fail(self.book.running[room], f"lost decode {peer_name}: {reason}", tell_decode=False)
         backend_peer = self.peers.pop(peer_name, None)
         if backend_peer is not None:  # no stale metadata: a returning decode registers anew
             self.backend.remove_peer(backend_peer)
@@ -211,7 +209,7 @@ class PushRooms:
             self.peer_failures[peer.peer_name] = str(exc)
 
     def _attach(self, info: TransferInfoMsg) -> None:
-        state = self.rooms[info.room]
+        state = self.book.attach(info.room)
         state.info, state.peer, state.info_at = info, self.peers.get(info.peer_name), time.monotonic()
         state.num_sent_blocks = state.num_skipped_blocks  # the decode's own prefix: nothing to send
 
@@ -221,7 +219,7 @@ class PushRooms:
         """Move every room one step (blocks out, transfers polled, deadlines checked), then settle
         failed rooms and forget expired verdicts."""
         out: list[OutputMsg] = []
-        for state in list(self.rooms.values()):
+        for state in list(self.book.running.values()):
             out += self._advance(state, now)
         self._settle(now)
         self._expire(now)
@@ -288,8 +286,8 @@ class PushRooms:
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),
                  transfer_s=round(stats.transfer_s, 6), gb_per_s=round(stats.kv_bytes / max(stats.transfer_s, 1e-9) / 1e9, 3))
-        self._forget(state)
-        self.served.put(state.room, state.request_id)
+        self._release(state)
+        self.book.settle(state.room, RoomState.SERVED, state.request_id)
         return [msgspec.structs.replace(state.final, kv=stats)]
 
     def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
@@ -297,12 +295,10 @@ class PushRooms:
         FAILED status waits until every posted write settled (it is the decode's fence)."""
         log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
         # A decode that asks about this room later is answered at once, not after its deadline.
-        self.failed_rooms.put(state.room, reason)
-        self.rooms.pop(state.room, None)
-        self.by_request.pop(state.request_id, None)
+        self.book.settle(state.room, RoomState.FAILED, reason)
         # Our source blocks may go back at once: a write still reading them only lands in
         # destination blocks the decode keeps quarantined until our final status.
-        self.core.abort(state.request_id)
+        self.core.abort(state.request_id, answer=False)  # the answer is ours, with the failure's status
         if tell_decode and state.handles:
             self.settling.append(Settling(state.room, state.info.peer_name, tuple(state.handles), reason,
                                           time.monotonic() + self.config.transfer_timeout_s))
@@ -328,19 +324,16 @@ class PushRooms:
                 self.backend.release(handle)
             self.settling.remove(entry)
 
-    def _forget(self, state: PrefillRoom) -> None:
+    def _release(self, state: PrefillRoom) -> None:
+        """A served room's handles and held blocks go back."""
         for handle in state.handles:
             self.backend.release(handle)
-        self.rooms.pop(state.room, None)
-        self.by_request.pop(state.request_id, None)
         self.core.release(state.request_id)
 
     def _status(self, room: int, state: TransferState, reason: str) -> None:
         self.control.send_status(TransferStatusMsg(room=room, state=state, reason=reason))
 
     def _expire(self, now: float) -> None:
-        for room, _ in self.early_infos.pop_expired(now):
-            self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")
-        self.failed_rooms.pop_expired(now)
-        self.elsewhere.pop_expired(now)
-        self.served.pop_expired(now)
+        for room, state, _ in self.book.expired(now):
+            if state is RoomState.EARLY:
+                self._status(room, TransferState.FAILED, f"no prefill request for bootstrap_room {room} arrived here")

@@ -1,10 +1,19 @@
-"""One prefill request's transfer state: which blocks went out, what is in flight, what to answer.
+"""Every room a prefill worker knows, each in one state, and one request's transfer state.
 
-Plain values only; the prefill role owns the engine, the backend and the control server.
+`RoomBook` holds every bootstrap room of one worker in one `RoomState`, moved only along `MOVES`: the
+running rooms (a `PrefillRoom` each: which blocks went out, what is in flight, what to answer) and
+the verdicts kept for a while after (a decode that asks later is answered at once). Plain values
+only; the push flow (prefill/push.py) owns the engine, the backend and the control server.
+
+    (new) ──▶ EARLY ──▶ WAITING ──▶ SENDING ──▶ SERVED
+      │         │          │           │
+      ├─────────┴──────────┴───────────┴──▶ FAILED        ELSEWHERE: placed on another rank
+      └──▶ ELSEWHERE / FAILED / WAITING       (the verdicts EARLY, FAILED, SERVED, ELSEWHERE expire)
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -13,12 +22,39 @@ from disagg.wire.engine_msgs import KVStatsMsg, OutputMsg
 from kvtransfer import TransferHandle
 
 
+class RoomState(enum.Enum):
+    EARLY = "early"  # a decode's TransferInfo came before the request: kept until it arrives, or expires
+    WAITING = "waiting"  # the request runs here; no destination yet
+    SENDING = "sending"  # the destination is known: blocks go out as they are computed
+    SERVED = "served"  # its KV went out: a second decode for it is refused at once
+    FAILED = "failed"  # it failed here: a decode that asks later hears FAILED at once
+    ELSEWHERE = "elsewhere"  # the front placed it on another rank: a decode that asks here was misrouted
+
+
+RUNNING = frozenset({RoomState.WAITING, RoomState.SENDING})  # a PrefillRoom; the others are verdicts with a TTL
+NEW = None  # not in the book
+MOVES: dict[RoomState | None, frozenset[RoomState | None]] = {
+    NEW: frozenset({RoomState.EARLY, RoomState.WAITING, RoomState.FAILED, RoomState.ELSEWHERE}),
+    RoomState.EARLY: frozenset({RoomState.EARLY, RoomState.WAITING, RoomState.FAILED, RoomState.ELSEWHERE, NEW}),
+    RoomState.WAITING: frozenset({RoomState.SENDING, RoomState.FAILED}),
+    RoomState.SENDING: frozenset({RoomState.SENDING, RoomState.SERVED, RoomState.FAILED}),  # a second TransferInfo re-attaches
+    RoomState.SERVED: frozenset({RoomState.WAITING, RoomState.FAILED, RoomState.ELSEWHERE, NEW}),
+    RoomState.FAILED: frozenset({RoomState.WAITING, RoomState.FAILED, RoomState.ELSEWHERE, NEW}),
+    RoomState.ELSEWHERE: frozenset({RoomState.WAITING, RoomState.FAILED, RoomState.ELSEWHERE, NEW}),
+}
+
+
+class IllegalMove(AssertionError):
+    """A room moved along a transition MOVES does not have: a bug in the push flow."""
+
+
 @dataclass
 class PrefillRoom:
     room: int
     request_id: str
     deadline: float  # when waiting for the decode's destination blocks gives up
     block_size: int
+    state: RoomState = RoomState.WAITING
     created: float = field(default_factory=time.monotonic)
     info: TransferInfoMsg | None = None
     peer: str | None = None  # the decode's name in the transfer backend
@@ -94,3 +130,79 @@ class RoomTable(dict):
         for room, _ in expired:
             del self[room]
         return expired
+
+
+class RoomBook:
+    """Every room of one worker in one state: the running ones by room and by request id, the
+    verdicts (EARLY with its TransferInfo, FAILED with its reason, SERVED with its request id,
+    ELSEWHERE with its rank) in deadline order, each kept `ttl_s`."""
+
+    def __init__(self, ttl_s: float):
+        self.running: dict[int, PrefillRoom] = {}
+        self.by_request: dict[str, int] = {}
+        self._verdicts = RoomTable(ttl_s)  # room -> ((state, value), expiry)
+        self._early: set[int] = set()  # the EARLY rooms (a worker with one polls at once)
+
+    @property
+    def num_early(self) -> int:
+        return len(self._early)
+
+    def state_of(self, room: int) -> RoomState | None:
+        if room in self.running:
+            return self.running[room].state
+        entry = self._verdicts.get(room)
+        return None if entry is None else entry[0][0]
+
+    def verdict(self, room: int):
+        """The value a verdict state keeps (a TransferInfo, a reason, a request id, a rank)."""
+        return self._verdicts[room][0][1]
+
+    def _check(self, room: int, state: RoomState | None) -> None:
+        now = self.state_of(room)
+        if state not in MOVES[now]:
+            raise IllegalMove(f"bootstrap_room {room}: {getattr(now, 'name', 'NEW')} -> {getattr(state, 'name', 'NEW')}")
+
+    def start(self, state: PrefillRoom) -> None:
+        """A request for the room arrived: it runs here (WAITING)."""
+        self._check(state.room, RoomState.WAITING)
+        self._verdicts.pop(state.room, None)
+        self._early.discard(state.room)
+        self.running[state.room] = state
+        self.by_request[state.request_id] = state.room
+
+    def attach(self, room: int) -> PrefillRoom:
+        """Its destination is known: SENDING."""
+        self._check(room, RoomState.SENDING)
+        self.running[room].state = RoomState.SENDING
+        return self.running[room]
+
+    def settle(self, room: int, state: RoomState, value, now: float | None = None) -> None:
+        """The room ends here, or is heard of: a verdict state (EARLY, FAILED, SERVED, ELSEWHERE) kept `ttl_s`."""
+        assert state not in RUNNING, f"{state} is not a verdict"
+        self._check(room, state)
+        running = self.running.pop(room, None)
+        if running is not None:
+            self.by_request.pop(running.request_id, None)
+        self._verdicts.put(room, (state, value), now)
+        if state is RoomState.EARLY:
+            self._early.add(room)
+        else:
+            self._early.discard(room)
+
+    def forget(self, room: int) -> None:
+        """A verdict no longer kept (taken, answered, or expired)."""
+        self._check(room, NEW)
+        self._verdicts.pop(room, None)
+        self._early.discard(room)
+
+    def expired(self, now: float) -> list[tuple[int, RoomState, object]]:
+        """(room, state, value) of every verdict whose time passed, taken out of the book."""
+        expired = [(room, state, value) for room, (state, value) in self._verdicts.pop_expired(now)]
+        self._early.difference_update(room for room, _, _ in expired)
+        return expired
+
+    def in_state(self, *states: RoomState) -> list[int]:
+        return [room for room in list(self.running) + list(self._verdicts) if self.state_of(room) in states]
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self._verdicts)

@@ -27,6 +27,7 @@ from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
 from kvtransfer.base import PeerUnavailable
 
+import random_orders
 from test_engine_tiny import engine
 
 ORDERS = 200  # random orders tried per run (each seed is one order)
@@ -151,19 +152,8 @@ class Order:
         assert self.core.stats().num_quarantined_blocks == 0
 
 
-async def run_order(tiny_loaded, seed: int, skip_a_free: bool = False) -> Order:
-    order = Order(tiny_loaded, seed)
-    if skip_a_free:  # the mutation: the first quarantined request's blocks are never given back
-        release, order.skipped = order.core.release, 0
-        def release_but_the_first(request_id: str) -> bool:
-            order.skipped += 1
-            return order.skipped == 1 or release(request_id)
-        order.core.release = release_but_the_first
-    for _ in range(EVENTS):
-        await order.event()
-    await order.settle()
-    order.check()
-    return order
+async def run_order(tiny_loaded, seed: int) -> Order:
+    return await random_orders.run(Order(tiny_loaded, seed), EVENTS)
 
 
 def test_every_request_ends_once_with_its_blocks_freed_in_any_order(tiny_loaded):
@@ -179,15 +169,8 @@ def test_every_request_ends_once_with_its_blocks_freed_in_any_order(tiny_loaded)
 def test_the_orders_catch_one_skipped_free(tiny_loaded):
     """The mutation: one request's quarantined blocks are not given back. Every order in which the
     role gave back any catches it (the others never quarantined a request)."""
-    caught = freed = 0
-    for seed in range(ORDERS):
-        order = None
-        try:
-            order = asyncio.run(run_order(tiny_loaded, seed, skip_a_free=True))
-        except AssertionError:
-            caught += 1
-        freed += order is None or order.skipped > 0
-    assert caught == freed > ORDERS * 3 // 4
+    caught, released = random_orders.count_caught(lambda seed: Order(tiny_loaded, seed), ORDERS, EVENTS)
+    assert caught == released > ORDERS * 3 // 4
 
 
 def test_the_table_refuses_moves_it_does_not_have():

@@ -59,15 +59,18 @@ class DecodeRequest:
 
 
 class DecodeRequests:
-    """The table, in arrival order (the queue is served in it)."""
+    """The table, by id and by state (the role polls it every turn: no scan of the whole). Within a
+    state, requests keep the order they entered it: QUEUED is arrival order, which the queue serves."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, DecodeRequest] = {}
+        self._by_state: dict[DecodeState, dict[str, DecodeRequest]] = {state: {} for state in DecodeState}
 
     def add(self, request: DecodeRequest) -> DecodeRequest:
         assert request.request_id not in self._by_id, f"request {request.request_id} held twice"
         assert request.state in (DecodeState.QUEUED, DecodeState.LOCAL), f"a request arrives QUEUED or LOCAL, not {request.state}"
         self._by_id[request.request_id] = request
+        self._by_state[request.state][request.request_id] = request
         return request
 
     def get(self, request_id: str) -> DecodeRequest | None:
@@ -77,7 +80,9 @@ class DecodeRequests:
         request = self._by_id[request_id]
         if state not in MOVES[request.state]:
             raise IllegalMove(f"request {request_id}: {request.state.name} -> {state.name}")
+        del self._by_state[request.state][request_id]
         request.state = state
+        self._by_state[state][request_id] = request
         return request
 
     def drop(self, request_id: str, *, fenced: bool = False) -> DecodeRequest:
@@ -85,14 +90,16 @@ class DecodeRequests:
         request = self._by_id[request_id]
         if fenced != (request.state is DecodeState.FENCED):
             raise IllegalMove(f"request {request_id}: {request.state.name} dropped {'by' if fenced else 'without'} its fence")
+        del self._by_state[request.state][request_id]
         return self._by_id.pop(request_id)
 
     def in_state(self, *states: DecodeState) -> list[DecodeRequest]:
-        """The requests in any of `states`, in arrival order (a copy: the caller may move them)."""
-        return [r for r in self._by_id.values() if r.state in states]
+        """The requests in any of `states`, each state's in the order they entered it (a copy: the
+        caller may move them)."""
+        return [r for state in states for r in self._by_state[state].values()]
 
     def count(self, state: DecodeState) -> int:
-        return sum(1 for r in self._by_id.values() if r.state is state)
+        return len(self._by_state[state])
 
     def __len__(self) -> int:
         return len(self._by_id)

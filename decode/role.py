@@ -108,6 +108,15 @@ class DecodeRole(TransferRole):
         self.requests.add(DecodeRequest(msg.request_id, DecodeState.LOCAL, cached_tokens=cached))
         return []
 
+    def sent(self, msgs: list) -> None:
+        """A local prefill whose answer ended goes with it (the budget forgets computed ones sooner)."""
+        super().sent(msgs)
+        for msg in msgs:
+            if isinstance(msg, OutputMsg) and (msg.finish_reason is not None or msg.error is not None):
+                request = self.requests.get(msg.request_id)
+                if request is not None and request.state is DecodeState.LOCAL:
+                    self.requests.drop(msg.request_id)
+
     def _local_backlog(self) -> int:
         """Prompt tokens the local prefills admitted here have not computed yet (the others dropped)."""
         backlog = 0
@@ -186,7 +195,6 @@ class DecodeRole(TransferRole):
                 self._admit(request, status)
             else:
                 out += self._fail(request, status)
-        self._local_backlog()  # forget the local prefills whose prompts are computed
         # An admitted request's first token (it came with the KV) goes out now, not with the next
         # decode step's token: the client sees it as soon as it reached us.
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]

@@ -201,8 +201,5 @@ class RoomBook:
         self._early.difference_update(room for room, _, _ in expired)
         return expired
 
-    def in_state(self, *states: RoomState) -> list[int]:
-        return [room for room in list(self.running) + list(self._verdicts) if self.state_of(room) in states]
-
     def __len__(self) -> int:
         return len(self.running) + len(self._verdicts)

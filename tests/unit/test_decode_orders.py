@@ -3,9 +3,9 @@
 A real tiny engine and a real DecodeRole; only the flow is scripted: its fetch waits for the verdict
 the test gives (SUCCESS with a first token, FAILED, the prefill lost, a timeout), and its `end()`
 releases the blocks at once or fences them until the test ends the fence. Each order interleaves,
-at random (seeded): requests arriving (some too big for the free cache, so they queue), verdicts,
-aborts (of held, queued and unknown requests), fences ending, engine failures, polls and engine
-steps. Then everything still open is settled, and every request must have had exactly one final
+at random (seeded): requests arriving (some too big for the free cache, so they queue; some sent
+alone, prefilled here or refused), verdicts, aborts (of held, queued and unknown requests), fences
+ending, engine failures, polls and engine steps. Then everything still open is settled, and every request must have had exactly one final
 answer, the role must hold nothing, and every block of the cache must be free again.
 """
 
@@ -85,7 +85,8 @@ class Order:
     def __init__(self, tiny_loaded, seed: int):
         self.rng = random.Random(seed)
         self.core = engine(tiny_loaded, num_blocks=24)
-        self.role = DecodeRole(self.core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp"))
+        config = DisaggConfig(transfer_backend="tcp", max_local_prefill_tokens=12)  # some are prefilled here
+        self.role = DecodeRole(self.core, 0, "tiny", config=config)
         self.role.backend = type("NoBackend", (), {"notifications": staticmethod(lambda: [])})()
         self.role.push = self.flow = ScriptedFlow(self.role, self.rng)
         self.submitted: list[str] = []
@@ -93,6 +94,7 @@ class Order:
         self.endings: Counter = Counter()  # how requests ended: (finish reason, error status)
 
     def took(self, msgs) -> None:
+        self.role.sent(msgs)  # as the worker loop does with every message it sends
         for msg in msgs:
             if msg.finish_reason is not None or msg.error is not None:
                 self.answers[msg.request_id] = self.answers.get(msg.request_id, 0) + 1
@@ -106,8 +108,10 @@ class Order:
             request_id = f"r{len(self.submitted)}"
             self.submitted.append(request_id)
             prompt = [rng.randrange(1, 200) for _ in range(rng.choice([3, 9, 17, 40]))]
+            alone = rng.random() < 0.25  # sent to the decode alone: prefilled here, or refused (400)
+            p2p = {} if alone else dict(bootstrap_room=len(self.submitted), bootstrap_host="h", bootstrap_port=1)
             msg = GenerateMsg(request_id, SamplingParams(max_tokens=rng.randrange(1, 5), temperature=0, ignore_eos=True),
-                              prompt_token_ids=prompt, bootstrap_room=len(self.submitted), bootstrap_host="h", bootstrap_port=1)
+                              prompt_token_ids=prompt, **p2p)
             self.took(await role.submit(msg))
         elif kind == "verdict" and self.flow.open_verdicts():
             request_id = rng.choice(self.flow.open_verdicts())
@@ -160,10 +164,10 @@ def test_every_request_ends_once_with_its_blocks_freed_in_any_order(tiny_loaded)
     endings: Counter = Counter()
     for seed in range(ORDERS):
         endings += asyncio.run(run_order(tiny_loaded, seed)).endings
-    # Every way to end was taken, many times: served, aborted, failed by the engine, the prefill's
-    # failure, the prefill lost.
+    # Every way to end was taken, many times: served (by a prefill's KV or prefilled here), aborted,
+    # refused a local prefill, failed by the engine, the prefill's failure, the prefill lost.
     assert {kind for kind, count in endings.items() if count >= 20} == {
-        ("length", 0), ("abort", 0), ("abort", 500), ("abort", 503)}
+        ("length", 0), ("abort", 0), ("abort", 400), ("abort", 500), ("abort", 503)}
 
 
 def test_the_orders_catch_one_skipped_free(tiny_loaded):

@@ -446,10 +446,10 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor, fused: bool) -> torch.Tensor:
                                       (8, 40, 17), (9, 95, 24), (17, 33, 8), (33, 600, 16),  # the last one threaded
                                       (9, 600, 64), (261, 40, 16),  # and three blocks of up to 128 rows
                                       (128, 30, 96),  # threaded, one tile: a thread without tiles
-                                      (2, 600, 256), (6, 64, 40)])  # AVX2's 2-row passes of a whole tile
+                                      (2, 600, 256), (8, 64, 40)])  # AVX2's 2-row passes of a whole tile
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_dense_matmul_is_one_multiply_add_chain_per_output(csrc, rows, n, k, w_dtype):
-    """Every pass size (remainders of AVX-512's passes of 8 rows and AVX2's and base's of 4), partial
+    """Every pass size (remainders of AVX-512's passes of 8 rows, AVX2's of 6 and base's of 4), partial
     last tiles, threaded, blocks of rows: the kernel's bits are those of one chain per output over the columns in
     order, fused on avx2 and avx512; within k 2^-24 sum |x w| of the float64 product. A bfloat16 weight is
     widened exactly: the same bits as its float32 values."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from decode.registries import Registries, Registry
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from disagg.wire.auth import format_address
 from disagg.wire.control_msgs import PeerMsg
 from kvtransfer.control.client import ControlClient

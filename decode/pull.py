@@ -19,7 +19,7 @@ import structlog
 
 from decode.peers import PrefillPeers
 from decode.waiting import Fences, PendingKV
-from disagg.config import DisaggConfig
+from disagg.pd_config import DisaggConfig
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import InvalidRequest
@@ -104,7 +104,7 @@ class PullFetch:
         if msg.sampling.prompt_logprobs is not None:
             raise InvalidRequest("prompt logprobs are not available in the pull flow (kv_transfer_params): "
                                  "the decode reads the prompt's KV, not its logprobs", "prompt_logprobs")
-        if not self.config.allows_bootstrap_address(ticket.host, ticket.port):
+        if not self.config.decode.allows_bootstrap_address(ticket.host, ticket.port):
             address = format_address(ticket.host, ticket.port)
             raise InvalidRequest(f"kv_transfer_params remote_host:remote_port {address!r} is not allowed on this "
                                  "decode server (see its --allowed-bootstrap-hosts)", "kv_transfer_params")
@@ -113,7 +113,7 @@ class PullFetch:
         """Claim the ticket's lease as soon as the request arrives, before it waits for room in our KV
         cache: a claimed lease lives as long as our control stream (its heartbeats keep it), so a
         request that queues longer than the prefill's lease still finds its blocks."""
-        pending.hold = asyncio.create_task(self._claim(pending, time.monotonic() + self.config.waiting_timeout_s))
+        pending.hold = asyncio.create_task(self._claim(pending, time.monotonic() + self.config.decode.waiting_timeout_s))
         pending.hold.add_done_callback(lambda task: task.cancelled() or task.exception())  # fetch() reads it; an abort may not
 
     async def _claim(self, pending: PendingKV, deadline: float) -> LeaseStatusMsg:
@@ -202,7 +202,8 @@ class PullFetch:
     async def _release_ticket(self, ticket: Ticket, reason: str) -> None:
         """Tell a ticket's prefill to free the blocks we will not read (bounded)."""
         try:
-            client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), self.config.waiting_timeout_s)
-            await asyncio.wait_for(client.release(ticket.request_id, reason), self.config.waiting_timeout_s)
+            wait_s = self.config.decode.waiting_timeout_s
+            client = await asyncio.wait_for(self.peers.client_at(ticket.host, ticket.port), wait_s)
+            await asyncio.wait_for(client.release(ticket.request_id, reason), wait_s)
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own then
             log.warning("could not release a ticket's lease", request_id=ticket.request_id, error=str(exc))

@@ -17,7 +17,7 @@ import structlog
 from decode.peers import PrefillPeers
 from decode.registries import Registry
 from decode.waiting import Fences, PendingKV
-from disagg.config import DisaggConfig
+from disagg.pd_config import DisaggConfig
 from disagg.rank_rule import resolve_prefill_rank
 from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
@@ -62,7 +62,7 @@ class PushFetch:
                 f"a decode request needs {', '.join(missing)}: disaggregated decode never re-computes the prompt "
                 "locally (send it through a P/D router)", missing[0],
                 ErrorCode.LOCAL_PREFILL_REFUSED if msg.bootstrap_room is None else None)
-        if not self.config.allows_bootstrap_address(msg.bootstrap_host, msg.bootstrap_port):
+        if not self.config.decode.allows_bootstrap_address(msg.bootstrap_host, msg.bootstrap_port):
             address = format_address(msg.bootstrap_host, msg.bootstrap_port)
             raise InvalidRequest(f"bootstrap_host:bootstrap_port {address!r} is not allowed on this decode server "
                                  "(see its --allowed-bootstrap-hosts)", "bootstrap_host")
@@ -134,10 +134,10 @@ class PushFetch:
 
     async def _await_fence(self, request_id: str, client, fence: asyncio.Future) -> None:
         try:
-            acked = await asyncio.wait_for(asyncio.shield(fence), self.config.abort_ack_timeout_s)
+            acked = await asyncio.wait_for(asyncio.shield(fence), self.config.decode.abort_ack_timeout_s)
         except asyncio.TimeoutError:
             acked = False
-            client.drop(f"no acknowledgement of an abort within {self.config.abort_ack_timeout_s:g} s")
+            client.drop(f"no acknowledgement of an abort within {self.config.decode.abort_ack_timeout_s:g} s")
         if not acked and client.remote is not None:
             prefill = client.remote.peer_name
             if await asyncio.to_thread(self.backend.cut_inbound, prefill):

@@ -22,7 +22,7 @@ from decode.pull import PullFetch, carries_ticket, ticket_of
 from decode.push import PushFetch
 from decode.requests import DecodeRequest, DecodeRequests, DecodeState
 from decode.waiting import Fences, PendingKV
-from disagg.config import DisaggConfig
+from disagg.pd_config import DisaggConfig
 from disagg.worker.outputs import admission_error, error_output
 from disagg.worker.transfer import TransferRole
 from disagg.engine.core import EngineCore
@@ -49,7 +49,7 @@ class DecodeRole(TransferRole):
                                             dataclasses.asdict(self.core.cache_spec()), secret,
                                             self.config.tcp_listener)
         self.backend = self.faulty(self.backend)
-        self.peers = PrefillPeers(local, self.config.control, secret, self.config.max_bootstrap_clients)
+        self.peers = PrefillPeers(local, self.config.control, secret, self.config.decode.max_bootstrap_clients)
         self.push = PushFetch(self.core, self.dp_rank, self.config, self.backend, self.peers, self.fences)
         self.pull = PullFetch(self.core, self.config, self.backend, self.peers, self.fences)
 
@@ -68,7 +68,7 @@ class DecodeRole(TransferRole):
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         if msg.resume_token_ids is not None:  # migrated here from a worker that died: computed locally
             return await super().submit(msg)
-        if self.config.max_local_prefill_tokens and msg.bootstrap_room is None and not carries_ticket(msg):
+        if self.config.decode.max_local_prefill_tokens and msg.bootstrap_room is None and not carries_ticket(msg):
             return self._prefill_here(msg)
         try:
             ticket = ticket_of(msg)
@@ -90,7 +90,7 @@ class DecodeRole(TransferRole):
         prompt tokens missing from our prefix cache, with those of the local prefills still running,
         are at most `max_local_prefill_tokens`; else refused (400, code local_prefill_refused) so that a
         router sends it again with a prefill (a busy decode hands the work to the prefill)."""
-        limit = self.config.max_local_prefill_tokens
+        limit = self.config.decode.max_local_prefill_tokens
         try:
             ids = self.prompt_ids(msg)
             cached = 0 if msg.sampling.prompt_logprobs is not None else self.core.cached_prefix_tokens(ids)
@@ -142,8 +142,9 @@ class DecodeRole(TransferRole):
                 out.append(error_output(request_id, exc))
                 continue
             if reservation is None:
-                if time.monotonic() - pending.started > self.config.waiting_timeout_s:
-                    reason = f"the decode KV cache had no room for this prompt within {self.config.waiting_timeout_s:g} s"
+                wait_s = self.config.decode.waiting_timeout_s
+                if time.monotonic() - pending.started > wait_s:
+                    reason = f"the decode KV cache had no room for this prompt within {wait_s:g} s"
                     self._drop_queued(request, reason)
                     out.append(OutputMsg(request_id, finish_reason=FinishReason.ABORT, error_status=503, error=reason))
                     continue
@@ -160,13 +161,13 @@ class DecodeRole(TransferRole):
     async def _fetch_kv(self, pending: PendingKV, reservation: Reservation) -> None:
         """The flow's fetch (of the KV after our own cached prefix), bounded by the waiting deadline;
         its verdict is handled in poll()."""
-        deadline = time.monotonic() + self.config.waiting_timeout_s
+        deadline = time.monotonic() + self.config.decode.waiting_timeout_s
         try:
             fetch = self._flow(pending).fetch(pending, reservation, deadline)
-            status = await asyncio.wait_for(fetch, self.config.waiting_timeout_s)
+            status = await asyncio.wait_for(fetch, self.config.decode.waiting_timeout_s)
         except asyncio.TimeoutError:
             status = TransferStatusMsg(room=pending.room, state=TransferState.FAILED,
-                                       reason=f"no KV from prefill within {self.config.waiting_timeout_s:g} s")
+                                       reason=f"no KV from prefill within {self.config.decode.waiting_timeout_s:g} s")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # bootstrap or control failures end this request only

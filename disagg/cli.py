@@ -6,14 +6,14 @@ Options are built from the config dataclasses' fields and help text (disagg.cli_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from disagg.cli_args import add_dataclass_args, dataclass_from_args
 from disagg.router.launch import add_arguments as add_router_args
-from disagg.config import (
-    SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, ConfigError, ControlConfig, DisaggConfig, DisaggregationMode,
-    LoadBalanceMethod, ServerConfig, TcpListenerConfig, TlsConfig, check_cluster_secret, check_shutdown_timeout,
+from disagg import cluster
+from disagg.config import ConfigError, DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
+from disagg.pd_config import (
+    ControlConfig, DecodeConfig, DisaggConfig, PrefillConfig, TcpListenerConfig, check_cluster_secret, with_settings,
 )
 from disagg.cpus import usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
@@ -23,8 +23,6 @@ from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
 from disagg.tool_config import ToolConfig
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
-# ServerConfig's limits that `disagg serve` sets on both of its servers
-ADMISSION_FIELDS = ("max_waiting_requests", "max_kv_usage")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -60,14 +58,18 @@ def secret_defaults() -> dict[str, object]:
 
 
 def add_disagg_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    add_dataclass_args(parser.add_argument_group("DisaggConfig"), DisaggConfig, skip=skip)
-    add_dataclass_args(parser.add_argument_group("ControlConfig (KV control plane)"), ControlConfig)
-    add_dataclass_args(parser.add_argument_group("TcpListenerConfig (tcp KV listener)"), TcpListenerConfig)
+    """Both sides' settings on every P/D command: a server may change role at run time."""
+    for title, cls in (("DisaggConfig (both sides)", DisaggConfig), ("PrefillConfig", PrefillConfig),
+                       ("DecodeConfig", DecodeConfig), ("ControlConfig (KV control plane)", ControlConfig),
+                       ("TcpListenerConfig (tcp KV listener)", TcpListenerConfig)):
+        add_dataclass_args(parser.add_argument_group(title), cls, skip=skip)
 
 
 def disagg_from_args(args: argparse.Namespace, **overrides) -> DisaggConfig:
-    return dataclass_from_args(DisaggConfig, args, control=dataclass_from_args(ControlConfig, args),
-                               tcp_listener=dataclass_from_args(TcpListenerConfig, args), **overrides)
+    parts = {name: dataclass_from_args(cls, args) for name, cls in (
+        ("control", ControlConfig), ("tcp_listener", TcpListenerConfig), ("prefill", PrefillConfig),
+        ("decode", DecodeConfig))}
+    return with_settings(dataclass_from_args(DisaggConfig, args, **parts), **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,53 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
-    """`disagg serve`: the engine, the P/D options, the router's port and TLS, the CPU split."""
+    """`disagg serve`: the engine, the P/D options, what both servers share, the router's port and TLS,
+    the CPU split, the decode's own engine settings; every flag from the config that takes it."""
     add_engine_args(serve)
     # serve draws a cluster secret of its own when none is given: there is nothing to opt out of
     add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"))
-    serve.add_argument("--host", default="127.0.0.1", help="address every part binds (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=30000, help="the router's port (default: 30000)")
-    serve.add_argument("--dp-size", type=int, default=2, help="DP workers per server (default: 2)")
-    serve.add_argument("--log-format", default="console", help="console or json")
-    serve.add_argument("--prefill-cpus", default=None, metavar="LIST",
-                       help="the prefill server's CPUs (a Linux CPU list: 0-3,8), split among its DP workers "
-                            "(default: the first half of the CPUs this process may use; with one CPU, that one)")
-    serve.add_argument("--decode-cpus", default=None, metavar="LIST",
-                       help="the decode server's CPUs (default: the usable CPUs prefill does not take; the second "
-                            "half when neither is given); the lists may overlap")
-    add_decode_args(serve)
-    serve.add_argument("--local-prefill-min-prefill-load", type=int, default=1, metavar="L",
-                       help="with --max-local-prefill-tokens: the router sends a short rest to the decode alone only "
-                            "while the prefill has at least L prefill legs unanswered, so an idle prefill computes it "
-                            "and the decode's steps stay free of prefill work (0: whenever the rest is short; "
-                            "default: 1)")
-    serve.add_argument("--shutdown-timeout-s", "--shutdown-timeout", dest="shutdown_timeout_s", type=float,
-                       default=SHUTDOWN_TIMEOUT_S, help=f"{SHUTDOWN_TIMEOUT_HELP} (default: {SHUTDOWN_TIMEOUT_S})")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router and both servers")
-    serve.add_argument("--admin-key", default=None, help="bearer key of the servers' admin routes (env DISAGG_ADMIN_KEY)")
-    add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
+    add_dataclass_args(serve.add_argument_group("both servers (--host binds the router too)"), ServerConfig,
+                       only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": cluster.ClusterOptions().servers.dp_size})
     add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
-    add_dataclass_args(serve.add_argument_group("admission (on both servers)"), ServerConfig, only=ADMISSION_FIELDS)
+    add_dataclass_args(serve.add_argument_group("the router and the CPU split"), cluster.ClusterOptions,
+                       only=("port", "prefill_cpus", "decode_cpus"))
+    add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
+    add_dataclass_args(serve.add_argument_group("the router's cache_aware pick"), CacheAwareConfig,
+                       only=("local_prefill_min_prefill_load",))
+    add_dataclass_args(serve.add_argument_group("the decode server's own engine settings"), cluster.DecodeOverrides)
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
-
-
-def add_decode_args(serve: argparse.ArgumentParser) -> None:
-    """`disagg serve`'s options that set the decode server apart from the prefill's engine."""
-    serve.add_argument("--decode-max-num-batched-tokens", type=int, default=None, metavar="N",
-                       help="the decode server's token budget per step (default: --max-num-batched-tokens); with "
-                            "--max-local-prefill-tokens a small one chunks the prompts the decode prefills itself, "
-                            "so the requests decoding beside them keep their pace")
-    serve.add_argument("--decode-max-prefill-tokens-per-step", type=int, default=None, metavar="N",
-                       help="the decode server's prompt tokens per step (default: --max-prefill-tokens-per-step); "
-                            "with --max-local-prefill-tokens a small one chunks the prompts the decode prefills "
-                            "itself while every decoding request still gets its token each step")
-    serve.add_argument("--decode-max-num-seqs", type=int, default=None, metavar="N",
-                       help="the decode server's requests decoding in one step (default: --max-num-seqs); past it the "
-                            "latest whose KV landed wait for a slot, so the others keep their pace under overload")
-    serve.add_argument("--decode-tensor-parallel-size", "--decode-tp-size", dest="decode_tensor_parallel_size",
-                       type=int, default=None, metavar="N",
-                       help="the decode server's TP size (default: --tensor-parallel-size, which then sizes the "
-                            "prefill alone); each decode rank receives its KV heads from the prefill ranks holding them")
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -197,37 +167,15 @@ def run_server(args: argparse.Namespace) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts."""
-    from disagg import cluster
-
     disagg = disagg_from_args(args, bootstrap_port=0)
-    check_shutdown_timeout(args.shutdown_timeout_s)
-    cache_aware = CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens,
-                                   local_prefill_min_prefill_load=args.local_prefill_min_prefill_load)
-    tools = dataclass_from_args(ToolConfig, args)
-    if (problem := tools.problem()) is not None:
-        raise ConfigError(problem)
-    engine = engine_from_args(args)
+    servers = ServerConfig(**{name: getattr(args, name) for name in cluster.SHARED_SERVER_FIELDS},
+                           tools=dataclass_from_args(ToolConfig, args))
     options = cluster.ClusterOptions(
-        host=args.host, port=args.port, dp_size=args.dp_size, log_format=args.log_format, api_key=args.api_key,
-        admin_key=args.admin_key, tls=dataclass_from_args(TlsConfig, args), tools=tools, prefill_cpus=args.prefill_cpus,
-        decode_cpus=args.decode_cpus, decode_engine=decode_engine(engine, args), cache_aware=cache_aware,
-        max_waiting_requests=args.max_waiting_requests, max_kv_usage=args.max_kv_usage,
-        shutdown_timeout_s=args.shutdown_timeout_s)
+        servers=servers, port=args.port, tls=dataclass_from_args(TlsConfig, args), prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus, decode=dataclass_from_args(cluster.DecodeOverrides, args),
+        cache_aware=dataclass_from_args(CacheAwareConfig, args))
     cluster.server_configs(options)  # both servers' configs: their CPU lists and limits are checked here
-    return cluster.run(engine, disagg, options)
-
-
-def decode_engine(engine: EngineConfig, args: argparse.Namespace) -> EngineConfig | None:
-    """The decode's engine when its `--decode-*` flags make it differ from the prefill's, else None."""
-    decode_scheduler = {name: value for name, value in (
-        ("max_num_batched_tokens", args.decode_max_num_batched_tokens),
-        ("max_prefill_tokens_per_step", args.decode_max_prefill_tokens_per_step),
-        ("max_num_seqs", args.decode_max_num_seqs)) if value is not None}
-    if not decode_scheduler and args.decode_tensor_parallel_size is None:
-        return None
-    return dataclasses.replace(
-        engine, scheduler=dataclasses.replace(engine.scheduler, **decode_scheduler),
-        tensor_parallel_size=args.decode_tensor_parallel_size or engine.tensor_parallel_size)
+    return cluster.run(engine_from_args(args), disagg, options)
 
 
 def run_top(args: argparse.Namespace) -> int:

@@ -28,11 +28,11 @@ def comma_list(value: str) -> tuple[str, ...]:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                       only: tuple[str, ...] | None = None) -> None:
+                       only: tuple[str, ...] | None = None, defaults: dict | None = None) -> None:
     """One `--field-name` option per dataclass field (of `only` when given), typed and documented from
     the field (plus the spellings other servers use, from the field's `aliases` metadata, and its
     allowed values from `choices`; a bool field whose metadata says `negatable: False` has no `--no-`
-    form)."""
+    form). `defaults` replaces a field's default for this command (`disagg serve`'s dp_size 2)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or (only is not None and f.name not in only) or dataclasses.is_dataclass(hints[f.name]):
@@ -40,6 +40,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
         kind = scalar_type(hints[f.name])
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
+        default = (defaults or {}).get(f.name, default)
         help_text = f.metadata.get("help", "")
         if kind is bool and not f.metadata.get("negatable", True):  # a switch that only turns something on
             parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)

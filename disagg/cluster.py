@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from disagg.config import SHUTDOWN_TIMEOUT_S, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
-from disagg.tool_config import ToolConfig
+from disagg.config import DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
+
+from disagg.pd_config import DisaggConfig
 from disagg.cpus import format_cpu_list, plan_cluster_cpus, usable_cpus
 from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
@@ -44,8 +45,8 @@ def cpus_note(prefill_cfg: ServerConfig, decode_cfg: ServerConfig) -> str:
 def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: CacheAwareConfig,
                   **settings) -> RouterConfig:
     """The router in front: cache_aware, so a shared prefix goes to the prefill rank that holds it, and
-    a short rest to the decode alone when the decode prefills locally (`cache_aware`'s
-    --max-local-prefill-tokens, the decode's too) and the prefill is busy enough
+    a short rest to the decode alone when the decode prefills locally (its --max-local-prefill-tokens,
+    which the router reads from its /server_info) and the prefill is busy enough
     (--local-prefill-min-prefill-load)."""
     host = settings["host"]
     return RouterConfig(
@@ -54,35 +55,66 @@ def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: Ca
         decode=(f"http://{host}:{decode.port}",), **settings)
 
 
+# ServerConfig's fields that `disagg serve` sets alike on both of its servers (`host` binds the router too)
+SHARED_SERVER_FIELDS = ("host", "dp_size", "log_format", "api_key", "admin_key", "max_waiting_requests",
+                        "max_kv_usage", "shutdown_timeout_s")
+
+
+@dataclass(frozen=True)
+class DecodeOverrides:
+    """`disagg serve`'s decode-only engine settings; None: the prefill's (the engine flags')."""
+
+    decode_max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
+        "the decode server's token budget per step (default: --max-num-batched-tokens); with "
+        "--max-local-prefill-tokens a small one chunks the prompts the decode prefills itself, "
+        "so the requests decoding beside them keep their pace")})
+    decode_max_prefill_tokens_per_step: int | None = field(default=None, metadata={"help": (
+        "the decode server's prompt tokens per step (default: --max-prefill-tokens-per-step); "
+        "with --max-local-prefill-tokens a small one chunks the prompts the decode prefills "
+        "itself while every decoding request still gets its token each step")})
+    decode_max_num_seqs: int | None = field(default=None, metadata={"help": (
+        "the decode server's requests decoding in one step (default: --max-num-seqs); past it the "
+        "latest whose KV landed wait for a slot, so the others keep their pace under overload")})
+    decode_tensor_parallel_size: int | None = field(default=None, metadata={"aliases": ("--decode-tp-size",), "help": (
+        "the decode server's TP size (default: --tensor-parallel-size, which then sizes the "
+        "prefill alone); each decode rank receives its KV heads from the prefill ranks holding them")})
+
+    def engine(self, engine: EngineConfig) -> EngineConfig | None:
+        """The decode's engine when these make it differ from `engine` (the prefill's), else None."""
+        scheduler = {name: value for name, value in (
+            ("max_num_batched_tokens", self.decode_max_num_batched_tokens),
+            ("max_prefill_tokens_per_step", self.decode_max_prefill_tokens_per_step),
+            ("max_num_seqs", self.decode_max_num_seqs)) if value is not None}
+        if not scheduler and self.decode_tensor_parallel_size is None:
+            return None
+        return replace(engine, scheduler=replace(engine.scheduler, **scheduler),
+                       tensor_parallel_size=self.decode_tensor_parallel_size or engine.tensor_parallel_size)
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
-    """What `disagg serve` sets beside the engine and the P/D config: where the router listens, what
-    both servers share (DP size, logs, keys, tool calling, the admission limits), the CPU split, the
-    decode's own engine when it differs (its step budget, its TP size) and the router's pick."""
+    """What `disagg serve` sets beside the engine and the P/D config: what both servers share
+    (`servers`: DP size, logs, keys, tool calling, the admission limits; `host` binds the router too),
+    where the router listens (`port`, `tls`), the CPU split, the decode's own engine settings and the
+    router's cache_aware pick."""
 
-    host: str = "127.0.0.1"
-    port: int = 30000
-    dp_size: int = 2
-    log_format: str = "console"
-    api_key: str | None = None
-    admin_key: str | None = None
-    tls: TlsConfig = TlsConfig()
-    tools: ToolConfig = ToolConfig()
-    prefill_cpus: str | None = None  # --prefill-cpus (None: planned)
-    decode_cpus: str | None = None  # --decode-cpus (None: planned)
-    decode_engine: EngineConfig | None = None  # None: the prefill's engine
-    cache_aware: CacheAwareConfig | None = None  # None: the decode's --max-local-prefill-tokens, nothing else set
-    max_waiting_requests: int = 0  # both servers' --max-waiting-requests (0: no limit)
-    max_kv_usage: float = 1.0  # both servers' --max-kv-usage (1.0: off)
-    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+    servers: ServerConfig = field(default_factory=lambda: ServerConfig(dp_size=2))
+    port: int = field(default=30000, metadata={"help": "the router's port"})
+    tls: TlsConfig = TlsConfig()  # HTTPS on the router's port; the servers behind it speak plain HTTP to it
+    prefill_cpus: str | None = field(default=None, metadata={"help": (
+        "the prefill server's CPUs (a Linux CPU list: 0-3,8), split among its DP workers "
+        "(default: the first half of the CPUs this process may use; with one CPU, that one)")})
+    decode_cpus: str | None = field(default=None, metadata={"help": (
+        "the decode server's CPUs (default: the usable CPUs prefill does not take; the second "
+        "half when neither is given); the lists may overlap")})
+    decode: DecodeOverrides = DecodeOverrides()
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
 
 
 def server_configs(o: ClusterOptions) -> tuple[ServerConfig, ServerConfig]:
     """The prefill's and the decode's: what they share from `o`, each its planned CPUs and DP pick."""
     planned = plan_cluster_cpus(usable_cpus(), o.prefill_cpus, o.decode_cpus)
-    base = ServerConfig(host=o.host, port=0, dp_size=o.dp_size, log_format=o.log_format, api_key=o.api_key,
-                        admin_key=o.admin_key, tools=o.tools, max_waiting_requests=o.max_waiting_requests,
-                        max_kv_usage=o.max_kv_usage)
+    base = replace(o.servers, port=0)
     prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL, cpus=cpus_text(planned[0]),
                           load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
     # A conversation's later turns go back to the decode worker that holds its KV (decode-side prefix reuse).
@@ -91,20 +123,20 @@ def server_configs(o: ClusterOptions) -> tuple[ServerConfig, ServerConfig]:
     return prefill_cfg, decode_cfg
 
 
-async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions | None = None,
-                        **fields) -> tuple[RunningServer, RunningServer, RouterServer]:
-    """Start the cluster that `options` (with `fields` replaced: `port=0, dp_size=1`) describe. Prefill
-    and decode each get their own CPUs (`plan_cluster_cpus`: by default the first and the second half
-    of the usable ones); the router and the registry are not pinned."""
-    o = replace(options or ClusterOptions(), **fields)
+async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions = ClusterOptions()
+                        ) -> tuple[RunningServer, RunningServer, RouterServer]:
+    """Start the cluster that `options` describe. Prefill and decode each get their own CPUs
+    (`plan_cluster_cpus`: by default the first and the second half of the usable ones); the router and
+    the registry are not pinned."""
+    o = options
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     prefill_cfg, decode_cfg = server_configs(o)
-    say(f"starting prefill and decode servers (dp_size={o.dp_size} each, backend {disagg.transfer_backend}; "
+    say(f"starting prefill and decode servers (dp_size={o.servers.dp_size} each, backend {disagg.transfer_backend}; "
         f"{cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(
         start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),
-        start_server(decode_cfg, o.decode_engine or engine, disagg, lambda line: say(f"[decode] {line}")),
+        start_server(decode_cfg, o.decode.engine(engine) or engine, disagg, lambda line: say(f"[decode] {line}")),
         return_exceptions=True,
     )
     started = [r for r in results if isinstance(r, RunningServer)]
@@ -114,9 +146,8 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
             await server.close()
         raise failed[0]
     prefill, decode = results
-    cache_aware = o.cache_aware or CacheAwareConfig(max_local_prefill_tokens=disagg.max_local_prefill_tokens)
-    router = RouterServer(router_config(prefill, decode, cache_aware, host=o.host, port=o.port,
-                                        log_format=o.log_format, api_key=o.api_key, tls=o.tls))
+    router = RouterServer(router_config(prefill, decode, o.cache_aware, host=o.servers.host, port=o.port,
+                                        log_format=o.servers.log_format, api_key=o.servers.api_key, tls=o.tls))
     try:
         await router.start()
     except BaseException:
@@ -131,7 +162,7 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
-    host, dp_size = options.host, options.dp_size
+    host, dp_size = options.servers.host, options.servers.dp_size
     say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
     say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend}; "
         f"{cpus_note(prefill.controller.server, decode.controller.server)}); "
@@ -140,7 +171,7 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")
     await signals.requested.wait()
     say("shutting down")
-    await drain_cluster(prefill, decode, router, options.shutdown_timeout_s, signals.hurry)
+    await drain_cluster(prefill, decode, router, options.servers.shutdown_timeout_s, signals.hurry)
     return 0
 
 
@@ -159,7 +190,7 @@ async def drain_cluster(prefill: RunningServer, decode: RunningServer, router: R
 
 def run(engine: EngineConfig, disagg: DisaggConfig, options: ClusterOptions) -> int:
     """`disagg serve`."""
-    configure_logging(options.log_format)
+    configure_logging(options.servers.log_format)
     try:
         return asyncio.run(serve_cluster(engine, disagg, options))
     except Exception as exc:

@@ -14,7 +14,6 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
-from disagg import host_patterns
 from disagg.tool_config import ToolConfig
 
 
@@ -92,7 +91,7 @@ def check_secret(name: str, value: str | None) -> None:
         raise ConfigError(f"{name} must not be empty (leave it unset to turn it off)")
 
 
-_CLUSTER_SECRET_HELP = ("shared secret authenticating the KV control stream, the tcp KV listener and bootstrap "
+CLUSTER_SECRET_HELP = ("shared secret authenticating the KV control stream, the tcp KV listener and bootstrap "
                         "registry writes (env DISAGG_CLUSTER_SECRET; unset: no authentication, refused on a "
                         "non-loopback address without --insecure-no-cluster-secret)")
 INSECURE_HELP = ("start without a cluster secret although this process binds a non-loopback address: its KV "
@@ -269,139 +268,3 @@ class ServerConfig:
         check_shutdown_timeout(self.shutdown_timeout_s)
         check_secret("api_key", self.api_key)
         check_secret("admin_key", self.admin_key)
-
-
-class TransferBackend(Choice):
-    """How a P/D pair's KV moves between worker processes (kvtransfer's loopback backend joins
-    endpoints of one process only: tests, never a server)."""
-
-    NIXL = "nixl"  # NIXL agents over UCX: RDMA or NVLink on GPUs, shared memory or TCP on CPUs
-    TCP = "tcp"  # plain sockets and threads, always available
-
-
-@dataclass(frozen=True)
-class DisaggConfig:
-    """What a prefill or decode worker needs for P/D: backend, registry address, deadlines."""
-
-    transfer_backend: TransferBackend = field(default=TransferBackend.NIXL, metadata={"help": "KV transfer backend: nixl or tcp"})
-    bootstrap_host: str = field(default="127.0.0.1", metadata={"help": "prefill: the bootstrap registry's address"})
-    bootstrap_port: int = field(default=8998, metadata={"help": "prefill: the bootstrap registry's port"})
-    rank_host: str = field(default="127.0.0.1", metadata={"help": "address this worker's KV control and transfer endpoints bind"})
-    bootstrap_timeout_s: float = field(
-        default=300.0, metadata={"help": "prefill: how long a request waits for its decode's destination blocks"})
-    waiting_timeout_s: float = field(default=300.0, metadata={"help": "decode: how long a request waits for its KV"})
-    transfer_timeout_s: float = field(
-        default=60.0, metadata={"help": "prefill: how long a room's blocks may take to land once the destination "
-                                        "is known, and how long a failed room's posted writes may take to settle"})
-    abort_ack_timeout_s: float = field(
-        default=10.0, metadata={"help": "decode: how long an aborted room waits for the prefill to confirm it stopped "
-                                        "writing before that prefill is declared lost (its blocks stay quarantined meanwhile)"})
-    kv_lease_s: float = field(
-        default=30.0, metadata={"help": "prefill, pull flow: how long a finished request's blocks wait for a decode "
-                                        "to claim them (a claimed lease lasts until released or the decode is lost)"})
-    registry_refresh_s: float = field(
-        default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"})
-    force_query_prefill_dp_rank: bool = field(
-        default_factory=lambda: force_query_prefill_dp_rank(),
-        metadata={"help": "always resolve the prefill DP rank through the registry (env DISAGG_FORCE_QUERY_PREFILL_DP_RANK)"},
-    )
-    control: ControlConfig = field(default_factory=lambda: ControlConfig())
-    tcp_listener: TcpListenerConfig = field(default_factory=lambda: TcpListenerConfig())
-    cluster_secret: str | None = field(
-        default_factory=lambda: cluster_secret(), repr=False, metadata={"help": _CLUSTER_SECRET_HELP})
-    insecure_no_cluster_secret: bool = field(default=False, metadata={"help": INSECURE_HELP, "negatable": False})
-    allowed_bootstrap_hosts: tuple[str, ...] = field(
-        default=(), metadata={"help": "decode: the only registries (bootstrap_host:bootstrap_port) and prefill "
-                                      "control addresses (a ticket's remote_host:remote_port) a request may name, "
-                                      "comma-separated: host, host:port, CIDR (10.0.0.0/8), [IPv6]:port; '*' matches "
-                                      "within one label of a name; without a port every port; no DNS resolution "
-                                      "(default: any, as SGLang)"})
-    max_bootstrap_clients: int = field(
-        default=64, metadata={"help": "decode: registries whose clients (and topologies) stay open; beyond this the "
-                                      "least recently used one with no request in flight is closed"})
-    max_local_prefill_tokens: int = field(
-        default=0, metadata={"help": "decode: prefill a request sent here alone (no bootstrap fields, no ticket) "
-                                     "when at most this many of its prompt tokens are not in this decode's prefix "
-                                     "cache (llm-d's nonCachedTokens rule); 0: never, such a request is refused"})
-
-    def __post_init__(self) -> None:
-        TransferBackend.coerce_field(self, "transfer_backend")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "registry_refresh_s", "transfer_timeout_s",
-                     "abort_ack_timeout_s", "kv_lease_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        check_secret("cluster_secret", self.cluster_secret)
-        if self.max_bootstrap_clients < 1:
-            raise ConfigError(f"max_bootstrap_clients must be at least 1, got {self.max_bootstrap_clients}")
-        if self.max_local_prefill_tokens < 0:
-            raise ConfigError(f"max_local_prefill_tokens must be >= 0 (0: off), got {self.max_local_prefill_tokens}")
-        object.__setattr__(self, "allowed_bootstrap_hosts", tuple(self.allowed_bootstrap_hosts))
-        try:
-            host_patterns.parse_patterns(self.allowed_bootstrap_hosts)
-        except host_patterns.InvalidPattern as exc:
-            raise ConfigError(str(exc)) from None
-
-    def allows_bootstrap_address(self, host: str, port: int | None) -> bool:
-        """True when a request may name `host`:`port` (a registry, or a ticket's prefill) under
-        `allowed_bootstrap_hosts` (anything when the list is empty)."""
-        return host_patterns.allows(host_patterns.parse_patterns(self.allowed_bootstrap_hosts), host, port)
-
-
-def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:
-    """ConfigError when a prefill or decode server binds a non-loopback address (its HTTP front, its
-    workers' KV control and transfer endpoints, a prefill's bootstrap registry) with neither a cluster
-    secret nor `insecure_no_cluster_secret`. A unified server has no internal planes: never refused."""
-    mode = server.disaggregation_mode
-    if mode is DisaggregationMode.NULL:
-        return
-    binds = {"--host": server.host, "--rank-host": disagg.rank_host}
-    if mode is DisaggregationMode.PREFILL:
-        binds["--bootstrap-host"] = disagg.bootstrap_host
-    refuse_open_binds(mode.value, binds, disagg.cluster_secret, disagg.insecure_no_cluster_secret)
-
-
-# --- Bootstrap registry and KV control plane ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """The gRPC KV control plane between a decode worker and a prefill worker."""
-
-    connect_timeout_s: float = field(
-        default=10.0, metadata={"help": "limit for reaching the prefill worker and registering"}
-    )
-    heartbeat_interval_s: float = field(default=1.0, metadata={"help": "seconds between heartbeats"})
-    heartbeat_max_misses: int = field(
-        default=3, metadata={"help": "unanswered heartbeats in a row before the prefill counts as lost"}
-    )
-    close_grace_s: float = field(default=1.0, metadata={"help": "grace period for open streams on close"})
-    max_message_bytes: int = field(default=16 << 20, metadata={"help": "largest control message"})
-    challenge_ttl_s: float = field(
-        default=10.0, metadata={"help": "prefill: how long a nonce from the Challenge call may be answered (once)"})
-
-    def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "heartbeat_interval_s", "max_message_bytes", "challenge_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.heartbeat_max_misses < 1:
-            raise ConfigError(f"heartbeat_max_misses must be at least 1, got {self.heartbeat_max_misses}")
-        if self.close_grace_s < 0:
-            raise ConfigError(f"close_grace_s must be >= 0, got {self.close_grace_s}")
-
-
-@dataclass(frozen=True)
-class TcpListenerConfig:
-    """The tcp KV backend's listener before a connecting peer passed the handshake (its cluster secret
-    challenge): how many such connections it holds, and for how long."""
-
-    max_pending_connections: int = field(
-        default=16, metadata={"help": "tcp KV listener: connections still in the handshake, at most; more are "
-                                      "closed at once"})
-    handshake_timeout_s: float = field(
-        default=10.0, metadata={"help": "tcp KV listener: a connection not through the handshake by then is closed"})
-
-    def __post_init__(self) -> None:
-        if self.max_pending_connections < 1:
-            raise ConfigError(f"max_pending_connections must be at least 1, got {self.max_pending_connections}")
-        if self.handshake_timeout_s <= 0:
-            raise ConfigError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s}")

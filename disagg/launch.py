@@ -21,7 +21,8 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import ConfigError, DisaggConfig, DisaggregationMode, ServerConfig, check_cluster_secret
+from disagg.config import ConfigError, DisaggregationMode, ServerConfig
+from disagg.pd_config import DisaggConfig, check_cluster_secret
 from disagg.cpus import usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
@@ -66,15 +67,18 @@ class RunningServer:
 async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig,
                       kv_events: KVEventsConfig) -> tuple[DPController, BootstrapServer | None]:
     if server.disaggregation_mode is DisaggregationMode.PREFILL:
-        bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=disagg.bootstrap_port,
+        own = disagg.prefill
+        bootstrap = BootstrapServer(BootstrapConfig(host=own.bootstrap_host, port=own.bootstrap_port,
                                                     cluster_secret=disagg.cluster_secret,
                                                     insecure_no_cluster_secret=disagg.insecure_no_cluster_secret))
-        disagg = replace(disagg, bootstrap_port=await bootstrap.start())
+        disagg = replace(disagg, prefill=replace(disagg.prefill, bootstrap_port=await bootstrap.start()))
         role = RoleSpec(prefill_role, dict(
             config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
         return PrefillController(server, engine, role, disagg, kv_events), bootstrap
     if server.disaggregation_mode is DisaggregationMode.DECODE:
-        return DPController(server, engine, RoleSpec(decode_role, dict(config=disagg)), kv_events), None
+        # Our router reads the local-prefill limit here (disagg/router/health.py): declared once, on the decode.
+        info = {"max_local_prefill_tokens": disagg.decode.max_local_prefill_tokens}
+        return DPController(server, engine, RoleSpec(decode_role, dict(config=disagg), info), kv_events), None
     return DPController(server, engine, kv_events=kv_events), None
 
 

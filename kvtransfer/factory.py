@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disagg.config import TcpListenerConfig
+from disagg.pd_config import TcpListenerConfig
 from kvtransfer.base import BackendUnavailable, KVTransferBackend
 from kvtransfer.loopback import LoopbackBackend, LoopbackFabric
 from kvtransfer.nixl import NixlBackend, nixl_installed

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from disagg.config import DisaggConfig
+from disagg.pd_config import DisaggConfig
 from disagg.worker.outputs import error_output, logprob_pairs
 from disagg.engine.core import EngineCore
 from disagg.types import FinishReason, InvalidRequest, RequestOutput
@@ -44,7 +44,7 @@ class PushRooms:
         self.core, self.dp_rank, self.config = core, dp_rank, config
         self.backend, self.control = backend, control
         self.register_room = register_room  # async (room, dp_rank): tell the registry this rank holds it
-        self.book = RoomBook(config.bootstrap_timeout_s)  # every room, in one state (prefill/rooms.py)
+        self.book = RoomBook(config.prefill.bootstrap_timeout_s)  # every room, in one state (prefill/rooms.py)
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
@@ -70,7 +70,7 @@ class PushRooms:
             return [error_output(msg.request_id, exc)]
         # A room dispatched here now is served here, whatever was said of it before (a router's retry).
         early = self.book.verdict(room) if self.book.state_of(room) is RoomState.EARLY else None
-        self.book.start(PrefillRoom(room, msg.request_id, time.monotonic() + self.config.bootstrap_timeout_s,
+        self.book.start(PrefillRoom(room, msg.request_id, time.monotonic() + self.config.prefill.bootstrap_timeout_s,
                                     self.core.block_size))
         if early is not None:
             self._attach(early)
@@ -251,11 +251,11 @@ class PushRooms:
         if state.info is None:
             if now > state.deadline:
                 return (f"no destination from decode for bootstrap_room {state.room} "
-                        f"within {self.config.bootstrap_timeout_s:g} s"), 504
+                        f"within {self.config.prefill.bootstrap_timeout_s:g} s"), 504
             return None
-        if now > state.info_at + self.config.transfer_timeout_s:
+        if now > state.info_at + self.config.prefill.transfer_timeout_s:
             return (f"the KV of bootstrap_room {state.room} did not reach decode "
-                    f"{state.info.peer_name} within {self.config.transfer_timeout_s:g} s"), 504
+                    f"{state.info.peer_name} within {self.config.prefill.transfer_timeout_s:g} s"), 504
         if state.peer is None:
             failure = self.peer_failures.get(state.info.peer_name)
             if failure is not None:
@@ -301,7 +301,7 @@ class PushRooms:
         self.core.abort(state.request_id, answer=False)  # the answer is ours, with the failure's status
         if tell_decode and state.handles:
             self.settling.append(Settling(state.room, state.info.peer_name, tuple(state.handles), reason,
-                                          time.monotonic() + self.config.transfer_timeout_s))
+                                          time.monotonic() + self.config.prefill.transfer_timeout_s))
         else:
             for handle in state.handles:
                 self.backend.release(handle)
@@ -317,7 +317,7 @@ class PushRooms:
                 self._status(entry.room, TransferState.FAILED, entry.reason)
             elif now > entry.deadline:
                 self.control.drop_peer(entry.peer_name, f"writes of bootstrap_room {entry.room} did not settle "
-                                                        f"within {self.config.transfer_timeout_s:g} s")
+                                                        f"within {self.config.prefill.transfer_timeout_s:g} s")
             else:
                 continue
             for handle in entry.handles:

@@ -16,7 +16,8 @@ import msgspec
 import structlog
 
 from bootstrap.client import BootstrapClient
-from disagg.config import DisaggConfig, LoadBalanceMethod
+from disagg.config import LoadBalanceMethod
+from disagg.pd_config import DisaggConfig
 from disagg.worker.transfer import TransferRole
 from disagg.engine.core import EngineCore
 from disagg.types import RequestOutput, SamplingParams
@@ -45,7 +46,7 @@ class PrefillRole(TransferRole):
         self.config = config
         self.dp_size = dp_size
         self.load_balance_method = load_balance_method
-        self.pull = PullRequests(core, config.kv_lease_s)
+        self.pull = PullRequests(core, config.prefill.kv_lease_s)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -58,7 +59,8 @@ class PrefillRole(TransferRole):
         # A control event (a claim, a release, a TransferInfo) ends the worker's idle wait at once.
         self.control = ControlServer(local, self.config.control, cluster_secret=secret, on_event=lambda: self.wake())
         port = await self.control.start(self.config.rank_host, 0)
-        self.bootstrap = BootstrapClient(self.config.bootstrap_host, self.config.bootstrap_port, cluster_secret=secret,
+        registry = self.config.prefill
+        self.bootstrap = BootstrapClient(registry.bootstrap_host, registry.bootstrap_port, cluster_secret=secret,
                                          identity=self.backend.agent_name)
         self.push = PushRooms(self.core, self.dp_rank, self.config, self.backend, self.control, self.bootstrap.register_dp_rank)
         self.registration = RankRegistrationMsg(
@@ -77,7 +79,7 @@ class PrefillRole(TransferRole):
     async def _refresh_registration(self) -> None:
         """Register again every `registry_refresh_s`: a registry that restarted (and forgot the
         ranks) knows the topology again within that period."""
-        interval_s = self.config.registry_refresh_s
+        interval_s = self.config.prefill.registry_refresh_s
         while True:
             await asyncio.sleep(interval_s)
             try:

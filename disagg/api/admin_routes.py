@@ -101,7 +101,7 @@ def _server_info(state: ApiState) -> dict:
         "model_path": card.name, "served_model_name": card.name, "max_model_len": card.max_model_len,
         "vocab_size": card.vocab_size, "engine": card.engine_summary, "dp_size": engine.dp_size,
         "load_balance_method": engine.load_balance_method, "disaggregation_mode": config.disaggregation_mode,
-        "internal_states": [dataclasses.asdict(s) for s in engine.worker_states()],
+        "internal_states": [dataclasses.asdict(s) for s in engine.worker_states()], **engine.role_info,
     }
 
 

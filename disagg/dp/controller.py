@@ -111,6 +111,7 @@ class DPController:
         threads = engine.num_threads or (None if self.cpu_sets else max(1, (os.cpu_count() or 1) // server.dp_size))
         self.engine_config = replace(engine, num_threads=threads)
         self.role = role
+        self.role_info = role.info
         self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
         self.workers: list[_Worker] = []
         self.model: ModelCard | None = None

@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 import msgspec
 import structlog
 
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.config import ServerConfig
+
+from disagg.pd_config import DisaggConfig
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController

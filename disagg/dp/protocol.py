@@ -73,6 +73,7 @@ class EngineClient(Protocol):
     dp_size: int
     load_balance_method: LoadBalanceMethod
     model: ModelCard
+    role_info: dict  # what /server_info says of the workers' role (RoleSpec.info)
 
     def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, msg: GenerateMsg | None = None) -> int:
         """Choose the DP worker (`msg`: the request, whose prompt cache_aware matches);

@@ -123,14 +123,20 @@ def estimated_tokens(text: Prompt, num_symbols: int) -> int:
 
 
 class DecodePicker:
-    """With `--max-local-prefill-tokens`: the decode by the same cache-aware pick over a tree per
-    decode server (a conversation goes back to the decode that holds it), and whether its prefix
-    leaves at most that many tokens for it to prefill itself."""
+    """While a decode prefills short rests itself (its `--max-local-prefill-tokens`, read from its
+    /server_info into `ServerLoad.max_local_prefill_tokens`): the decode by the same cache-aware pick
+    over a tree per decode server (a conversation goes back to the decode that holds it), and whether
+    its prefix leaves at most its limit of tokens for it to prefill itself."""
 
     def __init__(self, config: CacheAwareConfig):
         self.rule = cache_rule(config)
-        self.max_local_prefill_tokens = config.max_local_prefill_tokens
         self.trees = PrefixTrees(config.max_tree_size)
+        self.local_servers: frozenset[int] = frozenset()  # server ids that prefilled locally at the last pick
+
+    def wanted(self, loads: Sequence[ServerLoad]) -> bool:
+        """Some eligible decode prefills short rests itself (else the decode goes by power of two)."""
+        self.local_servers = frozenset(load.server_id for load in loads if load.max_local_prefill_tokens > 0)
+        return any(load.eligible and load.max_local_prefill_tokens > 0 for load in loads)
 
     def pick(self, loads: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool] | None:
         """(the decode's position, whether it prefills the request itself); None when none is eligible."""
@@ -142,21 +148,22 @@ class DecodePicker:
         p = pick_by_cache(self.trees, groups, [loads[i].in_flight for i in candidates], text, self.rule)
         # A hit's ratio is the chosen tree's match over the prompt (measured before the prompt went in).
         uncached = estimated_tokens(text, len(text) - round(p.match_ratio * len(text)))
-        local = p.outcome is CacheOutcome.HIT and uncached <= self.max_local_prefill_tokens
-        return candidates[p.group], local
+        chosen = candidates[p.group]
+        local = p.outcome is CacheOutcome.HIT and uncached <= loads[chosen].max_local_prefill_tokens
+        return chosen, local
 
 
 class CacheAwarePairPicker:
     """`--policy cache_aware`: the prefill (and rank) by CacheAwarePicker; the decode by power of
-    two, or with `--max-local-prefill-tokens` by DecodePicker, which may send a request to the decode
-    alone (`PairPick.local`: no prefill is picked, its trees are left as they were)."""
+    two, or while a decode prefills short rests itself by DecodePicker, which may send a request to the
+    decode alone (`PairPick.local`: no prefill is picked, its trees are left as they were)."""
 
     uses_text = True  # the proxy passes each request's prompt (bodies.routing_text)
-    learns_answers = True  # a decode's answers go into its tree (with --max-local-prefill-tokens)
+    learns_answers = True  # a decode's answers go into its tree (one that prefills short rests itself)
 
     def __init__(self, config: CacheAwareConfig, rng: random.Random | None = None, index: KVIndex | None = None):
         self.prefill = CacheAwarePicker(config, index)
-        self.decode = DecodePicker(config) if config.max_local_prefill_tokens else None
+        self.decode = DecodePicker(config)
         self._rng = rng if rng is not None else random.Random()
 
     def pick(self, prefill: Sequence[ServerLoad], decode: Sequence[ServerLoad], text: Prompt,
@@ -184,12 +191,12 @@ class CacheAwarePairPicker:
 
     def learn_answer(self, decode_server_id: int, text: Prompt) -> None:
         """Record a prompt and the answer its decode gave in that decode's tree (it holds both now)."""
-        if self.decode is not None:
+        if decode_server_id in self.decode.local_servers:
             self.decode.trees.insert((decode_server_id, 0), text)
 
     def _pick_decode(self, decode: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool]:
         """(the decode's position, whether it prefills the request itself)."""
-        if self.decode is not None:
+        if self.decode.wanted(decode):
             picked = self.decode.pick(decode, text)
         else:
             d = pick_power_of_two(decode, self._rng)

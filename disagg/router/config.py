@@ -96,24 +96,18 @@ class CacheAwareConfig:
                                       "--kv-events-config endpoint as the router reaches it, tcp://HOST:PORT; DP rank "
                                       "r at PORT + r), comma-separated in --prefill order: the prefill pick then "
                                       "reads what the workers hold (prompts tokenized by the server's /tokenize)"})
-    max_local_prefill_tokens: int = field(
-        default=0, metadata={"help": "cache_aware: send a request to its decode alone (the decode prefills it, "
-                                     "started with the same flag) when the decode's tree leaves at most this many "
-                                     "prompt tokens uncached (text: 4 characters a token); the decode is then "
-                                     "picked by its tree too. 0: off"})
     local_prefill_min_prefill_load: int = field(
-        default=0, metadata={"help": "cache_aware with --max-local-prefill-tokens: a short request goes to its decode "
-                                     "alone only while every eligible prefill has at least this many requests in "
-                                     "flight; below that a prefill computes it, so the decode keeps its pace "
-                                     "(Dynamo's prefill-queue rule). 0: whenever its rest is short"})
+        default=1, metadata={"help": "cache_aware, with decodes that prefill short rests themselves (their "
+                                     "--max-local-prefill-tokens, read from their /server_info): a short request "
+                                     "goes to its decode alone only while every eligible prefill has at least this "
+                                     "many prefill legs unanswered; below that a prefill computes it, so the decode "
+                                     "keeps its pace (Dynamo's prefill-queue rule). 0: whenever its rest is short"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_kv_events", tuple(self.prefill_kv_events))
         for endpoint in self.prefill_kv_events:
             if not endpoint.startswith(("tcp://", "ipc://")):
                 raise ConfigError(f"--prefill-kv-events takes tcp://HOST:PORT or ipc:// endpoints, got {endpoint!r}")
-        if self.max_local_prefill_tokens < 0:
-            raise ConfigError(f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if self.local_prefill_min_prefill_load < 0:
             raise ConfigError(f"--local-prefill-min-prefill-load must be >= 0, got {self.local_prefill_min_prefill_load}")
         if not 0 <= self.cache_threshold <= 1:

@@ -39,6 +39,12 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: floa
         return f"/health failed: {type(exc).__name__}: {exc}"
 
 
+def local_prefill_limit_of(info: object) -> int:
+    """A decode's `max_local_prefill_tokens` from a /server_info answer (0: none, or not ours)."""
+    limit = info.get("max_local_prefill_tokens") if isinstance(info, dict) else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+
+
 def dp_size_of(info: object) -> int:
     """`dp_size` from a /server_info answer; else the number of `internal_states`; else 1."""
     if isinstance(info, dict):
@@ -51,15 +57,15 @@ def dp_size_of(info: object) -> int:
     return 1
 
 
-async def fetch_dp_size(session: aiohttp.ClientSession, role: Role, url: str, timeout_s: float) -> int:
-    """The server's dp_size from `/server_info` (or SGLang's older `/get_server_info`)."""
+async def fetch_server_info(session: aiohttp.ClientSession, role: Role, url: str, timeout_s: float) -> object:
+    """The server's `/server_info` answer (or SGLang's older `/get_server_info`)."""
     last = "no answer"
     for path in SERVER_INFO_PATHS:
         try:
             async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 raw = await resp.read()
                 if resp.status == 200:
-                    return dp_size_of(msgspec.json.decode(raw))
+                    return msgspec.json.decode(raw)
                 last = f"{path} answered {resp.status}"
         except asyncio.TimeoutError:
             raise ServerTimeout(str(role), url, timeout_s) from None
@@ -101,14 +107,29 @@ class HealthChecker:
         await asyncio.gather(*checks)
 
     async def ensure_dp_size(self, role: Role, index: int) -> int:
-        """The server's dp_size, read from it the first time it is needed."""
+        """The server's dp_size, read from its /server_info the first time it is needed (with a
+        decode's local-prefill limit)."""
         info = self._pool.info(role, index)
         if info.dp_size is not None:
             return info.dp_size
-        dp_size = await fetch_dp_size(self._session, role, info.url, self._config.health_check_timeout_s)
-        self._pool.set_dp_size(role, index, dp_size)
-        log.info("server dp_size read", role=str(role), url=info.url, dp_size=dp_size)
+        answer = await fetch_server_info(self._session, role, info.url, self._config.health_check_timeout_s)
+        dp_size, limit = dp_size_of(answer), local_prefill_limit_of(answer) if role is Role.DECODE else 0
+        self._pool.set_dp_size(role, index, dp_size, limit)
+        log.info("server info read", role=str(role), url=info.url, dp_size=dp_size, max_local_prefill_tokens=limit)
         return dp_size
+
+    async def ensure_server_infos(self, role: Role) -> None:
+        """Read /server_info of every admitting server of `role` not read yet (cache_aware reads the
+        decodes' local-prefill limits before its first pick, health checks on or off); a server that
+        does not answer is read again on the next call."""
+        unread = [info.index for info in self._pool.infos(role)
+                  if info.admitting and info.dp_size is None and info.health is not Health.UNHEALTHY]
+        if unread:
+            await asyncio.gather(*(self._read_quietly(role, index) for index in unread))
+
+    async def _read_quietly(self, role: Role, index: int) -> None:
+        with contextlib.suppress(HttpError, KeyError):
+            await self.ensure_dp_size(role, index)
 
     async def _loop(self) -> None:
         while True:
@@ -116,9 +137,9 @@ class HealthChecker:
             await self.check_all()
 
     def _needs_dp_size(self, role: Role) -> bool:
-        """The test mode pins ranks on both roles; cache_aware keeps a tree per prefill DP rank."""
-        cache_aware = self._config.policy is Policy.CACHE_AWARE and role is Role.PREFILL
-        return self._config.test_external_dp_routing or cache_aware
+        """The test mode pins ranks on both roles; cache_aware keeps a tree per prefill DP rank and
+        reads each decode's local-prefill limit."""
+        return self._config.test_external_dp_routing or self._config.policy is Policy.CACHE_AWARE
 
     async def check(self, role: Role, index: int) -> Health | None:
         """Probe one server now and record the outcome; None if it was forgotten meanwhile."""

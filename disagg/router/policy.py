@@ -37,6 +37,7 @@ class ServerLoad:
     server_id: int = 0  # the pool's id: stable while positions shift as servers come and go
     dp_size: int | None = None  # from /server_info; None until read
     prefilling: int = 0  # prefill servers: legs sent that have not answered (its queue, as the router sees it)
+    max_local_prefill_tokens: int = 0  # decode servers: the rest it prefills itself, from /server_info (0: none)
 
 
 @dataclass(frozen=True)

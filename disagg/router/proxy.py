@@ -32,7 +32,7 @@ from disagg.router.errors import (
 from disagg.router.health import HealthChecker
 from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
 from disagg.router.metrics import RouterMetrics
-from disagg.router.policy import PairPolicy, draw_rooms, pick_dp_rank
+from disagg.router.policy import PairPolicy, Policy, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
 
@@ -166,6 +166,8 @@ class Proxy:
         pick on (the caller ends it), so discovery cannot forget a server this request will use. A
         request the decode prefills itself (`local_ok` and the policy says so) has no prefill leg."""
         text = bodies.routing_text(path, body) if self._picker.uses_text else ""
+        if self._config.policy is Policy.CACHE_AWARE:  # each decode's local-prefill limit, from its /server_info
+            await self._health.ensure_server_infos(Role.DECODE)
         prefill_loads = self._pool.loads(Role.PREFILL)
         token_ids = await self._routing_tokens(path, body, text, prefill_loads, headers)
         pick = self._picker.pick(prefill_loads, self._pool.loads(Role.DECODE), text, local_ok, token_ids)

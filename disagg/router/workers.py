@@ -69,6 +69,7 @@ class _Worker:
     last_error: str | None = None
     admitting: bool = True  # False once drained: no new requests, those in flight finish
     prefilling: int = 0  # of in_flight, those whose prefill leg has not answered yet
+    max_local_prefill_tokens: int = 0  # decode servers: from /server_info, read with dp_size
 
 
 class WorkerPool:
@@ -125,7 +126,8 @@ class WorkerPool:
     def loads(self, role: Role) -> list[ServerLoad]:
         """What the policy sees, in the order of `ids(role)`: unhealthy, unchecked discovered and
         draining servers are not eligible."""
-        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size, w.prefilling) for i, w in self._workers[role].items()]
+        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size, w.prefilling, w.max_local_prefill_tokens)
+                for i, w in self._workers[role].items()]
 
     def info(self, role: Role, worker_id: int) -> WorkerInfo:
         """A snapshot of one server."""
@@ -160,13 +162,14 @@ class WorkerPool:
         w.last_error = error if health is Health.UNHEALTHY else None
         return previous
 
-    def set_dp_size(self, role: Role, worker_id: int, dp_size: int) -> None:
-        """Record the dp_size the server reported in `/server_info`."""
+    def set_dp_size(self, role: Role, worker_id: int, dp_size: int, max_local_prefill_tokens: int = 0) -> None:
+        """Record what the server reported in `/server_info`: its dp_size and (a decode) the rest it
+        prefills itself."""
         if dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, got {dp_size}")
         w = self._workers[role].get(worker_id)
         if w is not None:
-            w.dp_size = dp_size
+            w.dp_size, w.max_local_prefill_tokens = dp_size, max_local_prefill_tokens
 
     def begin(self, role: Role, worker_id: int) -> None:
         """A request starts on this server."""

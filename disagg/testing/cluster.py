@@ -20,7 +20,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from bootstrap.server import BootstrapServer
-from disagg.config import DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig
+from disagg.config import DisaggregationMode, LoadBalanceMethod, ServerConfig
+from disagg.pd_config import DisaggConfig, with_settings
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.launch import RunningServer, drain_server, start_server
 from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
@@ -166,9 +167,9 @@ class Cluster:
         self.admin_key = admin_key
         self.router_options = {"health_check_interval_s": 1.0, **(router_options or {})}
         self.start_timeout_s = start_timeout_s
-        self.disagg = DisaggConfig(**{"transfer_backend": backend, "bootstrap_port": 0, "bootstrap_timeout_s": 30,
-                                      "waiting_timeout_s": 30, "cluster_secret": secrets.token_hex(32),
-                                      **(disagg or {})})
+        self.disagg = with_settings(DisaggConfig(), **{
+            "transfer_backend": backend, "bootstrap_port": 0, "bootstrap_timeout_s": 30, "waiting_timeout_s": 30,
+            "cluster_secret": secrets.token_hex(32), **(disagg or {})})
         base = ServerConfig(host=HOST, port=0, admin_key=admin_key, enable_fault_injection=fault_injection,
                             **(server or {}))
         method = LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM if self.protocol is PdProtocol.PUSH else LoadBalanceMethod.LEAST_LOAD

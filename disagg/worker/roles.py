@@ -37,10 +37,12 @@ def decode_role(core: EngineCore, dp_rank: int, model_name: str, **kwargs) -> Ro
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """A role's factory and its keyword arguments."""
+    """A role's factory and its keyword arguments, and what the server's /server_info says of the
+    role (`info`: a decode's `max_local_prefill_tokens`, which our router reads)."""
 
     factory: Callable[..., Role] = unified_role
     kwargs: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
 
     @property
     def moves_kv(self) -> bool:

@@ -17,7 +17,7 @@ import time
 import grpc
 import structlog
 
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
 from disagg.wire.auth import CONTROL, CONTROL_AUTH_KEY, NONCE_BYTES, Binding, answer, reply_matches

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from disagg.config import TcpListenerConfig
+from disagg.pd_config import TcpListenerConfig
 from disagg.wire.control_msgs import KVLayoutMsg, PeerMsg
 from kvtransfer.base import KVLayout, KVTransferBackend
 from kvtransfer.factory import create_backend

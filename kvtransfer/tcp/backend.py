@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.config import TcpListenerConfig
+from disagg.pd_config import TcpListenerConfig
 from disagg.wire.auth import format_address
 from kvtransfer.base import (
     BackendUnavailable, KVLayout, Notification, PeerUnavailable, TransferHandle, TransferOp, TransferState,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from disagg.config import TcpListenerConfig
+from disagg.pd_config import TcpListenerConfig
 from disagg.wire.auth import NonceTable, format_address
 from kvtransfer.base import Notification
 from kvtransfer.descriptors import Segment, Segments, segment_in_bounds

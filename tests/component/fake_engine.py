@@ -55,6 +55,7 @@ class FakeEngine:
                  model: ModelCard = FAKE_MODEL, token_delay_s: float = 0.0, num_cached_tokens: int = 0):
         self.dp_size = dp_size
         self.load_balance_method = load_balance_method
+        self.role_info: dict = {}
         self.model = model
         self.token_delay_s = token_delay_s
         self.num_cached_tokens = num_cached_tokens

@@ -13,7 +13,7 @@ import pytest
 from fake_engine import wait_for
 from structlog.testing import capture_logs
 
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from disagg.wire import kv_control_pb2 as pb
 from disagg.wire import kv_control_pb2_grpc as pb_grpc
 from disagg.wire.auth import CONTROL, CONTROL_AUTH_KEY, Binding, answer

@@ -70,10 +70,11 @@ def echo_dp_rank(offset: int = 0, dp_size: int = 1, where: str = "meta_info"):
 class FakeServer:
     """A prefill or decode server stand-in: records bodies, headers and cancellations."""
 
-    def __init__(self, answer=None, *, health_status: int = 200, dp_size: int = 1):
+    def __init__(self, answer=None, *, health_status: int = 200, dp_size: int = 1, server_info: dict | None = None):
         self.answer = answer or json_answer({"text": "", "meta_info": {}})
         self.health_status = health_status
         self.dp_size = dp_size
+        self.server_info = server_info or {}  # more of /server_info (a decode's max_local_prefill_tokens)
         self.raw: list[bytes] = []
         self.bodies: list[dict] = []
         self.paths: list[str] = []
@@ -110,7 +111,7 @@ class FakeServer:
 
     async def _server_info(self, request):
         self.server_info_hits += 1
-        return web.json_response({"dp_size": self.dp_size, "disaggregation_mode": "fake"})
+        return web.json_response({"dp_size": self.dp_size, "disaggregation_mode": "fake", **self.server_info})
 
     async def _models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}],
@@ -386,7 +387,8 @@ async def test_cache_aware_sends_a_shared_prefix_to_the_same_prefill_rank():
     rooms = {p["bootstrap_room"]: p["disagg_prefill_dp_rank"] for f in prefills for p in f.bodies}
     assert {d["bootstrap_room"]: d["disagg_prefill_dp_rank"] for d in decode.bodies} == rooms
     assert all("routed_dp_rank" not in d for d in decode.bodies)  # the decode picks its own rank
-    assert [f.server_info_hits for f in (*prefills, decode)] == [1, 1, 0]  # read by the first health check
+    # Read once each by the first health check: the prefills' dp_size, the decode's local-prefill limit.
+    assert [f.server_info_hits for f in (*prefills, decode)] == [1, 1, 1]
     assert metric_values(metrics, "sgl_router_cache_") == {"sgl_router_cache_hits_total": 1.0,
                                                             "sgl_router_cache_misses_total": 3.0}
     ratio = metric_values(metrics, "disagg_router_cache_match_ratio_")

@@ -25,8 +25,8 @@ def decode_answer(stream: bool):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 async def test_the_next_turn_after_a_learned_answer_goes_to_the_decode_alone(stream):
-    prefill, decode = FakeServer(), FakeServer(decode_answer(stream))
-    config = CacheAwareConfig(max_local_prefill_tokens=4)
+    prefill, decode = FakeServer(), FakeServer(decode_answer(stream), server_info={"max_local_prefill_tokens": 4})
+    config = CacheAwareConfig(local_prefill_min_prefill_load=0)  # the prefill is idle here
     async with cluster([prefill], [decode], policy="cache_aware", cache_aware=config) as router:
         assert (await post(router, "/v1/chat/completions", {"messages": TURN_1, "stream": stream}))[0] == 200
         # The decode's tree holds turn 1's text and the answer: " And Spain?" is 11 characters, 3 tokens.
@@ -41,8 +41,9 @@ async def test_the_next_turn_after_a_learned_answer_goes_to_the_decode_alone(str
 
 async def test_an_answer_the_router_cannot_read_is_not_learned():
     prefill, decode = FakeServer(), FakeServer(json_answer({"choices": [{"index": 0, "text": ANSWER},
-                                                                        {"index": 1, "text": "other"}]}))
-    config = CacheAwareConfig(max_local_prefill_tokens=4)
+                                                                        {"index": 1, "text": "other"}]}),
+                                               server_info={"max_local_prefill_tokens": 4})
+    config = CacheAwareConfig(local_prefill_min_prefill_load=0)
     async with cluster([prefill], [decode], policy="cache_aware", cache_aware=config) as router:
         for messages in (TURN_1, TURN_2):
             assert (await post(router, "/v1/chat/completions", {"messages": messages}))[0] == 200

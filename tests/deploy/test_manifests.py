@@ -11,7 +11,8 @@ import pytest
 
 from disagg.cli import disagg_from_args
 from disagg.cli_args import dataclass_from_args
-from disagg.config import ConfigError, ServerConfig, check_cluster_secret
+from disagg.config import ConfigError, ServerConfig
+from disagg.pd_config import check_cluster_secret
 from disagg.router.launch import config_from_args
 from manifests import (
     K8S, NAMESPACE, POD_IP, by_kind, env_values, expand, matches, named_ports, parse_args, pod_spec, render,
@@ -101,8 +102,8 @@ def test_server_command_lines_parse_into_the_configs_the_pods_need(overlay):
         assert (env["DISAGG_CLUSTER_SECRET"], env["DISAGG_ADMIN_KEY"]) == ("secret:cluster-secret", "secret:admin-key")
         if role == "prefill":
             annotated = deployment["spec"]["template"]["metadata"]["annotations"]["sglang.ai/bootstrap-port"]
-            assert disagg.bootstrap_host == POD_IP
-            assert disagg.bootstrap_port == named_ports(container)["bootstrap"] == int(annotated)
+            assert disagg.prefill.bootstrap_host == POD_IP
+            assert disagg.prefill.bootstrap_port == named_ports(container)["bootstrap"] == int(annotated)
         if name == "gpu":
             limits = container["resources"]["limits"]
             assert (args.device, int(limits["nvidia.com/gpu"]), limits["rdma/hca_shared_devices_a"]) == (

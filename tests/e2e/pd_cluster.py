@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.config import ServerConfig
+
+from disagg.pd_config import DisaggConfig, with_settings
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import RunningServer, start_server
 
@@ -96,8 +98,9 @@ async def until(condition, what: str, action=None) -> None:
 
 
 def pd_config(backend: str, force_query: bool = False, **options) -> DisaggConfig:
-    return DisaggConfig(**{"transfer_backend": backend, "bootstrap_port": 0, "force_query_prefill_dp_rank": force_query,
-                           "bootstrap_timeout_s": 30, "waiting_timeout_s": 30, **options})
+    return with_settings(DisaggConfig(), **{
+        "transfer_backend": backend, "bootstrap_port": 0, "force_query_prefill_dp_rank": force_query,
+        "bootstrap_timeout_s": 30, "waiting_timeout_s": 30, **options})
 
 
 async def start_decode(disagg: DisaggConfig, engine: EngineConfig = TINY, dp_size: int = 2,
@@ -118,7 +121,7 @@ async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig
     prefill, decode = await asyncio.gather(
         start_server(replace(base, load_balance_method=prefill_method, disaggregation_mode="prefill"), engine,
                      disagg_config, lambda _: None),
-        start_decode(replace(disagg_config, **(decode_options or {})), engine, dp_size, server=server),
+        start_decode(with_settings(disagg_config, **(decode_options or {})), engine, dp_size, server=server),
     )
     return Cluster(prefill, decode, aiohttp.ClientSession())
 

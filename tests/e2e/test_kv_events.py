@@ -11,7 +11,9 @@ import aiohttp
 import pytest
 import zmq
 
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.config import ServerConfig
+
+from disagg.pd_config import DisaggConfig
 from disagg.kv_events_config import parse_kv_events_config
 from disagg.launch import start_server
 from disagg.wire.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch

@@ -1,7 +1,8 @@
-"""Selective disaggregation end to end: our router (`--policy cache_aware --max-local-prefill-tokens`)
-sends a later turn whose uncached rest is short to the decode alone, which prefills it itself
-(`--max-local-prefill-tokens` there too); a decode that finds more uncached than its limit refuses
-(400), and the router sends the request again with a prefill. Outputs equal the unified server's."""
+"""Selective disaggregation end to end: a decode started with `--max-local-prefill-tokens` says so in its
+/server_info; our router (`--policy cache_aware`) reads it there and sends a later turn whose uncached
+rest is within it to the decode alone, which prefills it itself; a decode that finds more uncached than
+its limit refuses (400), and the router sends the request again with a prefill. Outputs equal the
+unified server's."""
 
 import random
 
@@ -14,7 +15,7 @@ from pd_cluster import start_pd, unified_answer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
-DECODE_LIMIT, ROUTER_LIMIT = 16, 64
+DECODE_LIMIT = 16
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -29,7 +30,7 @@ async def router(request, cluster):
     bootstrap_port = cluster.prefill.bootstrap_port if request.param == "push" else None
     server = RouterServer(RouterConfig(
         port=0, protocol=request.param, policy="cache_aware", health_check_interval_s=0,
-        cache_aware=CacheAwareConfig(max_local_prefill_tokens=ROUTER_LIMIT),
+        cache_aware=CacheAwareConfig(local_prefill_min_prefill_load=0),  # the prefill is idle here
         prefill=(PrefillEndpoint(cluster.prefill_url, bootstrap_port),), decode=(cluster.decode_url,)))
     await server.start()
     yield server
@@ -67,8 +68,8 @@ async def test_a_later_turn_with_a_short_rest_is_prefilled_by_the_decode_alone(c
     first, first_text, second, second_text = await two_turns(cluster, unified, f"turns-{router.config.protocol}", 3)
     before = [await scrape(cluster, url) for url in (router.url, cluster.decode_url, cluster.prefill_url)]
     assert await routed(cluster, router, first) == first_text  # nothing is cached anywhere: with a prefill
-    # The router's decode tree holds the 41 first ids: 15 more are within its 64. The decode holds 52
-    # of the 56 (13 full blocks of the first turn): 4 are within its 16.
+    # The router's decode tree holds the 41 first ids: 15 more are within the decode's 16 (which the router
+    # read from its /server_info). The decode holds 52 of the 56 (13 full blocks of the first turn): 4 are.
     assert await routed(cluster, router, second) == second_text
     after = [await scrape(cluster, url) for url in (router.url, cluster.decode_url, cluster.prefill_url)]
     assert [delta(after[0], before[0], f'disagg_router_prefills_total{{where="{w}"}}') for w in ("local", "remote")] == [1, 1]
@@ -79,10 +80,12 @@ async def test_a_later_turn_with_a_short_rest_is_prefilled_by_the_decode_alone(c
 
 
 async def test_a_decode_sent_more_than_its_limit_refuses_and_the_router_adds_a_prefill(cluster, router, unified):
-    first, _, second, second_text = await two_turns(cluster, unified, f"refused-{router.config.protocol}", 30)
+    first, _, second, second_text = await two_turns(cluster, unified, f"refused-{router.config.protocol}", 3)
     await routed(cluster, router, first)
+    async with cluster.session.post(cluster.decode_url + "/reset_prefix_cache") as r:
+        assert r.status == 200  # the decode forgets the first turn; the router's tree still holds it
     before = [await scrape(cluster, url) for url in (router.url, cluster.decode_url)]
-    # The router counts 42 tokens past its tree (within 64); the decode finds 31 of 83 uncached (over 16).
+    # The router counts 15 tokens past its tree (within 16); the decode finds all 56 uncached (over 16).
     assert await routed(cluster, router, second) == second_text
     after = [await scrape(cluster, url) for url in (router.url, cluster.decode_url)]
     assert delta(after[0], before[0], "disagg_router_local_prefills_refused_total") == 1

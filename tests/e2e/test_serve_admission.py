@@ -9,7 +9,8 @@ import aiohttp
 import pytest
 
 from disagg.api.admission import num_waiting_requests
-from disagg.cluster import drain_cluster, start_cluster
+from disagg.cluster import ClusterOptions, drain_cluster, start_cluster
+from disagg.config import ServerConfig
 from pd_cluster import TINY, pd_config, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
@@ -23,7 +24,8 @@ async def free_blocks(server) -> list[int]:
 
 
 async def test_a_cluster_with_a_waiting_limit_refuses_through_its_router_while_one_waits():
-    prefill, decode, router = await start_cluster(TINY, pd_config("tcp"), port=0, dp_size=1, max_waiting_requests=1)
+    prefill, decode, router = await start_cluster(TINY, pd_config("tcp"), ClusterOptions(
+        port=0, servers=ServerConfig(dp_size=1, max_waiting_requests=1)))
     decode_url = f"http://127.0.0.1:{decode.port}/v1/completions"
     try:
         assert (prefill.controller.server.max_waiting_requests, decode.controller.server.max_waiting_requests) == (1, 1)

@@ -12,8 +12,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from disagg.cluster import drain_cluster, start_cluster
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.cluster import ClusterOptions, drain_cluster, start_cluster
+from disagg.config import ServerConfig
+from disagg.pd_config import DisaggConfig
 from disagg.engine.loader import read_chat_template
 from disagg.engine.models.tiny import build_tiny_tokenizer
 from disagg.launch import start_server
@@ -46,7 +47,8 @@ FORCED_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Par
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def servers():
     """(P/D through our router, unified) openai clients."""
-    prefill, decode, router = await start_cluster(ENGINE, pd_config("tcp"), port=0, dp_size=1, tools=TOOLS_ON)
+    prefill, decode, router = await start_cluster(ENGINE, pd_config("tcp"), ClusterOptions(
+        port=0, servers=ServerConfig(dp_size=1, tools=TOOLS_ON)))
     unified = await start_server(ServerConfig(port=0, dp_size=1, tools=TOOLS_ON), ENGINE, DisaggConfig(), lambda _: None)
     clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
                for url in (router.url, f"http://127.0.0.1:{unified.port}")]

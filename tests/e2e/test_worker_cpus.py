@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from cli_process import ROOT
-from disagg.cluster import drain_cluster, start_cluster
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.cluster import ClusterOptions, drain_cluster, start_cluster
+from disagg.config import ServerConfig
+from disagg.pd_config import DisaggConfig
 from disagg.cpus import format_cpu_list, usable_cpus
 from disagg.launch import start_server
 from pd_cluster import TINY, pd_config
@@ -54,7 +55,7 @@ async def test_each_rank_of_a_tp_group_runs_on_its_share_of_the_worker_cpus():
 
 @pytest.mark.asyncio
 async def test_serve_gives_prefill_the_first_cpu_and_decode_the_second(capsys):
-    prefill, decode, router = await start_cluster(TINY, pd_config("tcp"), port=0, dp_size=1)
+    prefill, decode, router = await start_cluster(TINY, pd_config("tcp"), ClusterOptions(port=0, servers=ServerConfig(dp_size=1)))
     try:
         assert (worker_affinities(prefill), worker_affinities(decode)) == ([{frozenset({0})}], [{frozenset({1})}])
         assert ("starting prefill and decode servers (dp_size=1 each, backend tcp; prefill on CPUs 0, decode on "

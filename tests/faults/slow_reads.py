@@ -12,7 +12,8 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.config import ServerConfig
+from disagg.pd_config import DisaggConfig, with_settings
 from disagg.registry_config import BootstrapConfig
 from disagg.engine_config import EngineConfig
 from disagg.worker.roles import RoleSpec
@@ -51,8 +52,8 @@ def slow_read_role(core, dp_rank: int, model_name: str, **kwargs) -> SlowReadPre
 async def start_slow_prefill(disagg: DisaggConfig, engine: EngineConfig, *, slow_tag: bytes, marker: Path,
                              delay_s: float, dp_size: int = 2) -> RunningServer:
     """What disagg.launch.start_server builds for a prefill, with SlowReadPrefillRole workers."""
-    bootstrap = BootstrapServer(BootstrapConfig(host=disagg.bootstrap_host, port=0))
-    disagg = replace(disagg, bootstrap_port=await bootstrap.start())
+    bootstrap = BootstrapServer(BootstrapConfig(host=disagg.prefill.bootstrap_host, port=0))
+    disagg = with_settings(disagg, bootstrap_port=await bootstrap.start())
     server = ServerConfig(port=0, dp_size=dp_size, disaggregation_mode="prefill", load_balance_method="follow_bootstrap_room")
     role = RoleSpec(slow_read_role, dict(
         config=disagg, dp_size=dp_size, load_balance_method=server.load_balance_method,

@@ -7,7 +7,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.config import ServerConfig
+
+from disagg.pd_config import DisaggConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import start_server
 from disagg.types import SamplingParams

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from pd_cluster import start_pd, start_unified
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]

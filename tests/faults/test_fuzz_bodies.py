@@ -12,7 +12,9 @@ import aiohttp
 import pytest
 from fuzz_bodies import BodyFuzzer, Fuzzed, Route, check_answer, routes
 
-from disagg.config import DisaggConfig, ServerConfig
+from disagg.config import ServerConfig
+
+from disagg.pd_config import DisaggConfig, with_settings
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
@@ -151,7 +153,7 @@ async def assert_pd_refuses_what_the_unified_engine_refuses(session: aiohttp.Cli
 
 
 async def test_fuzzed_bodies_through_the_router_to_a_pd_pair_never_get_a_5xx(capfd):
-    disagg = DisaggConfig(transfer_backend="tcp", bootstrap_port=0, bootstrap_timeout_s=20, waiting_timeout_s=20)
+    disagg = with_settings(DisaggConfig(transfer_backend="tcp"), bootstrap_port=0, bootstrap_timeout_s=20, waiting_timeout_s=20)
     prefill, decode = await asyncio.gather(
         start_server(ServerConfig(port=0, dp_size=2, load_balance_method="follow_bootstrap_room",
                                   disaggregation_mode="prefill", max_body_bytes=MAX_BODY_BYTES), ENGINE, disagg, lambda _: None),

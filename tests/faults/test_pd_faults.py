@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from bootstrap.server import BootstrapServer
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from disagg.router.config import PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from pd_cluster import start_pd

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from pd_cluster import TINY, Cluster, pd_config, start_decode, start_pd, start_unified
 from slow_reads import start_slow_prefill
 from test_fencing import LONG, gauges, wait_gauges

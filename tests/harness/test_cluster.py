@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from disagg.testing import Cluster, FaultRefused
 from disagg.testing.http import post
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from disagg.config import ControlConfig
+from disagg.pd_config import ControlConfig
 from disagg.testing import Cluster
 from disagg.testing.http import post
 from real_router import PROTOCOL, real_router

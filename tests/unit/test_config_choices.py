@@ -9,7 +9,8 @@ import pytest
 
 from disagg.cli import build_parser
 from disagg.cli_args import dataclass_from_args
-from disagg.config import ConfigError, DisaggConfig, DisaggregationMode, LoadBalanceMethod, ServerConfig, TransferBackend
+from disagg.config import ConfigError, DisaggregationMode, LoadBalanceMethod, ServerConfig
+from disagg.pd_config import DisaggConfig, TransferBackend
 from disagg.engine_config import CacheConfig, KVCacheDType
 
 

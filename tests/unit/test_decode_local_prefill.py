@@ -6,7 +6,7 @@ import asyncio
 
 from decode.requests import DecodeRequest, DecodeState
 from decode.role import DecodeRole
-from disagg.config import DisaggConfig
+from disagg.pd_config import DecodeConfig, DisaggConfig
 from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 
@@ -28,7 +28,7 @@ def local(role: DecodeRole) -> dict[str, int]:
 
 def test_local_prefills_share_one_budget_of_uncached_tokens(tiny_loaded):
     core = engine(tiny_loaded)
-    role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", max_local_prefill_tokens=16))
+    role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", decode=DecodeConfig(max_local_prefill_tokens=16)))
     submit = lambda msg: asyncio.run(role.submit(msg))  # noqa: E731
     assert submit(alone("a", list(range(40, 52)))) == []  # 12 uncached: taken, 12 now wait to be prefilled
     [refused] = submit(alone("b", list(range(60, 68))))

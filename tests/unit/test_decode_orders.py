@@ -21,7 +21,7 @@ from decode.push import PushFetch
 from decode.requests import DecodeRequest, DecodeRequests, DecodeState, IllegalMove
 from decode.role import DecodeRole
 from decode.waiting import PendingKV
-from disagg.config import DisaggConfig
+from disagg.pd_config import DecodeConfig, DisaggConfig
 from disagg.types import SamplingParams
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg
@@ -85,7 +85,7 @@ class Order:
     def __init__(self, tiny_loaded, seed: int):
         self.rng = random.Random(seed)
         self.core = engine(tiny_loaded, num_blocks=24)
-        config = DisaggConfig(transfer_backend="tcp", max_local_prefill_tokens=12)  # some are prefilled here
+        config = DisaggConfig(transfer_backend="tcp", decode=DecodeConfig(max_local_prefill_tokens=12))  # some are prefilled here
         self.role = DecodeRole(self.core, 0, "tiny", config=config)
         self.role.backend = type("NoBackend", (), {"notifications": staticmethod(lambda: [])})()
         self.role.push = self.flow = ScriptedFlow(self.role, self.rng)

@@ -7,7 +7,7 @@ import pytest
 from decode.pull import PullFetch, ticket_of
 from decode.push import PushFetch
 from decode.registries import InUseLru, Registries
-from disagg.config import DisaggConfig
+from disagg.pd_config import DecodeConfig, DisaggConfig
 from disagg.types import InvalidRequest, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 
@@ -16,7 +16,7 @@ ALLOWED = ("10.0.0.0/8:8998", "prefill-*.svc", "[::1]:17001")
 
 
 def push_check(host: str, port: int) -> None:
-    fetch = PushFetch(None, 0, DisaggConfig(allowed_bootstrap_hosts=ALLOWED), None, None, None)
+    fetch = PushFetch(None, 0, DisaggConfig(decode=DecodeConfig(allowed_bootstrap_hosts=ALLOWED)), None, None, None)
     fetch.check(GenerateMsg("r1", SamplingParams(), prompt="hi", bootstrap_host=host, bootstrap_port=port,
                             bootstrap_room=7))
 
@@ -25,7 +25,7 @@ def pull_check(host: str, port: int) -> None:
     msg = GenerateMsg("r1", SamplingParams(), prompt="hi", kv_transfer_params={
         "do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": host, "remote_port": port,
         "remote_request_id": "p-1", "remote_block_ids": [1, 2]})
-    PullFetch(None, DisaggConfig(allowed_bootstrap_hosts=ALLOWED), None, None, None).check(msg, ticket_of(msg))
+    PullFetch(None, DisaggConfig(decode=DecodeConfig(allowed_bootstrap_hosts=ALLOWED)), None, None, None).check(msg, ticket_of(msg))
 
 
 @pytest.mark.parametrize("check, host, port", [

@@ -5,7 +5,8 @@ import ipaddress
 import pytest
 
 from disagg import host_patterns
-from disagg.config import ConfigError, DisaggConfig
+from disagg.config import ConfigError
+from disagg.pd_config import DecodeConfig
 from disagg.host_patterns import InvalidPattern, allows, parse_pattern, parse_patterns
 
 pytestmark = pytest.mark.timeout(10)
@@ -75,7 +76,7 @@ def test_an_invalid_entry_is_named_with_what_is_wrong(entry, why):
 
 def test_the_config_refuses_the_first_bad_entry_as_a_config_error():
     with pytest.raises(ConfigError) as info:
-        DisaggConfig(allowed_bootstrap_hosts=("10.0.0.5", "10.0.0.6:99999", "x:y"))
+        DecodeConfig(allowed_bootstrap_hosts=("10.0.0.5", "10.0.0.6:99999", "x:y"))
     assert str(info.value) == (
         f"allowed_bootstrap_hosts entry '10.0.0.6:99999' is not valid: port '99999' is not an integer in [1, 65535] {FORMS}")
 
@@ -104,7 +105,7 @@ CASES = [  # (host, port) a request names -> allowed under the patterns below, i
 def test_matching_every_form(entries, expected):
     patterns = parse_patterns(entries)
     assert [allows(patterns, host, port) for host, port in CASES] == expected
-    config = DisaggConfig(allowed_bootstrap_hosts=entries)
+    config = DecodeConfig(allowed_bootstrap_hosts=entries)
     assert [config.allows_bootstrap_address(host, port) for host, port in CASES] == expected
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from disagg.config import TcpListenerConfig
+from disagg.pd_config import TcpListenerConfig
 from disagg.wire.auth import KV_TCP, Binding, answer
 from kvtransfer.base import BackendUnavailable, KVLayout, Notification, PeerUnavailable
 from kvtransfer.descriptors import Segment, Segments

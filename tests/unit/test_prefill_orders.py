@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from disagg.config import DisaggConfig
+from disagg.pd_config import DisaggConfig, PrefillConfig
 from disagg.types import SamplingParams
 from disagg.wire.control_msgs import TransferInfoMsg, TransferState
 from disagg.wire.engine_msgs import GenerateMsg, RoomMisroutedMsg
@@ -89,7 +89,7 @@ class Order:
         self.rng = random.Random(seed)
         self.core = engine(tiny_loaded, num_blocks=64)
         self.backend, self.control = ScriptedBackend(), ScriptedControl()
-        config = DisaggConfig(transfer_backend="tcp", bootstrap_timeout_s=TTL_S, transfer_timeout_s=TTL_S)
+        config = DisaggConfig(transfer_backend="tcp", prefill=PrefillConfig(bootstrap_timeout_s=TTL_S, transfer_timeout_s=TTL_S))
         self.push = PushRooms(self.core, 0, config, self.backend, self.control, no_registry)
         self.push.peers = {"d0": "peer-d0", "d1": "peer-d1"}
         self.now = time.monotonic()

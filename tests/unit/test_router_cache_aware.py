@@ -153,8 +153,10 @@ def test_pair_picker_pins_the_prefill_rank_and_names_the_role_without_servers():
 
 
 def test_a_decode_holding_the_prefix_prefills_a_short_rest_itself():
-    picker = CacheAwarePairPicker(CacheAwareConfig(max_local_prefill_tokens=4), random.Random(0))
-    decodes = [ServerLoad(True, 0, server_id=7), ServerLoad(True, 0, server_id=8)]
+    picker = CacheAwarePairPicker(CacheAwareConfig(local_prefill_min_prefill_load=0), random.Random(0))
+    # Each decode's limit, as the router read it from its /server_info.
+    decodes = [ServerLoad(True, 0, server_id=7, max_local_prefill_tokens=4),
+               ServerLoad(True, 0, server_id=8, max_local_prefill_tokens=4)]
     first = "You are a helpful assistant. Hi"  # 31 characters
     # Every tree is empty: a miss on both sides; the decode with the smallest tree (the first) gets it.
     assert picker.pick(two_servers(), decodes, first) == PairPick(0, 0, 0, "miss", 0.0)
@@ -176,9 +178,9 @@ def test_a_decode_holding_the_prefix_prefills_a_short_rest_itself():
 
 
 def test_a_short_rest_goes_to_the_decode_alone_only_while_every_prefill_is_busy():
-    config = CacheAwareConfig(max_local_prefill_tokens=4, local_prefill_min_prefill_load=2)
+    config = CacheAwareConfig(local_prefill_min_prefill_load=2)
     picker = CacheAwarePairPicker(config, random.Random(0))
-    decodes = [ServerLoad(True, 0, server_id=7)]
+    decodes = [ServerLoad(True, 0, server_id=7, max_local_prefill_tokens=4)]
     first = "You are a helpful assistant. Hi"
     picker.pick(two_servers(), decodes, first)
 
@@ -195,8 +197,26 @@ def test_a_short_rest_goes_to_the_decode_alone_only_while_every_prefill_is_busy(
 
 def test_without_local_prefill_the_decode_is_drawn_by_power_of_two():
     picker = CacheAwarePairPicker(CONFIG, random.Random(0))
-    assert picker.decode is None
-    assert picker.pick(two_servers(), [ServerLoad(True, n) for n in (5, 3, 1)], "hello").local is False
+    decodes = [ServerLoad(True, n, server_id=n) for n in (5, 3, 1)]
+    assert picker.pick(two_servers(), decodes, "hello").local is False
+    picker.learn_answer(3, "hello world")  # no decode prefills itself: nothing is learned
+    assert [picker.decode.trees.size((n, 0)) for n in (5, 3, 1)] == [0, 0, 0]
+
+
+def test_each_decode_goes_by_its_own_limit():
+    """The limit is each decode's own (its --max-local-prefill-tokens, from its /server_info): a decode
+    with none never gets a request alone, whatever its tree holds."""
+    picker = CacheAwarePairPicker(CacheAwareConfig(local_prefill_min_prefill_load=0), random.Random(0))
+    first = "You are a helpful assistant. Hi"
+    decodes = [ServerLoad(True, 0, server_id=7, max_local_prefill_tokens=0),
+               ServerLoad(True, 0, server_id=8, max_local_prefill_tokens=8)]
+    assert picker.pick(two_servers(), decodes, first) == PairPick(0, 0, 0, "miss", 0.0)  # smallest tree: the first
+    picker.learn_answer(7, first)
+    # The first decode holds the prefix but prefills nothing itself; 4 tokens past it go with a prefill.
+    assert picker.pick(two_servers(), decodes, first + " How are you, my") == PairPick(0, 0, 0, "hit", 31 / 47)
+    assert picker.decode.trees.size((7, 0)) == 47  # the pick inserted the prompt; learn_answer added nothing
+    picker.pick(two_servers(), decodes[::-1], "Hello there, who are you")  # the second decode gets a miss
+    assert picker.pick(two_servers(), decodes[::-1], "Hello there, who are you, my friend?") == PairPick(None, 0)
 
 
 def test_the_flags_are_sglang_routers():
@@ -210,7 +230,6 @@ def test_the_flags_are_sglang_routers():
 
 def test_config_checks_its_bounds():
     for bad, message in [({"cache_threshold": 1.5}, "--cache-threshold"), ({"balance_abs_threshold": -1}, "abs"),
-                         ({"max_local_prefill_tokens": -1}, "--max-local-prefill-tokens must be >= 0, got -1"),
                          ({"local_prefill_min_prefill_load": -1},
                           "--local-prefill-min-prefill-load must be >= 0, got -1"),
                          ({"balance_rel_threshold": 0.5}, "rel"), ({"max_tree_size": 0}, "--max-tree-size")]:

@@ -1,6 +1,6 @@
 """`disagg serve`'s options that shape the two servers differently: the decode's step budget and TP
-size, and the local-prefill limit that both the decode and the router get; and the admission limits
-that both servers get alike."""
+size, and the decode's local-prefill limit (the router reads it from the decode's /server_info); and
+the admission limits that both servers get alike. Every flag comes from the config that takes it."""
 
 import pytest
 
@@ -13,8 +13,8 @@ def captured_run(monkeypatch, argv: list[str]) -> dict:
     seen = {}
 
     def fake_run(engine, disagg, options):
-        seen.update(engine=engine, disagg=disagg, decode_engine=options.decode_engine, tools=options.tools,
-                    cache_aware=options.cache_aware, options=options)
+        seen.update(engine=engine, disagg=disagg, decode_engine=options.decode.engine(engine),
+                    tools=options.servers.tools, cache_aware=options.cache_aware, options=options)
         return 0
 
     monkeypatch.setattr(cluster, "run", fake_run)
@@ -28,13 +28,14 @@ def test_the_decode_gets_its_own_step_budget_and_the_prefill_keeps_the_engines(m
     assert seen["engine"].scheduler.max_num_batched_tokens == 512
     assert seen["decode_engine"].scheduler.max_num_batched_tokens == 48
     assert seen["decode_engine"].model == seen["engine"].model and seen["decode_engine"].cache == seen["engine"].cache
-    assert seen["disagg"].max_local_prefill_tokens == 192
+    assert seen["disagg"].decode.max_local_prefill_tokens == 192
 
 
 def test_the_router_takes_a_short_rest_locally_only_from_a_busy_prefill_unless_told_otherwise(monkeypatch):
     assert captured_run(monkeypatch, [])["cache_aware"] == CacheAwareConfig(local_prefill_min_prefill_load=1)
     seen = captured_run(monkeypatch, ["--local-prefill-min-prefill-load", "0", "--max-local-prefill-tokens", "192"])
-    assert seen["cache_aware"] == CacheAwareConfig(max_local_prefill_tokens=192, local_prefill_min_prefill_load=0)
+    assert seen["cache_aware"] == CacheAwareConfig(local_prefill_min_prefill_load=0)
+    assert seen["disagg"].decode.max_local_prefill_tokens == 192  # the decode's; the router reads it there
     monkeypatch.setattr(cluster, "run", lambda *args, **kwargs: pytest.fail("started"))
     with pytest.raises(ConfigError, match=r"^--local-prefill-min-prefill-load must be >= 0, got -1$"):
         cli.run(["serve", "--model", "tiny", "--local-prefill-min-prefill-load", "-1"])
@@ -85,7 +86,7 @@ def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():
     from disagg.router.policy import Policy
 
     prefill, decode = SimpleNamespace(port=7001, bootstrap_port=7002), SimpleNamespace(port=7003)
-    cache_aware = CacheAwareConfig(max_local_prefill_tokens=192, local_prefill_min_prefill_load=3)
+    cache_aware = CacheAwareConfig(local_prefill_min_prefill_load=3)
     config = cluster.router_config(prefill, decode, cache_aware, host="127.0.0.1", port=9)
     assert (config.policy, config.cache_aware) == (Policy.CACHE_AWARE, cache_aware)
     assert (config.prefill[0].url, config.prefill[0].bootstrap_port, config.decode) == (
@@ -94,9 +95,11 @@ def test_the_router_runs_cache_aware_with_the_decodes_local_prefill_limit():
 
 def test_both_servers_get_the_admission_limits(monkeypatch):
     options = captured_run(monkeypatch, ["--max-waiting-requests", "2", "--max-kv-usage", "0.9"])["options"]
-    assert (options.max_waiting_requests, options.max_kv_usage) == (2, 0.9)
+    assert (options.servers.max_waiting_requests, options.servers.max_kv_usage) == (2, 0.9)
+    prefill, decode = cluster.server_configs(options)
+    assert (prefill.max_waiting_requests, decode.max_waiting_requests, decode.max_kv_usage) == (2, 2, 0.9)
     options = captured_run(monkeypatch, [])["options"]
-    assert (options.max_waiting_requests, options.max_kv_usage) == (0, 1.0)  # off, as on one server
+    assert (options.servers.max_waiting_requests, options.servers.max_kv_usage) == (0, 1.0)  # off, as on one server
 
 
 @pytest.mark.parametrize("flags, error", [
@@ -114,5 +117,27 @@ def test_the_options_reach_the_servers_and_the_router(monkeypatch):
     seen = captured_run(monkeypatch, ["--port", "0", "--dp-size", "1", "--log-format", "json", "--host", "127.0.0.2",
                                       "--shutdown-timeout-s", "7", "--prefill-cpus", "0", "--decode-cpus", "0"])
     o = seen["options"]
-    assert (o.host, o.port, o.dp_size, o.log_format, o.shutdown_timeout_s, o.prefill_cpus, o.decode_cpus) == (
+    assert (o.servers.host, o.port, o.servers.dp_size, o.servers.log_format, o.servers.shutdown_timeout_s,
+            o.prefill_cpus, o.decode_cpus) == (
         "127.0.0.2", 0, 1, "json", 7.0, "0", "0")
+
+
+def test_every_serve_flag_is_a_field_of_a_config_it_passes_on():
+    """No flag of `disagg serve` is declared by hand: each is a field of a config the cluster is built
+    from, so a setting has one declaration and one default."""
+    import dataclasses
+
+    from disagg.config import ServerConfig, TlsConfig
+    from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from disagg.pd_config import ControlConfig, DecodeConfig, DisaggConfig, PrefillConfig, TcpListenerConfig
+    from disagg.tool_config import ToolConfig
+
+    configs = (ModelConfig, CacheConfig, SchedulerConfig, EngineConfig, DisaggConfig, PrefillConfig, DecodeConfig,
+               ControlConfig, TcpListenerConfig, ServerConfig, ToolConfig, TlsConfig, CacheAwareConfig,
+               cluster.ClusterOptions, cluster.DecodeOverrides)
+    fields = {f.name for cls in configs for f in dataclasses.fields(cls)}
+    serve = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    flags = {action.dest for action in serve._actions if action.dest != "help"}
+    assert sorted(flags - fields) == []
+    assert {"dp_size", "local_prefill_min_prefill_load", "max_local_prefill_tokens", "decode_max_num_seqs",
+            "prefill_cpus", "port", "max_waiting_requests"} <= flags

@@ -8,9 +8,8 @@ import pytest
 
 from disagg.cli import build_parser, disagg_from_args
 from disagg.cli_args import dataclass_from_args
-from disagg.config import (
-    ConfigError, DisaggConfig, ServerConfig, TlsConfig, admin_key, check_cluster_secret, cluster_secret,
-)
+from disagg.config import ConfigError, ServerConfig, TlsConfig, admin_key, cluster_secret
+from disagg.pd_config import DecodeConfig, DisaggConfig, check_cluster_secret, with_settings
 from disagg.registry_config import BootstrapConfig
 from disagg.router.launch import config_from_args
 
@@ -49,10 +48,10 @@ def test_secrets_stay_out_of_reprs():
     (lambda: DisaggConfig(cluster_secret=""), "cluster_secret must not be empty (leave it unset to turn it off)"),
     (lambda: BootstrapConfig(cluster_secret=""), "cluster_secret must not be empty (leave it unset to turn it off)"),
     (lambda: ServerConfig(admin_key=""), "admin_key must not be empty (leave it unset to turn it off)"),
-    (lambda: DisaggConfig(allowed_bootstrap_hosts=("a", " b")),
+    (lambda: DecodeConfig(allowed_bootstrap_hosts=("a", " b")),
      "allowed_bootstrap_hosts entry ' b' is not valid: it is empty or has spaces around it (use host, host:port, "
      "an IP network such as 10.0.0.0/8, or [IPv6]:port)"),
-    (lambda: DisaggConfig(max_bootstrap_clients=0), "max_bootstrap_clients must be at least 1, got 0"),
+    (lambda: DecodeConfig(max_bootstrap_clients=0), "max_bootstrap_clients must be at least 1, got 0"),
     (lambda: BootstrapConfig(max_rooms=0), "max_rooms must be positive, got 0"),
     (lambda: BootstrapConfig(max_ranks=-1), "max_ranks must be positive, got -1"),
 ])
@@ -64,16 +63,16 @@ def test_invalid_values_are_config_errors(make, message):
 
 def test_allowed_bootstrap_hosts_from_a_comma_list():
     args = build_parser().parse_args(["decode", "--allowed-bootstrap-hosts", "10.0.0.5, prefill-0.svc:8998,"])
-    config = dataclass_from_args(DisaggConfig, args)
+    config = disagg_from_args(args).decode
     assert config.allowed_bootstrap_hosts == ("10.0.0.5", "prefill-0.svc:8998")
     assert [config.allows_bootstrap_address(h, p) for h, p in (
         ("10.0.0.5", 1), ("PREFILL-0.svc", 8998), ("prefill-0.svc", 8999), ("10.0.0.6", 8998), ("127.0.0.1", 8998))] == [
         True, True, False, False, False]
-    anywhere = dataclass_from_args(DisaggConfig, build_parser().parse_args(["decode"]))
+    anywhere = disagg_from_args(build_parser().parse_args(["decode"])).decode
     assert anywhere.allowed_bootstrap_hosts == () and anywhere.allows_bootstrap_address("169.254.169.254", 80)
     assert anywhere.max_bootstrap_clients == 64
-    assert dataclass_from_args(DisaggConfig, build_parser().parse_args(
-        ["decode", "--max-bootstrap-clients", "3"])).max_bootstrap_clients == 3
+    assert disagg_from_args(build_parser().parse_args(
+        ["decode", "--max-bootstrap-clients", "3"])).decode.max_bootstrap_clients == 3
 
 
 def test_router_api_key_flag():
@@ -92,7 +91,7 @@ def refusal(command: str, binds: str) -> str:
 
 def check(mode: str, host: str = "127.0.0.1", **disagg) -> str | None:
     """The refusal `check_cluster_secret` gives (None: the server may start); no secret unless given."""
-    config = DisaggConfig(**{"cluster_secret": None, **disagg})
+    config = with_settings(DisaggConfig(cluster_secret=None), **disagg)
     try:
         check_cluster_secret(ServerConfig(host=host, disaggregation_mode=mode), config)
     except ConfigError as exc:

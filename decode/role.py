@@ -178,6 +178,15 @@ class DecodeRole(TransferRole):
         self.requests.move(request.request_id, DecodeState.LANDED).verdict = status
         self.wake()
 
+    def holding(self) -> str | None:
+        """The engine's requests, then those waiting for their KV or fenced, then quarantined blocks."""
+        if (held := super().holding()) is not None:
+            return held
+        if len(self.requests):
+            return f"{len(self.requests)} requests waiting for KV or fenced"
+        quarantined = self.core.stats().num_quarantined_blocks
+        return f"{quarantined} quarantined KV blocks" if quarantined else None
+
     def idle_wait_s(self, default_s: float) -> float:
         return 0.002 if self.requests.count(DecodeState.QUEUED) else default_s
 

@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from disagg.config import DisaggregationMode, LoadBalanceMethod, ServerConfig, TlsConfig
-
 from disagg.pd_config import DisaggConfig
 from disagg.cpus import format_cpu_list, plan_cluster_cpus, usable_cpus
 from disagg.engine_config import EngineConfig

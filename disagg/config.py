@@ -238,6 +238,13 @@ class ServerConfig:
     max_kv_usage: float = field(
         default=1.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while the KV "
                                        "cache of every live DP worker is more than this fraction used; 1.0: off"})
+    enable_pd_role_switch: bool = field(default=False, metadata={"negatable": False, "help": (
+        "prefill and decode servers: POST /pd_role_switch {\"new_role\": \"prefill\"|\"decode\"} (admin) switches "
+        "the whole server, every DP worker, at run time, without restarting a worker or reloading weights "
+        "(SGLang's flag); the server also runs its bootstrap registry as a decode (--bootstrap-port)")})
+    pd_role_switch_timeout_s: float = field(default=60.0, metadata={"help": (
+        "how long a role switch waits for the work the server accepted to end (new requests get 503 "
+        "role_switching meanwhile); past it the switch is refused (503) and the server goes on in its role")})
     tls: TlsConfig = field(default_factory=TlsConfig)
     tools: ToolConfig = field(default_factory=ToolConfig)
     enable_fault_injection: bool = field(default=False, metadata={"negatable": False, "help": (
@@ -259,6 +266,10 @@ class ServerConfig:
                 f"{self.worker_restart_backoff_s}, {self.worker_restart_max_backoff_s}"
             )
         DisaggregationMode.coerce_field(self, "disaggregation_mode")
+        if self.enable_pd_role_switch and self.disaggregation_mode is DisaggregationMode.NULL:
+            raise ConfigError("--enable-pd-role-switch is for prefill and decode servers, not a unified one")
+        if self.pd_role_switch_timeout_s <= 0:
+            raise ConfigError(f"pd_role_switch_timeout_s must be positive, got {self.pd_role_switch_timeout_s}")
         if self.migration_limit < 0:
             raise ConfigError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_waiting_requests < 0:

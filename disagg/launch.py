@@ -21,7 +21,7 @@ from bootstrap.server import BootstrapServer
 from disagg.api.app import create_app
 from disagg.api.app import start_server as start_http
 from disagg.api.state import STATE
-from disagg.config import ConfigError, DisaggregationMode, ServerConfig
+from disagg.config import ConfigError, DisaggregationMode, LoadBalanceMethod, ServerConfig
 from disagg.pd_config import DisaggConfig, check_cluster_secret
 from disagg.cpus import usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
@@ -33,6 +33,7 @@ from disagg.drain import Drain, StopSignals
 from disagg.http_site import server_ssl_context
 from disagg.logs import configure_logging
 from disagg.dp.prefill_front import PrefillController
+from disagg.dp.role_switch import PdRoles
 
 log = structlog.get_logger(__name__)
 
@@ -64,22 +65,43 @@ class RunningServer:
             await self.bootstrap.close()
 
 
+def _registry(disagg: DisaggConfig) -> BootstrapServer:
+    own = disagg.prefill
+    return BootstrapServer(BootstrapConfig(host=own.bootstrap_host, port=own.bootstrap_port,
+                                           cluster_secret=disagg.cluster_secret,
+                                           insecure_no_cluster_secret=disagg.insecure_no_cluster_secret))
+
+
+def _role_specs(server: ServerConfig, disagg: DisaggConfig) -> PdRoles:
+    """Both P/D roles of a server (the other one for a role switch) and each one's DP pick: a prefill
+    follows the room (or the method it was started with), a decode balances load (likewise)."""
+    mode = server.disaggregation_mode
+    methods = {DisaggregationMode.PREFILL: LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM,
+               DisaggregationMode.DECODE: LoadBalanceMethod.LEAST_LOAD, mode: server.load_balance_method}
+    prefill = RoleSpec(prefill_role, dict(config=disagg, dp_size=server.dp_size,
+                                          load_balance_method=methods[DisaggregationMode.PREFILL]))
+    # Our router reads the local-prefill limit here (disagg/router/health.py): declared once, on the decode.
+    decode = RoleSpec(decode_role, dict(config=disagg),
+                      {"max_local_prefill_tokens": disagg.decode.max_local_prefill_tokens})
+    return PdRoles(mode, {DisaggregationMode.PREFILL: prefill, DisaggregationMode.DECODE: decode}, methods)
+
+
 async def _controller(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig,
                       kv_events: KVEventsConfig) -> tuple[DPController, BootstrapServer | None]:
-    if server.disaggregation_mode is DisaggregationMode.PREFILL:
-        own = disagg.prefill
-        bootstrap = BootstrapServer(BootstrapConfig(host=own.bootstrap_host, port=own.bootstrap_port,
-                                                    cluster_secret=disagg.cluster_secret,
-                                                    insecure_no_cluster_secret=disagg.insecure_no_cluster_secret))
+    """The front: a prefill's runs the bootstrap registry; so does one that may become a prefill."""
+    mode = server.disaggregation_mode
+    if mode is DisaggregationMode.NULL:
+        return DPController(server, engine, kv_events=kv_events), None
+    bootstrap = None
+    if mode is DisaggregationMode.PREFILL or server.enable_pd_role_switch:
+        bootstrap = _registry(disagg)
         disagg = replace(disagg, prefill=replace(disagg.prefill, bootstrap_port=await bootstrap.start()))
-        role = RoleSpec(prefill_role, dict(
-            config=disagg, dp_size=server.dp_size, load_balance_method=server.load_balance_method))
-        return PrefillController(server, engine, role, disagg, kv_events), bootstrap
-    if server.disaggregation_mode is DisaggregationMode.DECODE:
-        # Our router reads the local-prefill limit here (disagg/router/health.py): declared once, on the decode.
-        info = {"max_local_prefill_tokens": disagg.decode.max_local_prefill_tokens}
-        return DPController(server, engine, RoleSpec(decode_role, dict(config=disagg), info), kv_events), None
-    return DPController(server, engine, kv_events=kv_events), None
+    roles = _role_specs(server, disagg)
+    if server.enable_pd_role_switch:
+        return PrefillController(server, engine, roles.spec, disagg, kv_events, roles), bootstrap
+    if mode is DisaggregationMode.PREFILL:
+        return PrefillController(server, engine, roles.spec, disagg, kv_events), bootstrap
+    return DPController(server, engine, roles.spec, kv_events), None
 
 
 async def start_server(server: ServerConfig, engine: EngineConfig, disagg: DisaggConfig = DisaggConfig(),

@@ -22,6 +22,7 @@ class ErrorCode(str, enum.Enum):
     DRAINING = "draining"  # a 503: the server is shutting down; send the request to another one
     SHUTDOWN = "shutdown"  # the shutdown aborted this request
     LOCAL_PREFILL_REFUSED = "local_prefill_refused"  # a 400: a decode sent a request alone will not prefill it
+    ROLE_SWITCHING = "role_switching"  # a 503: the server is switching between prefill and decode; send it elsewhere
 
 
 class FaultKind(str, enum.Enum):

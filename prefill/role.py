@@ -103,6 +103,14 @@ class PrefillRole(TransferRole):
         # A drain waits for the tickets it issued (PrefillController.settle).
         return msgspec.structs.replace(super().stats(), num_leases=len(self.pull.leases.leases))
 
+    def holding(self) -> str | None:
+        """The engine's requests, then the rooms still running here, then the leases of issued tickets."""
+        if (held := super().holding()) is not None:
+            return held
+        if self.push.book.running:
+            return f"{len(self.push.book.running)} bootstrap rooms"
+        return f"{len(self.pull.leases.leases)} KV leases" if self.pull.leases.leases else None
+
     def idle_wait_s(self, default_s: float) -> float:
         return BUSY_WAIT_S if self.push.busy else default_s
 

@@ -43,6 +43,8 @@ async def health(request: web.Request) -> web.Response:
     if state.drain.draining:
         return API_EDGE.response(draining_error(state.drain))
     engine = state.engine
+    if engine.pd_roles is not None and engine.pd_roles.failure is not None:  # never serve half-switched
+        return API_EDGE.response(engine.pd_roles.refusal_error())
     if engine.healthy():
         return web.Response(status=200)
     states = engine.worker_states()
@@ -86,7 +88,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """
     state = state_of(request)
     engine = state.engine
-    if state.config.disaggregation_mode is not DisaggregationMode.NULL or not engine.healthy() or state.drain.draining:
+    if engine.mode is not DisaggregationMode.NULL or not engine.healthy() or state.drain.draining:
         return await health(request)
     failures = await asyncio.gather(*(_probe_in_time(engine, r) for r in range(engine.dp_size)))
     listed = ", ".join(f"dp_rank {r}: {f}" for r, f in enumerate(failures) if f is not None)
@@ -96,11 +98,11 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 def _server_info(state: ApiState) -> dict:
-    card, engine, config = state.engine.model, state.engine, state.config
+    card, engine = state.engine.model, state.engine
     return {
         "model_path": card.name, "served_model_name": card.name, "max_model_len": card.max_model_len,
         "vocab_size": card.vocab_size, "engine": card.engine_summary, "dp_size": engine.dp_size,
-        "load_balance_method": engine.load_balance_method, "disaggregation_mode": config.disaggregation_mode,
+        "load_balance_method": engine.load_balance_method, "disaggregation_mode": engine.mode,
         "internal_states": [dataclasses.asdict(s) for s in engine.worker_states()], **engine.role_info,
     }
 
@@ -155,6 +157,26 @@ async def abort_requests(request: web.Request) -> web.Response:
     return json_response({"aborted": found})
 
 
+class RoleSwitchBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    new_role: str
+
+
+async def pd_role_switch(request: web.Request) -> web.Response:
+    """POST /pd_role_switch `{"new_role": "prefill"|"decode"}` (an admin route; servers started with
+    --enable-pd-role-switch): the whole server, every DP worker, switches once the work it accepted
+    has ended (disagg/dp/role_switch.py). 200 with the new mode and epoch (`switched` false when it
+    ran that role already); 400 bad body or switching off; 409 another switch runs or one failed;
+    503 the accepted work did not end in time (the server goes on as it was); 500 failed halfway."""
+    state = state_of(request)
+    body = decode_body(await request.read(), RoleSwitchBody)
+    if body.new_role not in (DisaggregationMode.PREFILL.value, DisaggregationMode.DECODE.value):
+        raise BadRequest(f"new_role must be prefill or decode, got {body.new_role!r}", "new_role")
+    timeout_s = state.config.pd_role_switch_timeout_s
+    switched = await state.engine.switch_role(DisaggregationMode(body.new_role), timeout_s)
+    return json_response({"success": True, "switched": switched, "disaggregation_mode": state.engine.mode,
+                          "pd_role_epoch": state.engine.pd_roles.epoch})
+
+
 def add_routes(app: web.Application) -> None:
     """Register the admin routes on `app`."""
     app.router.add_get("/health", health)
@@ -168,3 +190,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/version", version)
     for path in ("/abort_request", "/abort_requests"):
         app.router.add_post(path, abort_requests)
+    app.router.add_post("/pd_role_switch", pd_role_switch)

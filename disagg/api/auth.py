@@ -19,6 +19,7 @@ from disagg.wire.auth import bearer_matches
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 ADMIN_PATHS = frozenset({
     "/abort_request", "/abort_requests", "/reset_prefix_cache", "/flush_cache", "/sleep", "/wake_up", "/faults",
+    "/pd_role_switch",
 })
 
 

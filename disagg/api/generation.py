@@ -157,7 +157,7 @@ class Generation:
                                             finish_reason=t.finish_reason, inter_token_s=t.inter_token_s)
         if t.kv is not None:
             self._state.metrics.observe_kv(t.kv)
-        if self._state.config.disaggregation_mode is DisaggregationMode.DECODE:  # its KV came with it, or not
+        if self._state.engine.mode is DisaggregationMode.DECODE:  # its KV came with it, or not
             self._state.metrics.decode_prefills.labels("local" if t.kv is None else "remote").inc()
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,
                  prompt_tokens=t.num_prompt_tokens, completion_tokens=t.num_output_tokens,

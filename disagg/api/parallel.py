@@ -79,7 +79,7 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
         children = child_msgs(msg, n)
         # A prefill places each child by its own room (the decode resolves that room's rank); any other
         # server keeps the children on one worker, where they share the prompt's blocks.
-        per_child = msg.bootstrap_room is not None and state.config.disaggregation_mode is DisaggregationMode.PREFILL
+        per_child = msg.bootstrap_room is not None and state.engine.mode is DisaggregationMode.PREFILL
         ranks = ([state.engine.pick_rank(routed_dp_rank, c.bootstrap_room, c) for c in children] if per_child
                  else [state.engine.pick_rank(routed_dp_rank, None, msg)] * n)
         dp_rank = ranks[0]

@@ -75,6 +75,8 @@ def admit(state: ApiState) -> None:
     it is overloaded (api/admission.py)."""
     if state.drain.draining:
         raise draining_error(state.drain)
+    if state.engine.pd_roles is not None and (switching := state.engine.pd_roles.refusal_error()) is not None:
+        raise switching  # 503 role_switching: a router sends it to another server
     config = state.config
     if not config.max_waiting_requests and config.max_kv_usage >= 1.0:
         return  # no limit set: nothing to read

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import msgspec
 import structlog
@@ -30,6 +30,8 @@ from disagg.dp.dispatch import Dispatcher, estimate_tokens, routing_prompt
 from disagg.dp.faults import PD_FAULTS, WORKER_FAULTS, ProcessFaults
 from disagg.wire.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
+from disagg.dp.role_switch import PdRoles, RoleSwitchError, switch_role
+from disagg.dp.worker_handle import SentRequest, WorkerHandle
 from disagg.worker.process import WorkerSpec, run_worker, worker_context
 from disagg.worker.roles import RoleSpec
 from disagg.types import FaultKind, FinishReason, InvalidRequest
@@ -42,65 +44,12 @@ log = structlog.get_logger(__name__)
 MONITOR_INTERVAL_S = 0.5
 
 
-class _Worker:
-    """One incarnation of the worker of a DP rank; a restart makes a new one."""
-
-    def __init__(self, rank: int, process, num_restarts: int = 0, down_reason: str | None = None):
-        self.rank = rank
-        self.process = process
-        self.writer: asyncio.StreamWriter | None = None
-        self.ready: ReadyMsg | None = None
-        self.ready_at: float | None = None
-        self.alive = True
-        self.stats = StatsMsg(0, 0, 0, 0)
-        self.outstanding: dict[str, int] = {}  # request id -> estimated tokens
-        self.num_restarts = num_restarts
-        self.down_reason = down_reason  # why the previous incarnation is gone (None: first start)
-        self.num_quick_deaths = 0  # deaths in a row of incarnations that did not stay up long
-
-    @property
-    def available(self) -> bool:
-        return self.alive and self.ready is not None
-
-    def send(self, msg) -> None:
-        if not self.available or self.writer is None:
-            raise WorkerUnavailable(self.unavailable_reason())
-        self.writer.write(frame(encode(msg)))
-
-    def unavailable_reason(self) -> str:
-        if not self.alive:
-            return f"DP worker {self.rank} is not available: it died ({self.down_reason}); a restart is scheduled"
-        if self.down_reason is not None:
-            return f"DP worker {self.rank} is not available: it is restarting after it died ({self.down_reason})"
-        return f"DP worker {self.rank} is not available: it is not ready yet"
-
-
-@dataclass
-class _Sent:
-    """A request on its way through a worker: which one, and the tokens it streamed so far."""
-
-    msg: GenerateMsg
-    worker: _Worker
-    token_ids: list[int] = field(default_factory=list)
-    num_migrations: int = 0
-
-    def resumed(self) -> GenerateMsg:
-        """The request as another worker takes it over: the tokens streamed so far go with it; what
-        its first answer carried (the prompt, its logprobs) went out already when any token did."""
-        if not self.token_ids:
-            return self.msg
-        sampling = replace(self.msg.sampling, prompt_logprobs=None)
-        return msgspec.structs.replace(self.msg, resume_token_ids=list(self.token_ids), return_prompt=False,
-                                       sampling=sampling)
-
-
 class DPController:
     """Implements disagg.dp.protocol.EngineClient over worker processes."""
 
-    migrates = True  # a request whose worker died goes on on another (ServerConfig.migration_limit)
 
     def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec = RoleSpec(),
-                 kv_events: KVEventsConfig = KVEventsConfig()):
+                 kv_events: KVEventsConfig = KVEventsConfig(), pd_roles: PdRoles | None = None):
         self.server = server
         self.kv_events = kv_events
         self.dp_size = server.dp_size
@@ -111,12 +60,12 @@ class DPController:
         threads = engine.num_threads or (None if self.cpu_sets else max(1, (os.cpu_count() or 1) // server.dp_size))
         self.engine_config = replace(engine, num_threads=threads)
         self.role = role
-        self.role_info = role.info
+        self.pd_roles = pd_roles  # --enable-pd-role-switch: the role now and the other (disagg/dp/role_switch.py)
         self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerHandle] = []
         self.model: ModelCard | None = None
         self._streams: dict[str, asyncio.Queue[OutputMsg]] = {}
-        self._sent: dict[str, _Sent] = {}
+        self._sent: dict[str, SentRequest] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.faults = ProcessFaults()  # --enable-fault-injection (disagg/dp/faults.py)
@@ -135,7 +84,7 @@ class DPController:
         path = os.path.join(self._tmpdir, "workers.sock")
         self._server = await asyncio.start_unix_server(self._on_connect, path)
         self._socket_path = path
-        self.workers = [_Worker(rank, self._spawn(rank)) for rank in range(self.dp_size)]
+        self.workers = [WorkerHandle(rank, self._spawn(rank)) for rank in range(self.dp_size)]
         pinned = "" if self.cpu_sets is None else " on CPUs " + " | ".join(map(format_cpu_list, self.cpu_sets))
         progress(f"loading {self.engine_config.model.model} on {self.dp_size} DP worker(s){pinned}")
         self._tasks.append(asyncio.create_task(self._monitor()))
@@ -149,8 +98,9 @@ class DPController:
         if self.cpu_sets is not None:
             cpus = self.cpu_sets[rank]
             engine = replace(engine, num_threads=engine.num_threads or len(cpus))
+        switch_roles = {} if self.pd_roles is None else self.pd_roles.worker_roles()
         return WorkerSpec(rank, engine, self._socket_path, self.role, self.server.log_format, self.kv_events, cpus,
-                          self.server.enable_fault_injection)
+                          self.server.enable_fault_injection, switch_roles)
 
     def _spawn(self, rank: int):
         spec = self.worker_spec(rank)
@@ -215,7 +165,7 @@ class DPController:
         except (asyncio.IncompleteReadError, ConnectionError):
             self._mark_dead(worker, "closed its connection")
 
-    def _on_message(self, worker: _Worker, msg) -> None:
+    def _on_message(self, worker: WorkerHandle, msg) -> None:
         if isinstance(msg, OutputMsg):
             queue = self._streams.get(msg.request_id)
             if queue is not None:
@@ -239,7 +189,7 @@ class DPController:
                 if worker.alive and not worker.process.is_alive():
                     self._mark_dead(worker, f"exited with code {worker.process.exitcode}")
 
-    def _mark_dead(self, worker: _Worker, how: str) -> None:
+    def _mark_dead(self, worker: WorkerHandle, how: str) -> None:
         if not worker.alive:
             return
         worker.alive = False
@@ -256,14 +206,14 @@ class DPController:
         if self._supervising:
             self._tasks.append(asyncio.create_task(self._restart(worker)))
 
-    def _migrate(self, request_id: str, estimate: int, dead: _Worker) -> bool:
+    def _migrate(self, request_id: str, estimate: int, dead: WorkerHandle) -> bool:
         """Send a request of a dead worker to the least loaded live one, within the migration limit.
         The client sees one stream: the new worker emits only what follows the tokens already sent."""
         sent = self._sent.get(request_id)
         live = [w for w in self.workers if w is not dead and w.available]
         if not self.migrates or sent is None or sent.num_migrations >= self.server.migration_limit or not live:
             return False
-        if self.server.disaggregation_mode is DisaggregationMode.DECODE and not sent.token_ids:
+        if self.mode is DisaggregationMode.DECODE and not sent.token_ids:
             return False  # its KV never arrived: its prefill's room failed with it (a router sends it again)
         target = min(live, key=lambda w: (sum(w.outstanding.values()), w.rank))
         target.send(sent.resumed())
@@ -273,7 +223,7 @@ class DPController:
                     to_rank=target.rank, num_tokens_done=len(sent.token_ids))
         return True
 
-    def restart_backoff_s(self, worker: _Worker) -> tuple[float, int]:
+    def restart_backoff_s(self, worker: WorkerHandle) -> tuple[float, int]:
         """The wait before restarting `worker`, and the quick-death count it implies: the backoff
         doubles per death of a worker that was not up for `worker_restart_max_backoff_s`."""
         server = self.server
@@ -281,7 +231,7 @@ class DPController:
         quick = 0 if lived_s >= server.worker_restart_max_backoff_s else worker.num_quick_deaths + 1
         return min(server.worker_restart_backoff_s * 2 ** max(quick - 1, 0), server.worker_restart_max_backoff_s), quick
 
-    async def _restart(self, dead: _Worker) -> None:
+    async def _restart(self, dead: WorkerHandle) -> None:
         """Start the next incarnation of a dead rank after its backoff (unless closing)."""
         delay_s, quick = self.restart_backoff_s(dead)
         log.info("restarting DP worker", dp_rank=dead.rank, backoff_s=delay_s)
@@ -291,7 +241,7 @@ class DPController:
         if dead.process.is_alive():  # it closed its connection but runs on: never two workers on one rank
             dead.process.kill()
         await asyncio.to_thread(dead.process.join, 5)  # reap it
-        worker = _Worker(dead.rank, self._spawn(dead.rank), dead.num_restarts + 1, dead.down_reason)
+        worker = WorkerHandle(dead.rank, self._spawn(dead.rank), dead.num_restarts + 1, dead.down_reason)
         worker.num_quick_deaths = quick
         self.workers[dead.rank] = worker
 
@@ -318,7 +268,7 @@ class DPController:
             raise InvalidRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         queue: asyncio.Queue[OutputMsg] = asyncio.Queue()
         self._streams[msg.request_id] = queue
-        sent = self._sent[msg.request_id] = _Sent(msg, worker)
+        sent = self._sent[msg.request_id] = SentRequest(msg, worker)
         finished = False
         try:
             worker.send(msg)
@@ -338,7 +288,7 @@ class DPController:
     async def inject_fault(self, kind: FaultKind, dp_rank: int, params: dict) -> None:
         """One fault on the worker of `dp_rank` (checked by faults.check_fault; docs/testing.md)."""
         worker = self.workers[self.dispatcher.check_rank(dp_rank)]
-        if kind in PD_FAULTS and self.server.disaggregation_mode is DisaggregationMode.NULL:
+        if kind in PD_FAULTS and self.mode is DisaggregationMode.NULL:
             raise InvalidRequest(f"{kind}: this server moves no KV (a unified server)", "fault")
         if kind in WORKER_FAULTS:
             await self.call_utility(Utility.INJECT_FAULT, kind, params, ranks=[dp_rank])
@@ -388,5 +338,34 @@ class DPController:
         ]
 
     def healthy(self) -> bool:
-        return bool(self.workers) and all(w.available for w in self.workers)
+        failed = self.pd_roles is not None and self.pd_roles.failure is not None
+        return bool(self.workers) and all(w.available for w in self.workers) and not failed
+
+    @property
+    def migrates(self) -> bool:
+        """A request whose worker died goes on on another (ServerConfig.migration_limit); never on a
+        prefill: a room's KV lives on the rank that computed it (a dead rank's request fails, 503)."""
+        return self.mode is not DisaggregationMode.PREFILL
+
+    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float) -> bool:
+        """`POST /pd_role_switch`: the whole server to `new_mode` (disagg/dp/role_switch.py); False when
+        it runs it already. Then the DP pick is that mode's, and a restarted worker starts in it."""
+        if self.pd_roles is None:
+            raise RoleSwitchError("this server runs without --enable-pd-role-switch", 400)
+        switched = await switch_role(self.pd_roles, new_mode, timeout_s=timeout_s,
+                                     in_flight=lambda: len(self._streams), call=self.call_utility)
+        if switched:
+            self.role, self.load_balance_method = self.pd_roles.spec, self.pd_roles.methods[new_mode]
+            self.dispatcher = Dispatcher(self.load_balance_method, self.dp_size)
+        return switched
+
+    @property
+    def mode(self) -> DisaggregationMode:
+        """The role the server plays now (a role switch changes it)."""
+        return self.server.disaggregation_mode if self.pd_roles is None else self.pd_roles.mode
+
+    @property
+    def role_info(self) -> dict:
+        """What /server_info says of the role (its RoleSpec's info; the role epoch with switching on)."""
+        return self.role.info if self.pd_roles is None else {**self.role.info, **self.pd_roles.info()}
 

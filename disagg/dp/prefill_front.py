@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 import msgspec
 import structlog
 
-from disagg.config import ServerConfig
-
+from disagg.config import DisaggregationMode, ServerConfig
 from disagg.pd_config import DisaggConfig
 from disagg.engine_config import EngineConfig
 from disagg.kv_events_config import KVEventsConfig
 from disagg.dp.controller import DPController
+from disagg.dp.role_switch import PdRoles
 from disagg.worker.roles import RoleSpec
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomFailedMsg, RoomMisroutedMsg, RoomPlacedMsg, Utility
@@ -26,13 +26,20 @@ LEASE_COUNT_TIMEOUT_S = 2.0  # one count of the leases; settle's deadline caps i
 
 
 class PrefillController(DPController):
-    migrates = False  # a room's KV lives on the rank that computed it: a dead rank's request fails (503)
+    """The prefill's front: each request's bootstrap room planned (the rank rule), its leases counted
+    at a drain. A server that may switch roles (`--enable-pd-role-switch`) runs this front in both
+    modes: as a decode it serves as the plain front does."""
+
     def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec, disagg: DisaggConfig,
-                 kv_events: KVEventsConfig = KVEventsConfig()):
-        super().__init__(server, engine, role, kv_events)
+                 kv_events: KVEventsConfig = KVEventsConfig(), pd_roles: PdRoles | None = None):
+        super().__init__(server, engine, role, kv_events, pd_roles)
         self.disagg = disagg
 
     async def generate(self, msg: GenerateMsg, dp_rank: int) -> AsyncIterator[OutputMsg]:
+        if self.mode is not DisaggregationMode.PREFILL:  # switched to decode (--enable-pd-role-switch)
+            async for out in super().generate(msg, dp_rank):
+                yield out
+            return
         room = msg.bootstrap_room
         implied_alive = room is None or self.workers[implied_rank(room, self.dp_size)].available
         plan = plan_room(dp_size=self.dp_size, method=self.load_balance_method, dp_rank=dp_rank, room=room,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from disagg.config import LoadBalanceMethod
+from disagg.config import DisaggregationMode, LoadBalanceMethod
 from disagg.types import FaultKind
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, Utility
+
+if TYPE_CHECKING:
+    from disagg.dp.role_switch import PdRoles
 
 
 class WorkerUnavailable(RuntimeError):
@@ -73,7 +76,9 @@ class EngineClient(Protocol):
     dp_size: int
     load_balance_method: LoadBalanceMethod
     model: ModelCard
-    role_info: dict  # what /server_info says of the workers' role (RoleSpec.info)
+    role_info: dict  # what /server_info says of the workers' role (RoleSpec.info, the role epoch)
+    mode: DisaggregationMode  # the role the server plays now (a role switch changes it)
+    pd_roles: PdRoles | None  # --enable-pd-role-switch: the role now, the other, the switch state
 
     def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, msg: GenerateMsg | None = None) -> int:
         """Choose the DP worker (`msg`: the request, whose prompt cache_aware matches);
@@ -94,6 +99,9 @@ class EngineClient(Protocol):
 
     async def inject_fault(self, kind: FaultKind, dp_rank: int, params: dict) -> None:
         """A fault on one worker, on purpose (--enable-fault-injection; disagg/dp/faults.py)."""
+
+    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float) -> bool:
+        """Switch the whole server to `new_mode` (RoleSwitchError when it cannot); False when it runs it."""
 
     def worker_states(self) -> list[WorkerState]:
         """One entry per DP worker (for /server_info, /metrics, /health)."""

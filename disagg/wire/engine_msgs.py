@@ -87,6 +87,8 @@ class Utility(str, enum.Enum):
     TOKENIZE = "tokenize"  # args: [TokenizeMsg]; a TokenizeResultMsg
     DETOKENIZE = "detokenize"  # args: [token ids]; the text
     INJECT_FAULT = "inject_fault"  # args: [kind, params]; --enable-fault-injection servers only
+    HOLDING = "holding"  # what the role still holds (requests, rooms, leases, fences), or None: free to switch
+    SWITCH_ROLE = "switch_role"  # args: [mode]; --enable-pd-role-switch: the worker's loop swaps its role
 
     def __str__(self) -> str:
         return self.value

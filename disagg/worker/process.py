@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
@@ -35,8 +35,8 @@ from disagg.logs import configure_logging
 from disagg.worker.outputs import admission_error
 from disagg.worker.role import Role, RoomRole
 from disagg.wire.engine_msgs import (
-    AbortMsg, GenerateMsg, RoomFailedMsg, RoomPlacedMsg, ShutdownMsg, UtilityMsg, UtilityResultMsg, decode_to_worker,
-    encode,
+    AbortMsg, GenerateMsg, RoomFailedMsg, RoomPlacedMsg, ShutdownMsg, Utility, UtilityMsg, UtilityResultMsg,
+    decode_to_worker, encode,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +57,33 @@ class WorkerSpec:
     kv_events: KVEventsConfig = KVEventsConfig()  # the server's; the worker offsets its endpoints by dp_rank
     cpus: frozenset[int] | None = None  # the CPUs this worker runs on (None: not pinned)
     faults: bool = False  # the server's --enable-fault-injection
+    # --enable-pd-role-switch: the role of each mode ("prefill", "decode") this worker may switch to
+    switch_roles: dict[str, RoleSpec] = field(default_factory=dict)
+
+
+class RoleSlot:
+    """The role a worker runs now, and the roles it may switch to (`WorkerSpec.switch_roles`)."""
+
+    def __init__(self, role: Role, spec: WorkerSpec, model_name: str):
+        self.role, self._spec, self._model_name = role, spec, model_name
+
+    async def switch(self, mode: str) -> None:
+        """Run the role of `mode` on the same engine: its weights, KV cache and prefix cache stay. The
+        role now must hold nothing (the front waits for that first); it closes (its transfer endpoints,
+        its registry entry's refresh), the new one starts. A start that fails leaves no role: the
+        front turns the server unhealthy."""
+        target = self._spec.switch_roles.get(mode)
+        if target is None:
+            raise ValueError(f"this worker cannot become {mode}: its server runs without --enable-pd-role-switch")
+        if (held := self.role.holding()) is not None:
+            raise RuntimeError(f"the role still holds {held}")
+        old = self.role
+        await old.close()
+        new = target.build(old.core, self._spec.dp_rank, self._model_name)
+        new.fault_injection, new.wake, new.step_delay_s = old.fault_injection, old.wake, old.step_delay_s
+        await new.start()
+        self.role = new
+        log.info("role switched", mode=mode, role=type(new).__name__)
 
 
 # What a worker imports before it loads its engine: a fork server imports it once, and each worker
@@ -118,12 +145,13 @@ async def _run(spec: WorkerSpec, reader: asyncio.StreamReader, writer: asyncio.S
     role.fault_injection = spec.faults
     events = open_publisher(spec.kv_events, spec.dp_rank, core)
     await role.start()
+    slot = RoleSlot(role, spec, name)
     try:
         writer.write(frame(encode(role.ready_msg())))
         log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
-        await serve(role, reader, writer, engine_thread, events, followers)
+        await serve(slot, reader, writer, engine_thread, events, followers)
     finally:
-        await role.close()
+        await slot.role.close()
         if events is not None:
             events.close()
         writer.close()
@@ -153,24 +181,26 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
         inbox.put_nowait(ShutdownMsg())
 
 
-async def serve(role: Role, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+async def serve(slot: RoleSlot, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None,
                 followers: Followers | None = None) -> None:
-    """The worker loop; with `followers` (tensor parallelism), the role's engine is a MirroredCore
-    and the loop watches that every follower lives."""
+    """The worker loop over `slot.role` (a role switch replaces it between messages); with `followers`
+    (tensor parallelism), the role's engine is a MirroredCore and the loop watches that every follower lives."""
     inbox: asyncio.Queue = asyncio.Queue()
-    role.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
+    slot.role.wake = lambda: inbox.put_nowait(WAKE)  # background tasks end the idle wait early
     reading = asyncio.create_task(_read_into(inbox, reader))
     loop = asyncio.get_running_loop()
     last_stats = 0.0
     try:
         while True:
+            role = slot.role
             for msg in await _take(inbox, 0.0 if role.has_work() else role.idle_wait_s(STATS_INTERVAL_S)):
                 if isinstance(msg, ShutdownMsg):
                     return
                 if msg is WAKE:
                     continue
-                _send(role, writer, await apply(role, msg, engine_thread))
+                _send(role, writer, await _on_message(slot, msg, engine_thread))
+                role = slot.role  # a switch_role call replaced it
             _send(role, writer, await role.poll())
             if followers is not None and not followers.alive():
                 raise RuntimeError("a tensor-parallel follower died: the group goes down with it")
@@ -188,6 +218,22 @@ async def serve(role: Role, reader: asyncio.StreamReader, writer: asyncio.Stream
             await writer.drain()
     finally:
         reading.cancel()
+
+
+async def _on_message(slot: RoleSlot, msg, engine_thread: ThreadPoolExecutor) -> list:
+    if isinstance(msg, UtilityMsg) and msg.method is Utility.SWITCH_ROLE:  # on the loop: roles start there
+        return [await _switch(slot, msg)]
+    return await apply(slot.role, msg, engine_thread)
+
+
+async def _switch(slot: RoleSlot, msg: UtilityMsg) -> UtilityResultMsg:
+    """The answer to a switch_role call: None when the worker runs the new role, else what stopped it."""
+    try:
+        await slot.switch(*msg.args)
+        return UtilityResultMsg(msg.call_id, result=None)
+    except Exception as exc:  # reported to the front, which decides what the server does next
+        log.exception("role switch failed", args=msg.args)
+        return UtilityResultMsg(msg.call_id, error=f"{type(exc).__name__}: {exc}")
 
 
 async def _take(inbox: asyncio.Queue, timeout_s: float) -> list:

@@ -62,6 +62,10 @@ class Role(Protocol):
     def sent(self, msgs: list) -> None:
         """Messages on their way to the front: forget what note() kept for requests that ended."""
 
+    def holding(self) -> str | None:
+        """What the role still holds (requests, rooms, leases, fenced blocks), in words; None when it
+        holds nothing and may give way to another role (a role switch)."""
+
     def utility(self, method: Utility, args: list) -> object:
         """Run one utility call (sleep, stats, tokenize, a fault...)."""
 

@@ -158,9 +158,15 @@ class UnifiedRole:
             Utility.RESET_PREFIX_CACHE: core.reset_prefix_cache, Utility.STATS: self.stats,
             Utility.TOKENIZE: partial(tokenization.tokenize, tokenizer),
             Utility.DETOKENIZE: partial(tokenization.detokenize, tokenizer),
-            Utility.INJECT_FAULT: self.inject_fault,
+            Utility.INJECT_FAULT: self.inject_fault, Utility.HOLDING: self.holding,
         }
         return table[method](*args)
+
+    def holding(self) -> str | None:
+        if not self.core.has_unfinished():
+            return None
+        stats = self.core.stats()
+        return f"{stats.num_running + stats.num_waiting} requests in the engine"
 
     def inject_fault(self, name: str, params: dict) -> None:
         """A worker-side fault the front checked (disagg/dp/faults.py), by its FaultKind's value: here

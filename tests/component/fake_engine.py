@@ -22,7 +22,7 @@ import msgspec
 from aiohttp.test_utils import TestClient, TestServer
 
 from disagg.api.app import create_app
-from disagg.config import ServerConfig
+from disagg.config import DisaggregationMode, ServerConfig
 from disagg.config import LoadBalanceMethod
 from disagg.dp.dispatch import Dispatcher, routing_prompt
 from disagg.dp.protocol import DispatchStats, ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
@@ -55,7 +55,8 @@ class FakeEngine:
                  model: ModelCard = FAKE_MODEL, token_delay_s: float = 0.0, num_cached_tokens: int = 0):
         self.dp_size = dp_size
         self.load_balance_method = load_balance_method
-        self.role_info: dict = {}
+        self.mode = DisaggregationMode.NULL
+        self.pd_roles = None  # no role switch
         self.model = model
         self.token_delay_s = token_delay_s
         self.num_cached_tokens = num_cached_tokens
@@ -74,6 +75,10 @@ class FakeEngine:
         self._next_rank = 0
         self.dispatcher = Dispatcher(LoadBalanceMethod.CACHE_AWARE, dp_size)  # cache_aware: the real pick
         self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
+
+    @property
+    def role_info(self) -> dict:
+        return {} if self.pd_roles is None else self.pd_roles.info()
 
     def pick_rank(self, routed_dp_rank: int | None, bootstrap_room: int | None, msg: GenerateMsg | None = None) -> int:
         """Like the DP controller: a pinned rank must exist; else the load-balance method decides
@@ -287,7 +292,10 @@ def fake_token_texts(msg: GenerateMsg, out: OutputMsg) -> OutputMsg:
 @contextlib.asynccontextmanager
 async def api_client(engine: FakeEngine, **config) -> AsyncIterator[TestClient]:
     """A TestClient talking real HTTP to create_app(ServerConfig(**config), engine) on 127.0.0.1:0."""
-    app = create_app(ServerConfig(port=0, **config), engine, configure_logs=False)
+    server = ServerConfig(port=0, **config)
+    if isinstance(engine, FakeEngine):
+        engine.mode = server.disaggregation_mode  # as a real front takes it from its ServerConfig
+    app = create_app(server, engine, configure_logs=False)
     async with TestClient(TestServer(app, host="127.0.0.1", port=0)) as client:
         yield client
 

@@ -196,3 +196,21 @@ async def test_utility_timeout_is_503():
     async with api_client(engine) as client:
         assert await call(client, "GET", "/is_sleeping") == (503, error(
             "the engine did not answer in time", "ServiceUnavailableError"))
+
+
+async def test_a_failed_role_switch_turns_health_red_and_refuses_requests():
+    from disagg.config import DisaggregationMode
+    from disagg.dp.role_switch import PdRoles, SwitchState
+
+    engine = FakeEngine(dp_size=2)
+    async with api_client(engine, disaggregation_mode="decode") as client:
+        engine.pd_roles = PdRoles(DisaggregationMode.DECODE, {}, {}, epoch=3, state=SwitchState.FAILED,
+                                  failure="UtilityFailed: switch_role failed on 1 DP worker(s)")
+        refusal = error("this server's role switch failed (UtilityFailed: switch_role failed on 1 DP worker(s)): it "
+                        "serves nothing until restarted", "ServiceUnavailableError", code="role_switching")
+        assert await call(client, "GET", "/health") == (503, refusal)
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        assert await call(client, "POST", "/generate", json=body) == (503, refusal)
+        status, info = await call(client, "GET", "/server_info")
+    assert (status, info["pd_role_epoch"], info["pd_role_switch_state"]) == (200, 3, "failed")
+    assert engine.requests == []

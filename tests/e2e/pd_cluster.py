@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 import aiohttp
 
 from disagg.config import ServerConfig
-
 from disagg.pd_config import DisaggConfig, with_settings
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import RunningServer, start_server

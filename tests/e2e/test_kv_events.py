@@ -12,7 +12,6 @@ import pytest
 import zmq
 
 from disagg.config import ServerConfig
-
 from disagg.pd_config import DisaggConfig
 from disagg.kv_events_config import parse_kv_events_config
 from disagg.launch import start_server

@@ -14,7 +14,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.config import ConfigError, ServerConfig
-
 from disagg.pd_config import DisaggConfig
 from disagg.launch import start_server
 from pd_cluster import TINY, pd_config

@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import ServerConfig
-
 from disagg.pd_config import DisaggConfig
 from disagg.launch import start_server
 from kernel_summary import auto_kernels, cpu_summary, dense_kernel

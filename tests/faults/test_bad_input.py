@@ -8,7 +8,6 @@ import pytest
 import pytest_asyncio
 
 from disagg.config import ServerConfig
-
 from disagg.pd_config import DisaggConfig
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.launch import start_server

@@ -13,7 +13,6 @@ import pytest
 from fuzz_bodies import BodyFuzzer, Fuzzed, Route, check_answer, routes
 
 from disagg.config import ServerConfig
-
 from disagg.pd_config import DisaggConfig, with_settings
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.router.config import PrefillEndpoint, RouterConfig

@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 
 from disagg.config import ServerConfig
-
 from disagg.pd_config import ControlConfig, DisaggConfig
 from disagg.launch import start_server
 from pd_cluster import TINY, start_pd, start_unified

@@ -37,8 +37,19 @@ TYPE_OF_STATUS = {
 
 def is_draining_answer(status: int, body: object) -> bool:
     """True for a server's 503 whose JSON error body carries ErrorCode.DRAINING."""
+    return refusal_code(status, body) is ErrorCode.DRAINING
+
+
+# A server's 503 with one of these: it takes no new request now (it shuts down, or switches roles);
+# a router takes it out of rotation and sends the request to another server.
+OUT_OF_ROTATION = (ErrorCode.DRAINING, ErrorCode.ROLE_SWITCHING, ErrorCode.STALE_ROLE_EPOCH)
+
+
+def refusal_code(status: int, body: object) -> ErrorCode | None:
+    """The OUT_OF_ROTATION code of a server's 503 JSON error body, else None."""
     error = body.get("error") if isinstance(body, dict) else None
-    return status == 503 and isinstance(error, dict) and error.get("code") == ErrorCode.DRAINING
+    code = error.get("code") if isinstance(error, dict) else None
+    return next((c for c in OUT_OF_ROTATION if code == c.value), None) if status == 503 else None
 
 
 def error_type_of(status: int) -> str:

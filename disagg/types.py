@@ -23,6 +23,7 @@ class ErrorCode(str, enum.Enum):
     SHUTDOWN = "shutdown"  # the shutdown aborted this request
     LOCAL_PREFILL_REFUSED = "local_prefill_refused"  # a 400: a decode sent a request alone will not prefill it
     ROLE_SWITCHING = "role_switching"  # a 503: the server is switching between prefill and decode; send it elsewhere
+    STALE_ROLE_EPOCH = "stale_role_epoch"  # a 503: the request was routed for a role this server no longer has
 
 
 class FaultKind(str, enum.Enum):

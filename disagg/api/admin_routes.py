@@ -43,8 +43,8 @@ async def health(request: web.Request) -> web.Response:
     if state.drain.draining:
         return API_EDGE.response(draining_error(state.drain))
     engine = state.engine
-    if engine.pd_roles is not None and engine.pd_roles.failure is not None:  # never serve half-switched
-        return API_EDGE.response(engine.pd_roles.refusal_error())
+    if engine.pd_roles is not None and (switching := engine.pd_roles.refusal_error()) is not None:
+        return API_EDGE.response(switching)  # switching now, or failed: never serve half-switched
     if engine.healthy():
         return web.Response(status=200)
     states = engine.worker_states()

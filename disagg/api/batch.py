@@ -52,7 +52,7 @@ async def serve_batch(request: web.Request, items: list[tuple[GenerateMsg, int |
     duplicate = next((rid for i, rid in enumerate(ids) if rid in ids[:i]), None)
     if duplicate is not None:
         raise BadRequest(f"request id {duplicate!r} appears twice in the batch", "rid")
-    admit(state)
+    admit(state, request.headers)
     with state.drain.track():
         generations = [Generation(state, msg, state.engine.pick_rank(rank, msg.bootstrap_room, msg))
                        for msg, rank in items]

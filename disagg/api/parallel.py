@@ -74,7 +74,7 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
                          "own ticket; send n requests, or use the push flow or a unified server", "n")
     state = state_of(request)
     bind_request(msg.request_id)
-    admit(state)
+    admit(state, request.headers)
     with state.drain.track():
         children = child_msgs(msg, n)
         # A prefill places each child by its own room (the decode resolves that room's rank); any other

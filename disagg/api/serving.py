@@ -8,6 +8,7 @@ same on every generate endpoint.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from contextlib import aclosing, contextmanager
 from typing import Protocol
 
@@ -24,7 +25,7 @@ from disagg.api.state import ApiState, state_of
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
-from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
+from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, ROLE_EPOCH_HEADER
 
 log = structlog.get_logger("disagg.api")
 
@@ -57,7 +58,7 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
     """
     state = state_of(request)
     bind_request(msg.request_id, bootstrap_room=msg.bootstrap_room)
-    admit(state)
+    admit(state, request.headers)
     with state.drain.track():
         dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
         structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
@@ -70,13 +71,17 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
         return json_response(renderer.full(totals), headers=headers)
 
 
-def admit(state: ApiState) -> None:
-    """Refuse a new generate request at once: 503 while the server drains, 429 (Retry-After) while
-    it is overloaded (api/admission.py)."""
+def admit(state: ApiState, headers: Mapping[str, str]) -> None:
+    """Refuse a new generate request at once: 503 while the server drains, switches its role (or was
+    routed for a role epoch it left: `X-PD-Role-Epoch`), 429 (Retry-After) while it is overloaded
+    (api/admission.py)."""
     if state.drain.draining:
         raise draining_error(state.drain)
-    if state.engine.pd_roles is not None and (switching := state.engine.pd_roles.refusal_error()) is not None:
-        raise switching  # 503 role_switching: a router sends it to another server
+    if state.engine.pd_roles is not None:
+        if (switching := state.engine.pd_roles.refusal_error()) is not None:
+            raise switching  # 503 role_switching: a router sends it to another server
+        if (stale := state.engine.pd_roles.stale_epoch_error(headers.get(ROLE_EPOCH_HEADER))) is not None:
+            raise stale
     config = state.config
     if not config.max_waiting_requests and config.max_kv_usage >= 1.0:
         return  # no limit set: nothing to read

@@ -56,6 +56,7 @@ class PdRoles:
     state: SwitchState = SwitchState.SERVING
     failure: str | None = None
     target: DisaggregationMode | None = None  # while SWITCHING
+    bootstrap_port: int | None = None  # the server's registry (it runs in both roles), for a router
     switched_at: float = field(default_factory=time.time)
 
     @property
@@ -76,8 +77,17 @@ class PdRoles:
 
     def info(self) -> dict:
         """What /server_info adds: the role epoch, the switch state (and why it failed)."""
-        out = {"pd_role_epoch": self.epoch, "pd_role_switch_state": self.state.value}
+        out = {"pd_role_epoch": self.epoch, "pd_role_switch_state": self.state.value,
+               "disaggregation_bootstrap_port": self.bootstrap_port}
         return out if self.failure is None else {**out, "pd_role_switch_error": self.failure}
+
+    def stale_epoch_error(self, routed_epoch: str | None) -> HttpError | None:
+        """The 503 for a request a router sent for another role epoch (`X-PD-Role-Epoch`), else None."""
+        if routed_epoch is None or routed_epoch.strip() == str(self.epoch):
+            return None
+        return HttpError(503, f"this server is a {self.mode.value} at role epoch {self.epoch}; the request was "
+                              f"routed for role epoch {routed_epoch.strip()}: send it to another server",
+                         code=ErrorCode.STALE_ROLE_EPOCH)
 
     def refusal_error(self) -> HttpError | None:
         """The 503 a new generate request gets while switching or after a failed switch."""

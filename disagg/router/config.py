@@ -238,6 +238,10 @@ class RouterConfig:
     health_check_timeout_s: float = field(
         default=2.0, metadata={"help": "limit of one health check or /server_info read"}
     )
+    role_poll_interval_s: float = field(
+        default=1.0, metadata={"help": "seconds between /server_info reads of each server that may switch roles "
+                                       "(--enable-pd-role-switch): a server that switched is routed by its new role "
+                                       "from the next read (0: at health checks only)"})
     max_body_bytes: int = field(default=64 << 20, metadata={"help": "largest accepted request body"})
     max_connections: int = field(default=1024, metadata={"help": "open connections to all servers together"})
     log_format: str = field(default="console", metadata={"help": "console or json", "choices": ("console", "json")})
@@ -282,6 +286,8 @@ class RouterConfig:
         for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.role_poll_interval_s < 0:
+            raise ConfigError(f"role_poll_interval_s must be >= 0, got {self.role_poll_interval_s}")
         if self.health_check_interval_s < 0:
             raise ConfigError(f"health_check_interval_s must be >= 0, got {self.health_check_interval_s}")
         if self.retry_max_retries < 0:

@@ -97,12 +97,15 @@ class ServerError(HttpError):
 
 
 class ServerDraining(ServerError):
-    """A server refused a new request with 503 because it is shutting down; the router marks it
-    unhealthy and sends the request to another server. `index` is the server's place in its role."""
+    """A server refused a new request with 503 because it is shutting down (`code` draining) or
+    switching roles (role_switching, stale_role_epoch); the router marks it unhealthy and sends the
+    request to another server. `index` is the server's place in its role."""
 
-    def __init__(self, role: str, index: int, url: str, raw: bytes, content_type: str):
+    def __init__(self, role: str, index: int, url: str, raw: bytes, content_type: str,
+                 code: ErrorCode = ErrorCode.DRAINING):
         super().__init__(role, url, 503, raw, content_type)
         self.index = index
+        self.code = code
 
 
 def retryable(exc: HttpError, num_servers_in_role: int) -> bool:

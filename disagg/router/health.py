@@ -1,7 +1,11 @@
-"""Background health checks (`GET /health` of every server) and DP-size discovery (`/server_info`).
+"""Background health checks (`GET /health` of every server) and what `/server_info` tells: the DP
+size, a decode's local-prefill limit, and for a server that may switch roles (`pd_role_epoch`) its
+role now: a server that switched moves to its new role in the pool.
 
 Results go into the WorkerPool; the policy then skips unhealthy servers. Every probe has its own
-deadline (`health_check_timeout_s`), so one hung server never delays the others.
+deadline (`health_check_timeout_s`), so one hung server never delays the others. A server that
+refused a request because it switches roles is watched closely (`watch`: a check every 0.25 s)
+until it serves again, in whichever role.
 """
 
 from __future__ import annotations
@@ -13,15 +17,16 @@ import aiohttp
 import msgspec
 import structlog
 
-from disagg.http_edge import HttpError, is_draining_answer
+from disagg.http_edge import HttpError, refusal_code
 from disagg.router.config import RouterConfig
 from disagg.router.errors import ServerTimeout, ServerUnreachable
 from disagg.router.legs import json_or_none
-from disagg.router.policy import Policy
 from disagg.router.workers import Health, Role, WorkerPool
 
 log = structlog.get_logger("disagg.router")
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+ROLE_WATCH_INTERVAL_S = 0.25  # a switching server is checked this often ...
+ROLE_WATCH_LIMIT_S = 300.0  # ... for at most this long (a switch waits up to its server's timeout, 60 s by default)
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
@@ -31,8 +36,8 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: floa
             raw = await resp.read()
             if 200 <= resp.status < 300:
                 return None
-            draining = is_draining_answer(resp.status, json_or_none(raw))
-            return f"/health answered {resp.status}" + (" (draining)" if draining else "")
+            code = refusal_code(resp.status, json_or_none(raw))
+            return f"/health answered {resp.status}" + ("" if code is None else f" ({code.value})")
     except asyncio.TimeoutError:
         return f"/health did not answer within {timeout_s:g} s"
     except aiohttp.ClientError as exc:
@@ -43,6 +48,17 @@ def local_prefill_limit_of(info: object) -> int:
     """A decode's `max_local_prefill_tokens` from a /server_info answer (0: none, or not ours)."""
     limit = info.get("max_local_prefill_tokens") if isinstance(info, dict) else None
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+
+
+def switch_facts_of(info: object) -> tuple[int | None, Role | None, int | None]:
+    """(pd_role_epoch, the role it serves now, its registry's port) of a server that may switch roles;
+    (None, None, None) for one that cannot."""
+    if not isinstance(info, dict) or not isinstance(info.get("pd_role_epoch"), int):
+        return None, None, None
+    mode = info.get("disaggregation_mode")
+    port = info.get("disaggregation_bootstrap_port")
+    return (info["pd_role_epoch"], Role(mode) if mode in (Role.PREFILL.value, Role.DECODE.value) else None,
+            port if isinstance(port, int) else None)
 
 
 def dp_size_of(info: object) -> int:
@@ -84,9 +100,13 @@ class HealthChecker:
         self._pool = pool
         self._session = session
         self._task: asyncio.Task | None = None
+        self._roles_task: asyncio.Task | None = None
+        self._watched: dict[str, asyncio.Task] = {}  # url -> the task watching it switch roles
 
     async def start(self) -> None:
-        """One round of checks (so the first requests see real health), then the background loop."""
+        """One round of checks (so the first requests see real health), then the background loops."""
+        if self._config.role_poll_interval_s > 0:
+            self._roles_task = asyncio.create_task(self._roles_loop(), name="router-role-reads")
         if not self._config.health_checks_enabled:
             return
         await self.check_all()
@@ -94,8 +114,9 @@ class HealthChecker:
 
     async def close(self) -> None:
         """Stop the background loop; idempotent."""
-        task, self._task = self._task, None
-        if task is not None:
+        tasks = [t for t in (self._task, self._roles_task, *self._watched.values()) if t is not None]
+        self._task, self._roles_task, self._watched = None, None, {}
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -112,11 +133,46 @@ class HealthChecker:
         info = self._pool.info(role, index)
         if info.dp_size is not None:
             return info.dp_size
-        answer = await fetch_server_info(self._session, role, info.url, self._config.health_check_timeout_s)
+        return await self.read_server_info(role, index)
+
+    async def read_server_info(self, role: Role, index: int) -> int:
+        """Read the server's /server_info into the pool: a server that switched roles moves to its
+        new one. Its dp_size."""
+        url = self._pool.info(role, index).url
+        answer = await fetch_server_info(self._session, role, url, self._config.health_check_timeout_s)
+        epoch, mode, bootstrap_port = switch_facts_of(answer)
+        if mode is not None and mode is not role:
+            moved = self._pool.move(role, index, mode, bootstrap_port)
+            log.info("server switched role", url=url, role=str(mode), pd_role_epoch=epoch)
+            if moved is None:
+                return dp_size_of(answer)
+            role, index = mode, moved
         dp_size, limit = dp_size_of(answer), local_prefill_limit_of(answer) if role is Role.DECODE else 0
-        self._pool.set_dp_size(role, index, dp_size, limit)
-        log.info("server info read", role=str(role), url=info.url, dp_size=dp_size, max_local_prefill_tokens=limit)
+        known = self._pool.info(role, index)
+        if (known.dp_size, known.role_epoch) != (dp_size, epoch):
+            log.info("server info read", role=str(role), url=url, dp_size=dp_size, max_local_prefill_tokens=limit,
+                     pd_role_epoch=epoch)
+        self._pool.set_dp_size(role, index, dp_size, limit, epoch)
         return dp_size
+
+    def watch(self, role: Role, index: int) -> None:
+        """The server refused a request because it switches roles (or it was sent one for a role it
+        left): check it every ROLE_WATCH_INTERVAL_S until it serves again, then follow its role."""
+        if not self._pool.contains(role, index):
+            return
+        url = self._pool.info(role, index).url
+        if url not in self._watched:
+            self._watched[url] = asyncio.create_task(self._watch(role, index, url), name=f"router-watch-{url}")
+
+    async def _watch(self, role: Role, index: int, url: str) -> None:
+        try:
+            deadline = asyncio.get_running_loop().time() + ROLE_WATCH_LIMIT_S
+            while asyncio.get_running_loop().time() < deadline and self._pool.contains(role, index):
+                await asyncio.sleep(ROLE_WATCH_INTERVAL_S)
+                if await self.check(role, index, read_info=True) is Health.HEALTHY:
+                    return
+        finally:
+            self._watched.pop(url, None)
 
     async def ensure_server_infos(self, role: Role) -> None:
         """Read /server_info of every admitting server of `role` not read yet (cache_aware reads the
@@ -127,22 +183,29 @@ class HealthChecker:
         if unread:
             await asyncio.gather(*(self._read_quietly(role, index) for index in unread))
 
-    async def _read_quietly(self, role: Role, index: int) -> None:
+    async def _read_quietly(self, role: Role, index: int, again: bool = False) -> None:
+        """The server's /server_info if not read yet (`again`: anyway); a server that does not answer is
+        left as it is (its health check tells)."""
         with contextlib.suppress(HttpError, KeyError):
-            await self.ensure_dp_size(role, index)
+            await (self.read_server_info(role, index) if again else self.ensure_dp_size(role, index))
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._config.health_check_interval_s)
             await self.check_all()
 
-    def _needs_dp_size(self, role: Role) -> bool:
-        """The test mode pins ranks on both roles; cache_aware keeps a tree per prefill DP rank and
-        reads each decode's local-prefill limit."""
-        return self._config.test_external_dp_routing or self._config.policy is Policy.CACHE_AWARE
+    async def _roles_loop(self) -> None:
+        """Every `role_poll_interval_s`: the role of each server that may switch roles (its /server_info)."""
+        while True:
+            await asyncio.sleep(self._config.role_poll_interval_s)
+            switchable = [(info.role, info.index) for role in Role for info in self._pool.infos(role)
+                          if info.admitting and info.role_epoch is not None]
+            await asyncio.gather(*(self._read_quietly(role, index, again=True) for role, index in switchable))
 
-    async def check(self, role: Role, index: int) -> Health | None:
-        """Probe one server now and record the outcome; None if it was forgotten meanwhile."""
+    async def check(self, role: Role, index: int, read_info: bool = False) -> Health | None:
+        """Probe one server now and record the outcome; None if it was forgotten meanwhile. A healthy
+        server's /server_info is read the first time, on every check when it may switch roles, and
+        with `read_info`."""
         if not self._pool.contains(role, index):
             return None
         url = self._pool.info(role, index).url
@@ -154,7 +217,8 @@ class HealthChecker:
         if health is not previous:
             report = log.info if health is Health.HEALTHY else log.warning
             report("server health changed", role=str(role), url=url, health=str(health), reason=error)
-        if health is Health.HEALTHY and self._needs_dp_size(role):
+        known = self._pool.info(role, index)
+        if health is Health.HEALTHY and (read_info or known.dp_size is None or known.role_epoch is not None):
             with contextlib.suppress(HttpError, KeyError):  # read lazily per request instead
-                await self.ensure_dp_size(role, index)
+                await self.read_server_info(role, index)
         return health

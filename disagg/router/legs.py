@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from disagg.http_edge import is_draining_answer
+from disagg.http_edge import refusal_code
 from disagg.router.errors import ServerDraining, ServerError, ServerTimeout, ServerUnreachable
 from disagg.router.workers import Role
 from disagg.wire.headers import DP_RANK_HEADER
@@ -31,6 +31,7 @@ class Leg:
     server: str
     url: str
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()  # added to the request's own (the role epoch the router saw)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ def leg_errors(leg: Leg, timeout_s: float) -> Iterator[None]:
 def answer_error(leg: Leg, resp: aiohttp.ClientResponse, raw: bytes) -> ServerError:
     """The error for a non-2xx answer: ServerDraining when the server refused because it shuts down."""
     content_type = resp.headers.get("Content-Type", "application/json")
-    if resp.status == 503 and is_draining_answer(resp.status, json_or_none(raw)):
-        return ServerDraining(str(leg.role), leg.index, leg.server, raw, content_type)
+    if (code := refusal_code(resp.status, json_or_none(raw))) is not None:
+        return ServerDraining(str(leg.role), leg.index, leg.server, raw, content_type, code)
     return ServerError(str(leg.role), leg.server, resp.status, raw, content_type, resp.headers.get("Retry-After"))
 
 
@@ -82,7 +83,8 @@ class LegClient:
     async def fetch(self, leg: Leg, headers: dict[str, str]) -> LegAnswer:
         """POST and read the whole answer; ServerError for a non-2xx status."""
         with leg_errors(leg, self.timeout_s):
-            async with self._session.post(leg.url, data=leg.body, headers=headers, timeout=self._timeout) as resp:
+            async with self._session.post(leg.url, data=leg.body, headers={**headers, **dict(leg.headers)},
+                                          timeout=self._timeout) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
                     raise answer_error(leg, resp, raw)
@@ -92,7 +94,8 @@ class LegClient:
     async def open_stream(self, leg: Leg, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST and wait for the first body chunk; the caller owns (and closes) the response."""
         with leg_errors(leg, self.timeout_s):
-            resp = await self._session.post(leg.url, data=leg.body, headers=headers, timeout=self._timeout)
+            resp = await self._session.post(leg.url, data=leg.body, headers={**headers, **dict(leg.headers)},
+                                            timeout=self._timeout)
             try:
                 if not 200 <= resp.status < 300:
                     raise answer_error(leg, resp, await resp.read())

@@ -34,10 +34,11 @@ from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, c
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPolicy, Policy, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
-from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER
+from disagg.types import ErrorCode
+from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER, ROLE_EPOCH_HEADER
 
 log = structlog.get_logger("disagg.router")
-DRAINING_REFUSAL = "refused a request with 503 (draining)"  # `last_error` of a server found draining that way
+REFUSED = "refused a request with 503"  # `last_error` of a server found draining (or switching roles) that way
 # Request headers both legs receive; everything else (Host, Content-Length, ...) is the router's own.
 PULL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False}  # what vLLM's router sends the prefill
 FORWARDED_HEADERS = ("Authorization", DP_RANK_HEADER, REQUEST_ID_HEADER, "traceparent", "tracestate")
@@ -122,8 +123,11 @@ class Proxy:
                 self._metrics.local_prefills_refused.inc()
                 local_ok = False
             except ServerDraining as exc:
-                log.info("server is draining; sending the request elsewhere", role=exc.role, url=exc.url)
-                self._pool.set_health(Role(exc.role), exc.index, Health.UNHEALTHY, DRAINING_REFUSAL)
+                log.info("server takes no new requests; sending the request elsewhere", role=exc.role, url=exc.url,
+                         code=exc.code.value)
+                self._pool.set_health(Role(exc.role), exc.index, Health.UNHEALTHY, f"{REFUSED} ({exc.code.value})")
+                if exc.code is not ErrorCode.DRAINING:  # it switches roles: follow it closely until it serves
+                    self._health.watch(Role(exc.role), exc.index)
                 num_draining -= 1
                 if num_draining <= 0:
                     raise
@@ -178,7 +182,8 @@ class Proxy:
         if pick.local:
             self._pool.begin(Role.DECODE, d)
             decode_url = self._pool.info(Role.DECODE, d).url
-            return Plan(prefill=None, decode=Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(body)),
+            decode = Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(body), self._epoch(Role.DECODE, d))
+            return Plan(prefill=None, decode=decode,
                         room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None,
                         learn=learn)
         p = self._pool.ids(Role.PREFILL)[pick.prefill]
@@ -229,11 +234,17 @@ class Proxy:
         else:
             prefill_body = decode_body = bodies.encode_body(shared)
         return Plan(
-            prefill=Leg(Role.PREFILL, p, endpoint.url, endpoint.url + path, prefill_body),
-            decode=Leg(Role.DECODE, d, decode_url, decode_url + path, decode_body),
+            prefill=Leg(Role.PREFILL, p, endpoint.url, endpoint.url + path, prefill_body, self._epoch(Role.PREFILL, p)),
+            decode=Leg(Role.DECODE, d, decode_url, decode_url + path, decode_body, self._epoch(Role.DECODE, d)),
             room=room, stream=bodies.is_stream(body), merge_logprobs=bodies.wants_prompt_logprobs(path, body),
             expected_decode_rank=expected,
         )
+
+    def _epoch(self, role: Role, index: int) -> tuple[tuple[str, str], ...]:
+        """A server that may switch roles is told the role epoch it was picked at (X-PD-Role-Epoch): one
+        that switched since refuses (503 stale_role_epoch) rather than serve the other half."""
+        epoch = self._pool.info(role, index).role_epoch
+        return () if epoch is None else ((ROLE_EPOCH_HEADER, str(epoch)),)
 
     def _end(self, plan: Plan) -> None:
         if plan.prefill is not None:

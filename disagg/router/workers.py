@@ -46,6 +46,7 @@ class WorkerInfo:
     last_error: str | None
     admitting: bool = True
     prefilling: int = 0  # prefill servers: legs sent that have not answered
+    role_epoch: int | None = None  # a server that may switch roles: its pd_role_epoch when last read
 
     def as_json(self) -> dict:
         """The entry of this server in `/server_info` and `/workers`."""
@@ -56,6 +57,8 @@ class WorkerInfo:
             out["draining"] = True
         if self.role is Role.PREFILL:
             out["bootstrap_port"] = self.bootstrap_port
+        if self.role_epoch is not None:
+            out["pd_role_epoch"] = self.role_epoch
         return out
 
 
@@ -70,6 +73,7 @@ class _Worker:
     admitting: bool = True  # False once drained: no new requests, those in flight finish
     prefilling: int = 0  # of in_flight, those whose prefill leg has not answered yet
     max_local_prefill_tokens: int = 0  # decode servers: from /server_info, read with dp_size
+    role_epoch: int | None = None  # from /server_info: a server that may switch roles (None: it cannot)
 
 
 class WorkerPool:
@@ -133,7 +137,7 @@ class WorkerPool:
         """A snapshot of one server."""
         w = self._workers[role][worker_id]
         return WorkerInfo(role, worker_id, w.url, w.bootstrap_port, w.health, w.in_flight, w.dp_size, w.last_error,
-                          w.admitting, w.prefilling)
+                          w.admitting, w.prefilling, w.role_epoch)
 
     def infos(self, role: Role) -> list[WorkerInfo]:
         """Snapshots of every server of `role`, in order of arrival."""
@@ -162,14 +166,30 @@ class WorkerPool:
         w.last_error = error if health is Health.UNHEALTHY else None
         return previous
 
-    def set_dp_size(self, role: Role, worker_id: int, dp_size: int, max_local_prefill_tokens: int = 0) -> None:
-        """Record what the server reported in `/server_info`: its dp_size and (a decode) the rest it
-        prefills itself."""
+    def set_dp_size(self, role: Role, worker_id: int, dp_size: int, max_local_prefill_tokens: int = 0,
+                    role_epoch: int | None = None) -> None:
+        """Record what the server reported in `/server_info`: its dp_size, (a decode) the rest it
+        prefills itself, and (a server that may switch roles) its role epoch."""
         if dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, got {dp_size}")
         w = self._workers[role].get(worker_id)
         if w is not None:
-            w.dp_size, w.max_local_prefill_tokens = dp_size, max_local_prefill_tokens
+            w.dp_size, w.max_local_prefill_tokens, w.role_epoch = dp_size, max_local_prefill_tokens, role_epoch
+
+    def move(self, role: Role, worker_id: int, new_role: Role, bootstrap_port: int | None) -> int | None:
+        """The server switched to `new_role`: it drains in `role` (its requests there finish; it is
+        forgotten once idle) and serves in `new_role` (its entry there again if it had one); its id
+        in `new_role`, or None when it was forgotten meanwhile. Its server info is read again."""
+        w = self._workers[role].get(worker_id)
+        if w is None:
+            return None
+        w.admitting = False
+        self._forget_if_drained(role, worker_id)
+        for other_id, other in self._workers[new_role].items():
+            if other.url == w.url:
+                other.admitting, other.health, other.bootstrap_port, other.dp_size = True, Health.HEALTHY, bootstrap_port, None
+                return other_id
+        return self.add(new_role, w.url, bootstrap_port, Health.HEALTHY)
 
     def begin(self, role: Role, worker_id: int) -> None:
         """A request starts on this server."""

@@ -11,3 +11,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 RETRIES_HEADER = "X-Disagg-Retries"
 # A cluster secret proof on a registry write (disagg/wire/auth.py: the answer to `GET /challenge`).
 CLUSTER_AUTH_HEADER = "X-Disagg-Cluster-Auth"
+# Our router's leg to a server that may switch roles: the role epoch the router saw it at. A server at
+# another epoch (it switched since) refuses with 503 stale_role_epoch instead of serving the wrong half.
+ROLE_EPOCH_HEADER = "X-PD-Role-Epoch"

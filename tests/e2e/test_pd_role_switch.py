@@ -158,3 +158,104 @@ async def test_what_a_switch_refuses(servers):
         assert (status, answer["error"]["message"]) == (400, "this server runs without --enable-pd-role-switch")
     finally:
         await plain.close()
+
+
+async def routed(servers, router_url: str, prompt: list[int], max_tokens: int = 24) -> tuple[int, object]:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, **GREEDY}}
+    status, answer = await post(servers["session"], router_url + "/generate", body)
+    return status, answer.get("output_ids") if status == 200 else answer
+
+
+async def roles_seen(servers, router_url: str) -> dict[str, tuple]:
+    """What our router's /workers says of each server: (its role there, its role epoch), admitting ones."""
+    async with servers["session"].get(router_url + "/workers") as r:
+        listing = await r.json()
+    names = {url(servers[n]): n for n in ("A", "B", "D")}
+    return {names[w["url"]]: (role, w.get("pd_role_epoch")) for role in ("prefill", "decode")
+            for w in listing[role] if not w.get("draining")}
+
+
+async def followed(servers, router_url: str, expected: dict, limit_s: float = 2.0) -> float:
+    """Seconds until our router's /workers reads `expected` (fails past `limit_s`)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while (seen := await roles_seen(servers, router_url)) != expected:
+        assert loop.time() - start < limit_s, f"the router still sees {seen} after {limit_s} s"
+        await asyncio.sleep(0.05)
+    return loop.time() - start
+
+
+async def test_our_router_follows_a_prefill_that_becomes_a_decode_and_back(servers, unified_url):
+    from disagg.router.config import PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    a, b, d = servers["A"], servers["B"], servers["D"]
+    router = RouterServer(RouterConfig(
+        port=0, health_check_interval_s=5.0, decode=(url(d),),
+        prefill=(PrefillEndpoint(url(a), a.bootstrap_port), PrefillEndpoint(url(b), b.bootstrap_port))))
+    await router.start()
+    slow = {"fault": "slow_steps", "dp_rank": 0}
+    try:
+        epochs = {n: (await info(servers, n))["pd_role_epoch"] for n in ("A", "B", "D")}
+        await followed(servers, router.url, {"A": ("prefill", epochs["A"]), "B": ("prefill", epochs["B"]),
+                                             "D": ("decode", epochs["D"])})
+        prompts = [prompt_of(f"routed-{i}") for i in range(48)]
+        expected = [(200, await reference(servers, unified_url, p, 24)) for p in prompts]
+        for new_role, batch in (("decode", prompts[:16]), ("prefill", prompts[32:48])):
+            await post(servers["session"], url(d) + "/faults", {**slow, "ms": 30})  # 16 stay in flight a while
+            flights = [asyncio.create_task(routed(servers, router.url, p)) for p in batch]
+            await asyncio.sleep(0.2)
+            status, answer = await switch(servers, "B", new_role)
+            assert (status, answer["disaggregation_mode"]) == (200, new_role)
+            epochs["B"] = answer["pd_role_epoch"]
+            await post(servers["session"], url(d) + "/faults", {**slow, "ms": 0})
+            took_s = await followed(servers, router.url, {"A": ("prefill", epochs["A"]), "B": (new_role, epochs["B"]),
+                                                          "D": ("decode", epochs["D"])})
+            assert took_s < 2.0
+            assert [await f for f in flights] == [expected[prompts.index(p)] for p in batch]
+            if new_role == "decode":  # 16 more while B decodes: the router sends it decode legs
+                after = await asyncio.gather(*(routed(servers, router.url, p) for p in prompts[16:32]))
+                assert list(after) == expected[16:32]
+        assert await settled(servers) == {"A": [NUM_BLOCKS] * 2, "B": [NUM_BLOCKS], "D": [NUM_BLOCKS]}
+    finally:
+        await router.close()
+
+
+async def test_a_soak_of_30_switches_under_load_through_our_router(servers, unified_url):
+    """B switches 30 times (decode, prefill, ...) while four clients send requests through our router
+    without pause: every answer is unified's, none is lost, every block is free afterwards."""
+    from disagg.router.config import PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    a, b, d = servers["A"], servers["B"], servers["D"]
+    router = RouterServer(RouterConfig(
+        port=0, health_check_interval_s=5.0, decode=(url(d),),
+        prefill=(PrefillEndpoint(url(a), a.bootstrap_port), PrefillEndpoint(url(b), b.bootstrap_port))))
+    await router.start()
+    prompts = [prompt_of(f"soak-{i}") for i in range(8)]
+    expected = [(200, await reference(servers, unified_url, p, 16)) for p in prompts]
+    answers: list[tuple[int, tuple, tuple]] = []
+    stop = asyncio.Event()
+
+    async def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            i = rng.randrange(len(prompts))
+            answers.append((i, await routed(servers, router.url, prompts[i], 16)))
+
+    try:
+        clients = [asyncio.create_task(client(seed)) for seed in range(4)]
+        for n in range(30):
+            new_role = "decode" if (await info(servers, "B"))["disaggregation_mode"] == "prefill" else "prefill"
+            status, answer = await switch(servers, "B", new_role)
+            assert (status, answer["switched"]) == (200, True), answer
+            await asyncio.sleep(0.1)
+        stop.set()
+        await asyncio.gather(*clients)
+        assert (await info(servers, "B"))["disaggregation_mode"] == "prefill"  # an even number of switches
+        assert len(answers) >= 30
+        assert [(i, answer) for i, answer in answers if answer != expected[i]] == []
+        assert await settled(servers) == {"A": [NUM_BLOCKS] * 2, "B": [NUM_BLOCKS], "D": [NUM_BLOCKS]}
+    finally:
+        stop.set()
+        await router.close()

@@ -44,7 +44,11 @@ async def test_it_waits_for_the_requests_in_flight_and_what_the_workers_hold():
                              call=workers.call) is True
     assert workers.calls == [(Utility.HOLDING,)] * 3 + [(Utility.SWITCH_ROLE, "decode")]
     assert (r.mode, r.epoch, r.state, r.spec.factory) == (DECODE, 1, SwitchState.SERVING, decode_role)
-    assert r.info() == {"pd_role_epoch": 1, "pd_role_switch_state": "serving"} and r.refusal_error() is None
+    assert r.info() == {"pd_role_epoch": 1, "pd_role_switch_state": "serving", "disaggregation_bootstrap_port": None}
+    assert r.refusal_error() is None and r.stale_epoch_error("1") is None and r.stale_epoch_error(None) is None
+    stale = r.stale_epoch_error("0")
+    assert (stale.status, stale.code, stale.message) == (503, "stale_role_epoch", (
+        "this server is a decode at role epoch 1; the request was routed for role epoch 0: send it to another server"))
 
 
 @pytest.mark.asyncio
@@ -93,7 +97,8 @@ async def test_a_switch_that_fails_halfway_leaves_the_server_failed():
         500, f"the role switch failed halfway ({reason}): /health answers 503")
     assert (r.mode, r.epoch, r.state, r.failure) == (PREFILL, 0, SwitchState.FAILED, reason)
     assert r.refusal_error().message == f"this server's role switch failed ({reason}): it serves nothing until restarted"
-    assert r.info() == {"pd_role_epoch": 0, "pd_role_switch_state": "failed", "pd_role_switch_error": reason}
+    assert r.info() == {"pd_role_epoch": 0, "pd_role_switch_state": "failed", "disaggregation_bootstrap_port": None,
+                        "pd_role_switch_error": reason}
     with pytest.raises(RoleSwitchError) as again:
         await switch_role(r, DECODE, timeout_s=5, in_flight=lambda: 0, call=workers.call)
     assert again.value.status == 409

@@ -245,6 +245,10 @@ class ServerConfig:
     pd_role_switch_timeout_s: float = field(default=60.0, metadata={"help": (
         "how long a role switch waits for the work the server accepted to end (new requests get 503 "
         "role_switching meanwhile); past it the switch is refused (503) and the server goes on in its role")})
+    step_metrics_endpoint: str | None = field(default=None, metadata={"help": (
+        "publish each DP worker's per-step engine metrics (wall time, prefill tokens, decode sequences and "
+        "their KV tokens, queue depth; twice a second) on ZMQ PUB here, tcp://HOST:PORT or ipc://PATH; DP "
+        "worker r at PORT + r (default: not published; /metrics summarises them either way)")})
     tls: TlsConfig = field(default_factory=TlsConfig)
     tools: ToolConfig = field(default_factory=ToolConfig)
     enable_fault_injection: bool = field(default=False, metadata={"negatable": False, "help": (
@@ -268,6 +272,8 @@ class ServerConfig:
         DisaggregationMode.coerce_field(self, "disaggregation_mode")
         if self.enable_pd_role_switch and self.disaggregation_mode is DisaggregationMode.NULL:
             raise ConfigError("--enable-pd-role-switch is for prefill and decode servers, not a unified one")
+        if self.step_metrics_endpoint is not None and not self.step_metrics_endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"step_metrics_endpoint must be tcp://HOST:PORT or ipc://PATH, got {self.step_metrics_endpoint!r}")
         if self.pd_role_switch_timeout_s <= 0:
             raise ConfigError(f"pd_role_switch_timeout_s must be positive, got {self.pd_role_switch_timeout_s}")
         if self.migration_limit < 0:

@@ -13,10 +13,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from disagg.api.step_metrics import StepMetrics
 from disagg.api.vllm_metrics import VllmMetrics
 from disagg.dp.protocol import DispatchStats, WorkerState
 from disagg.types import FinishReason
-from disagg.wire.engine_msgs import KVStatsMsg
+from disagg.wire.engine_msgs import KVStatsMsg, StepsMsg
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -75,7 +76,8 @@ class ApiMetrics:
     content_type = "text/plain; version=0.0.4; charset=utf-8"
 
     def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int,
-                 dispatch_stats: Callable[[], DispatchStats] = DispatchStats):
+                 dispatch_stats: Callable[[], DispatchStats] = DispatchStats,
+                 take_step_reports: Callable[[], list[StepsMsg]] = list):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
@@ -108,6 +110,7 @@ class ApiMetrics:
         reg.register(_WorkerCollector(worker_states))
         reg.register(_DispatchCollector(dispatch_stats))
         self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states)
+        self.steps = StepMetrics(reg, take_step_reports)
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
                         e2e_s: float, *, dp_rank: int = 0, finish_reason: FinishReason = FinishReason.STOP,
@@ -138,7 +141,8 @@ class ApiMetrics:
             self.kv_bandwidth.observe(kv.kv_bytes / kv.transfer_s / 1e9)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition."""
+        """The Prometheus text exposition (the engine steps reported since the last one observed first)."""
+        self.steps.observe_reports()
         return generate_latest(self.registry)
 
     def middleware(self):

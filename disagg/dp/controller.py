@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -36,12 +37,13 @@ from disagg.worker.process import WorkerSpec, run_worker, worker_context
 from disagg.worker.roles import RoleSpec
 from disagg.types import FaultKind, FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
-    UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, Utility, UtilityMsg,
+    UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, StepsMsg, Utility, UtilityMsg,
     UtilityResultMsg, decode_from_worker, encode,
 )
 
 log = structlog.get_logger(__name__)
 MONITOR_INTERVAL_S = 0.5
+MAX_STEP_REPORTS = 2048  # a worker's every 0.5 s: minutes of them for a /metrics scrape to take
 
 
 class DPController:
@@ -75,6 +77,7 @@ class DPController:
         self._server: asyncio.AbstractServer | None = None
         self._socket_path = ""
         self._closing = False
+        self._step_reports: deque[StepsMsg] = deque(maxlen=MAX_STEP_REPORTS)  # until /metrics takes them
         self._supervising = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -100,7 +103,7 @@ class DPController:
             engine = replace(engine, num_threads=engine.num_threads or len(cpus))
         switch_roles = {} if self.pd_roles is None else self.pd_roles.worker_roles()
         return WorkerSpec(rank, engine, self._socket_path, self.role, self.server.log_format, self.kv_events, cpus,
-                          self.server.enable_fault_injection, switch_roles)
+                          self.server.enable_fault_injection, switch_roles, self.server.step_metrics_endpoint)
 
     def _spawn(self, rank: int):
         spec = self.worker_spec(rank)
@@ -181,6 +184,8 @@ class DPController:
                 future.set_result(msg)
         elif isinstance(msg, StatsMsg):
             worker.stats = msg
+        elif isinstance(msg, StepsMsg):
+            self._step_reports.append(msg)
 
     async def _monitor(self) -> None:
         while True:
@@ -325,6 +330,12 @@ class DPController:
         for work the workers keep past their answers. Returns how much of it was left (roles
         override it: the prefill's leases); none here."""
         return 0
+
+    def take_step_reports(self) -> list[StepsMsg]:
+        """The workers' per-step reports since the last call (the last MAX_STEP_REPORTS at most)."""
+        reports = list(self._step_reports)
+        self._step_reports.clear()
+        return reports
 
     def worker_states(self) -> list[WorkerState]:
         return [

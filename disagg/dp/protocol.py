@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from disagg.config import DisaggregationMode, LoadBalanceMethod
 from disagg.types import FaultKind
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, Utility
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, StepsMsg, Utility
 
 if TYPE_CHECKING:
     from disagg.dp.role_switch import PdRoles
@@ -102,6 +102,9 @@ class EngineClient(Protocol):
 
     async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float) -> bool:
         """Switch the whole server to `new_mode` (RoleSwitchError when it cannot); False when it runs it."""
+
+    def take_step_reports(self) -> list[StepsMsg]:
+        """The workers' per-step engine metrics since the last call (for /metrics)."""
 
     def worker_states(self) -> list[WorkerState]:
         """One entry per DP worker (for /server_info, /metrics, /health)."""

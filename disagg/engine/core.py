@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import torch
 
@@ -26,7 +27,8 @@ from disagg.engine.request import Request
 from disagg.engine.resolve import engine_summary, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from disagg.engine.progress import CacheSpec, EngineStats, RequestProgress, Reservation
 from disagg.engine.scheduler import SampledToken, Scheduler
-from disagg.engine.tokenizer import Tokenizer
+from disagg.engine.step_metrics import StepLog, StepMetrics, measure
+from disagg.engine.tokenizer import bad_words_token_ids
 from disagg.ops.linear import dtype_name
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 
@@ -68,6 +70,7 @@ class EngineCore:
         self.sleep_level = 0
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
+        self.steps = StepLog()  # per-step metrics of the steps that ran the model (take_step_metrics)
 
     def _build_model(self) -> LlamaModel:
         model, weights = self.config.model, self.loaded.weights
@@ -262,14 +265,21 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run the model, update requests, emit their outputs."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.seqs:
             result = self.runner.execute(scheduled)
             self._record(result)
             for request in self.scheduler.update(scheduled, result.sampled):
                 self._collect(request)
+            self.steps.add(measure(scheduled, time.perf_counter() - start, self.scheduler.num_running,
+                                   self.scheduler.num_waiting))
         self._collect_scheduler_finished()
         return self.take_outputs()
+
+    def take_step_metrics(self) -> list[StepMetrics]:
+        """The steps that ran the model since the last call, oldest first (at most the last 4096)."""
+        return self.steps.take()
 
     def _record(self, result: RunnerOutput) -> None:
         """What a run tells besides the sampled tokens: requests whose part failed (they fail alone)
@@ -295,6 +305,7 @@ class EngineCore:
         while self.has_unfinished():
             self.step()
         self.reset_prefix_cache()
+        self.steps.take()  # not the served requests' steps
 
     def _collect(self, request: Request) -> None:
         if request.output_token_ids and self.outputs.check_stop_strings(request) is not None and not request.is_finished:
@@ -379,16 +390,3 @@ class EngineCore:
                            num_quarantined_blocks=self.scheduler.num_quarantined_blocks,
                            prefix_cache_queries=self.scheduler.prefix_cache_queries,
                            prefix_cache_hits=self.scheduler.prefix_cache_hits)
-
-
-def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    """vLLM's tokenization of bad words: each word as is, and with a leading space when that makes
-    a different first token of the same length (so the word is banned mid-text too)."""
-    out: list[tuple[int, ...]] = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        out.append(plain)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(spaced)
-    return tuple(out)

@@ -280,3 +280,16 @@ def _hf_chat_template(path: str, config: Mapping[str, Any]) -> str | None:
         with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
             template = f.read()
     return template
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad words: each word as is, and with a leading space when that makes
+    a different first token of the same length (so the word is banned mid-text too)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)

@@ -206,7 +206,27 @@ class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):
     decode: DecodeKey | None = None
 
 
-FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg | RoomMisroutedMsg
+class StepMsg(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step that ran the model (disagg.engine.step_metrics.StepMetrics, field for field)."""
+
+    wall_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_decode_kv_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class StepsMsg(msgspec.Struct, frozen=True, tag="steps"):
+    """Worker -> front, with its stats twice a second (and on its --step-metrics endpoint, ZMQ): the
+    steps since the last report, oldest first; `seq` counts the worker's reports from 0."""
+
+    dp_rank: int
+    seq: int
+    steps: list[StepMsg]
+
+
+FromWorker = OutputMsg | UtilityResultMsg | ReadyMsg | StatsMsg | RoomMisroutedMsg | StepsMsg
 
 # The struct a utility's answer is converted to on the front (the others are plain values).
 UTILITY_RESULTS: dict[Utility, type[msgspec.Struct]] = {Utility.STATS: StatsMsg, Utility.TOKENIZE: TokenizeResultMsg}

@@ -33,6 +33,7 @@ from disagg.worker.tp_group import Followers, MirroredCore, rank_cpus, rank_engi
 from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
 from disagg.worker.outputs import admission_error
+from disagg.worker.step_reports import StepReporter
 from disagg.worker.role import Role, RoomRole
 from disagg.wire.engine_msgs import (
     AbortMsg, GenerateMsg, RoomFailedMsg, RoomPlacedMsg, ShutdownMsg, Utility, UtilityMsg, UtilityResultMsg,
@@ -59,6 +60,7 @@ class WorkerSpec:
     faults: bool = False  # the server's --enable-fault-injection
     # --enable-pd-role-switch: the role of each mode ("prefill", "decode") this worker may switch to
     switch_roles: dict[str, RoleSpec] = field(default_factory=dict)
+    step_metrics_endpoint: str | None = None  # the server's --step-metrics-endpoint (offset by dp_rank here)
 
 
 class RoleSlot:
@@ -146,11 +148,13 @@ async def _run(spec: WorkerSpec, reader: asyncio.StreamReader, writer: asyncio.S
     events = open_publisher(spec.kv_events, spec.dp_rank, core)
     await role.start()
     slot = RoleSlot(role, spec, name)
+    steps = StepReporter(spec.dp_rank, spec.step_metrics_endpoint)
     try:
         writer.write(frame(encode(role.ready_msg())))
         log.info("engine ready", num_blocks=core.num_blocks, max_model_len=core.max_model_len)
-        await serve(slot, reader, writer, engine_thread, events, followers)
+        await serve(slot, reader, writer, engine_thread, events, followers, steps)
     finally:
+        steps.close()
         await slot.role.close()
         if events is not None:
             events.close()
@@ -183,7 +187,7 @@ async def _read_into(inbox: asyncio.Queue, reader: asyncio.StreamReader) -> None
 
 async def serve(slot: RoleSlot, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 engine_thread: ThreadPoolExecutor, events: ZmqEventPublisher | None = None,
-                followers: Followers | None = None) -> None:
+                followers: Followers | None = None, steps: StepReporter | None = None) -> None:
     """The worker loop over `slot.role` (a role switch replaces it between messages); with `followers`
     (tensor parallelism), the role's engine is a MirroredCore and the loop watches that every follower lives."""
     inbox: asyncio.Queue = asyncio.Queue()
@@ -212,8 +216,9 @@ async def serve(slot: RoleSlot, reader: asyncio.StreamReader, writer: asyncio.St
             if events is not None:  # what this turn's steps, utilities and transfers did to the prefix cache
                 events.publish(role.core.take_kv_events())
             now = time.monotonic()
-            if now - last_stats >= STATS_INTERVAL_S:
-                _send(role, writer, [role.stats()])
+            if now - last_stats >= STATS_INTERVAL_S:  # the load, and the steps since the last report
+                report = None if steps is None else steps.report(role.core.take_step_metrics())
+                _send(role, writer, [role.stats()] + ([] if report is None else [report]))
                 last_stats = now
             await writer.drain()
     finally:

@@ -76,6 +76,9 @@ class FakeEngine:
         self.dispatcher = Dispatcher(LoadBalanceMethod.CACHE_AWARE, dp_size)  # cache_aware: the real pick
         self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
 
+    def take_step_reports(self) -> list:
+        return []
+
     @property
     def role_info(self) -> dict:
         return {} if self.pd_roles is None else self.pd_roles.info()

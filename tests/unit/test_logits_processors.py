@@ -5,7 +5,7 @@ NoBadWordsLogitsProcessor; presence/frequency/bias/allowed ids by a reference Lo
 import pytest
 import torch
 
-from disagg.engine.core import bad_words_token_ids
+from disagg.engine.tokenizer import bad_words_token_ids
 from disagg.engine.logits_processors import apply_processors, banned_by
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.types import InvalidRequest, SamplingParams

@@ -26,6 +26,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from disagg.config import admin_key
 from disagg.drain import Drain
 from disagg.http_edge import Edge, HttpError, error_middleware, http_error_of
 from disagg.http_site import client_ssl_context
@@ -39,6 +40,7 @@ from disagg.router.kv_subscriber import KVEventSubscriber
 from disagg.router import passthrough
 from disagg.router.legs import LegClient
 from disagg.router.metrics import RouterMetrics
+from disagg.router.planning import RolePlanner
 from disagg.router.policy import PairPicker, Policy
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
@@ -75,6 +77,7 @@ class Router:
         self.discovery: Discovery | None = None
         self.metrics = RouterMetrics()
         self.metrics.watch_pool(self.pool)
+        self.planner: RolePlanner | None = None
 
     async def start(self) -> None:
         """Open the session, run the first health checks, start the checker loop (and discovery)."""
@@ -88,6 +91,9 @@ class Router:
         self.proxy = Proxy(self.config, self.pool, self.health, self.legs, self.picker, self._rng, self._randbits,
                            self.drain, self.metrics)
         await self.health.start()
+        self.planner = RolePlanner(cfg.planning, self.pool, self.session, self.metrics.registry,
+                                   cfg.health_check_timeout_s, admin_key())
+        self.planner.start()
         if self.kv_index is not None:
             self.kv_events = KVEventSubscriber(self.kv_index, on_batch=self.metrics.kv_event_batches.inc)
             self._kv_watch = asyncio.create_task(self._watch_kv_events())
@@ -122,6 +128,8 @@ class Router:
         discovery, self.discovery = self.discovery, None
         if discovery is not None:
             await discovery.close()
+        if self.planner is not None:
+            await self.planner.close()
         if self.health is not None:
             await self.health.close()
         session, self.session = self.session, None

@@ -120,6 +120,31 @@ class CacheAwareConfig:
             raise ConfigError(f"--max-tree-size must be positive, got {self.max_tree_size}")
 
 
+class PlannerMode(Choice):
+    OFF = "off"
+    ADVISORY = "advisory"  # estimate and propose, export disagg_planner_* gauges; switch nothing
+    AUTO = "auto"  # also switch one server per interval (POST /pd_role_switch), after the same proposal twice
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The role planner (docs/router.md, "Planner"): every `planner_interval_s` it reads each server's
+    per-step engine metrics, estimates TTFT and ITL, and proposes moving one server between roles."""
+
+    planner: PlannerMode = field(default=PlannerMode.OFF, metadata={
+        "help": "off, advisory (estimate, propose, export disagg_planner_* gauges) or auto (also switch servers "
+                "started with --enable-pd-role-switch, one per interval)"})
+    ttft_slo_ms: float = field(default=1500.0, metadata={"help": "planner: the time-to-first-token objective"})
+    itl_slo_ms: float = field(default=60.0, metadata={"help": "planner: the inter-token latency objective"})
+    planner_interval_s: float = field(default=5.0, metadata={"help": "planner: seconds between decisions"})
+
+    def __post_init__(self) -> None:
+        PlannerMode.coerce_field(self, "planner")
+        for name in ("ttft_slo_ms", "itl_slo_ms", "planner_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+
 def _flag(name: str, help_text: str) -> dict:
     return {"flag": name, "help": help_text}
 
@@ -208,6 +233,7 @@ class RouterConfig:
                           "prefix, decode by power of two choices)", "choices": Policy.values()},
     )
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    planning: PlannerConfig = field(default_factory=PlannerConfig)  # --planner and its options
     protocol: PdProtocol = field(
         default=PdProtocol.PUSH,
         metadata={"help": "P/D protocol: push (SGLang: both legs at once, bootstrap fields) or pull "

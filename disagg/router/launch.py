@@ -17,7 +17,9 @@ import typing
 
 from disagg.cli_args import add_dataclass_args, dataclass_from_args, scalar_type
 from disagg.config import TlsConfig
-from disagg.router.config import DEFAULT_BOOTSTRAP_PORT, CacheAwareConfig, DiscoveryConfig, RouterConfig, parse_prefill
+from disagg.router.config import (
+    DEFAULT_BOOTSTRAP_PORT, CacheAwareConfig, DiscoveryConfig, PlannerConfig, RouterConfig, parse_prefill,
+)
 
 _SERVER_LISTS = ("prefill", "decode", "discovery", "tls", "cache_aware")  # not scalars: built by hand below
 
@@ -36,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, RouterConfig, skip=_SERVER_LISTS)  # scalars, with their aliases and choices
     add_dataclass_args(parser.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
     add_dataclass_args(parser.add_argument_group("CacheAwareConfig (--policy cache_aware)"), CacheAwareConfig)
+    add_dataclass_args(parser.add_argument_group("PlannerConfig (roles that switch)"), PlannerConfig)
 
 
 def add_discovery_arguments(group) -> None:
@@ -78,7 +81,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     decode = tuple(v[0] for v in args.decode or ())
     return RouterConfig(prefill=prefill, decode=decode, discovery=discovery_from_args(args),
                         tls=dataclass_from_args(TlsConfig, args),
-                        cache_aware=dataclass_from_args(CacheAwareConfig, args), **values)
+                        cache_aware=dataclass_from_args(CacheAwareConfig, args),
+                        planning=dataclass_from_args(PlannerConfig, args), **values)
 
 
 def main(args: argparse.Namespace) -> int:

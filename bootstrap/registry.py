@@ -133,6 +133,13 @@ class BootstrapRegistry:
         same = (old.rank_ip, old.rank_port, old.agent_name) == (reg.rank_ip, reg.rank_port, reg.agent_name)
         return Registration.REPEATED if same else Registration.REPLACED
 
+    def clear(self) -> None:
+        """Forget every rank and room: the prefill behind this registry left its role (a role switch);
+        lookups answer "not yet" until ranks register again, never with a rank that stopped serving."""
+        self._topology = None
+        self._ranks.clear()
+        self._rooms.clear()
+
     def _conflict_message(self, shape: TopologyMsg) -> str:
         assert self._topology is not None
         diffs = [

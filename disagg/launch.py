@@ -98,7 +98,7 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
         disagg = replace(disagg, prefill=replace(disagg.prefill, bootstrap_port=await bootstrap.start()))
     roles = _role_specs(server, disagg)
     if server.enable_pd_role_switch:
-        roles.bootstrap_port = disagg.prefill.bootstrap_port
+        roles.bootstrap_port, roles.forget_ranks = disagg.prefill.bootstrap_port, bootstrap.registry.clear
         return PrefillController(server, engine, roles.spec, disagg, kv_events, roles), bootstrap
     if mode is DisaggregationMode.PREFILL:
         return PrefillController(server, engine, roles.spec, disagg, kv_events), bootstrap

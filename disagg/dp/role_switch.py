@@ -57,6 +57,7 @@ class PdRoles:
     failure: str | None = None
     target: DisaggregationMode | None = None  # while SWITCHING
     bootstrap_port: int | None = None  # the server's registry (it runs in both roles), for a router
+    forget_ranks: Callable[[], None] | None = None  # empties that registry when the server leaves the prefill role
     switched_at: float = field(default_factory=time.time)
 
     @property
@@ -119,6 +120,8 @@ async def switch_role(roles: PdRoles, new_mode: DisaggregationMode, *, timeout_s
         roles.state, roles.failure = SwitchState.FAILED, f"{type(exc).__name__}: {exc}"
         log.error("role switch failed: the server is unhealthy", error=roles.failure)
         raise RoleSwitchError(f"the role switch failed halfway ({roles.failure}): /health answers 503", 500) from None
+    if roles.mode is DisaggregationMode.PREFILL and roles.forget_ranks is not None:
+        roles.forget_ranks()  # its ranks stopped serving rooms: a decode must not connect to them
     roles.mode, roles.epoch, roles.state, roles.target = new_mode, roles.epoch + 1, SwitchState.SERVING, None
     roles.switched_at = time.time()
     log.info("role switched", mode=new_mode.value, epoch=roles.epoch)

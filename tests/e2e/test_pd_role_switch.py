@@ -259,3 +259,39 @@ async def test_a_soak_of_30_switches_under_load_through_our_router(servers, unif
     finally:
         stop.set()
         await router.close()
+
+
+async def test_the_planner_moves_an_idle_prefill_to_a_decode_over_its_itl_objective(servers, unified_url):
+    """`--planner auto` on real servers: an ITL objective of 0.5 ms that every real decode step misses,
+    prefills that idle; the planner switches one prefill to decode, the router follows, answers stay right."""
+    from disagg.router.config import PlannerConfig, PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    a, b, d = servers["A"], servers["B"], servers["D"]
+    router = RouterServer(RouterConfig(
+        port=0, health_check_interval_s=5.0, decode=(url(d),),
+        prefill=(PrefillEndpoint(url(a), a.bootstrap_port), PrefillEndpoint(url(b), b.bootstrap_port)),
+        planning=PlannerConfig(planner="auto", planner_interval_s=0.5, itl_slo_ms=0.5)))
+    prompts = [prompt_of(f"planned-{i}") for i in range(4)]
+    expected = [(200, await reference(servers, unified_url, p, 16)) for p in prompts]
+    await router.start()
+    try:
+        answers = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while (await info(servers, "A"))["disaggregation_mode"] == "prefill" and \
+                (await info(servers, "B"))["disaggregation_mode"] == "prefill":
+            assert loop.time() < deadline, "the planner switched nothing in 20 s"
+            answers += await asyncio.gather(*(routed(servers, router.url, p, 16) for p in prompts))
+        assert answers == expected * (len(answers) // len(prompts))
+        moved = "A" if (await info(servers, "A"))["disaggregation_mode"] == "decode" else "B"
+        async with servers["session"].get(router.url + "/metrics") as r:
+            metrics = await r.text()
+        assert 'disagg_planner_decisions_total{action="prefill_to_decode",confirmed="true"} 1.0' in metrics
+        after = await asyncio.gather(*(routed(servers, router.url, p, 16) for p in prompts))
+        assert list(after) == expected
+    finally:
+        await router.close()
+    status, _ = await switch(servers, moved, "prefill")  # as the other tests found it
+    assert status == 200
+    assert await settled(servers) == {"A": [NUM_BLOCKS] * 2, "B": [NUM_BLOCKS], "D": [NUM_BLOCKS]}

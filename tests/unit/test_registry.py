@@ -220,3 +220,15 @@ def test_route_query_dialects():
         parse_route_query({"prefill_dp_rank": "0", "target_pp_rank": "0"})
     with pytest.raises(ValueError, match=r"^rank -1 asks for the topology"):
         parse_route_query({"engine_rank": "-1", "target_dp_group": "0", "target_pp_rank": "0"})
+
+
+def test_clear_forgets_every_rank_and_room_until_ranks_register_again():
+    reg = BootstrapRegistry(room_ttl_s=60.0)
+    reg.register_rank(rank(0, dp_size=1))
+    reg.register_room(11, 0, now=0.0)
+    reg.clear()  # the prefill behind it became a decode
+    assert (reg.num_registered, reg.num_expected, reg.is_complete()) == (0, None, False)
+    assert reg.query_rooms([11], now=1.0) == {}
+    with pytest.raises(IncompleteTopology):
+        reg.topology()
+    assert reg.register_rank(rank(0, dp_size=2, port=9)) is Registration.NEW  # any shape, as when new

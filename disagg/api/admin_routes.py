@@ -172,7 +172,9 @@ async def pd_role_switch(request: web.Request) -> web.Response:
     if body.new_role not in (DisaggregationMode.PREFILL.value, DisaggregationMode.DECODE.value):
         raise BadRequest(f"new_role must be prefill or decode, got {body.new_role!r}", "new_role")
     timeout_s = state.config.pd_role_switch_timeout_s
-    switched = await state.engine.switch_role(DisaggregationMode(body.new_role), timeout_s)
+    # Counted from admission on: a request admitted but not yet sent to a worker is waited for too.
+    switched = await state.engine.switch_role(DisaggregationMode(body.new_role), timeout_s,
+                                              lambda: state.drain.num_in_flight)
     return json_response({"success": True, "switched": switched, "disaggregation_mode": state.engine.mode,
                           "pd_role_epoch": state.engine.pd_roles.epoch})
 

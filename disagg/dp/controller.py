@@ -358,13 +358,16 @@ class DPController:
         prefill: a room's KV lives on the rank that computed it (a dead rank's request fails, 503)."""
         return self.mode is not DisaggregationMode.PREFILL
 
-    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float) -> bool:
+    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float,
+                          in_flight: Callable[[], int] | None = None) -> bool:
         """`POST /pd_role_switch`: the whole server to `new_mode` (disagg/dp/role_switch.py); False when
-        it runs it already. Then the DP pick is that mode's, and a restarted worker starts in it."""
+        it runs it already. Then the DP pick is that mode's, and a restarted worker starts in it.
+        `in_flight` counts the requests the server accepted (the front's, from admission on; default:
+        those sent to a worker)."""
         if self.pd_roles is None:
             raise RoleSwitchError("this server runs without --enable-pd-role-switch", 400)
         switched = await switch_role(self.pd_roles, new_mode, timeout_s=timeout_s,
-                                     in_flight=lambda: len(self._streams), call=self.call_utility)
+                                     in_flight=in_flight or (lambda: len(self._streams)), call=self.call_utility)
         if switched:
             self.role, self.load_balance_method = self.pd_roles.spec, self.pd_roles.methods[new_mode]
             self.dispatcher = Dispatcher(self.load_balance_method, self.dp_size)

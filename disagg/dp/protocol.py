@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -100,8 +100,10 @@ class EngineClient(Protocol):
     async def inject_fault(self, kind: FaultKind, dp_rank: int, params: dict) -> None:
         """A fault on one worker, on purpose (--enable-fault-injection; disagg/dp/faults.py)."""
 
-    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float) -> bool:
-        """Switch the whole server to `new_mode` (RoleSwitchError when it cannot); False when it runs it."""
+    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float,
+                          in_flight: Callable[[], int] | None = None) -> bool:
+        """Switch the whole server to `new_mode` once `in_flight` reads 0 and no worker holds anything
+        (RoleSwitchError when it cannot); False when it runs it already."""
 
     def take_step_reports(self) -> list[StepsMsg]:
         """The workers' per-step engine metrics since the last call (for /metrics)."""

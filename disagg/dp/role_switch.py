@@ -16,7 +16,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -58,7 +58,6 @@ class PdRoles:
     target: DisaggregationMode | None = None  # while SWITCHING
     bootstrap_port: int | None = None  # the server's registry (it runs in both roles), for a router
     forget_ranks: Callable[[], None] | None = None  # empties that registry when the server leaves the prefill role
-    switched_at: float = field(default_factory=time.time)
 
     @property
     def spec(self) -> RoleSpec:
@@ -123,7 +122,6 @@ async def switch_role(roles: PdRoles, new_mode: DisaggregationMode, *, timeout_s
     if roles.mode is DisaggregationMode.PREFILL and roles.forget_ranks is not None:
         roles.forget_ranks()  # its ranks stopped serving rooms: a decode must not connect to them
     roles.mode, roles.epoch, roles.state, roles.target = new_mode, roles.epoch + 1, SwitchState.SERVING, None
-    roles.switched_at = time.time()
     log.info("role switched", mode=new_mode.value, epoch=roles.epoch)
     return True
 

@@ -79,6 +79,8 @@ class RoleLoad:
 
 
 class Action(str, enum.Enum):
+    """What the planner proposes for the next interval."""
+
     HOLD = "hold"
     PREFILL_TO_DECODE = "prefill_to_decode"
     DECODE_TO_PREFILL = "decode_to_prefill"
@@ -86,6 +88,8 @@ class Action(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
+    """One interval's proposal, why, the estimates behind it and the role mix it leads to."""
+
     action: Action
     reason: str
     est_ttft_s: float
@@ -96,6 +100,8 @@ class Decision:
 
 
 class Planner:
+    """Decides once per interval; keeps only the streak of its last proposal (the hysteresis)."""
+
     def __init__(self, ttft_slo_s: float, itl_slo_s: float, confirm_intervals: int = 2):
         self.ttft_slo_s, self.itl_slo_s, self.confirm_intervals = ttft_slo_s, itl_slo_s, confirm_intervals
         self._streak: tuple[Action, int] = (Action.HOLD, 0)

@@ -35,11 +35,6 @@ TYPE_OF_STATUS = {
 
 
 
-def is_draining_answer(status: int, body: object) -> bool:
-    """True for a server's 503 whose JSON error body carries ErrorCode.DRAINING."""
-    return refusal_code(status, body) is ErrorCode.DRAINING
-
-
 # A server's 503 with one of these: it takes no new request now (it shuts down, or switches roles);
 # a router takes it out of rotation and sends the request to another server.
 OUT_OF_ROTATION = (ErrorCode.DRAINING, ErrorCode.ROLE_SWITCHING, ErrorCode.STALE_ROLE_EPOCH)

@@ -96,8 +96,8 @@ class RolePlanner:
         """The role's admitting servers' growth since the last read (None: one was read for the first time)."""
         infos = [info for info in self._pool.infos(role) if info.admitting]
         total, first = StepSums(), False
-        for info in infos:
-            now = await self._read(info.url)
+        readings = await asyncio.gather(*(self._read(info.url) for info in infos))  # each within its timeout
+        for info, now in zip(infos, readings):
             if now is None:
                 continue
             earlier = self._seen.get(info.url)

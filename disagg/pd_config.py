@@ -126,7 +126,7 @@ def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:
     if mode is DisaggregationMode.NULL:
         return
     binds = {"--host": server.host, "--rank-host": disagg.rank_host}
-    if mode is DisaggregationMode.PREFILL:
+    if mode is DisaggregationMode.PREFILL or server.enable_pd_role_switch:  # a switchable decode runs one too
         binds["--bootstrap-host"] = disagg.prefill.bootstrap_host
     refuse_open_binds(mode.value, binds, disagg.cluster_secret, disagg.insecure_no_cluster_secret)
 

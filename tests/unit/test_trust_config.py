@@ -89,11 +89,11 @@ def refusal(command: str, binds: str) -> str:
             "--insecure-no-cluster-secret to run the internal planes open, as SGLang and vLLM do")
 
 
-def check(mode: str, host: str = "127.0.0.1", **disagg) -> str | None:
+def check(mode: str, host: str = "127.0.0.1", switch: bool = False, **disagg) -> str | None:
     """The refusal `check_cluster_secret` gives (None: the server may start); no secret unless given."""
     config = with_settings(DisaggConfig(cluster_secret=None), **disagg)
     try:
-        check_cluster_secret(ServerConfig(host=host, disaggregation_mode=mode), config)
+        check_cluster_secret(ServerConfig(host=host, disaggregation_mode=mode, enable_pd_role_switch=switch), config)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -105,6 +105,8 @@ def test_a_prefill_or_decode_that_binds_a_non_loopback_address_needs_a_cluster_s
     assert check("prefill", rank_host="10.0.0.5", bootstrap_host="prefill-0.svc") == refusal(
         "prefill", "10.0.0.5 (--rank-host), prefill-0.svc (--bootstrap-host)")  # a name may resolve anywhere
     assert check("decode", bootstrap_host="0.0.0.0") is None  # a decode binds no registry: the field is the prefill's
+    # ... unless it may become a prefill (--enable-pd-role-switch): it runs its registry in both roles
+    assert check("decode", bootstrap_host="0.0.0.0", switch=True) == refusal("decode", "0.0.0.0 (--bootstrap-host)")
     assert check("null", "0.0.0.0", rank_host="0.0.0.0") is None  # unified: no internal planes
 
 

@@ -6,10 +6,14 @@ Each interval it gets, per role, what the servers' engine steps did in that inte
   token);
 - TTFT: the mean wall time of a prefill server's steps, times the steps a new request waits behind
   the queue (1 + waiting requests per prefill server), the way a load planner reads queue and pace.
-It proposes moving one server: a prefill to decode when ITL is over its objective while the
-prefills are less than half busy; a decode to prefill when TTFT is over its objective while ITL
-keeps half its margin; else it holds. A proposal is confirmed when it repeats `confirm_intervals`
-times in a row (hysteresis); after a move the planner waits one interval.
+Per role it fits a step's wall time to its work online (`StepFit`, least squares over the intervals,
+older ones decaying; Dynamo's load planner fits its interpolators the same way): a decode step to its
+decoding requests, a prefill step to its prompt tokens. From the fits it predicts both estimates for
+the role mix a move leads to (the same work spread over one server more or fewer). It proposes
+moving a prefill to decode when ITL is over its objective and the move is predicted to lower ITL
+while TTFT stays within its objective; a decode to prefill when TTFT is over its objective and ITL
+is predicted to stay within its objective; else it holds. A proposal is confirmed when it repeats
+`confirm_intervals` times in a row (hysteresis); after a move the planner waits one interval.
 """
 
 from __future__ import annotations
@@ -59,6 +63,37 @@ def parse_step_sums(metrics_text: str) -> StepSums:
     return StepSums(**values)
 
 
+class StepFit:
+    """A step's wall time as a line in its work (decoding requests, or prompt tokens), fitted online:
+    each interval adds one point (its mean work and mean wall time a step) weighted by its steps, the
+    sums decaying by `decay` an interval. With one level of work seen (or none reported) it scales the
+    mean time in proportion to the work."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, work: float, step_s: float, weight: float) -> None:
+        if weight <= 0:
+            return
+        d = self.decay
+        self.w, self.sx, self.sy = d * self.w + weight, d * self.sx + weight * work, d * self.sy + weight * step_s
+        self.sxx, self.sxy = d * self.sxx + weight * work * work, d * self.sxy + weight * work * step_s
+
+    def scaled(self, work: float, step_s: float, factor: float) -> float:
+        """The step time when a step that did `work` in `step_s` does `factor` times that work: on the
+        fitted line, or in proportion while the fit has seen one level of work (or none reported)."""
+        if self.w <= 0 or work <= 0:
+            return step_s * factor
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mean_x * mean_x
+        if var <= (0.05 * mean_x) ** 2:
+            return step_s * factor
+        slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0)
+        intercept = max(mean_y - slope * mean_x, 0.0)
+        return intercept + slope * work * factor
+
+
 @dataclass(frozen=True)
 class RoleLoad:
     """One role's servers over one interval."""
@@ -71,6 +106,12 @@ class RoleLoad:
     def step_s(self) -> float:
         """Mean wall time of a step (0 without steps)."""
         return self.steps.wall_s / self.steps.num_steps if self.steps.num_steps else 0.0
+
+    @property
+    def work(self) -> float:
+        """Mean work of a step: its decoding requests on a decode, its prompt tokens on a prefill."""
+        total = self.steps.decode_seqs if self.steps.decode_seqs else self.steps.prefill_tokens
+        return total / self.steps.num_steps if self.steps.num_steps else 0.0
 
     @property
     def busy(self) -> float:
@@ -97,6 +138,8 @@ class Decision:
     num_prefill: int  # the role mix the decision leads to
     num_decode: int
     confirmed: bool = False  # the same proposal `confirm_intervals` times in a row: act on it
+    predicted_ttft_s: float = 0.0  # the fits' estimates for the role mix the decision leads to
+    predicted_itl_s: float = 0.0
 
 
 class Planner:
@@ -104,14 +147,17 @@ class Planner:
 
     def __init__(self, ttft_slo_s: float, itl_slo_s: float, confirm_intervals: int = 2):
         self.ttft_slo_s, self.itl_slo_s, self.confirm_intervals = ttft_slo_s, itl_slo_s, confirm_intervals
+        self.prefill_fit, self.decode_fit = StepFit(), StepFit()
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
 
     def decide(self, prefill: RoleLoad, decode: RoleLoad) -> Decision:
         """This interval's proposal (see the module's docstring); `confirmed` when it should be acted on."""
+        self.prefill_fit.add(prefill.work, prefill.step_s, prefill.steps.num_steps)
+        self.decode_fit.add(decode.work, decode.step_s, decode.steps.num_steps)
         ttft = prefill.step_s * (1 + prefill.steps.waiting / max(prefill.num_servers, 1))
         itl = decode.step_s
-        action, reason = self._propose(prefill, decode, ttft, itl)
+        action, reason, after = self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
         self._streak = (action, count)
         confirmed = action is not Action.HOLD and count >= self.confirm_intervals and not self._cooling
@@ -119,16 +165,41 @@ class Planner:
         if confirmed:
             self._streak = (Action.HOLD, 0)
         shift = {Action.HOLD: 0, Action.PREFILL_TO_DECODE: -1, Action.DECODE_TO_PREFILL: 1}[action]
-        return Decision(action, reason, ttft, itl, prefill.num_servers + shift, decode.num_servers - shift, confirmed)
+        return Decision(action, reason, ttft, itl, prefill.num_servers + shift, decode.num_servers - shift, confirmed,
+                        *after)
 
-    def _propose(self, prefill: RoleLoad, decode: RoleLoad, ttft: float, itl: float) -> tuple[Action, str]:
-        if itl > self.itl_slo_s and prefill.busy < 0.5 and prefill.num_servers > 1:
-            return Action.PREFILL_TO_DECODE, (
-                f"ITL {itl * 1e3:.0f} ms over its {self.itl_slo_s * 1e3:.0f} ms objective while the prefills are "
-                f"{prefill.busy:.0%} busy")
-        if ttft > self.ttft_slo_s and decode.num_servers > 1 and itl < self.itl_slo_s / 2:
-            return Action.DECODE_TO_PREFILL, (
-                f"TTFT {ttft * 1e3:.0f} ms over its {self.ttft_slo_s * 1e3:.0f} ms objective while ITL "
-                f"{itl * 1e3:.0f} ms keeps half its margin")
+    def predict(self, prefill: RoleLoad, decode: RoleLoad, shift: int) -> tuple[float, float]:
+        """(TTFT, ITL) predicted with `shift` more prefill servers (and as many fewer decodes): each
+        role's work and queue spread over its servers then (prefills with a queue run full steps
+        still: only the queue spreads)."""
+        p, d = prefill.num_servers, decode.num_servers
+        if p + shift < 1 or d - shift < 1:
+            return float("inf"), float("inf")
+        saturated = prefill.steps.waiting > 0
+        step_p = (self.prefill_fit.scaled(prefill.work, prefill.step_s, p / (p + shift)) if shift and not saturated
+                  else prefill.step_s)
+        ttft = step_p * (1 + prefill.steps.waiting / (p + shift))
+        itl = self.decode_fit.scaled(decode.work, decode.step_s, d / (d - shift)) if shift else decode.step_s
+        return ttft, itl
+
+    def _propose(self, prefill: RoleLoad, decode: RoleLoad, ttft: float,
+                 itl: float) -> tuple[Action, str, tuple[float, float]]:
+        to_decode, to_prefill = self.predict(prefill, decode, -1), self.predict(prefill, decode, 1)
+        if itl > self.itl_slo_s:
+            why = f"ITL {itl * 1e3:.0f} ms over its {self.itl_slo_s * 1e3:.0f} ms objective"
+            if prefill.num_servers < 2:
+                return Action.HOLD, f"{why}, but the one prefill server cannot leave its role", (ttft, itl)
+            if to_decode[1] < itl and to_decode[0] <= self.ttft_slo_s:
+                return Action.PREFILL_TO_DECODE, (
+                    f"{why}; with one more decode: ITL {to_decode[1] * 1e3:.0f} ms, TTFT {to_decode[0] * 1e3:.0f} ms"), \
+                    to_decode
+        if ttft > self.ttft_slo_s:
+            why = f"TTFT {ttft * 1e3:.0f} ms over its {self.ttft_slo_s * 1e3:.0f} ms objective"
+            if decode.num_servers < 2:
+                return Action.HOLD, f"{why}, but the one decode server cannot leave its role", (ttft, itl)
+            if to_prefill[1] <= self.itl_slo_s:
+                return Action.DECODE_TO_PREFILL, (
+                    f"{why}; with one more prefill: TTFT {to_prefill[0] * 1e3:.0f} ms, ITL "
+                    f"{to_prefill[1] * 1e3:.0f} ms"), to_prefill
         return Action.HOLD, (f"TTFT {ttft * 1e3:.0f} ms and ITL {itl * 1e3:.0f} ms against {self.ttft_slo_s * 1e3:.0f} "
-                             f"and {self.itl_slo_s * 1e3:.0f} ms: no move pays")
+                             f"and {self.itl_slo_s * 1e3:.0f} ms: no move pays"), (ttft, itl)

@@ -29,6 +29,8 @@ class PlannerMetrics:
                              ["role"], registry=registry)
         self.ttft = Gauge("disagg_planner_estimated_ttft_seconds", "the planner's TTFT estimate", registry=registry)
         self.itl = Gauge("disagg_planner_estimated_itl_seconds", "the planner's ITL estimate", registry=registry)
+        self.predicted = Gauge("disagg_planner_predicted_seconds", "the planner's fitted TTFT and ITL for the role "
+                               "mix its last decision leads to", ["metric"], registry=registry)
         self.decisions = Counter("disagg_planner_decisions", "the planner's decisions by action, and whether it "
                                  "acted on them", ["action", "confirmed"], registry=registry)
         self.last = Gauge("disagg_planner_last_decision", "1 for the planner's last decision (action, reason)",
@@ -39,6 +41,8 @@ class PlannerMetrics:
         self.servers.labels("decode").set(decision.num_decode)
         self.ttft.set(decision.est_ttft_s)
         self.itl.set(decision.est_itl_s)
+        self.predicted.labels("ttft").set(decision.predicted_ttft_s)
+        self.predicted.labels("itl").set(decision.predicted_itl_s)
         self.decisions.labels(decision.action.value, str(decision.confirmed).lower()).inc()
         self.last.clear()
         self.last.labels(decision.action.value, decision.reason).set(1)

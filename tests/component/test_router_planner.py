@@ -84,9 +84,12 @@ async def test_advisory_estimates_and_proposes_and_switches_nothing():
     prefills, decode, metrics, _ = await planned("advisory", 1.5)
     assert [p.switches for p in prefills] == [[], []]
     assert lines(metrics, "disagg_planner_estimated_itl_seconds ") == ["disagg_planner_estimated_itl_seconds 0.1"]
+    predicted = {line.split()[0]: round(float(line.split()[1]), 9) for line in lines(metrics, "disagg_planner_predicted")}
+    assert predicted == {'disagg_planner_predicted_seconds{metric="itl"}': 0.05,
+                         'disagg_planner_predicted_seconds{metric="ttft"}': 0.02}
     assert lines(metrics, "disagg_planner_servers") == ['disagg_planner_servers{role="decode"} 2.0',
                                                         'disagg_planner_servers{role="prefill"} 1.0']
-    reason = "ITL 100 ms over its 60 ms objective while the prefills are 5% busy"
+    reason = "ITL 100 ms over its 60 ms objective; with one more decode: ITL 50 ms, TTFT 20 ms"
     assert lines(metrics, "disagg_planner_last_decision{") == [
         f'disagg_planner_last_decision{{action="prefill_to_decode",reason="{reason}"}} 1.0']
 

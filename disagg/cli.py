@@ -15,14 +15,19 @@ from disagg.config import ConfigError, DisaggregationMode, LoadBalanceMethod, Se
 from disagg.pd_config import (
     ControlConfig, DecodeConfig, DisaggConfig, PrefillConfig, TcpListenerConfig, check_cluster_secret, with_settings,
 )
-from disagg.cpus import usable_cpus, worker_cpu_sets
+from disagg.cpus import plan_cluster_cpus, usable_cpus, worker_cpu_sets
 from disagg.registry_config import BootstrapConfig
-from disagg.router.config import CacheAwareConfig
+from disagg.router.config import CacheAwareConfig, PlannerConfig, PlannerMode
+from disagg.sizing import size_to_machine
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.kv_events_config import KV_EVENTS_HELP, parse_kv_events_config
 from disagg.tool_config import ToolConfig
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
+# `disagg serve`'s flags that default to None and are sized to the machine (disagg/sizing.py)
+SIZED_FLAGS = ("dp_size", "decode_dp_size", "max_waiting_requests", "max_local_prefill_tokens",
+               "decode_max_prefill_tokens_per_step", "decode_max_num_seqs")
+SIZED_HELP = dict.fromkeys(SIZED_FLAGS, "sized to this machine, on the ready line; docs/router.md")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +62,13 @@ def secret_defaults() -> dict[str, object]:
                 cluster_secret=DisaggConfig().cluster_secret)
 
 
-def add_disagg_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def add_disagg_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), defaults: dict | None = None,
+                    shown: dict[str, str] | None = None) -> None:
     """Both sides' settings on every P/D command: a server may change role at run time."""
     for title, cls in (("DisaggConfig (both sides)", DisaggConfig), ("PrefillConfig", PrefillConfig),
                        ("DecodeConfig", DecodeConfig), ("ControlConfig (KV control plane)", ControlConfig),
                        ("TcpListenerConfig (tcp KV listener)", TcpListenerConfig)):
-        add_dataclass_args(parser.add_argument_group(title), cls, skip=skip)
+        add_dataclass_args(parser.add_argument_group(title), cls, skip=skip, defaults=defaults, shown=shown)
 
 
 def disagg_from_args(args: argparse.Namespace, **overrides) -> DisaggConfig:
@@ -106,17 +112,23 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     """`disagg serve`: the engine, the P/D options, what both servers share, the router's port and TLS,
     the CPU split, the decode's own engine settings; every flag from the config that takes it."""
     add_engine_args(serve)
-    # serve draws a cluster secret of its own when none is given: there is nothing to opt out of
-    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"))
+    # serve draws a cluster secret of its own when none is given: there is nothing to opt out of; the
+    # settings of disagg/sizing.py default to None here: sized to the machine unless given
+    add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"),
+                    defaults={"max_local_prefill_tokens": None}, shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("both servers (--host binds the router too)"), ServerConfig,
-                       only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": cluster.ClusterOptions().servers.dp_size})
+                       only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": None, "max_waiting_requests": None},
+                       shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
     add_dataclass_args(serve.add_argument_group("the router and the CPU split"), cluster.ClusterOptions,
                        only=("port", "prefill_cpus", "decode_cpus"))
     add_dataclass_args(serve.add_argument_group("TlsConfig (HTTPS on the router's port)"), TlsConfig)
     add_dataclass_args(serve.add_argument_group("the router's cache_aware pick"), CacheAwareConfig,
                        only=("local_prefill_min_prefill_load",))
-    add_dataclass_args(serve.add_argument_group("the decode server's own engine settings"), cluster.DecodeOverrides)
+    add_dataclass_args(serve.add_argument_group("the decode server's own engine settings"), cluster.DecodeOverrides,
+                       shown=SIZED_HELP)
+    add_dataclass_args(serve.add_argument_group("the router's role planner"), PlannerConfig,
+                       defaults={"planner": PlannerMode.ADVISORY})
     serve.set_defaults(admin_key=ServerConfig().admin_key, **secret_defaults())
 
 
@@ -166,14 +178,20 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts."""
+    """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts; what the user
+    left unset of disagg/sizing.py's settings is sized to the CPUs each role gets."""
+    planned = plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
+    sized = size_to_machine(*planned, **{name: getattr(args, name) for name in SIZED_FLAGS})
+    for name in SIZED_FLAGS:
+        setattr(args, name, getattr(sized, name))
     disagg = disagg_from_args(args, bootstrap_port=0)
     servers = ServerConfig(**{name: getattr(args, name) for name in cluster.SHARED_SERVER_FIELDS},
                            tools=dataclass_from_args(ToolConfig, args))
     options = cluster.ClusterOptions(
         servers=servers, port=args.port, tls=dataclass_from_args(TlsConfig, args), prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus, decode=dataclass_from_args(cluster.DecodeOverrides, args),
-        cache_aware=dataclass_from_args(CacheAwareConfig, args))
+        cache_aware=dataclass_from_args(CacheAwareConfig, args), planning=dataclass_from_args(PlannerConfig, args),
+        sized=sized.notes)
     cluster.server_configs(options)  # both servers' configs: their CPU lists and limits are checked here
     return cluster.run(engine_from_args(args), disagg, options)
 

@@ -28,11 +28,13 @@ def comma_list(value: str) -> tuple[str, ...]:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                       only: tuple[str, ...] | None = None, defaults: dict | None = None) -> None:
+                       only: tuple[str, ...] | None = None, defaults: dict | None = None,
+                       shown: dict[str, str] | None = None) -> None:
     """One `--field-name` option per dataclass field (of `only` when given), typed and documented from
     the field (plus the spellings other servers use, from the field's `aliases` metadata, and its
     allowed values from `choices`; a bool field whose metadata says `negatable: False` has no `--no-`
-    form). `defaults` replaces a field's default for this command (`disagg serve`'s dp_size 2)."""
+    form). `defaults` replaces a field's default for this command; `shown` words a default in --help
+    where its value would mislead (`disagg serve`'s None: sized to the machine)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or (only is not None and f.name not in only) or dataclasses.is_dataclass(hints[f.name]):
@@ -52,7 +54,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
                                 help=f"{help_text} (default: {','.join(default) or 'none'})")
         else:
             parser.add_argument(*flags, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
-                                help=f"{help_text} (default: {default})")
+                                help=f"{help_text} (default: {(shown or {}).get(f.name, default)})")
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, **overrides):

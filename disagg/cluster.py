@@ -26,7 +26,7 @@ from disagg.engine_config import EngineConfig
 from disagg.drain import StopSignals
 from disagg.launch import RunningServer, drain_server, say, start_server
 from disagg.logs import configure_logging
-from disagg.router.config import CacheAwareConfig, PrefillEndpoint, RouterConfig
+from disagg.router.config import CacheAwareConfig, PlannerConfig, PlannerMode, PrefillEndpoint, RouterConfig
 from disagg.router.policy import Policy
 from disagg.router.server import RouterServer
 
@@ -42,14 +42,14 @@ def cpus_note(prefill_cfg: ServerConfig, decode_cfg: ServerConfig) -> str:
 
 
 def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: CacheAwareConfig,
-                  **settings) -> RouterConfig:
+                  planning: PlannerConfig = PlannerConfig(), **settings) -> RouterConfig:
     """The router in front: cache_aware, so a shared prefix goes to the prefill rank that holds it, and
     a short rest to the decode alone when the decode prefills locally (its --max-local-prefill-tokens,
     which the router reads from its /server_info) and the prefill is busy enough
     (--local-prefill-min-prefill-load)."""
     host = settings["host"]
     return RouterConfig(
-        policy=Policy.CACHE_AWARE, cache_aware=cache_aware,
+        policy=Policy.CACHE_AWARE, cache_aware=cache_aware, planning=planning,
         prefill=(PrefillEndpoint(f"http://{host}:{prefill.port}", prefill.bootstrap_port),),
         decode=(f"http://{host}:{decode.port}",), **settings)
 
@@ -74,6 +74,8 @@ class DecodeOverrides:
     decode_max_num_seqs: int | None = field(default=None, metadata={"help": (
         "the decode server's requests decoding in one step (default: --max-num-seqs); past it the "
         "latest whose KV landed wait for a slot, so the others keep their pace under overload")})
+    decode_dp_size: int | None = field(default=None, metadata={"help": (
+        "the decode server's DP workers (default: --dp-size)")})
     decode_tensor_parallel_size: int | None = field(default=None, metadata={"aliases": ("--decode-tp-size",), "help": (
         "the decode server's TP size (default: --tensor-parallel-size, which then sizes the "
         "prefill alone); each decode rank receives its KV heads from the prefill ranks holding them")})
@@ -84,10 +86,9 @@ class DecodeOverrides:
             ("max_num_batched_tokens", self.decode_max_num_batched_tokens),
             ("max_prefill_tokens_per_step", self.decode_max_prefill_tokens_per_step),
             ("max_num_seqs", self.decode_max_num_seqs)) if value is not None}
-        if not scheduler and self.decode_tensor_parallel_size is None:
-            return None
-        return replace(engine, scheduler=replace(engine.scheduler, **scheduler),
-                       tensor_parallel_size=self.decode_tensor_parallel_size or engine.tensor_parallel_size)
+        decode = replace(engine, scheduler=replace(engine.scheduler, **scheduler),
+                         tensor_parallel_size=self.decode_tensor_parallel_size or engine.tensor_parallel_size)
+        return None if decode == engine else decode
 
 
 @dataclass(frozen=True)
@@ -108,17 +109,22 @@ class ClusterOptions:
         "half when neither is given); the lists may overlap")})
     decode: DecodeOverrides = DecodeOverrides()
     cache_aware: CacheAwareConfig = CacheAwareConfig()
+    planning: PlannerConfig = PlannerConfig()  # the router's role planner
+    sized: tuple[str, ...] = ()  # the defaults sized to the machine, and why (the ready line says them)
 
 
 def server_configs(o: ClusterOptions) -> tuple[ServerConfig, ServerConfig]:
-    """The prefill's and the decode's: what they share from `o`, each its planned CPUs and DP pick."""
+    """The prefill's and the decode's: what they share from `o`, each its planned CPUs, DP size and DP
+    pick; both can switch roles (POST /pd_role_switch) when the planner runs in auto mode."""
     planned = plan_cluster_cpus(usable_cpus(), o.prefill_cpus, o.decode_cpus)
     base = replace(o.servers, port=0)
+    switchable = o.planning.planner is PlannerMode.AUTO
     prefill_cfg = replace(base, disaggregation_mode=DisaggregationMode.PREFILL, cpus=cpus_text(planned[0]),
-                          load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
+                          load_balance_method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM, enable_pd_role_switch=switchable)
     # A conversation's later turns go back to the decode worker that holds its KV (decode-side prefix reuse).
     decode_cfg = replace(base, disaggregation_mode=DisaggregationMode.DECODE, cpus=cpus_text(planned[1]),
-                         load_balance_method=LoadBalanceMethod.CACHE_AWARE)
+                         load_balance_method=LoadBalanceMethod.CACHE_AWARE, enable_pd_role_switch=switchable,
+                         dp_size=o.decode.decode_dp_size or base.dp_size)
     return prefill_cfg, decode_cfg
 
 
@@ -131,8 +137,8 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
     if disagg.cluster_secret is None:  # one local cluster: a fresh secret nobody else holds
         disagg = replace(disagg, cluster_secret=secrets.token_hex(32))
     prefill_cfg, decode_cfg = server_configs(o)
-    say(f"starting prefill and decode servers (dp_size={o.servers.dp_size} each, backend {disagg.transfer_backend}; "
-        f"{cpus_note(prefill_cfg, decode_cfg)})")
+    say(f"starting prefill and decode servers (prefill dp {prefill_cfg.dp_size} + decode dp {decode_cfg.dp_size}, "
+        f"backend {disagg.transfer_backend}; {cpus_note(prefill_cfg, decode_cfg)})")
     results = await asyncio.gather(
         start_server(prefill_cfg, engine, disagg, lambda line: say(f"[prefill] {line}")),
         start_server(decode_cfg, o.decode.engine(engine) or engine, disagg, lambda line: say(f"[decode] {line}")),
@@ -145,7 +151,7 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
             await server.close()
         raise failed[0]
     prefill, decode = results
-    router = RouterServer(router_config(prefill, decode, o.cache_aware, host=o.servers.host, port=o.port,
+    router = RouterServer(router_config(prefill, decode, o.cache_aware, o.planning, host=o.servers.host, port=o.port,
                                         log_format=o.servers.log_format, api_key=o.servers.api_key, tls=o.tls))
     try:
         await router.start()
@@ -161,10 +167,12 @@ async def serve_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
     signals = StopSignals()
     signals.install()
     name = prefill.controller.model.name
-    host, dp_size = options.servers.host, options.servers.dp_size
+    host, p_cfg, d_cfg = options.servers.host, prefill.controller.server, decode.controller.server
     say(f"prefill http://{host}:{prefill.port} (bootstrap {prefill.bootstrap_port}), decode http://{host}:{decode.port}")
-    say(f"ready: {router.url} serving {name} (prefill dp {dp_size} + decode dp {dp_size}, {disagg.transfer_backend}; "
-        f"{cpus_note(prefill.controller.server, decode.controller.server)}); "
+    if options.sized:
+        say("sized to this machine: " + "; ".join(options.sized))
+    say(f"ready: {router.url} serving {name} (prefill dp {p_cfg.dp_size} + decode dp {d_cfg.dp_size}, "
+        f"{disagg.transfer_backend}; {cpus_note(p_cfg, d_cfg)}; planner {options.planning.planner.value}); "
         f"{prefill.controller.model.engine_summary}")
     say(f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'")

@@ -6,7 +6,7 @@ import pytest
 
 from disagg import cli, cluster
 from disagg.config import ConfigError
-from disagg.router.config import CacheAwareConfig
+from disagg.router.config import CacheAwareConfig, PlannerConfig, PlannerMode
 
 
 def captured_run(monkeypatch, argv: list[str]) -> dict:
@@ -52,16 +52,20 @@ def test_the_decode_gets_its_own_prompt_tokens_per_step(monkeypatch):
 
 
 def test_the_decode_gets_its_own_tp_size(monkeypatch):
-    seen = captured_run(monkeypatch, ["--tp-size", "2", "--decode-tp-size", "1"])
+    seen = captured_run(monkeypatch, ["--tp-size", "2", "--decode-tp-size", "1", *AS_THE_PREFILL])
     assert (seen["engine"].tensor_parallel_size, seen["decode_engine"].tensor_parallel_size) == (2, 1)
     assert seen["decode_engine"].scheduler == seen["engine"].scheduler
     seen = captured_run(monkeypatch, ["--decode-tensor-parallel-size", "2"])
     assert (seen["engine"].tensor_parallel_size, seen["decode_engine"].tensor_parallel_size) == (1, 2)
-    assert captured_run(monkeypatch, ["--tp-size", "2"])["decode_engine"] is None  # both sides TP 2
+    assert captured_run(monkeypatch, ["--tp-size", "2", *AS_THE_PREFILL])["decode_engine"] is None  # both TP 2
 
 
-def test_without_the_option_both_run_one_engine(monkeypatch):
-    assert captured_run(monkeypatch, [])["decode_engine"] is None
+# the decode settings `disagg serve` sizes, given as the prefill's engine has them
+AS_THE_PREFILL = ["--decode-max-num-seqs", "64", "--decode-max-prefill-tokens-per-step", "0"]
+
+
+def test_without_a_decode_setting_of_its_own_both_run_one_engine(monkeypatch):
+    assert captured_run(monkeypatch, AS_THE_PREFILL)["decode_engine"] is None
 
 
 def test_tool_flags_and_the_chat_template_reach_both_servers(monkeypatch):
@@ -98,7 +102,7 @@ def test_both_servers_get_the_admission_limits(monkeypatch):
     assert (options.servers.max_waiting_requests, options.servers.max_kv_usage) == (2, 0.9)
     prefill, decode = cluster.server_configs(options)
     assert (prefill.max_waiting_requests, decode.max_waiting_requests, decode.max_kv_usage) == (2, 2, 0.9)
-    options = captured_run(monkeypatch, [])["options"]
+    options = captured_run(monkeypatch, ["--max-waiting-requests", "0"])["options"]
     assert (options.servers.max_waiting_requests, options.servers.max_kv_usage) == (0, 1.0)  # off, as on one server
 
 
@@ -134,10 +138,64 @@ def test_every_serve_flag_is_a_field_of_a_config_it_passes_on():
 
     configs = (ModelConfig, CacheConfig, SchedulerConfig, EngineConfig, DisaggConfig, PrefillConfig, DecodeConfig,
                ControlConfig, TcpListenerConfig, ServerConfig, ToolConfig, TlsConfig, CacheAwareConfig,
-               cluster.ClusterOptions, cluster.DecodeOverrides)
+               PlannerConfig, cluster.ClusterOptions, cluster.DecodeOverrides)
     fields = {f.name for cls in configs for f in dataclasses.fields(cls)}
     serve = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
     flags = {action.dest for action in serve._actions if action.dest != "help"}
     assert sorted(flags - fields) == []
     assert {"dp_size", "local_prefill_min_prefill_load", "max_local_prefill_tokens", "decode_max_num_seqs",
             "prefill_cpus", "port", "max_waiting_requests"} <= flags
+
+
+def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
+    """On 2 CPUs: a worker a role, 4 waiting requests a worker, the decode prefilling a short rest
+    itself in 24-token chunks beside at most 8 decoding requests, the planner advising; every note
+    on the ready line."""
+    monkeypatch.setattr(cluster, "usable_cpus", lambda: frozenset({0, 1}))
+    monkeypatch.setattr(cli, "usable_cpus", lambda: frozenset({0, 1}))
+    seen = captured_run(monkeypatch, [])
+    o = seen["options"]
+    prefill, decode = cluster.server_configs(o)
+    assert (prefill.dp_size, prefill.cpus, decode.dp_size, decode.cpus) == (1, "0", 1, "1")
+    assert (prefill.max_waiting_requests, decode.max_waiting_requests) == (4, 4)
+    assert (prefill.enable_pd_role_switch, decode.enable_pd_role_switch) == (False, False)
+    assert seen["disagg"].decode.max_local_prefill_tokens == 192
+    assert (seen["decode_engine"].scheduler.max_num_seqs, seen["decode_engine"].scheduler.max_prefill_tokens_per_step,
+            seen["engine"].scheduler.max_num_seqs, seen["engine"].scheduler.max_prefill_tokens_per_step) == (8, 24, 64, 0)
+    assert o.planning == PlannerConfig(planner=PlannerMode.ADVISORY)
+    assert o.sized == (
+        "prefill dp 1 + decode dp 1 (a worker per CPU of each role)",
+        "--max-waiting-requests 4 (4 a worker; past them 429 at once, not a queue that misses every SLO)",
+        "--max-local-prefill-tokens 192 (the decode prefills a short rest itself while the prefill is busy)",
+        "--decode-max-prefill-tokens-per-step 24 (that prefill in chunks, beside every decoding request's token)",
+        "--decode-max-num-seqs 8 (the rest wait for a slot; these keep their pace)")
+
+
+def test_what_is_given_is_kept_and_only_the_rest_is_sized(monkeypatch):
+    for module in (cluster, cli):
+        monkeypatch.setattr(module, "usable_cpus", lambda: frozenset(range(7)))
+    o = captured_run(monkeypatch, ["--max-waiting-requests", "0", "--decode-max-num-seqs", "16",
+                                   "--planner", "auto"])["options"]
+    prefill, decode = cluster.server_configs(o)
+    assert (prefill.dp_size, prefill.cpus, decode.dp_size, decode.cpus) == (4, "0-3", 3, "4-6")
+    assert (prefill.max_waiting_requests, prefill.enable_pd_role_switch, decode.enable_pd_role_switch) == (0, True, True)
+    assert o.decode.decode_max_num_seqs == 16
+    assert [note.split(" (")[0] for note in o.sized] == [
+        "prefill dp 4 + decode dp 3", "--max-local-prefill-tokens 192", "--decode-max-prefill-tokens-per-step 24"]
+    o = captured_run(monkeypatch, ["--dp-size", "2"])["options"]
+    prefill, decode = cluster.server_configs(o)
+    assert (prefill.dp_size, decode.dp_size, prefill.max_waiting_requests) == (2, 2, 8)
+    o = captured_run(monkeypatch, ["--dp-size", "2", "--decode-dp-size", "1"])["options"]
+    assert [cfg.dp_size for cfg in cluster.server_configs(o)] == [2, 1]
+
+
+def test_a_role_gets_at_most_eight_workers_each_on_its_share_of_the_cpus():
+    from disagg.sizing import role_dp_size, size_to_machine
+
+    assert [role_dp_size(cpus) for cpus in (None, frozenset({3}), frozenset(range(8)), frozenset(range(32)))] == [
+        1, 1, 8, 8]
+    sized = size_to_machine(frozenset(range(32)), frozenset(range(32, 64)))
+    assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests) == (8, 8, 32)
+    sized = size_to_machine(None, None, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
+                            decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64)
+    assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.notes) == (3, 3, 5, ())

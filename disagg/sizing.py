@@ -1,0 +1,66 @@
+"""`disagg serve`'s defaults sized to the machine it finds: what each flag the user left unset becomes,
+and why, in words the ready line prints.
+
+Pure: it takes the CPUs each role got (disagg/cpus.py's plan) and the flags as given (None: not given).
+The figures behind each default are in docs/benchmarks.md ("Multi-turn chat", "Overload on the chat
+load", "Defaults that pay"); docs/router.md ("disagg serve's defaults") explains them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_DP_SIZE = 8  # past this a role's workers get several CPUs each (one model copy per worker)
+WAITING_PER_WORKER = 4  # a request queued past these on 2 cores misses a 1.5 s TTFT objective anyway
+DECODE_SEQS_PER_WORKER = 8  # the decode's batch that keeps a step under the 60 ms ITL objective on a core
+LOCAL_PREFILL_TOKENS = 192  # a chat turn's new tokens: the decode prefills it while the prefill is busy
+DECODE_PREFILL_TOKENS_PER_STEP = 24  # the decode's prompt chunk per step, beside every decoding request
+
+
+@dataclass(frozen=True)
+class Sized:
+    """Every sized setting's value (given or sized) and a note for each one that was sized."""
+
+    dp_size: int
+    decode_dp_size: int
+    max_waiting_requests: int
+    max_local_prefill_tokens: int
+    decode_max_prefill_tokens_per_step: int
+    decode_max_num_seqs: int
+    notes: tuple[str, ...]
+
+
+def role_dp_size(cpus: frozenset[int] | None) -> int:
+    """One worker per CPU the role runs on, at most MAX_DP_SIZE (1 where nothing is pinned)."""
+    return 1 if cpus is None else max(1, min(len(cpus), MAX_DP_SIZE))
+
+
+def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[int] | None,
+                    dp_size: int | None = None, decode_dp_size: int | None = None,
+                    max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
+                    decode_max_prefill_tokens_per_step: int | None = None,
+                    decode_max_num_seqs: int | None = None) -> Sized:
+    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs."""
+    notes: list[str] = []
+    if dp_size is None:
+        dp_size, decode_dp_size = role_dp_size(prefill_cpus), decode_dp_size or role_dp_size(decode_cpus)
+        notes.append(f"prefill dp {dp_size} + decode dp {decode_dp_size} (a worker per CPU of each role)")
+    decode_dp_size = decode_dp_size or dp_size
+    if max_waiting_requests is None:
+        max_waiting_requests = WAITING_PER_WORKER * max(dp_size, decode_dp_size)
+        notes.append(f"--max-waiting-requests {max_waiting_requests} ({WAITING_PER_WORKER} a worker; past them "
+                     "429 at once, not a queue that misses every SLO)")
+    if max_local_prefill_tokens is None:
+        max_local_prefill_tokens = LOCAL_PREFILL_TOKENS
+        notes.append(f"--max-local-prefill-tokens {LOCAL_PREFILL_TOKENS} (the decode prefills a short rest itself "
+                     "while the prefill is busy)")
+    if decode_max_prefill_tokens_per_step is None:
+        decode_max_prefill_tokens_per_step = DECODE_PREFILL_TOKENS_PER_STEP
+        notes.append(f"--decode-max-prefill-tokens-per-step {DECODE_PREFILL_TOKENS_PER_STEP} (that prefill in "
+                     "chunks, beside every decoding request's token)")
+    if decode_max_num_seqs is None:
+        decode_max_num_seqs = DECODE_SEQS_PER_WORKER
+        notes.append(f"--decode-max-num-seqs {DECODE_SEQS_PER_WORKER} (the rest wait for a slot; these keep "
+                     "their pace)")
+    return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
+                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, tuple(notes))

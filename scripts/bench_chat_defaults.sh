@@ -1,0 +1,42 @@
+#!/bin/bash
+# docs/benchmarks.md "Defaults that pay": the multi-turn chat load at each rate against `disagg serve`
+# with its defaults (sized to this machine) and `disagg unified --dp-size 2`, with its defaults and with
+# the flags of serve's limits (`--max-waiting-requests 4 --max-num-seqs 8`), one server at a time, then the table
+# (scripts/chat_table.py) with KV moved per later turn. Run on a quiet machine from the repository root:
+#
+#     RATES="0.5 1 1.5 2" OUT=bench-out/defaults scripts/bench_chat_defaults.sh
+#
+# A rate R sends 16 x R conversations (at least 12) of 4 turns each.
+set -u
+RATES=${RATES:-"0.5 1 1.5 2"}
+OUT=${OUT:-bench-out/defaults}
+mkdir -p "$OUT"
+
+stop() {  # the process group of $1
+  kill -TERM -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null; sleep 3
+}
+run() {  # $1: label, $2: rate, $3: log file, rest: the server's command
+  local label=$1 rate=$2 log=$3 url=""; shift 3
+  setsid "$@" > "$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 240); do
+    sleep 1; url=$(grep -o "^ready: http://[0-9.:]*" "$log" | head -1 | cut -d' ' -f2); [ -n "$url" ] && break
+  done
+  if [ -z "$url" ]; then echo "$label at $rate: did not start" >&2; stop $pid; return; fi
+  local n
+  n=$(.venv/bin/python -c "print(max(12, round(16 * $rate)))")
+  .venv/bin/disagg bench serve --base-url "$url" --workload chat --num-conversations "$n" --turns-per-conversation 4 \
+    --system-prompt-tokens 256 --user-tokens 32 128 --output-tokens 64 --think-time-s 1 --long-doc-prob 0.1 \
+    --long-doc-tokens 1024 --request-rate "$rate" --seed 0 --goodput ttft:1500 tpot:60 \
+    --label "$label" --out "$OUT/$label-$rate.json" > "$OUT/$label-$rate.txt" 2>&1
+  stop $pid
+}
+
+.venv/bin/python -c "from disagg.bench.engine import machine_line; print(machine_line())" | tee "$OUT/machine.txt"
+for rate in $RATES; do
+  run unified "$rate" "$OUT/unified-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2
+  run unified-limits "$rate" "$OUT/unified-limits-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2 \
+    --max-waiting-requests 4 --max-num-seqs 8
+  run serve "$rate" "$OUT/serve-$rate.log" .venv/bin/disagg serve --port 0 --log-format json
+done
+.venv/bin/python scripts/chat_table.py --dir "$OUT" --rates $RATES

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 MAX_DP_SIZE = 8  # past this a role's workers get several CPUs each (one model copy per worker)
 WAITING_PER_WORKER = 4  # a request queued past these on 2 cores misses a 1.5 s TTFT objective anyway
-DECODE_SEQS_PER_WORKER = 8  # the decode's batch that keeps a step under the 60 ms ITL objective on a core
+# the decode's batch that keeps a step near the 60 ms ITL objective on one core: SmolLM2's matmuls at 8
+# rows take ~46 ms on an AVX2 core (csrc dequant_matmul), so AVX2 and lesser CPUs run half the batch
+DECODE_SEQS_PER_WORKER = {"avx512": 8, "avx2": 4, "base": 4}
 LOCAL_PREFILL_TOKENS = 192  # a chat turn's new tokens: the decode prefills it while the prefill is busy
 DECODE_PREFILL_TOKENS_PER_STEP = 24  # the decode's prompt chunk per step, beside every decoding request
 
@@ -39,8 +41,9 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
-                    decode_max_num_seqs: int | None = None) -> Sized:
-    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs."""
+                    decode_max_num_seqs: int | None = None, isa: str = "avx512") -> Sized:
+    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (`isa`:
+    the csrc instruction set in force, disagg.ops.cpu)."""
     notes: list[str] = []
     if dp_size is None:
         dp_size, decode_dp_size = role_dp_size(prefill_cpus), decode_dp_size or role_dp_size(decode_cpus)
@@ -59,8 +62,8 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         notes.append(f"--decode-max-prefill-tokens-per-step {DECODE_PREFILL_TOKENS_PER_STEP} (that prefill in "
                      "chunks, beside every decoding request's token)")
     if decode_max_num_seqs is None:
-        decode_max_num_seqs = DECODE_SEQS_PER_WORKER
-        notes.append(f"--decode-max-num-seqs {DECODE_SEQS_PER_WORKER} (the rest wait for a slot; these keep "
+        decode_max_num_seqs = DECODE_SEQS_PER_WORKER[isa]
+        notes.append(f"--decode-max-num-seqs {decode_max_num_seqs} (on {isa}: the rest wait for a slot; these keep "
                      "their pace)")
     return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
                  decode_max_prefill_tokens_per_step, decode_max_num_seqs, tuple(notes))

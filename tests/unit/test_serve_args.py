@@ -151,8 +151,13 @@ def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
     """On 2 CPUs: a worker a role, 4 waiting requests a worker, the decode prefilling a short rest
     itself in 24-token chunks beside at most 8 decoding requests, the planner advising; every note
     on the ready line."""
+    from types import SimpleNamespace
+
+    from disagg.ops.cpu import Isa
+
     monkeypatch.setattr(cluster, "usable_cpus", lambda: frozenset({0, 1}))
     monkeypatch.setattr(cli, "usable_cpus", lambda: frozenset({0, 1}))
+    monkeypatch.setattr("disagg.ops.cpu.cpu_features", lambda: SimpleNamespace(isa=Isa.AVX512))
     seen = captured_run(monkeypatch, [])
     o = seen["options"]
     prefill, decode = cluster.server_configs(o)
@@ -168,7 +173,7 @@ def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
         "--max-waiting-requests 4 (4 a worker; past them 429 at once, not a queue that misses every SLO)",
         "--max-local-prefill-tokens 192 (the decode prefills a short rest itself while the prefill is busy)",
         "--decode-max-prefill-tokens-per-step 24 (that prefill in chunks, beside every decoding request's token)",
-        "--decode-max-num-seqs 8 (the rest wait for a slot; these keep their pace)")
+        "--decode-max-num-seqs 8 (on avx512: the rest wait for a slot; these keep their pace)")
 
 
 def test_what_is_given_is_kept_and_only_the_rest_is_sized(monkeypatch):
@@ -199,3 +204,6 @@ def test_a_role_gets_at_most_eight_workers_each_on_its_share_of_the_cpus():
     sized = size_to_machine(None, None, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
                             decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64)
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.notes) == (3, 3, 5, ())
+    assert [size_to_machine(None, None, isa=isa).decode_max_num_seqs for isa in ("avx512", "avx2", "base")] == [8, 4, 4]
+    assert size_to_machine(None, None, isa="avx2").notes[-1] == (
+        "--decode-max-num-seqs 4 (on avx2: the rest wait for a slot; these keep their pace)")

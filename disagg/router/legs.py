@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -145,3 +145,29 @@ async def both_or_first_error(prefill: asyncio.Task, decode: asyncio.Task) -> tu
         return prefill.result(), decode.result()
     finally:
         await cancel_all(tasks)
+
+
+async def await_unless_other_fails(wanted: asyncio.Task, other: asyncio.Task):
+    """`wanted`'s result; raises `other`'s error if it fails first (then `wanted` is cancelled).
+
+    `other` succeeding first does not stop the wait.
+    """
+    try:
+        pending = {wanted, other}
+        while wanted in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if other in done and other.exception() is not None:
+                raise other.exception()
+        return wanted.result()
+    finally:
+        if not wanted.done():
+            await cancel_all([wanted])
+
+
+def stream_headers(upstream: Mapping[str, str]) -> dict[str, str]:
+    out = {"Content-Type": upstream.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+           "X-Accel-Buffering": "no"}
+    if DP_RANK_HEADER in upstream:
+        out[DP_RANK_HEADER] = upstream[DP_RANK_HEADER]
+    return out
+

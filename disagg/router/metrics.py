@@ -39,6 +39,9 @@ class RouterMetrics:
         self.http = HttpMetrics(self.registry)
         self.prefills = Counter("disagg_router_prefills", "requests sent with a prefill (remote) or to the decode "
                                 "alone (local: --max-local-prefill-tokens)", ["where"], registry=self.registry)
+        self.answers = Counter("disagg_router_answers", "answers by their path (pd, decode-local, retried) and, "
+                               "where not pd, why (X-Disagg-Path, X-Disagg-Path-Reason)", ["path", "reason"],
+                               registry=self.registry)
         self.local_prefills_refused = Counter("disagg_router_local_prefills_refused", "requests a decode would not "
                                               "prefill itself, sent again with a prefill", registry=self.registry)
 

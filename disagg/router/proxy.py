@@ -30,12 +30,17 @@ from disagg.router.errors import (
     RequestShutDown, ServerDraining, ServerError, ServerUnreachable, retryable, sse_error_event,
 )
 from disagg.router.health import HealthChecker
-from disagg.router.legs import Leg, LegAnswer, LegClient, both_or_first_error, cancel_all, json_or_none
+from disagg.router.answer_path import LOCAL_PREFILL_REFUSED, answer_path, failure_reason
+from disagg.router.legs import (
+    Leg, LegAnswer, LegClient, await_unless_other_fails, both_or_first_error, cancel_all, json_or_none, stream_headers,
+)
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPolicy, Policy, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
 from disagg.types import ErrorCode
-from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER, ROLE_EPOCH_HEADER
+from disagg.wire.headers import (
+    DP_RANK_HEADER, PATH_HEADER, PATH_REASON_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER, ROLE_EPOCH_HEADER,
+)
 
 log = structlog.get_logger("disagg.router")
 REFUSED = "refused a request with 503"  # `last_error` of a server found draining (or switching roles) that way
@@ -112,17 +117,18 @@ class Proxy:
         the servers), a retryable failure (at most `retry_max_retries` times), or a decode that would
         not prefill the request itself (once more, with a prefill)."""
         num_draining = self._pool.size(Role.PREFILL) + self._pool.size(Role.DECODE)
-        num_retries = 0
+        num_retries, first_failure = 0, None
         local_ok = True
         while True:
             try:
                 plan = await self.plan(path, body, local_ok, headers)
-                return await self._serve_plan(request, path, plan, headers, num_retries)
+                return await self._serve_plan(request, path, plan, headers, num_retries, first_failure)
             except local_prefill.LocalPrefillRefused as exc:
                 log.info("the decode would not prefill the request itself; sending it with a prefill", error=exc.message)
                 self._metrics.local_prefills_refused.inc()
-                local_ok = False
+                local_ok, first_failure = False, first_failure or LOCAL_PREFILL_REFUSED
             except ServerDraining as exc:
+                first_failure = first_failure or failure_reason(exc)
                 log.info("server takes no new requests; sending the request elsewhere", role=exc.role, url=exc.url,
                          code=exc.code.value)
                 self._pool.set_health(Role(exc.role), exc.index, Health.UNHEALTHY, f"{REFUSED} ({exc.code.value})")
@@ -133,6 +139,7 @@ class Proxy:
                     raise
             except (ServerError, ServerUnreachable) as exc:
                 others = self._pool.size(Role(exc.role))
+                first_failure = first_failure or failure_reason(exc)
                 if not retryable(exc, others) or num_retries >= self._config.retry_max_retries:
                     if num_retries:
                         self._metrics.retries_exhausted.labels(path).inc()
@@ -143,7 +150,7 @@ class Proxy:
                             status=exc.status, error=exc.message, retry=num_retries)
 
     async def _serve_plan(self, request: web.Request, path: str, plan: Plan, headers: dict[str, str],
-                          num_retries: int = 0) -> web.StreamResponse:
+                          num_retries: int = 0, first_failure: str | None = None) -> web.StreamResponse:
         room = plan.room if isinstance(plan.room, int) else plan.room[0]
         with structlog.contextvars.bound_contextvars(bootstrap_room=room, path=path):
             try:
@@ -154,10 +161,15 @@ class Proxy:
                     prefill.set_result(None)
                 elif self._config.protocol is PdProtocol.PULL:
                     plan, prefill = await self._pull_ticket(plan, headers)
-                out_headers = {RETRIES_HEADER: str(num_retries)} if num_retries else {}
-                if plan.stream:
-                    return await self._stream(request, plan, headers, prefill, out_headers)
-                return await self._unary(plan, headers, prefill, out_headers)
+                taken, why = answer_path(plan.prefill is None, first_failure)
+                out_headers = {PATH_HEADER: taken.value, **({PATH_REASON_HEADER: why} if why else {}),
+                               **({RETRIES_HEADER: str(num_retries)} if num_retries else {})}
+                answer = await (self._stream(request, plan, headers, prefill, out_headers) if plan.stream
+                                else self._unary(plan, headers, prefill, out_headers))
+                self._metrics.answers.labels(taken.value, why or "").inc()
+                log.info("request answered", disagg_path=taken.value, reason=why, retries=num_retries,
+                         prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server)
+                return answer
             except ServerError as exc:
                 if plan.prefill is None and local_prefill.refuses_local_prefill(exc):
                     raise local_prefill.LocalPrefillRefused(exc) from None
@@ -307,11 +319,11 @@ class Proxy:
         opening = asyncio.create_task(self._legs.open_stream(plan.decode, headers))
         resp = None
         try:
-            resp, first = await _await_unless_other_fails(opening, prefill)
+            resp, first = await await_unless_other_fails(opening, prefill)
             reported = resp.headers.get(DP_RANK_HEADER)
             if plan.expected_decode_rank is not None and reported is not None:
                 bodies.check_decode_dp_rank(plan.expected_decode_rank, None, reported)
-            out = web.StreamResponse(status=resp.status, headers={**(out_headers or {}), **_stream_headers(resp.headers)})
+            out = web.StreamResponse(status=resp.status, headers={**(out_headers or {}), **stream_headers(resp.headers)})
             await out.prepare(request)
             kept = [] if plan.learn is not None else None  # the answer's events, to learn it once it ends well
             await self._relay_unless_aborted(out, plan, resp, first, prefill, kept)
@@ -356,7 +368,7 @@ class Proxy:
                 if prefill.done() and prefill.exception() is None:  # nothing left to watch
                     chunk = await self._legs.read_chunk(plan.decode, resp)
                     continue
-                chunk = await _await_unless_other_fails(
+                chunk = await await_unless_other_fails(
                     asyncio.create_task(self._legs.read_chunk(plan.decode, resp)), prefill)
         except HttpError as exc:
             log.warning("stream failed after it started", status=exc.status, error=exc.message)
@@ -369,29 +381,3 @@ class Proxy:
         done, _ = await asyncio.wait({prefill}, timeout=self._legs.timeout_s)
         if prefill in done and not prefill.cancelled() and prefill.exception() is not None:
             log.warning("prefill failed after the decode finished", error=str(prefill.exception()))
-
-
-async def _await_unless_other_fails(wanted: asyncio.Task, other: asyncio.Task):
-    """`wanted`'s result; raises `other`'s error if it fails first (then `wanted` is cancelled).
-
-    `other` succeeding first does not stop the wait.
-    """
-    try:
-        pending = {wanted, other}
-        while wanted in pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if other in done and other.exception() is not None:
-                raise other.exception()
-        return wanted.result()
-    finally:
-        if not wanted.done():
-            await cancel_all([wanted])
-
-
-def _stream_headers(upstream: Mapping[str, str]) -> dict[str, str]:
-    out = {"Content-Type": upstream.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
-           "X-Accel-Buffering": "no"}
-    if DP_RANK_HEADER in upstream:
-        out[DP_RANK_HEADER] = upstream[DP_RANK_HEADER]
-    return out
-

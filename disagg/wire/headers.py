@@ -14,3 +14,7 @@ CLUSTER_AUTH_HEADER = "X-Disagg-Cluster-Auth"
 # Our router's leg to a server that may switch roles: the role epoch the router saw it at. A server at
 # another epoch (it switched since) refuses with 503 stale_role_epoch instead of serving the wrong half.
 ROLE_EPOCH_HEADER = "X-PD-Role-Epoch"
+# On our router's answer: its path (pd, decode-local, retried: disagg/router/answer_path.py) and, where
+# it was not pd, why.
+PATH_HEADER = "X-Disagg-Path"
+PATH_REASON_HEADER = "X-Disagg-Path-Reason"

@@ -189,6 +189,8 @@ async def test_both_legs_get_the_same_body_and_the_client_gets_the_decode_answer
         status, headers, raw = await post(router, "/generate", body, {"Authorization": "Bearer k"})
     assert (status, raw) == (200, decode_answer)
     assert headers["X-data-parallel-rank"] == "0" and "X-Other" not in headers
+    assert (headers["X-Disagg-Path"], "X-Disagg-Path-Reason" in headers, "X-Disagg-Retries" in headers) == (
+        "pd", False, False)
     assert prefill.raw == decode.raw  # the same bytes on both legs
     sent = decode.bodies[0]
     room = sent["bootstrap_room"]
@@ -302,7 +304,8 @@ async def test_a_503_before_any_byte_is_sent_again_with_a_fresh_room(stream):
     prefill, decode = FakeServer(sleep_then(0.2)), FakeServer(fail_first(1, json_answer(DEAD_RANK, status=503), ok))
     async with cluster([prefill], [decode], randbits=lambda bits: next(rooms)) as router:
         status, headers, raw = await post(router, "/generate", {"text": "hi", "stream": stream})
-    assert (status, headers["X-Disagg-Retries"]) == (200, "1")
+    assert (status, headers["X-Disagg-Retries"], headers["X-Disagg-Path"], headers["X-Disagg-Path-Reason"]) == (
+        200, "1", "retried", "decode_503")
     assert raw == (b"".join(SSE_CHUNKS) if stream else b'{"text": "ok"}')
     assert [b["bootstrap_room"] for b in decode.bodies] == [b["bootstrap_room"] for b in prefill.bodies] == [11, 12]
 
@@ -554,6 +557,7 @@ async def test_a_429_from_one_decode_goes_to_the_other(stream):
     async with cluster([prefill], [refusing, serving], policy="round_robin") as router:
         status, headers, raw = await post(router, "/generate", {"text": "hi", "stream": stream})
     assert (status, headers["X-Disagg-Retries"], "Retry-After" in headers) == (200, "1", False)
+    assert (headers["X-Disagg-Path"], headers["X-Disagg-Path-Reason"]) == ("retried", "decode_429")
     assert raw == (b"".join(SSE_CHUNKS) if stream else b'{"text": "ok"}')
     assert (len(refusing.bodies), len(serving.bodies), len(prefill.bodies)) == (1, 1, 2)
 

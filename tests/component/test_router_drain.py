@@ -66,6 +66,8 @@ async def test_a_server_refusing_as_draining_is_marked_unhealthy_and_the_request
         listed = await server_list(router, role)
     expected = b"".join(SSE_CHUNKS) if stream else b'{"server": "well"}'
     assert [(status, raw) for status, _, raw in (first, second)] == [(200, expected), (200, expected)]
+    assert [(h["X-Disagg-Path"], h.get("X-Disagg-Path-Reason")) for _, h, _ in (first, second)] == [
+        ("retried", "draining"), ("pd", None)]  # not counted as a retry, but the answer came from a second pair
     assert (len(draining.bodies), len(well.bodies)) == (1, 2)
     assert listed == [("unhealthy", "refused a request with 503 (draining)"), ("healthy", None)]
     retried_room, first_room = well.bodies[0]["bootstrap_room"], draining.bodies[0]["bootstrap_room"]

@@ -28,15 +28,21 @@ async def test_the_next_turn_after_a_learned_answer_goes_to_the_decode_alone(str
     prefill, decode = FakeServer(), FakeServer(decode_answer(stream), server_info={"max_local_prefill_tokens": 4})
     config = CacheAwareConfig(local_prefill_min_prefill_load=0)  # the prefill is idle here
     async with cluster([prefill], [decode], policy="cache_aware", cache_aware=config) as router:
-        assert (await post(router, "/v1/chat/completions", {"messages": TURN_1, "stream": stream}))[0] == 200
+        first = await post(router, "/v1/chat/completions", {"messages": TURN_1, "stream": stream})
         # The decode's tree holds turn 1's text and the answer: " And Spain?" is 11 characters, 3 tokens.
-        assert (await post(router, "/v1/chat/completions", {"messages": TURN_2, "stream": stream}))[0] == 200
+        second = await post(router, "/v1/chat/completions", {"messages": TURN_2, "stream": stream})
         _, _, metrics = await get(router, "/metrics")
+    assert (first[0], first[1]["X-Disagg-Path"], "X-Disagg-Path-Reason" in first[1]) == (200, "pd", False)
+    assert (second[0], second[1]["X-Disagg-Path"], second[1]["X-Disagg-Path-Reason"]) == (
+        200, "decode-local", "short_uncached_rest")
     assert len(prefill.bodies) == 1 and prefill.bodies[0]["messages"] == TURN_1
     assert "bootstrap_room" in decode.bodies[0] and "bootstrap_room" not in decode.bodies[1]
     assert decode.bodies[1] == {"messages": TURN_2, "stream": stream}  # as the client sent it
     assert metric_values(metrics, "disagg_router_prefills_total") == {
         'disagg_router_prefills_total{where="local"}': 1.0, 'disagg_router_prefills_total{where="remote"}': 1.0}
+    assert metric_values(metrics, "disagg_router_answers_total") == {
+        'disagg_router_answers_total{path="decode-local",reason="short_uncached_rest"}': 1.0,
+        'disagg_router_answers_total{path="pd",reason=""}': 1.0}
 
 
 async def test_an_answer_the_router_cannot_read_is_not_learned():

@@ -31,6 +31,7 @@ from disagg.dp.controller import DPController
 from disagg.worker.roles import RoleSpec, decode_role, prefill_role
 from disagg.drain import Drain, StopSignals
 from disagg.http_site import server_ssl_context
+from kvtransfer.handshake import PROTOCOL_VERSION
 from disagg.logs import configure_logging
 from disagg.dp.prefill_front import PrefillController
 from disagg.dp.role_switch import PdRoles
@@ -78,11 +79,13 @@ def _role_specs(server: ServerConfig, disagg: DisaggConfig) -> PdRoles:
     mode = server.disaggregation_mode
     methods = {DisaggregationMode.PREFILL: LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM,
                DisaggregationMode.DECODE: LoadBalanceMethod.LEAST_LOAD, mode: server.load_balance_method}
+    # /server_info's kv_compatibility: the engine's record (ModelCard.compatibility) and these
+    transfer = {"kv_compatibility": {"transfer_backend": str(disagg.transfer_backend), "kv_protocol": PROTOCOL_VERSION}}
     prefill = RoleSpec(prefill_role, dict(config=disagg, dp_size=server.dp_size,
-                                          load_balance_method=methods[DisaggregationMode.PREFILL]))
+                                          load_balance_method=methods[DisaggregationMode.PREFILL]), transfer)
     # Our router reads the local-prefill limit here (disagg/router/health.py): declared once, on the decode.
     decode = RoleSpec(decode_role, dict(config=disagg),
-                      {"max_local_prefill_tokens": disagg.decode.max_local_prefill_tokens})
+                      {"max_local_prefill_tokens": disagg.decode.max_local_prefill_tokens, **transfer})
     return PdRoles(mode, {DisaggregationMode.PREFILL: prefill, DisaggregationMode.DECODE: decode}, methods)
 
 

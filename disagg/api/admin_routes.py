@@ -99,12 +99,15 @@ async def health_generate(request: web.Request) -> web.Response:
 
 def _server_info(state: ApiState) -> dict:
     card, engine = state.engine.model, state.engine
-    return {
+    info = {
         "model_path": card.name, "served_model_name": card.name, "max_model_len": card.max_model_len,
         "vocab_size": card.vocab_size, "engine": card.engine_summary, "dp_size": engine.dp_size,
         "load_balance_method": engine.load_balance_method, "disaggregation_mode": engine.mode,
         "internal_states": [dataclasses.asdict(s) for s in engine.worker_states()], **engine.role_info,
     }
+    if "kv_compatibility" in info:  # a P/D server: the engine's record and its role's transfer settings
+        info["kv_compatibility"] = {**card.compatibility, **info["kv_compatibility"]}
+    return info
 
 
 async def server_info(request: web.Request) -> web.Response:

@@ -159,7 +159,8 @@ class DPController:
         if worker.num_restarts:
             log.info("DP worker restarted", dp_rank=worker.rank, num_restarts=worker.num_restarts)
         if self.model is None:
-            self.model = ModelCard(ready.model_name, ready.max_model_len, ready.vocab_size, ready.engine_summary)
+            self.model = ModelCard(ready.model_name, ready.max_model_len, ready.vocab_size, ready.engine_summary,
+                                   dict(ready.compatibility))
         if all(w.ready is not None for w in self.workers):
             self._all_ready.set()
         try:

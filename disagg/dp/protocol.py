@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from disagg.config import DisaggregationMode, LoadBalanceMethod
@@ -45,6 +45,7 @@ class ModelCard:
     max_model_len: int
     vocab_size: int
     engine_summary: str = ""  # dtype and matmul kernels the workers chose, and why
+    compatibility: dict = field(default_factory=dict)  # what a P/D peer must share (the workers' ReadyMsg)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from disagg.engine.models.llama import LlamaModel
 from disagg.engine.models.tensor_parallel import Collectives, shard_arch, shard_weights
 from disagg.engine.output_processor import OutputProcessor
 from disagg.engine.request import Request
-from disagg.engine.resolve import engine_summary, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
+from disagg.engine.resolve import (
+    compatibility_record, engine_summary, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization,
+)
 from disagg.engine.progress import CacheSpec, EngineStats, RequestProgress, Reservation
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.engine.step_metrics import StepLog, StepMetrics, measure
@@ -57,6 +59,7 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
         self.engine_summary = engine_summary(config, self.dtype, self.kv_dtype, model, self.quantization_reason)
+        self.compatibility = compatibility_record(config, self.loaded, self.dtype, self.kv_dtype)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.shared_kv = None if kv_file is None or tp is None else SharedKV(kv_file, tp.rank, tp.size)
         if self.shared_kv is not None and config.model.device != "cpu":

@@ -10,6 +10,8 @@ quantizes and moves them.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -131,6 +133,32 @@ def resolve_model_path(name: str) -> str:
     if os.sep in name or name.startswith(("~", ".")) or name.endswith(".gguf"):
         raise ConfigError(f"model path {name!r} does not exist")
     raise ConfigError(f"unknown model {name!r}; use {ACCEPTED_FORMS}")
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf", "*.pt")
+FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES = 64, 4096
+
+
+def weights_fingerprint(config: ModelConfig) -> str:
+    """16 hex digits naming a model's weights, for the P/D compatibility record: a hash of each weight
+    file's name, size and 64 samples of 4 KiB spread over it (two models of equal shapes and other
+    weights differ there; a 14 GB folder costs 64 reads a file, not a pass over it); the tiny model's
+    names its seed."""
+    digest = hashlib.blake2b(digest_size=8)
+    if config.model == "tiny":
+        digest.update(f"tiny:{config.seed}".encode())
+        return digest.hexdigest()
+    path = resolve_model_path(config.model)
+    files = [path] if os.path.isfile(path) else sorted(f for pattern in WEIGHT_FILES
+                                                       for f in glob.glob(os.path.join(path, pattern)))
+    for name in files:
+        size = os.path.getsize(name)
+        digest.update(f"{os.path.basename(name)}:{size};".encode())
+        with open(name, "rb") as weights:
+            for i in range(FINGERPRINT_SAMPLES):
+                weights.seek(size * i // FINGERPRINT_SAMPLES)
+                digest.update(weights.read(FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def weight_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:

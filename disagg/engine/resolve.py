@@ -10,7 +10,7 @@ import torch
 
 from disagg.config import ConfigError
 from disagg.engine_config import EngineConfig, KVCacheDType, ModelConfig
-from disagg.engine.loader import resolve_model_path
+from disagg.engine.loader import LoadedModel, resolve_model_path, weights_fingerprint
 from disagg.ops import csrc_status
 from disagg.ops.cpu import cpu_features
 from disagg.ops.linear import dtype_name
@@ -98,3 +98,15 @@ def engine_summary(config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dty
             f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
             f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
             f"kv cache {dtype_name(kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")
+
+
+def compatibility_record(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
+                         kv_dtype: torch.dtype) -> dict[str, str | int]:
+    """What a P/D peer must share with this engine (our router compares it between servers, /server_info's
+    `kv_compatibility`): the weights, the compute and KV dtypes, the KV layout; the TP size may differ
+    where the heads match."""
+    arch = loaded.arch
+    return {"model": loaded.name, "weights": weights_fingerprint(config.model), "dtype": dtype_name(dtype),
+            "kv_cache_dtype": dtype_name(kv_dtype), "block_size": config.cache.block_size,
+            "num_layers": arch.num_layers, "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
+            "tp_size": config.tensor_parallel_size}

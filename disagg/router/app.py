@@ -40,6 +40,7 @@ from disagg.router.kv_subscriber import KVEventSubscriber
 from disagg.router import passthrough
 from disagg.router.legs import LegClient
 from disagg.router.metrics import RouterMetrics
+from disagg.router.compat import incompatible_prefills
 from disagg.router.planning import RolePlanner
 from disagg.router.policy import PairPicker, Policy
 from disagg.router.proxy import Proxy
@@ -205,8 +206,17 @@ def router_view(router: Router) -> dict:
                    "trust_client_routing": cfg.trust_client_routing,
                    "request_timeout_s": cfg.request_timeout_s, "health_check_interval_s": cfg.health_check_interval_s},
         "prefill": [info.as_json() for info in router.pool.infos(Role.PREFILL)],
-        "decode": [info.as_json() for info in router.pool.infos(Role.DECODE)],
+        "decode": [_with_incompatible(router.pool, info) for info in router.pool.infos(Role.DECODE)],
     }
+
+
+def _with_incompatible(pool: WorkerPool, info) -> dict:
+    """A decode's entry, with the prefill servers it cannot pair with and why (disagg/router/compat.py)."""
+    out = info.as_json()
+    incompatible = incompatible_prefills(pool, info.compatibility)
+    if incompatible:
+        out["incompatible_prefills"] = incompatible
+    return out
 
 
 def api_key_middleware(api_key: str):

@@ -152,7 +152,8 @@ class HealthChecker:
         if (known.dp_size, known.role_epoch) != (dp_size, epoch):
             log.info("server info read", role=str(role), url=url, dp_size=dp_size, max_local_prefill_tokens=limit,
                      pd_role_epoch=epoch)
-        self._pool.set_dp_size(role, index, dp_size, limit, epoch)
+        record = answer.get("kv_compatibility") if isinstance(answer, dict) else None
+        self._pool.set_dp_size(role, index, dp_size, limit, epoch, record if isinstance(record, dict) else None)
         return dp_size
 
     def watch(self, role: Role, index: int) -> None:

@@ -31,6 +31,7 @@ from disagg.router.errors import (
 )
 from disagg.router.health import HealthChecker
 from disagg.router.answer_path import LOCAL_PREFILL_REFUSED, answer_path, failure_reason
+from disagg.router.compat import pool_pair
 from disagg.router.legs import (
     Leg, LegAnswer, LegClient, await_unless_other_fails, both_or_first_error, cancel_all, json_or_none, stream_headers,
 )
@@ -189,6 +190,10 @@ class Proxy:
         pick = self._picker.pick(prefill_loads, self._pool.loads(Role.DECODE), text, local_ok, token_ids)
         self._metrics.record_pick(pick)
         d = self._pool.ids(Role.DECODE)[pick.decode]
+        if not pick.local:  # a pair whose records differ is never used: a compatible one, or a 503 that says why
+            p, d = pool_pair(self._pool, self._pool.ids(Role.PREFILL)[pick.prefill], d)
+            if p != self._pool.ids(Role.PREFILL)[pick.prefill]:
+                pick = replace(pick, prefill=self._pool.ids(Role.PREFILL).index(p), prefill_dp_rank=None)
         self._metrics.picks.labels("decode", self._pool.info(Role.DECODE, d).url).inc()
         learn = local_prefill.learner(self._picker, path, text, d, bodies.is_stream(body))
         if pick.local:

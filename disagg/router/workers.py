@@ -47,6 +47,7 @@ class WorkerInfo:
     admitting: bool = True
     prefilling: int = 0  # prefill servers: legs sent that have not answered
     role_epoch: int | None = None  # a server that may switch roles: its pd_role_epoch when last read
+    compatibility: dict | None = None  # its /server_info kv_compatibility (disagg/router/compat.py)
 
     def as_json(self) -> dict:
         """The entry of this server in `/server_info` and `/workers`."""
@@ -74,6 +75,7 @@ class _Worker:
     prefilling: int = 0  # of in_flight, those whose prefill leg has not answered yet
     max_local_prefill_tokens: int = 0  # decode servers: from /server_info, read with dp_size
     role_epoch: int | None = None  # from /server_info: a server that may switch roles (None: it cannot)
+    compatibility: dict | None = None  # from /server_info: what a peer must share (None: not said)
 
 
 class WorkerPool:
@@ -137,7 +139,7 @@ class WorkerPool:
         """A snapshot of one server."""
         w = self._workers[role][worker_id]
         return WorkerInfo(role, worker_id, w.url, w.bootstrap_port, w.health, w.in_flight, w.dp_size, w.last_error,
-                          w.admitting, w.prefilling, w.role_epoch)
+                          w.admitting, w.prefilling, w.role_epoch, w.compatibility)
 
     def infos(self, role: Role) -> list[WorkerInfo]:
         """Snapshots of every server of `role`, in order of arrival."""
@@ -167,14 +169,15 @@ class WorkerPool:
         return previous
 
     def set_dp_size(self, role: Role, worker_id: int, dp_size: int, max_local_prefill_tokens: int = 0,
-                    role_epoch: int | None = None) -> None:
+                    role_epoch: int | None = None, compatibility: dict | None = None) -> None:
         """Record what the server reported in `/server_info`: its dp_size, (a decode) the rest it
-        prefills itself, and (a server that may switch roles) its role epoch."""
+        prefills itself, (a server that may switch roles) its role epoch, and its compatibility record."""
         if dp_size < 1:
             raise ValueError(f"dp_size must be at least 1, got {dp_size}")
         w = self._workers[role].get(worker_id)
         if w is not None:
             w.dp_size, w.max_local_prefill_tokens, w.role_epoch = dp_size, max_local_prefill_tokens, role_epoch
+            w.compatibility = compatibility
 
     def move(self, role: Role, worker_id: int, new_role: Role, bootstrap_port: int | None) -> int | None:
         """The server switched to `new_role`: it drains in `role` (its requests there finish; it is

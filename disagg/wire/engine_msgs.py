@@ -181,6 +181,7 @@ class ReadyMsg(msgspec.Struct, frozen=True, tag="ready"):
     num_blocks: int
     block_size: int
     engine_summary: str = ""  # dtype and matmul kernels chosen, and why (the ready line, /server_info)
+    compatibility: dict[str, str | int] = {}  # what a P/D peer must share (EngineCore.compatibility)
 
 
 class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):

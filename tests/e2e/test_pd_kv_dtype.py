@@ -60,3 +60,48 @@ async def test_a_decode_whose_cache_dtype_differs_is_refused_and_frees_its_block
         assert await cluster.free_blocks() == ([96, 96], [96, 96])
     finally:
         await cluster.close()
+
+
+@pytest.mark.parametrize("decode_engine, differs", [
+    (TINY, "kv_cache_dtype 'bfloat16' on the prefill, 'float32' on the decode"),
+    (replace(BF16_CACHE, model=replace(TINY.model, seed=1)), "weights '{p}' on the prefill, '{d}' on the decode"),
+], ids=["kv_cache_dtype", "weights"])
+async def test_behind_our_router_an_incompatible_pair_is_a_503_that_names_each_difference(decode_engine, differs):
+    """Each server's /server_info has its compatibility record; our router compares them and answers
+    503 incompatible_servers, naming every differing field, before any leg is sent (the decode's
+    handshake would answer 500 on every request); /workers says why."""
+    from disagg.router.config import PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    disagg = pd_config("tcp")
+    prefill = await start_server(ServerConfig(port=0, dp_size=1, disaggregation_mode="prefill"), BF16_CACHE, disagg,
+                                 lambda _: None)
+    decode = await start_decode(disagg, decode_engine, dp_size=1)
+    prefill_url, decode_url = f"http://127.0.0.1:{prefill.port}", f"http://127.0.0.1:{decode.port}"
+    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, prefill=(PrefillEndpoint(prefill_url, prefill.bootstrap_port),),
+                                       decode=(decode_url,)))
+    await router.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(decode_url + "/server_info") as r:
+                record = (await r.json())["kv_compatibility"]
+            async with session.get(prefill_url + "/server_info") as r:
+                prefill_record = (await r.json())["kv_compatibility"]
+            async with session.post(router.url + "/generate", json=BODY) as r:
+                status, answer = r.status, await r.json()
+            async with session.get(router.url + "/workers") as r:
+                workers = await r.json()
+        weights = {"p": prefill_record["weights"], "d": record["weights"]}
+        assert (prefill_record["weights"] == record["weights"]) is ("weights" not in differs)
+        assert record == {"model": "tiny", "weights": record["weights"], "dtype": "float32",
+                          "kv_cache_dtype": decode.controller.model.compatibility["kv_cache_dtype"], "block_size": 4,
+                          "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "tp_size": 1, "transfer_backend": "tcp",
+                          "kv_protocol": 1}
+        assert re.fullmatch(r"[0-9a-f]{16}", record["weights"])
+        message = f"prefill server {prefill_url} and decode server {decode_url} cannot pair: {differs.format(**weights)}"
+        assert (status, answer["error"]["code"], answer["error"]["message"]) == (503, "incompatible_servers", message)
+        assert workers["decode"][0]["incompatible_prefills"] == {prefill_url: differs.format(**weights)}
+        assert await Cluster(prefill, decode, None).free_blocks() == ([96], [96])
+    finally:
+        await router.close()
+        await asyncio.gather(prefill.close(), decode.close())

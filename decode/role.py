@@ -30,7 +30,7 @@ from disagg.engine.progress import Reservation
 from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
-from kvtransfer.base import PeerUnavailable
+from kvtransfer.base import IncompatiblePeer, PeerUnavailable
 from kvtransfer.control.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
@@ -241,12 +241,14 @@ class DecodeRole(TransferRole):
         else:  # bad input reads as itself; anything else names its kind
             reason = status.message if isinstance(status, InvalidRequest) else f"{type(status).__name__}: {status}"
         unavailable = isinstance(status, PeerUnavailable) or getattr(status, "peer_lost", False)
-        code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable else 500
+        incompatible = isinstance(status, IncompatiblePeer)  # a router may pair it with another prefill
+        code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable or incompatible else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id, answer=False)  # the answer is ours, with the failure's status
         self._end_pending(request, reason)
         return [OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=code,
-                          error_param=getattr(status, "param", None))]
+                          error_param=getattr(status, "param", None),
+                          error_code=ErrorCode.INCOMPATIBLE_PEER if incompatible else None)]
 
     async def abort(self, request_id: str) -> list[OutputMsg]:
         request = self.requests.get(request_id)

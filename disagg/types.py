@@ -24,6 +24,7 @@ class ErrorCode(str, enum.Enum):
     LOCAL_PREFILL_REFUSED = "local_prefill_refused"  # a 400: a decode sent a request alone will not prefill it
     ROLE_SWITCHING = "role_switching"  # a 503: the server is switching between prefill and decode; send it elsewhere
     STALE_ROLE_EPOCH = "stale_role_epoch"  # a 503: the request was routed for a role this server no longer has
+    INCOMPATIBLE_PEER = "incompatible_peer"  # a 503: the prefill refused this decode (its KV layout, backend)
 
 
 class FaultKind(str, enum.Enum):
@@ -275,6 +276,8 @@ class RequestOutput:
     num_logprobs: int | None = None  # top-n asked for per generated token (SamplingParams.logprobs)
     num_prompt_logprobs: int | None = None
     logprob_token_ids: tuple[int, ...] = ()  # SamplingParams.logprob_token_ids
+    queued_s: float | None = None  # arrival until it first ran (None: not yet)
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:

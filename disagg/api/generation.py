@@ -48,6 +48,8 @@ class Totals:
     inter_token_s: list[float] = field(default_factory=list)  # between outputs that carry tokens
     kv: KVStatsMsg | None = None
     kv_transfer_params: dict | None = None  # pull flow: the prefill's ticket
+    queued_s: float | None = None  # from the final output: arrival until the engine first ran it
+    num_preemptions: int = 0
 
     @property
     def e2e_latency_s(self) -> float:
@@ -86,6 +88,7 @@ class Totals:
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+            self.queued_s, self.num_preemptions = out.queued_s, out.num_preemptions
 
     def usage(self) -> dict:
         """OpenAI-style usage (vLLM adds `prompt_tokens_details.cached_tokens`)."""
@@ -146,6 +149,15 @@ class Generation:
             # close, and an iterator may have no aclose. Aborting a finished request is a no-op.
             await self._state.engine.abort(self._msg.request_id)
 
+    def _max_tokens(self, t: Totals) -> int:
+        """The request's max_tokens as vLLM records it: given, else the default, else the context left."""
+        sampling = self._msg.sampling
+        if sampling.max_tokens is not None:
+            return sampling.max_tokens
+        if sampling.default_max_tokens is not None:
+            return sampling.default_max_tokens
+        return max(self._state.engine.model.max_model_len - t.num_prompt_tokens, 0)
+
     def _report(self, done: bool) -> None:
         t = self.totals
         e2e_s = t.e2e_latency_s
@@ -154,7 +166,9 @@ class Generation:
             return
         ttft_s = None if t.first_token_s is None else t.first_token_s - t.arrival_s
         self._state.metrics.observe_request(t.num_prompt_tokens, t.num_output_tokens, ttft_s, e2e_s, dp_rank=t.dp_rank,
-                                            finish_reason=t.finish_reason, inter_token_s=t.inter_token_s)
+                                            finish_reason=t.finish_reason, inter_token_s=t.inter_token_s,
+                                            queued_s=t.queued_s, max_tokens=self._max_tokens(t),
+                                            num_preemptions=t.num_preemptions)
         if t.kv is not None:
             self._state.metrics.observe_kv(t.kv)
         if self._state.engine.mode is DisaggregationMode.DECODE:  # its KV came with it, or not

@@ -77,7 +77,7 @@ class ApiMetrics:
 
     def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int,
                  dispatch_stats: Callable[[], DispatchStats] = DispatchStats,
-                 take_step_reports: Callable[[], list[StepsMsg]] = list):
+                 take_step_reports: Callable[[], list[StepsMsg]] = list, max_model_len: int = 8192):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
@@ -109,15 +109,18 @@ class ApiMetrics:
                               ["fault", "dp_rank"], registry=reg)
         reg.register(_WorkerCollector(worker_states))
         reg.register(_DispatchCollector(dispatch_stats))
-        self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states)
+        self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states, max_model_len)
         self.steps = StepMetrics(reg, take_step_reports)
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
                         e2e_s: float, *, dp_rank: int = 0, finish_reason: FinishReason = FinishReason.STOP,
-                        inter_token_s: Sequence[float] = ()) -> None:
+                        inter_token_s: Sequence[float] = (), queued_s: float | None = None, max_tokens: int = 0,
+                        num_preemptions: int = 0) -> None:
         """Record one finished generation (here and under vLLM's names)."""
         self.vllm.observe_request(dp_rank, finish_reason, num_prompt_tokens, num_output_tokens, ttft_s,
                                   inter_token_s, e2e_s)
+        self.vllm.observe_phases(dp_rank, queued_s, ttft_s, e2e_s, num_prompt_tokens, num_output_tokens, max_tokens,
+                                 num_preemptions)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
         self.e2e.observe(e2e_s)

@@ -26,6 +26,18 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 LABELS = ["model_name", "engine"]
 
 
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
 class _VllmWorkerCollector:
     """vLLM's scheduler gauges, read from the DP workers' states at scrape time."""
 
@@ -72,9 +84,25 @@ class VllmMetrics:
     """vLLM-named counters and histograms in `registry`, plus the per-engine gauges."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, dp_size: int,
-                 worker_states: Callable[[], list[WorkerState]]):
+                 worker_states: Callable[[], list[WorkerState]], max_model_len: int = 8192):
         self.model_name = model_name
         reg = registry
+        tokens = build_1_2_5_buckets(max_model_len)
+        self.phases = {name: Histogram(f"vllm:request_{name}_time_seconds", doc, LABELS, buckets=E2E_BUCKETS_S,
+                                       registry=reg) for name, doc in (
+            ("queue", "Histogram of time spent in WAITING phase for request."),
+            ("inference", "Histogram of time spent in RUNNING phase for request."),
+            ("prefill", "Histogram of time spent in PREFILL phase for request."),
+            ("decode", "Histogram of time spent in DECODE phase for request."))}
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               LABELS, buckets=tokens, registry=reg)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", LABELS, buckets=tokens,
+                                                   registry=reg)
+        self.max_tokens = Histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                    LABELS, buckets=tokens, registry=reg)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", LABELS,
+                                   registry=reg)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=reg)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS,
                                          registry=reg)
@@ -92,7 +120,9 @@ class VllmMetrics:
         reg.register(_VllmWorkerCollector(model_name, worker_states))
         for rank in range(dp_size):  # as vLLM: every series exists from the start, at 0
             labels = (model_name, str(rank))
-            for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e):
+            for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
+                           self.request_prompt_tokens, self.request_generation_tokens, self.max_tokens,
+                           self.preemptions, *self.phases.values()):
                 family.labels(*labels)
             for reason in FinishReason:  # vLLM's finished_reason labels: stop, length, abort
                 self.request_success.labels(*labels, reason)
@@ -111,3 +141,21 @@ class VllmMetrics:
             self.ttft.labels(*labels).observe(ttft_s)
             if num_output_tokens > 1:
                 self.tpot.labels(*labels).observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_phases(self, dp_rank: int, queued_s: float | None, ttft_s: float | None, e2e_s: float,
+                       num_prompt_tokens: int, num_output_tokens: int, max_tokens: int, num_preemptions: int) -> None:
+        """A finished request's phases as vLLM splits them: queue (arrival until it first ran, the
+        engine's clock), prefill (then until its first token), decode (first token to the last),
+        inference (first run to the last token); its token counts, max_tokens and preemptions."""
+        labels = (self.model_name, str(dp_rank))
+        self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(num_output_tokens)
+        self.max_tokens.labels(*labels).observe(max_tokens)
+        self.preemptions.labels(*labels).inc(num_preemptions)
+        if queued_s is None:
+            return
+        self.phases["queue"].labels(*labels).observe(queued_s)
+        self.phases["inference"].labels(*labels).observe(max(e2e_s - queued_s, 0.0))
+        if ttft_s is not None:
+            self.phases["prefill"].labels(*labels).observe(max(ttft_s - queued_s, 0.0))
+            self.phases["decode"].labels(*labels).observe(max(e2e_s - ttft_s, 0.0))

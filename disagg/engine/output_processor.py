@@ -93,6 +93,8 @@ class OutputProcessor:
             num_logprobs=request.sampling_params.logprobs,
             num_prompt_logprobs=request.sampling_params.prompt_logprobs,
             logprob_token_ids=request.sampling_params.logprob_token_ids,
+            queued_s=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
+            num_preemptions=request.num_preemptions,
         )
 
 

@@ -35,6 +35,7 @@ class Request:
     hold_blocks: bool = False  # keep blocks after finishing, until release()
     priority: int = 0  # lower is served first under the priority policy (vLLM's); fcfs ignores it
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when it first ran (or its remote KV was admitted): vLLM's queue ends
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -68,6 +69,11 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    def mark_scheduled(self) -> None:
+        """The request runs for the first time (later runs after a preemption keep the first)."""
+        if self.scheduled_time is None:
+            self.scheduled_time = time.monotonic()
 
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.finish_reason = reason

@@ -114,6 +114,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
+        request.mark_scheduled()
         self.running.append(request)
         if request.wants_prompt_logprobs and prompt_logprobs is not None:
             request.prompt_logprobs = list(prompt_logprobs)
@@ -232,6 +233,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
+            request.mark_scheduled()
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new

@@ -163,6 +163,8 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     prompt_token_ids: list[int] | None = None  # on the first message, when GenerateMsg.return_prompt
     prompt_text: str | None = None  # ... the prompt detokenized (special tokens kept, as vLLM's echo)
     token_texts: dict[int, str] | None = None  # GenerateMsg.return_token_texts: id -> text, for this message's ids
+    queued_s: float | None = None  # on the final message: arrival until the request first ran, in the engine
+    num_preemptions: int = 0  # on the final message
 
 
 class UtilityResultMsg(msgspec.Struct, frozen=True, tag="utility_result", omit_defaults=True):

@@ -51,4 +51,5 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
         finish_reason=out.outputs.finish_reason, stop_reason=out.outputs.stop_reason,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens, num_output_tokens=len(out.outputs.token_ids),
+        **({"queued_s": out.queued_s, "num_preemptions": out.num_preemptions} if out.finished else {}),
     )

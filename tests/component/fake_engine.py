@@ -52,12 +52,14 @@ class FakeEngine:
     """Implements disagg.dp.protocol.EngineClient in-process, deterministically."""
 
     def __init__(self, dp_size: int = 2, *, load_balance_method: str = "round_robin",
-                 model: ModelCard = FAKE_MODEL, token_delay_s: float = 0.0, num_cached_tokens: int = 0):
+                 model: ModelCard = FAKE_MODEL, token_delay_s: float = 0.0, num_cached_tokens: int = 0,
+                 queued_s: float | None = None):
         self.dp_size = dp_size
         self.load_balance_method = load_balance_method
         self.mode = DisaggregationMode.NULL
         self.pd_roles = None  # no role switch
         self.model = model
+        self.queued_s = queued_s  # the final output's queue time (the engine's; None: not reported)
         self.token_delay_s = token_delay_s
         self.num_cached_tokens = num_cached_tokens
         self.script = Scripted()
@@ -155,6 +157,7 @@ class FakeEngine:
                 prompt_logprobs=self._prompt_logprobs(msg) if i == 0 else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens, num_output_tokens=i + 1,
                 **(prompt_fields(msg) if i == 0 else {}),
+                **({"queued_s": self.queued_s, "num_preemptions": 1} if finish is not None and self.queued_s else {}),
             )
             if finish is not None:
                 return

@@ -50,3 +50,26 @@ async def test_vllm_gauges_read_every_worker():
     assert [sample(text, "vllm:kv_cache_usage_perc", on(r)) for r in (0, 1)] == [28 / 128, 29 / 128]
     assert "# TYPE vllm:kv_cache_usage_perc gauge" in text
     assert sample(text, "vllm:generation_tokens_total", on(1)) == 0  # every series exists from the start
+
+
+async def test_vllm_request_phases_token_histograms_max_tokens_and_preemptions():
+    """The engine reports each request's queue time (and preemptions) on its final output; the phases
+    follow vLLM's split: prefill = TTFT - queue, decode = last token - first, inference = e2e - queue."""
+    engine = FakeEngine(dp_size=1, queued_s=0.001, token_delay_s=0.01)
+    async with api_client(engine) as client:
+        await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 4})
+        await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        await client.post("/v1/completions", json={"prompt": "a"})  # max_tokens unset: the default 16
+        text = await (await client.get("/metrics")).text()
+    assert sample(text, "vllm:request_queue_time_seconds_count", on(0)) == 3
+    assert round(sample(text, "vllm:request_queue_time_seconds_sum", on(0)), 9) == 0.003
+    for phase in ("prefill", "decode", "inference"):
+        assert sample(text, f"vllm:request_{phase}_time_seconds_count", on(0)) == 3
+    decode_s, inference_s = (sample(text, f"vllm:request_{p}_time_seconds_sum", on(0)) for p in ("decode", "inference"))
+    assert 0.01 * (3 + 2 + 15) <= decode_s < inference_s  # 3, 2 and 15 gaps of at least 10 ms after the first token
+    assert (sample(text, "vllm:request_prompt_tokens_sum", on(0)), sample(text, "vllm:request_prompt_tokens_count", on(0))) == (5, 3)
+    assert sample(text, "vllm:request_generation_tokens_sum", on(0)) == 4 + 3 + 16
+    assert sample(text, "vllm:request_generation_tokens_bucket", on(0, ',le="5.0"')) == 2  # 4 and 3; 16 is over
+    assert sample(text, "vllm:request_params_max_tokens_sum", on(0)) == 4 + 3 + 16
+    assert sample(text, "vllm:num_preemptions_total", on(0)) == 3  # the fake reports one each
+    assert "# TYPE vllm:request_queue_time_seconds histogram" in text

@@ -1,6 +1,6 @@
 """`--kv-cache-dtype bfloat16` under a float32 model, across prefill and decode: the blocks move as
 bfloat16 and the answer equals a unified server's with the same cache; a decode whose cache differs
-from the prefill's is refused before any byte moves, and frees what it reserved."""
+from the prefill's is refused before any byte moves (503 incompatible_peer), and frees what it reserved."""
 
 import asyncio
 import re
@@ -51,7 +51,7 @@ async def test_a_decode_whose_cache_dtype_differs_is_refused_and_frees_its_block
     try:
         body = cluster.pd_body(BODY)
         (p_status, p_data, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
-        assert (p_status, d_status) == (500, 500), (p_data, d_data)
+        assert (p_status, d_status, d_data["error"]["code"]) == (500, 503, "incompatible_peer"), (p_data, d_data)
         assert re.fullmatch(r"PeerRejected: prefill 127\.0\.0\.1:\d+ refused registration: "  # the rank's control port
                             "kv cache dtype mismatch: prefill dtype=bfloat16, decode dtype=float32",
                             d_data["error"]["message"]), d_data

@@ -47,3 +47,24 @@ def test_the_engine_records_each_step_that_ran_the_model(tiny_loaded):
     again = decode_from_worker(encode(report))
     assert isinstance(again, StepsMsg) and again == report
     assert StepReporter(0).report([]) is None
+
+
+def test_the_final_output_says_how_long_the_request_queued_and_its_preemptions(tiny_loaded):
+    """vLLM's queue phase: arrival until the request first ran. The second request waits behind the
+    first (max_num_seqs 1); the final OutputMsg carries the figures, the others none."""
+    from disagg.worker.outputs import to_output_msg
+
+    config = EngineConfig(model=ModelConfig(model="tiny", dtype="float32"), cache=CacheConfig(block_size=4, num_blocks=64),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=1))
+    core = EngineCore(config, tiny_loaded)
+    core.add_request("a", list(range(3, 14)), GREEDY)
+    core.add_request("b", list(range(3, 9)), GREEDY)
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    final = {out.request_id: out for out in outputs if out.finished}
+    assert [(rid, out.num_preemptions) for rid, out in sorted(final.items())] == [("a", 0), ("b", 0)]
+    assert 0 <= final["a"].queued_s < final["b"].queued_s  # b ran once a had finished its 4 tokens
+    messages = [to_output_msg(out, first=False) for out in outputs if out.request_id == "b"]
+    assert [m.queued_s is not None for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert messages[-1].queued_s == final["b"].queued_s

@@ -90,4 +90,7 @@ async def test_vllm_metrics_count_a_request_on_its_engine(server):
         'vllm:request_success_total{engine="1",finished_reason="abort",model_name="tiny"}': 0,
         "vllm:time_to_first_token_seconds_count" + one: 1, "vllm:inter_token_latency_seconds_count" + one: 2,
         "vllm:request_time_per_output_token_seconds_count" + one: 1, "vllm:e2e_request_latency_seconds_count" + one: 1,
+        **{f"vllm:request_{phase}_time_seconds_count" + one: 1 for phase in ("queue", "prefill", "decode", "inference")},
+        "vllm:request_prompt_tokens_count" + one: 1, "vllm:request_generation_tokens_count" + one: 1,
+        "vllm:request_params_max_tokens_count" + one: 1, "vllm:num_preemptions_total" + one: 0,
     }

@@ -58,7 +58,7 @@ async def test_serve_gives_prefill_the_first_cpu_and_decode_the_second(capsys):
     prefill, decode, router = await start_cluster(TINY, pd_config("tcp"), ClusterOptions(port=0, servers=ServerConfig(dp_size=1)))
     try:
         assert (worker_affinities(prefill), worker_affinities(decode)) == ([{frozenset({0})}], [{frozenset({1})}])
-        assert ("starting prefill and decode servers (dp_size=1 each, backend tcp; prefill on CPUs 0, decode on "
+        assert ("starting prefill and decode servers (prefill dp 1 + decode dp 1, backend tcp; prefill on CPUs 0, decode on "
                 "CPUs 1)") in capsys.readouterr().out.splitlines()
     finally:
         await drain_cluster(prefill, decode, router, 0)

@@ -123,7 +123,8 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus text."""
+    """GET /metrics: Prometheus text, the workers' gauges as they are now."""
+    await state_of(request).engine.refresh_stats()
     registry = state_of(request).metrics
     return web.Response(body=registry.render(), headers={"Content-Type": registry.content_type})
 

@@ -30,7 +30,7 @@ from disagg.dp.aggregate import check_results
 from disagg.dp.dispatch import Dispatcher, estimate_tokens, routing_prompt
 from disagg.dp.faults import PD_FAULTS, WORKER_FAULTS, ProcessFaults
 from disagg.wire.framing import frame, read_frame
-from disagg.dp.protocol import DispatchStats, ModelCard, WorkerState, WorkerUnavailable
+from disagg.dp.protocol import DispatchStats, ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
 from disagg.dp.role_switch import PdRoles, RoleSwitchError, switch_role
 from disagg.dp.worker_handle import SentRequest, WorkerHandle
 from disagg.worker.process import WorkerSpec, run_worker, worker_context
@@ -43,6 +43,7 @@ from disagg.wire.engine_msgs import (
 
 log = structlog.get_logger(__name__)
 MONITOR_INTERVAL_S = 0.5
+FRESH_STATS_TIMEOUT_S = 0.25  # /metrics asks the workers for their load; one in a long step keeps its report
 MAX_STEP_REPORTS = 2048  # a worker's every 0.5 s: minutes of them for a /metrics scrape to take
 
 
@@ -337,6 +338,16 @@ class DPController:
         reports = list(self._step_reports)
         self._step_reports.clear()
         return reports
+
+    async def refresh_stats(self, timeout_s: float = FRESH_STATS_TIMEOUT_S) -> None:
+        """Each available worker's load now (its last periodic report is up to STATS_INTERVAL_S old);
+        one that does not answer within `timeout_s` (in a long step) keeps its last report."""
+        async def ask(worker: WorkerHandle) -> None:
+            try:
+                [worker.stats] = await self.call_utility(Utility.STATS, ranks=[worker.rank], timeout_s=timeout_s)
+            except (asyncio.TimeoutError, UtilityFailed):
+                pass
+        await asyncio.gather(*(ask(w) for w in self.workers if w.available))
 
     def worker_states(self) -> list[WorkerState]:
         return [

@@ -109,6 +109,10 @@ class EngineClient(Protocol):
     def take_step_reports(self) -> list[StepsMsg]:
         """The workers' per-step engine metrics since the last call (for /metrics)."""
 
+    async def refresh_stats(self) -> None:
+        """Ask the workers for their load now, so `worker_states()` is current (for /metrics); a
+        worker busy past a short deadline keeps its last report."""
+
     def worker_states(self) -> list[WorkerState]:
         """One entry per DP worker (for /server_info, /metrics, /health)."""
 

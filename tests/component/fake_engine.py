@@ -78,6 +78,9 @@ class FakeEngine:
         self.dispatcher = Dispatcher(LoadBalanceMethod.CACHE_AWARE, dp_size)  # cache_aware: the real pick
         self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
 
+    async def refresh_stats(self) -> None:
+        """The fake's states are always current."""
+
     def take_step_reports(self) -> list:
         return []
 

@@ -87,6 +87,7 @@ class PushFetch:
         info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(reservation.new_block_ids),
                                dst_dp_rank=self.dp_rank, num_prompt_tokens=reservation.num_prompt_tokens,
                                request_id=msg.request_id, num_cached_tokens=reservation.num_cached_tokens)
+        pending.dst_block_ids = info.dst_block_ids
         return await client.send_transfer(info)
 
     async def _implied_client(self, registry: Registry, room: int, rank: int, remaining) -> ControlClient:

@@ -31,6 +31,7 @@ from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 from kvtransfer.base import IncompatiblePeer, PeerUnavailable
+from kvtransfer.checksum import ChecksumMismatch, flip_byte, kv_digest
 from kvtransfer.control.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
@@ -202,12 +203,37 @@ class DecodeRole(TransferRole):
         for request in self.requests.in_state(DecodeState.LANDED):
             status = request.verdict
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                self._admit(request, status)
+                mismatch = self._checksum(request, status)
+                if mismatch is None:
+                    self._admit(request, status)
+                else:
+                    out += self._fail(request, mismatch)
             else:
                 out += self._fail(request, status)
         # An admitted request's first token (it came with the KV) goes out now, not with the next
         # decode step's token: the client sees it as soon as it reached us.
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
+
+    def _checksum(self, request: DecodeRequest, status: TransferStatusMsg) -> ChecksumMismatch | None:
+        """With --kv-checksum (push flow, equal TP sizes): what landed against the prefill's digest."""
+        pending = request.pending
+        remote = getattr(pending.client, "remote", None)
+        if not self.config.kv_checksum or pending.ticket is not None or not pending.dst_block_ids:
+            return None
+        layout = self.backend.registered_layout
+        if remote is not None and remote.layout.tp_size != layout.tp_size:
+            return None  # the heads are split otherwise there: no digest can match
+        if getattr(self.backend, "take_corruption", lambda: False)():
+            flip_byte(layout, pending.dst_block_ids[0])
+        if not status.kv_digest:
+            return ChecksumMismatch(f"bootstrap_room {pending.room}: the prefill sent no KV checksum "
+                                    "(start it with --kv-checksum too)")
+        landed = kv_digest(layout, pending.dst_block_ids)
+        if landed == status.kv_digest:
+            return None
+        return ChecksumMismatch(f"KV checksum mismatch for bootstrap_room {pending.room}: the prefill wrote "
+                                f"{status.kv_digest:016x}, the {len(pending.dst_block_ids)} blocks that landed digest "
+                                f"to {landed:016x}")
 
     def _admit(self, request: DecodeRequest, status: TransferStatusMsg) -> None:
         request_id, pending = request.request_id, request.pending
@@ -242,13 +268,15 @@ class DecodeRole(TransferRole):
             reason = status.message if isinstance(status, InvalidRequest) else f"{type(status).__name__}: {status}"
         unavailable = isinstance(status, PeerUnavailable) or getattr(status, "peer_lost", False)
         incompatible = isinstance(status, IncompatiblePeer)  # a router may pair it with another prefill
-        code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable or incompatible else 500
+        corrupt = isinstance(status, ChecksumMismatch)  # another pair may move it whole
+        code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable or incompatible or corrupt else 500
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id, answer=False)  # the answer is ours, with the failure's status
         self._end_pending(request, reason)
         return [OutputMsg(request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=code,
                           error_param=getattr(status, "param", None),
-                          error_code=ErrorCode.INCOMPATIBLE_PEER if incompatible else None)]
+                          error_code=ErrorCode.INCOMPATIBLE_PEER if incompatible
+                          else ErrorCode.KV_CHECKSUM_MISMATCH if corrupt else None)]
 
     async def abort(self, request_id: str) -> list[OutputMsg]:
         request = self.requests.get(request_id)

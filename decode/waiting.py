@@ -21,6 +21,7 @@ class PendingKV:
     started: float
     task: asyncio.Task | None = None  # the flow's fetch, while it runs
     client: object = None  # push flow: the ControlClient once the TransferInfo went out
+    dst_block_ids: tuple[int, ...] = ()  # push flow: where the prefill writes (the KV checksum reads them)
     read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
     read_peer: str = ""  # ... and the backend peer it reads from
     lease: tuple | None = None  # pull flow: (ControlClient, remote request id) once we may hold a lease

@@ -80,7 +80,8 @@ def _role_specs(server: ServerConfig, disagg: DisaggConfig) -> PdRoles:
     methods = {DisaggregationMode.PREFILL: LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM,
                DisaggregationMode.DECODE: LoadBalanceMethod.LEAST_LOAD, mode: server.load_balance_method}
     # /server_info's kv_compatibility: the engine's record (ModelCard.compatibility) and these
-    transfer = {"kv_compatibility": {"transfer_backend": str(disagg.transfer_backend), "kv_protocol": PROTOCOL_VERSION}}
+    transfer = {"kv_compatibility": {"transfer_backend": str(disagg.transfer_backend), "kv_protocol": PROTOCOL_VERSION,
+                                     "kv_checksum": disagg.kv_checksum}}
     prefill = RoleSpec(prefill_role, dict(config=disagg, dp_size=server.dp_size,
                                           load_balance_method=methods[DisaggregationMode.PREFILL]), transfer)
     # Our router reads the local-prefill limit here (disagg/router/health.py): declared once, on the decode.

@@ -110,6 +110,10 @@ class DisaggConfig:
     cluster_secret: str | None = field(
         default_factory=lambda: cluster_secret(), repr=False, metadata={"help": CLUSTER_SECRET_HELP})
     insecure_no_cluster_secret: bool = field(default=False, metadata={"help": INSECURE_HELP, "negatable": False})
+    kv_checksum: bool = field(default=False, metadata={"help": (
+        "both sides: the prefill digests the KV blocks it writes (xxh3), the decode digests what landed "
+        "before the request's first token; a mismatch fails the request (503 kv_checksum_mismatch) and "
+        "frees its blocks on both sides (push flow, equal TP sizes, CPU memory; docs/transfer.md)")})
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 

@@ -25,6 +25,7 @@ class ErrorCode(str, enum.Enum):
     ROLE_SWITCHING = "role_switching"  # a 503: the server is switching between prefill and decode; send it elsewhere
     STALE_ROLE_EPOCH = "stale_role_epoch"  # a 503: the request was routed for a role this server no longer has
     INCOMPATIBLE_PEER = "incompatible_peer"  # a 503: the prefill refused this decode (its KV layout, backend)
+    KV_CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # a 503: the KV that landed is not what the prefill wrote
 
 
 class FaultKind(str, enum.Enum):
@@ -37,6 +38,7 @@ class FaultKind(str, enum.Enum):
     SLOW_STEPS = "slow_steps"
     DELAY_TRANSFERS = "delay_transfers"
     FAIL_TRANSFERS = "fail_transfers"
+    CORRUPT_TRANSFERS = "corrupt_transfers"  # a decode: the next `count` rooms' KV lands with a byte flipped
     STOP_HEARTBEATS = "stop_heartbeats"
 
     def __str__(self) -> str:

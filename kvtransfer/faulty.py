@@ -37,6 +37,7 @@ class FaultyBackend:
         self.inner = inner
         self._delays: list[float] = []  # one entry per next transfer to delay
         self._failures = 0
+        self._corruptions = 0  # rooms to land corrupted (corrupt_transfers)
         self._ready_at: dict[int, float] = {}  # delayed handles -> when they may report success
         self._failed: set[int] = set()
         self._fake_ids = itertools.count(-1, -1)  # handles of failed transfers: never the inner's ids
@@ -49,6 +50,18 @@ class FaultyBackend:
 
     def fail(self, count: int) -> None:
         self._failures += count
+
+    def corrupt(self, count: int) -> None:
+        """The next `count` rooms that land here get one byte flipped before they are checked
+        (--kv-checksum: the decode takes them with `take_corruption`)."""
+        self._corruptions += count
+
+    def take_corruption(self) -> bool:
+        """True (once per corruption asked for) when the room that just landed is to be corrupted."""
+        if self._corruptions <= 0:
+            return False
+        self._corruptions -= 1
+        return True
 
     def write(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], *args, **kwargs):
         return self._posted(TransferOp.WRITE, peer, local_block_ids, remote_block_ids, args, kwargs)

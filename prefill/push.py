@@ -25,6 +25,7 @@ from disagg.types import FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
+from kvtransfer.checksum import kv_digest
 from kvtransfer.control.server import ControlServer
 from prefill.rooms import RUNNING, PrefillRoom, RoomBook, RoomState, Settling
 
@@ -281,7 +282,8 @@ class PushRooms:
         self.control.send_status(TransferStatusMsg(
             room=state.room, state=TransferState.SUCCESS, first_token_id=token_id, num_bytes=state.num_bytes,
             first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top,
-            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.final.num_cached_tokens))
+            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.final.num_cached_tokens,
+            kv_digest=self._digest(state)))
         stats = state.stats(time.monotonic())
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,
                  bootstrap_wait_s=round(stats.bootstrap_wait_s, 6), prefill_compute_s=round(stats.prefill_compute_s, 6),
@@ -289,6 +291,14 @@ class PushRooms:
         self._release(state)
         self.book.settle(state.room, RoomState.SERVED, state.request_id)
         return [msgspec.structs.replace(state.final, kv=stats)]
+
+    def _digest(self, state: PrefillRoom) -> int:
+        """With --kv-checksum, the digest of the blocks this room wrote (those after the decode's own
+        prefix, in order; kvtransfer/checksum.py); else 0."""
+        if not self.config.kv_checksum:
+            return 0
+        sent = self.core.request_progress(state.request_id).block_ids[state.num_skipped_blocks:state.num_sent_blocks]
+        return kv_digest(self.backend.registered_layout, sent)
 
     def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
         """End a room: no write is posted for it any more, the client hears at once. The decode's

@@ -17,7 +17,7 @@ from disagg.api.errors import engine_error
 from disagg.api.state import ApiState
 from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
-from disagg.types import FinishReason
+from disagg.types import ErrorCode, FinishReason
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
 
 log = structlog.get_logger("disagg.api")
@@ -120,6 +120,8 @@ class Generation:
             async for out in stream:
                 if out.error is not None:
                     done = True  # the worker already dropped the request
+                    if out.error_code is ErrorCode.KV_CHECKSUM_MISMATCH:
+                        self._state.metrics.transfer_failed("checksum")
                     raise engine_error(out.error, out.error_status, out.error_param, out.error_code)
                 self.totals.add(out)
                 yield out

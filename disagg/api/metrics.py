@@ -105,6 +105,11 @@ class ApiMetrics:
                                        ["where"], registry=reg)
         self.kv_wait = Histogram("disagg_kv_wait_seconds", "decode: arrival until the request's KV is admitted",
                                  buckets=_LATENCY_BUCKETS_S, registry=reg)
+        self.kv_failed = Counter("disagg_kv_transfer_failed", "decode: requests whose KV transfer failed, by reason "
+                                 "(checksum: what landed is not what the prefill wrote, --kv-checksum)", ["reason"],
+                                 registry=reg)
+        self.sglang_transfer_failed = Counter("sglang:num_transfer_failed_reqs", "The number of requests whose KV "
+                                              "transfer failed (SGLang's name)", registry=reg)
         self.faults = Counter("disagg_faults_injected", "faults injected on purpose (--enable-fault-injection)",
                               ["fault", "dp_rank"], registry=reg)
         reg.register(_WorkerCollector(worker_states))
@@ -128,6 +133,11 @@ class ApiMetrics:
             self.ttft.observe(ttft_s)
             if num_output_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def transfer_failed(self, reason: str) -> None:
+        """A request whose KV transfer failed, under our name (by reason) and SGLang's."""
+        self.kv_failed.labels(reason).inc()
+        self.sglang_transfer_failed.inc()
 
     def observe_kv(self, kv: KVStatsMsg) -> None:
         """Record a disaggregated request's time split (prefill side) or KV wait (decode side), and the

@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 
 from kvtransfer.base import KVLayout, KVTransferBackend, TransferState, wait
+from kvtransfer.checksum import kv_digest
 from kvtransfer.factory import available_backends, create_backend
 
 SMOLLM2_KV = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size_tokens": 16}
@@ -51,6 +52,7 @@ class Row:
     best_memcpy_gbps: float
     rounds: int
     tp: str = "1:1"  # source:destination TP sizes
+    checksum_share: float = 0.0  # --kv-checksum: both sides' digests (2 x one, median) over the median transfer
 
 
 @dataclass
@@ -190,9 +192,11 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
                 block_ids = list(range(num_blocks_for(count)))
                 size = len(block_ids) * layout.block_size_bytes * layout.tp_size
                 transfer_once(backend, peer, block_ids)  # warm-up: connection, registration caches
-                seconds, copy_s = timed([lambda: transfer_once(backend, peer, block_ids),
-                                         lambda: np.copyto(dst[:size], src[:size])], args.min_time_s)
-                rows.append(make_row(backend_name, dtype, count, size, seconds, copy_s, f"{tp[0]}:{tp[1]}"))
+                seconds, copy_s, digest_s = timed([lambda: transfer_once(backend, peer, block_ids),
+                                                   lambda: np.copyto(dst[:size], src[:size]),
+                                                   lambda: kv_digest(layout, block_ids)], args.min_time_s)
+                share = 2 * statistics.median(digest_s) / statistics.median(seconds)
+                rows.append(make_row(backend_name, dtype, count, size, seconds, copy_s, f"{tp[0]}:{tp[1]}", share))
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
             small = list(range(num_blocks_for(128)))
             samples = timed([lambda: transfer_once(backend, peer, small)], 0.0, args.latency_iters, args.latency_iters)[0]
@@ -209,21 +213,24 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
 
 
 def make_row(backend: str, dtype: str, tokens: int, size: int, seconds: list[float], copy_s: list[float],
-             tp: str = "1:1") -> Row:
+             tp: str = "1:1", checksum_share: float = 0.0) -> Row:
     median, median_copy = size / statistics.median(seconds) / 1e9, size / statistics.median(copy_s) / 1e9
     best, best_copy = size / min(seconds) / 1e9, size / min(copy_s) / 1e9
-    return Row(backend, dtype, tokens, size, median, median_copy, median / median_copy, best, best_copy, len(seconds), tp)
+    return Row(backend, dtype, tokens, size, median, median_copy, median / median_copy, best, best_copy, len(seconds), tp,
+               checksum_share)
 
 
 def format_row(row: Row) -> str:
     return (f"| {row.backend} | {row.tp} | {row.dtype} | {row.tokens} | {row.size_bytes / 2**20:.1f} | "
-            f"{row.transfer_gbps:.2f} | {row.memcpy_gbps:.2f} | {row.ratio:.0%} | {row.best_transfer_gbps:.2f} |")
+            f"{row.transfer_gbps:.2f} | {row.memcpy_gbps:.2f} | {row.ratio:.0%} | {row.best_transfer_gbps:.2f} | "
+            f"{row.checksum_share:.1%} |")
 
 
 def format_report(rows: list[Row], latencies: list[Latency]) -> str:
     lines = [
-        "| backend | TP src:dst | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| backend | TP src:dst | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s | "
+        "--kv-checksum (both digests) / transfer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *map(format_row, rows),
         "",
         "| backend | TP src:dst | dtype | latency of one 128-token transfer, median | p90 | samples |",

@@ -21,10 +21,12 @@ from disagg.types import FaultKind, InvalidRequest
 FAULTS: dict[FaultKind, tuple[str, ...]] = {  # each fault's parameters
     FaultKind.STALL: ("seconds",), FaultKind.KILL: (), FaultKind.FAIL_REQUESTS: ("count", "status"),
     FaultKind.SLOW_STEPS: ("ms",), FaultKind.DELAY_TRANSFERS: ("count", "seconds"), FaultKind.FAIL_TRANSFERS: ("count",),
+    FaultKind.CORRUPT_TRANSFERS: ("count",),
     FaultKind.STOP_HEARTBEATS: ("seconds",),
 }
 # The faults the worker applies (a utility call), and those only prefill and decode workers take.
-PD_FAULTS = frozenset({FaultKind.DELAY_TRANSFERS, FaultKind.FAIL_TRANSFERS, FaultKind.STOP_HEARTBEATS})
+PD_FAULTS = frozenset({FaultKind.DELAY_TRANSFERS, FaultKind.FAIL_TRANSFERS, FaultKind.STOP_HEARTBEATS,
+                       FaultKind.CORRUPT_TRANSFERS})
 WORKER_FAULTS = PD_FAULTS | {FaultKind.SLOW_STEPS}
 _LIMITS = {"seconds": (0.001, 3600.0), "count": (1, 1_000_000), "ms": (0.0, 60_000.0)}
 ENGINE_STATUSES = (400, 404, 413, 429, 500, 503)  # what a worker's failed request may answer (api/errors.py)

@@ -16,7 +16,7 @@ from disagg.http_edge import HttpError
 from disagg.router.workers import Role, WorkerPool
 
 CHECKED = ("weights", "dtype", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
-           "transfer_backend", "kv_protocol")
+           "transfer_backend", "kv_protocol", "kv_checksum")
 Record = Mapping[str, object] | None
 
 

@@ -35,6 +35,8 @@ class TransferRole(UnifiedRole):
             pause_heartbeats(params["seconds"])
         elif kind is FaultKind.DELAY_TRANSFERS:
             self.backend.delay(params["count"], params["seconds"])
+        elif kind is FaultKind.CORRUPT_TRANSFERS:
+            self.backend.corrupt(params["count"])
         else:
             self.backend.fail(params["count"])
         log.warning("fault injected", fault=kind, **params)

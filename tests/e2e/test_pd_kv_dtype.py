@@ -96,7 +96,7 @@ async def test_behind_our_router_an_incompatible_pair_is_a_503_that_names_each_d
         assert record == {"model": "tiny", "weights": record["weights"], "dtype": "float32",
                           "kv_cache_dtype": decode.controller.model.compatibility["kv_cache_dtype"], "block_size": 4,
                           "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "tp_size": 1, "transfer_backend": "tcp",
-                          "kv_protocol": 1}
+                          "kv_protocol": 1, "kv_checksum": False}
         assert re.fullmatch(r"[0-9a-f]{16}", record["weights"])
         message = f"prefill server {prefill_url} and decode server {decode_url} cannot pair: {differs.format(**weights)}"
         assert (status, answer["error"]["code"], answer["error"]["message"]) == (503, "incompatible_servers", message)

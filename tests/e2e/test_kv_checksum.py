@@ -1,0 +1,53 @@
+"""--kv-checksum: the prefill digests the blocks it writes, the decode digests what landed before the
+first token. Intact KV answers as unified does; KV that landed with a byte flipped (the
+corrupt_transfers fault) fails that request with 503 kv_checksum_mismatch, counted, its blocks freed
+on both sides, and the next request is served again. Both transfer backends."""
+
+import re
+
+import aiohttp
+import pytest
+
+from pd_cluster import TINY, start_pd, start_unified
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+LONG = "The quick brown fox jumps over the lazy dog, twice: " * 2  # > 100 tokens: several blocks, chunked
+BODY = {"text": LONG, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+
+
+async def metric(session: aiohttp.ClientSession, url: str, line_start: str) -> float:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+async def test_a_corrupted_transfer_is_refused_before_the_first_token(backend):
+    cluster = await start_pd(backend, disagg={"kv_checksum": True}, server={"enable_fault_injection": True},
+                             dp_size=1)
+    unified = await start_unified(TINY)
+    try:
+        async with cluster.session.post(f"http://127.0.0.1:{unified.port}/generate", json=BODY) as r:
+            want = (await r.json())["output_ids"]
+        baseline = await cluster.free_blocks()
+        body = cluster.pd_body(BODY)
+        (p_status, _, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
+        assert (p_status, d_status, d_data["output_ids"]) == (200, 200, want)
+        async with cluster.session.post(cluster.decode_url + "/faults",
+                                        json={"fault": "corrupt_transfers", "dp_rank": 0, "count": 1}) as r:
+            assert r.status == 200
+        body = cluster.pd_body(BODY)
+        (p_status, _, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
+        assert (p_status, d_status, d_data["error"]["code"]) == (200, 503, "kv_checksum_mismatch"), d_data
+        assert re.fullmatch(rf"ChecksumMismatch: KV checksum mismatch for bootstrap_room {body['bootstrap_room']}: "
+                            r"the prefill wrote [0-9a-f]{16}, the \d+ blocks that landed digest to [0-9a-f]{16}",
+                            d_data["error"]["message"]), d_data
+        assert await metric(cluster.session, cluster.decode_url, 'disagg_kv_transfer_failed_total{reason="checksum"}') == 1
+        assert await metric(cluster.session, cluster.decode_url, "sglang:num_transfer_failed_reqs_total") == 1
+        assert await cluster.free_blocks() == baseline
+        body = cluster.pd_body(BODY)
+        (_, _, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
+        assert (d_status, d_data["output_ids"]) == (200, want)  # one corruption asked for, one request failed
+    finally:
+        await cluster.close()
+        await unified.close()

@@ -43,6 +43,10 @@ class Faults:
         """The worker's next `count` KV transfers fail."""
         return self.inject("fail_transfers", rank, count=count)
 
+    def corrupt_transfers(self, rank: int = 0, count: int = 1) -> dict:
+        """(A decode with --kv-checksum) the next `count` rooms that land get a byte flipped before the check."""
+        return self.inject("corrupt_transfers", rank, count=count)
+
     def stop_heartbeats(self, rank: int = 0, seconds: float = 5.0) -> dict:
         """The worker sends and answers no control-plane heartbeat for `seconds`."""
         return self.inject("stop_heartbeats", rank, seconds=seconds)

@@ -141,7 +141,7 @@ def test_faults_are_checked_and_only_on_servers_that_allow_them(cluster):
         cluster.decode.faults.inject("melt", 0)
     assert (refused.value.status, refused.value.message) == (
         400, "unknown fault 'melt': one of stall, kill, fail_requests, slow_steps, delay_transfers, fail_transfers, "
-             "stop_heartbeats")
+             "corrupt_transfers, stop_heartbeats")
     with pytest.raises(FaultRefused) as refused:
         cluster.decode.faults.fail_requests(rank=0, count=0)
     assert refused.value.message == "fail_requests needs count: an integer in [1, 1000000], got 0"

@@ -7,6 +7,7 @@ import dataclasses
 from aiohttp import web
 
 from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, StreamOptions, decode_body
+from disagg.api.errors import ModelNotFound
 from disagg.api.batch import serve_batch
 from disagg.api.openai_render import ChatRenderer, CompletionBatchRenderer, CompletionRenderer
 from disagg.api.requests import (
@@ -195,14 +196,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
 
 
+def _model_object(state) -> dict:
+    card = state.engine.model
+    return {"id": card.name, "object": "model", "created": state.started_at, "owned_by": "disagg", "root": card.name,
+            "max_model_len": card.max_model_len}
+
+
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the one served model."""
+    return json_response({"object": "list", "data": [_model_object(state_of(request))]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model_id} (the openai SDK's `models.retrieve`): the served model, else 404."""
     state = state_of(request)
-    card = state.engine.model
-    return json_response({"object": "list", "data": [{
-        "id": card.name, "object": "model", "created": state.started_at, "owned_by": "disagg",
-        "root": card.name, "max_model_len": card.max_model_len,
-    }]})
+    model_id = request.match_info["model_id"]
+    if model_id != state.engine.model.name:
+        raise ModelNotFound(model_id)
+    return json_response(_model_object(state))
 
 
 def add_routes(app: web.Application) -> None:
@@ -210,3 +221,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)

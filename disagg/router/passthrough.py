@@ -17,7 +17,7 @@ from disagg.router.errors import NoHealthyServer
 from disagg.router.legs import Leg, leg_errors
 from disagg.router.workers import Role
 
-GET_PATHS = ("/v1/models", "/version", "/get_model_info")
+GET_PATHS = ("/v1/models", "/v1/models/{model_id:.+}", "/version", "/get_model_info")
 POST_PATHS = ("/tokenize", "/detokenize")
 
 

@@ -241,6 +241,18 @@ async def test_models_list():
     assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == ("fake-model", "model", "disagg", 64)
 
 
+async def test_models_retrieve_names_the_served_model_and_refuses_others():
+    """The openai SDK's models.retrieve: GET /v1/models/{id}."""
+    async with api_client(FakeEngine()) as client:
+        listed = (await (await client.get("/v1/models")).json())["data"][0]
+        one = await client.get("/v1/models/fake-model")
+        assert (one.status, await one.json()) == (200, listed)
+        other = await client.get("/v1/models/org/other-model")
+        assert (other.status, (await other.json())["error"]) == (404, {
+            "message": "The model `org/other-model` does not exist.", "type": "NotFoundError", "param": "model",
+            "code": "model_not_found"})
+
+
 async def test_openai_sdk_non_stream_and_streaming_chat():
     engine = FakeEngine()
     async with api_client(engine, api_key="sk-test") as client:

@@ -89,6 +89,7 @@ class FakeServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id}", self._model)
         app.router.add_get("/health_generate", self._health)
         for path in GENERATE_PATHS:
             app.router.add_post(path, self._generate)
@@ -116,6 +117,9 @@ class FakeServer:
     async def _models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}],
                                   "seen_auth": request.headers.get("Authorization")})
+
+    async def _model(self, request):
+        return web.json_response({"id": request.match_info["model_id"], "object": "model"})
 
     async def _generate(self, request):
         raw = await request.read()
@@ -513,6 +517,8 @@ async def test_models_info_and_errors():
         status, _, raw = await get(router, "/v1/models", {"Authorization": "Bearer k"})
         assert (status, msgspec.json.decode(raw)) == (200, {
             "object": "list", "data": [{"id": "fake-model", "object": "model"}], "seen_auth": "Bearer k"})
+        status, _, one = await get(router, "/v1/models/fake-model")
+        assert (status, msgspec.json.decode(one)) == (200, {"id": "fake-model", "object": "model"})  # the decode's
         status, _, raw = await post(router, "/generate", {"text": "x" * 2000})
         assert (status, error_of(raw)["type"]) == (413, "RequestTooLargeError")
         status, _, raw = await get(router, "/nope")

@@ -6,10 +6,15 @@
 #
 #     RATES="0.5 1 1.5 2" OUT=bench-out/defaults scripts/bench_chat_defaults.sh
 #
-# A rate R sends 16 x R conversations (at least 12) of 4 turns each.
+# A rate R sends 16 x R conversations (at least 12) of 4 turns each. SERVERS picks rows (default:
+# "unified unified-limits serve"); SERVE_FLAGS are added to `disagg serve`'s command, SERVE_LABEL names
+# its rows (default: serve), to measure a setting against the defaults in one run.
 set -u
 RATES=${RATES:-"0.5 1 1.5 2"}
 OUT=${OUT:-bench-out/defaults}
+SERVERS=${SERVERS:-"unified unified-limits serve"}
+SERVE_FLAGS=${SERVE_FLAGS:-}
+SERVE_LABEL=${SERVE_LABEL:-serve}
 mkdir -p "$OUT"
 
 stop() {  # the process group of $1
@@ -34,9 +39,16 @@ run() {  # $1: label, $2: rate, $3: log file, rest: the server's command
 
 .venv/bin/python -c "from disagg.bench.engine import machine_line; print(machine_line())" | tee "$OUT/machine.txt"
 for rate in $RATES; do
-  run unified "$rate" "$OUT/unified-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2
-  run unified-limits "$rate" "$OUT/unified-limits-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2 \
-    --max-waiting-requests 4 --max-num-seqs 8
-  run serve "$rate" "$OUT/serve-$rate.log" .venv/bin/disagg serve --port 0 --log-format json
+  for server in $SERVERS; do
+    case $server in
+      unified) run unified "$rate" "$OUT/unified-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2 ;;
+      unified-limits) run unified-limits "$rate" "$OUT/unified-limits-$rate.log" .venv/bin/disagg unified --port 0 \
+        --dp-size 2 --max-waiting-requests 4 --max-num-seqs 8 ;;
+      # shellcheck disable=SC2086  # SERVE_FLAGS are words
+      serve) run "$SERVE_LABEL" "$rate" "$OUT/$SERVE_LABEL-$rate.log" .venv/bin/disagg serve --port 0 --log-format json \
+        $SERVE_FLAGS ;;
+      *) echo "unknown server $server (unified, unified-limits, serve)" >&2; exit 2 ;;
+    esac
+  done
 done
 .venv/bin/python scripts/chat_table.py --dir "$OUT" --rates $RATES

@@ -29,7 +29,7 @@ from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
-from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg
+from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg, StatsMsg
 from kvtransfer.base import IncompatiblePeer, PeerUnavailable
 from kvtransfer.checksum import ChecksumMismatch, flip_byte, kv_digest
 from kvtransfer.control.endpoint import open_endpoint
@@ -178,6 +178,14 @@ class DecodeRole(TransferRole):
             return  # ended meanwhile (a cancelled wait_for still returns a result that was ready): moot
         self.requests.move(request.request_id, DecodeState.LANDED).verdict = status
         self.wake()
+
+    def stats(self) -> StatsMsg:
+        """The engine's figures, with the requests that wait for room in the KV cache counted as waiting
+        and those whose KV is on its way as waiting deferred."""
+        stats = super().stats()
+        return msgspec.structs.replace(
+            stats, num_waiting=stats.num_waiting + self.requests.count(DecodeState.QUEUED),
+            num_waiting_deferred=self.requests.count(DecodeState.FETCHING) + self.requests.count(DecodeState.LANDED))
 
     def holding(self) -> str | None:
         """The engine's requests, then those waiting for their KV or fenced, then quarantined blocks."""

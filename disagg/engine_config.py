@@ -97,6 +97,14 @@ class CacheConfig:
         if self.kv_cache_memory_mib <= 0:
             raise ConfigError(f"kv_cache_memory_mib must be positive, got {self.kv_cache_memory_mib}")
 
+    def metrics_info(self, num_blocks: int) -> dict[str, str]:
+        """The labels of vLLM's `vllm:cache_config_info` (its CacheConfig.metrics_info: each setting as
+        str() writes it) for a worker of `num_blocks` KV blocks; they live in host memory here, which
+        vLLM's CPU build reports as num_gpu_blocks too."""
+        return {"block_size": str(self.block_size), "cache_dtype": str(self.kv_cache_dtype.value),
+                "enable_prefix_caching": str(self.enable_prefix_caching), "num_gpu_blocks": str(num_blocks),
+                "num_cpu_blocks": "None", "kv_cache_memory_mib": str(self.kv_cache_memory_mib)}
+
 
 class SchedulingPolicy(Choice):
     """The order of the engine's waiting queue (vLLM's `--scheduling-policy`)."""

@@ -56,6 +56,8 @@ async def serve_batch(request: web.Request, items: list[tuple[GenerateMsg, int |
     with state.drain.track():
         generations = [Generation(state, msg, state.engine.pick_rank(rank, msg.bootstrap_room, msg))
                        for msg, rank in items]
+        for generation in generations:  # each prompt is a request of one choice, as vLLM counts them
+            state.metrics.vllm.observe_n(generation.totals.dp_rank, 1)
         headers = {DP_RANK_HEADER: str(generations[0].totals.dp_rank), REQUEST_ID_HEADER: request_id}
         if stream:
             return await _stream(request, generations, renderer, headers, state)

@@ -77,7 +77,8 @@ class ApiMetrics:
 
     def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int,
                  dispatch_stats: Callable[[], DispatchStats] = DispatchStats,
-                 take_step_reports: Callable[[], list[StepsMsg]] = list, max_model_len: int = 8192):
+                 take_step_reports: Callable[[], list[StepsMsg]] = list, max_model_len: int = 8192,
+                 cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
@@ -114,8 +115,9 @@ class ApiMetrics:
                               ["fault", "dp_rank"], registry=reg)
         reg.register(_WorkerCollector(worker_states))
         reg.register(_DispatchCollector(dispatch_stats))
-        self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states, max_model_len)
-        self.steps = StepMetrics(reg, take_step_reports)
+        self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states, max_model_len, cache_info)
+        self.steps = StepMetrics(reg)
+        self._take_step_reports = take_step_reports
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
                         e2e_s: float, *, dp_rank: int = 0, finish_reason: FinishReason = FinishReason.STOP,
@@ -155,7 +157,9 @@ class ApiMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition (the engine steps reported since the last one observed first)."""
-        self.steps.observe_reports()
+        reports = self._take_step_reports()
+        self.steps.observe_reports(reports)
+        self.vllm.observe_steps(reports)
         return generate_latest(self.registry)
 
     def middleware(self):

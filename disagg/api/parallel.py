@@ -83,6 +83,7 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
         ranks = ([state.engine.pick_rank(routed_dp_rank, c.bootstrap_room, c) for c in children] if per_child
                  else [state.engine.pick_rank(routed_dp_rank, None, msg)] * n)
         dp_rank = ranks[0]
+        state.metrics.vllm.observe_n(dp_rank, n)
         generations = [Generation(state, child, rank) for child, rank in zip(children, ranks)]
         renderers = [new_renderer() for _ in range(n)]
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}

@@ -62,6 +62,7 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
     with state.drain.track():
         dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
         structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
+        state.metrics.vllm.observe_n(dp_rank, 1)
         generation = Generation(state, msg, dp_rank)
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
         if stream:

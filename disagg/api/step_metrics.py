@@ -1,9 +1,9 @@
 """/metrics' summary of the workers' per-step engine metrics (disagg.engine.step_metrics): each scrape
-takes the reports that arrived since the last one and observes every step, per DP rank."""
+hands over the reports that arrived since the last one and every step is observed, per DP rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -17,8 +17,7 @@ _SEQ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 class StepMetrics:
     """The histograms, counters and gauges of the engine steps, labelled by `dp_rank`."""
 
-    def __init__(self, registry: CollectorRegistry, take_reports: Callable[[], list[StepsMsg]]):
-        self._take = take_reports
+    def __init__(self, registry: CollectorRegistry):
         labels = ["dp_rank"]
         self.wall = Histogram("disagg_engine_step_seconds", "wall time of an engine step that ran the model",
                               labels, buckets=_STEP_BUCKETS_S, registry=registry)
@@ -31,9 +30,9 @@ class StepMetrics:
         self.waiting = Gauge("disagg_engine_step_waiting", "requests queued after the last engine step reported",
                              labels, registry=registry)
 
-    def observe_reports(self) -> None:
-        """Observe every step of the reports that arrived since the last call."""
-        for report in self._take():
+    def observe_reports(self, reports: Sequence[StepsMsg]) -> None:
+        """Observe every step of the reports that arrived since the last scrape."""
+        for report in reports:
             rank = str(report.dp_rank)
             for step in report.steps:
                 self.wall.labels(rank).observe(step.wall_s)

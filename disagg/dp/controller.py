@@ -161,7 +161,7 @@ class DPController:
             log.info("DP worker restarted", dp_rank=worker.rank, num_restarts=worker.num_restarts)
         if self.model is None:
             self.model = ModelCard(ready.model_name, ready.max_model_len, ready.vocab_size, ready.engine_summary,
-                                   dict(ready.compatibility))
+                                   dict(ready.compatibility), self.engine_config.cache.metrics_info(ready.num_blocks))
         if all(w.ready is not None for w in self.workers):
             self._all_ready.set()
         try:
@@ -355,7 +355,7 @@ class DPController:
                 w.rank, w.alive, w.ready is not None, w.stats.num_running, w.stats.num_waiting,
                 w.stats.num_free_blocks, w.stats.num_total_blocks, len(w.outstanding), w.num_restarts,
                 w.stats.num_quarantined_blocks, w.ready.block_size if w.ready is not None else 0,
-                w.stats.prefix_cache_queries, w.stats.prefix_cache_hits,
+                w.stats.prefix_cache_queries, w.stats.prefix_cache_hits, w.stats.num_waiting_deferred,
             )
             for w in self.workers
         ]

@@ -46,6 +46,7 @@ class ModelCard:
     vocab_size: int
     engine_summary: str = ""  # dtype and matmul kernels the workers chose, and why
     compatibility: dict = field(default_factory=dict)  # what a P/D peer must share (the workers' ReadyMsg)
+    cache_info: dict = field(default_factory=dict)  # vLLM's cache_config_info labels (CacheConfig.metrics_info)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class WorkerState:
     block_size: int = 0  # tokens per KV block (0 until the worker is ready)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the worker started
     prefix_cache_hits: int = 0  # of them, found cached
+    num_waiting_deferred: int = 0  # waiting on something other than room: a decode's requests whose KV is on its way
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,9 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     num_leases: int = 0  # prefill: pull-flow tickets whose blocks are still leased (a drain waits for them)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the worker started
     prefix_cache_hits: int = 0  # of them, found cached (vLLM's vllm:prefix_cache_queries / _hits)
+    # Waiting on something other than room: a decode's requests whose KV is on its way (vLLM's
+    # num_requests_waiting_by_reason "deferred"; `num_waiting` is its "capacity").
+    num_waiting_deferred: int = 0
 
 
 class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):

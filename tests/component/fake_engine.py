@@ -77,12 +77,14 @@ class FakeEngine:
         self._next_rank = 0
         self.dispatcher = Dispatcher(LoadBalanceMethod.CACHE_AWARE, dp_size)  # cache_aware: the real pick
         self.states: list[WorkerState] | None = None  # what worker_states() reports, when set (load tests)
+        self.step_reports: list = []  # StepsMsg the next scrape takes (the workers' step reports)
 
     async def refresh_stats(self) -> None:
         """The fake's states are always current."""
 
     def take_step_reports(self) -> list:
-        return []
+        taken, self.step_reports = self.step_reports, []
+        return taken
 
     @property
     def role_info(self) -> dict:

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from disagg.wire.engine_msgs import StepMsg, StepsMsg
 from fake_engine import FakeEngine, api_client
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -73,3 +74,27 @@ async def test_vllm_request_phases_token_histograms_max_tokens_and_preemptions()
     assert sample(text, "vllm:request_params_max_tokens_sum", on(0)) == 4 + 3 + 16
     assert sample(text, "vllm:num_preemptions_total", on(0)) == 3  # the fake reports one each
     assert "# TYPE vllm:request_queue_time_seconds histogram" in text
+
+
+async def test_vllm_iteration_tokens_params_n_and_preemptions_per_request():
+    """Each engine step's tokens (prompt tokens plus one a decoding request), from the workers' step
+    reports; n once per request (a list of prompts: one each); preemptions per finished request."""
+    engine = FakeEngine(dp_size=2, queued_s=0.001)  # the fake reports one preemption a request
+    engine.step_reports = [StepsMsg(0, 0, [StepMsg(0.01, 24, 3, 90, 3, 0), StepMsg(0.01, 0, 1, 9, 1, 0)]),
+                           StepsMsg(1, 0, [StepMsg(0.02, 512, 0, 0, 1, 2)])]
+    async with api_client(engine) as client:
+        assert (await client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2, "n": 3})).status == 200
+        assert (await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})).status == 200
+        text = await (await client.get("/metrics")).text()
+    assert [sample(text, "vllm:iteration_tokens_total_count", on(r)) for r in (0, 1)] == [2, 1]
+    assert [sample(text, "vllm:iteration_tokens_total_sum", on(r)) for r in (0, 1)] == [24 + 3 + 1, 512]
+    assert sample(text, "vllm:iteration_tokens_total_bucket", on(0, ',le="1.0"')) == 1
+    assert sample(text, "vllm:iteration_tokens_total_bucket", on(1, ',le="256.0"')) == 0
+    n = {r: (sample(text, "vllm:request_params_n_count", on(r)), sample(text, "vllm:request_params_n_sum", on(r)))
+         for r in (0, 1)}
+    assert n == {0: (1, 3), 1: (1, 1)}  # round robin: the n=3 request on rank 0, the next on 1
+    assert sample(text, "vllm:request_params_n_bucket", on(0, ',le="2.0"')) == 0
+    assert [sample(text, "vllm:request_num_preemptions_count", on(r)) for r in (0, 1)] == [3, 1]
+    assert [sample(text, "vllm:request_num_preemptions_sum", on(r)) for r in (0, 1)] == [3, 1]
+    for family in ("iteration_tokens_total", "request_params_n", "request_num_preemptions"):
+        assert f"# TYPE vllm:{family} histogram" in text

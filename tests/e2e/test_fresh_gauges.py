@@ -1,6 +1,6 @@
 """vLLM's running/waiting gauges on /metrics are the workers' load at the scrape (the front asks
 them), not their last twice-a-second report: 1 while a request decodes, 0 as soon as it answered or
-its client left, on a real tiny engine slowed to 40 ms a step."""
+its client left, on a real tiny engine slowed to 40 ms a step; back to 0 after 20 streams whose clients left."""
 
 import asyncio
 import re
@@ -24,6 +24,23 @@ async def gauges(session: aiohttp.ClientSession, base: str) -> tuple[float, floa
     return float(values["vllm:num_requests_running"]), float(values["vllm:num_requests_waiting"])
 
 
+async def settled(session: aiohttp.ClientSession, base: str) -> None:
+    """The server notices closed connections and aborts their requests: the gauges reach (0, 0)."""
+    for _ in range(150):
+        if await gauges(session, base) == (0.0, 0.0):
+            break
+        await asyncio.sleep(0.02)
+    assert await gauges(session, base) == (0.0, 0.0)
+
+
+async def leave_after_first_token(base: str, body: dict) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(base + "/v1/completions", json=body) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    break
+
+
 async def test_the_gauges_follow_a_request_at_once():
     server = await start_server(ServerConfig(port=0, dp_size=1, enable_fault_injection=True), TINY, DisaggConfig(),
                                 lambda _: None)
@@ -45,10 +62,8 @@ async def test_the_gauges_follow_a_request_at_once():
                 async for line in r.content:
                     if line.startswith(b"data: {"):
                         break  # the client leaves after the first token
-            for _ in range(100):  # the server notices the closed connection and aborts the request
-                if await gauges(session, base) == (0.0, 0.0):
-                    break
-                await asyncio.sleep(0.02)
-            assert await gauges(session, base) == (0.0, 0.0)
+            await settled(session, base)
+            await asyncio.gather(*(leave_after_first_token(base, body) for _ in range(20)))
+            await settled(session, base)  # 20 streams whose clients left: none running, none waiting
     finally:
         await server.close()

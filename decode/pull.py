@@ -142,9 +142,9 @@ class PullFetch:
             pending.read_peer = prefill
             pending.read = self.backend.read(prefill, blocks[first:end], list(claim.block_ids[first:end]),
                                              f"pull:{ticket.request_id}".encode())
-            num_bytes = pending.read.num_bytes
+            num_bytes, started = pending.read.num_bytes, time.monotonic()
             await wait_read(self.backend, pending.read, deadline)
-            pending.read = None
+            pending.read, pending.read_s = None, time.monotonic() - started
         pending.lease = None
         released = await client.release(ticket.request_id)
         if not released.ok:

@@ -29,7 +29,7 @@ from disagg.engine.core import EngineCore
 from disagg.engine.progress import Reservation
 from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
-from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg, StatsMsg
+from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg, PdStatsMsg, StatsMsg
 from kvtransfer.base import IncompatiblePeer, PeerUnavailable
 from kvtransfer.checksum import ChecksumMismatch, flip_byte, kv_digest
 from kvtransfer.control.endpoint import open_endpoint
@@ -43,6 +43,7 @@ class DecodeRole(TransferRole):
         self.config = config
         self.requests = DecodeRequests()
         self.fences = Fences(lambda: self.wake())
+        self.num_failed = [0, 0]  # requests failed so far: [bootstrap (prefill not reached or refused), transfer]
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -182,10 +183,11 @@ class DecodeRole(TransferRole):
     def stats(self) -> StatsMsg:
         """The engine's figures, with the requests that wait for room in the KV cache counted as waiting
         and those whose KV is on its way as waiting deferred."""
-        stats = super().stats()
-        return msgspec.structs.replace(
-            stats, num_waiting=stats.num_waiting + self.requests.count(DecodeState.QUEUED),
-            num_waiting_deferred=self.requests.count(DecodeState.FETCHING) + self.requests.count(DecodeState.LANDED))
+        stats, queued = super().stats(), self.requests.count(DecodeState.QUEUED)
+        moving = self.requests.count(DecodeState.FETCHING) + self.requests.count(DecodeState.LANDED)
+        pd = PdStatsMsg(decode_prealloc=queued, decode_transfer=moving, num_bootstrap_failed=self.num_failed[0],
+                        num_transfer_failed=self.num_failed[1])
+        return msgspec.structs.replace(stats, num_waiting=stats.num_waiting + queued, num_waiting_deferred=moving, pd=pd)
 
     def holding(self) -> str | None:
         """The engine's requests, then those waiting for their KV or fenced, then quarantined blocks."""
@@ -249,7 +251,8 @@ class DecodeRole(TransferRole):
             self.requests.drop(request_id)  # the engine ended the request meanwhile and already answered it
             return
         wait_s = time.monotonic() - pending.started
-        self.requests.move(request_id, DecodeState.ADMITTED).kv_stats = KVStatsMsg(kv_bytes=status.num_bytes, kv_wait_s=wait_s)
+        self.requests.move(request_id, DecodeState.ADMITTED).kv_stats = KVStatsMsg(
+            transfer_s=pending.read_s, kv_bytes=status.num_bytes, kv_wait_s=wait_s)
         log.info("kv received", request_id=request_id, bootstrap_room=pending.room, kv_bytes=status.num_bytes,
                  wait_s=round(wait_s, 6))
 
@@ -278,6 +281,8 @@ class DecodeRole(TransferRole):
         incompatible = isinstance(status, IncompatiblePeer)  # a router may pair it with another prefill
         corrupt = isinstance(status, ChecksumMismatch)  # another pair may move it whole
         code = 400 if isinstance(status, InvalidRequest) else 503 if unavailable or incompatible or corrupt else 500
+        if not isinstance(status, InvalidRequest):  # SGLang's counts: the prefill not reached or refused us; else the KV
+            self.num_failed[0 if isinstance(status, (PeerUnavailable, IncompatiblePeer)) else 1] += 1
         log.warning("decode request failed", request_id=request_id, reason=reason)
         self.core.abort(request_id, answer=False)  # the answer is ours, with the failure's status
         self._end_pending(request, reason)

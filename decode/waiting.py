@@ -24,6 +24,7 @@ class PendingKV:
     dst_block_ids: tuple[int, ...] = ()  # push flow: where the prefill writes (the KV checksum reads them)
     read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
     read_peer: str = ""  # ... and the backend peer it reads from
+    read_s: float = 0.0  # ... and how long it took, once done
     lease: tuple | None = None  # pull flow: (ControlClient, remote request id) once we may hold a lease
     hold: asyncio.Task | None = None  # pull flow: the early claim of the lease (its answer)
 

@@ -46,6 +46,7 @@ class PushRooms:
         self.backend, self.control = backend, control
         self.register_room = register_room  # async (room, dp_rank): tell the registry this rank holds it
         self.book = RoomBook(config.prefill.bootstrap_timeout_s)  # every room, in one state (prefill/rooms.py)
+        self.num_failed = [0, 0]  # rooms failed so far: [bootstrap (no destination, decode not reached), transfer]
         self.peers: dict[str, str] = {}  # decode peer name -> backend peer name
         self.settling: list[Settling] = []  # failed rooms whose posted writes have not all ended yet
         self.peer_failures: dict[str, str] = {}  # decode peer name -> why add_peer failed
@@ -304,6 +305,8 @@ class PushRooms:
         """End a room: no write is posted for it any more, the client hears at once. The decode's
         FAILED status waits until every posted write settled (it is the decode's fence)."""
         log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
+        if status != 499 and reason != state.error:  # SGLang's failure counts: aborts and engine errors are neither
+            self.num_failed[0 if state.info is None or state.peer is None else 1] += 1
         # A decode that asks about this room later is answered at once, not after its deadline.
         self.book.settle(state.room, RoomState.FAILED, reason)
         # Our source blocks may go back at once: a write still reading them only lands in

@@ -23,11 +23,12 @@ from disagg.engine.core import EngineCore
 from disagg.types import RequestOutput, SamplingParams
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg
-from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, StatsMsg
+from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, PdStatsMsg, StatsMsg
 from kvtransfer.control.endpoint import open_endpoint
 from kvtransfer.control.server import ControlServer
 from prefill.pull import PullRequests, is_pull
 from prefill.push import PushRooms
+from prefill.rooms import RoomState
 
 log = structlog.get_logger(__name__)
 BUSY_WAIT_S = 0.002
@@ -100,8 +101,13 @@ class PrefillRole(TransferRole):
         self.backend.close()
 
     def stats(self) -> StatsMsg:
-        # A drain waits for the tickets it issued (PrefillController.settle).
-        return msgspec.structs.replace(super().stats(), num_leases=len(self.pull.leases.leases))
+        """The engine's figures, the leases of issued tickets (a drain waits for them) and the P/D
+        queues: rooms waiting for their decode's destination, rooms computed whose KV goes out."""
+        rooms, leases = self.push.book.running.values(), len(self.pull.leases.leases)
+        pd = PdStatsMsg(prefill_bootstrap=sum(r.state is RoomState.WAITING for r in rooms),
+                        prefill_inflight=sum(r.state is RoomState.SENDING and r.computed_at is not None for r in rooms)
+                        + leases, num_bootstrap_failed=self.push.num_failed[0], num_transfer_failed=self.push.num_failed[1])
+        return msgspec.structs.replace(super().stats(), num_leases=leases, pd=pd)
 
     def holding(self) -> str | None:
         """The engine's requests, then the rooms still running here, then the leases of issued tickets."""

@@ -35,7 +35,8 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
     if configure_logs:
         configure_logging(config.log_format)
     metrics = ApiMetrics(engine.worker_states, engine.model.name, engine.dp_size, engine.dispatch_stats,
-                         engine.take_step_reports, engine.model.max_model_len, engine.model.cache_info)
+                         engine.take_step_reports, engine.model.max_model_len, engine.model.cache_info,
+                         lambda: engine.mode)
     middlewares = [log_context_middleware, metrics.middleware(), errors_middleware]
     keys = auth_middleware(config.api_key, config.admin_key)
     if keys is not None:

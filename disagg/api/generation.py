@@ -172,7 +172,7 @@ class Generation:
                                             queued_s=t.queued_s, max_tokens=self._max_tokens(t),
                                             num_preemptions=t.num_preemptions)
         if t.kv is not None:
-            self._state.metrics.observe_kv(t.kv)
+            self._state.metrics.observe_kv(t.kv, t.dp_rank)
         if self._state.engine.mode is DisaggregationMode.DECODE:  # its KV came with it, or not
             self._state.metrics.decode_prefills.labels("local" if t.kv is None else "remote").inc()
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,

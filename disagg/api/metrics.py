@@ -13,7 +13,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from disagg.api.pd_metrics import PdMetrics
 from disagg.api.step_metrics import StepMetrics
+from disagg.config import DisaggregationMode
 from disagg.api.vllm_metrics import VllmMetrics
 from disagg.dp.protocol import DispatchStats, WorkerState
 from disagg.types import FinishReason
@@ -78,7 +80,8 @@ class ApiMetrics:
     def __init__(self, worker_states: Callable[[], list[WorkerState]], model_name: str, dp_size: int,
                  dispatch_stats: Callable[[], DispatchStats] = DispatchStats,
                  take_step_reports: Callable[[], list[StepsMsg]] = list, max_model_len: int = 8192,
-                 cache_info: dict[str, str] | None = None):
+                 cache_info: dict[str, str] | None = None,
+                 mode: Callable[[], DisaggregationMode] = lambda: DisaggregationMode.NULL):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status",
@@ -109,14 +112,13 @@ class ApiMetrics:
         self.kv_failed = Counter("disagg_kv_transfer_failed", "decode: requests whose KV transfer failed, by reason "
                                  "(checksum: what landed is not what the prefill wrote, --kv-checksum)", ["reason"],
                                  registry=reg)
-        self.sglang_transfer_failed = Counter("sglang:num_transfer_failed_reqs", "The number of requests whose KV "
-                                              "transfer failed (SGLang's name)", registry=reg)
         self.faults = Counter("disagg_faults_injected", "faults injected on purpose (--enable-fault-injection)",
                               ["fault", "dp_rank"], registry=reg)
         reg.register(_WorkerCollector(worker_states))
         reg.register(_DispatchCollector(dispatch_stats))
         self.vllm = VllmMetrics(reg, model_name, dp_size, worker_states, max_model_len, cache_info)
         self.steps = StepMetrics(reg)
+        self.pd = PdMetrics(reg, model_name, worker_states, mode)
         self._take_step_reports = take_step_reports
 
     def observe_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft_s: float | None,
@@ -137,13 +139,15 @@ class ApiMetrics:
                 self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
 
     def transfer_failed(self, reason: str) -> None:
-        """A request whose KV transfer failed, under our name (by reason) and SGLang's."""
+        """A request whose KV transfer failed, by reason (SGLang's count comes from the workers)."""
         self.kv_failed.labels(reason).inc()
-        self.sglang_transfer_failed.inc()
 
-    def observe_kv(self, kv: KVStatsMsg) -> None:
+    def observe_kv(self, kv: KVStatsMsg, dp_rank: int = 0) -> None:
         """Record a disaggregated request's time split (prefill side) or KV wait (decode side), and the
-        KV bytes it moved: written (push, prefill side), landed or read (decode side)."""
+        KV bytes it moved: written (push, prefill side), landed or read (decode side); the transfer
+        under SGLang's and vLLM's names on the side that moved it."""
+        if kv.transfer_s > 0:
+            self.pd.observe_transfer(dp_rank, kv.kv_bytes, kv.transfer_s)
         if kv.kv_wait_s:
             self.kv_wait.observe(kv.kv_wait_s)
             self.kv_bytes.inc(kv.kv_bytes)

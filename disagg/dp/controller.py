@@ -355,7 +355,7 @@ class DPController:
                 w.rank, w.alive, w.ready is not None, w.stats.num_running, w.stats.num_waiting,
                 w.stats.num_free_blocks, w.stats.num_total_blocks, len(w.outstanding), w.num_restarts,
                 w.stats.num_quarantined_blocks, w.ready.block_size if w.ready is not None else 0,
-                w.stats.prefix_cache_queries, w.stats.prefix_cache_hits, w.stats.num_waiting_deferred,
+                w.stats.prefix_cache_queries, w.stats.prefix_cache_hits, w.stats.num_waiting_deferred, w.stats.pd,
             )
             for w in self.workers
         ]

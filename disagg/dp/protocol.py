@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from disagg.config import DisaggregationMode, LoadBalanceMethod
 from disagg.types import FaultKind
-from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, StepsMsg, Utility
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, PdStatsMsg, StepsMsg, Utility
 
 if TYPE_CHECKING:
     from disagg.dp.role_switch import PdRoles
@@ -65,6 +65,7 @@ class WorkerState:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the worker started
     prefix_cache_hits: int = 0  # of them, found cached
     num_waiting_deferred: int = 0  # waiting on something other than room: a decode's requests whose KV is on its way
+    pd: PdStatsMsg | None = None  # a prefill's or decode's queues and failed requests
 
 
 @dataclass(frozen=True)

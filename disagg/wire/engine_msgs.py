@@ -135,7 +135,7 @@ class KVStatsMsg(msgspec.Struct, frozen=True, omit_defaults=True):
 
     bootstrap_wait_s: float = 0.0  # prefill: arrival -> the decode's destination blocks known
     prefill_compute_s: float = 0.0  # prefill: arrival -> prompt computed
-    transfer_s: float = 0.0  # prefill: prompt computed and destination known -> every block landed
+    transfer_s: float = 0.0  # prefill: prompt computed and destination known -> every block landed; decode (pull): its read
     kv_bytes: int = 0
     kv_wait_s: float = 0.0  # decode: arrival -> KV admitted (its TTFT before the first decode step)
 
@@ -186,6 +186,18 @@ class ReadyMsg(msgspec.Struct, frozen=True, tag="ready"):
     compatibility: dict[str, str | int] = {}  # what a P/D peer must share (EngineCore.compatibility)
 
 
+class PdStatsMsg(msgspec.Struct, frozen=True):
+    """A prefill or decode worker's P/D queues now and its requests that failed so far (SGLang's P/D
+    metrics: its bootstrap, inflight, prealloc and transfer queues)."""
+
+    prefill_bootstrap: int = 0  # prefill: requests whose decode's destination is not known yet
+    prefill_inflight: int = 0  # prefill: requests computed whose KV is going out, or held for a reader (pull)
+    decode_prealloc: int = 0  # decode: requests waiting for room in the KV cache
+    decode_transfer: int = 0  # decode: requests whose KV is on its way
+    num_bootstrap_failed: int = 0  # requests that failed before their KV could move (no destination, peer gone)
+    num_transfer_failed: int = 0  # requests whose KV transfer failed (or landed corrupt)
+
+
 class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     """Periodic load report (drives least_load dispatch and the per-worker gauges)."""
 
@@ -200,6 +212,7 @@ class StatsMsg(msgspec.Struct, frozen=True, tag="stats"):
     # Waiting on something other than room: a decode's requests whose KV is on its way (vLLM's
     # num_requests_waiting_by_reason "deferred"; `num_waiting` is its "capacity").
     num_waiting_deferred: int = 0
+    pd: PdStatsMsg | None = None  # a prefill's or decode's queues and failures
 
 
 class RoomMisroutedMsg(msgspec.Struct, frozen=True, tag="room_misrouted"):

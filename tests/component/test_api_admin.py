@@ -64,7 +64,7 @@ async def test_server_info_and_alias():
             {"dp_rank": r, "alive": True, "ready": True, "num_running": 0, "num_waiting": r, "num_free_blocks": 100 - r,
              "num_total_blocks": 128, "num_outstanding_requests": 0, "num_restarts": r,
              "num_quarantined_blocks": 3 * r, "block_size": 16, "prefix_cache_queries": 0,
-             "prefix_cache_hits": 0, "num_waiting_deferred": 0} for r in (0, 1)],
+             "prefix_cache_hits": 0, "num_waiting_deferred": 0, "pd": None} for r in (0, 1)],
     }
 
 

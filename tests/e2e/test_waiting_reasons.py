@@ -1,6 +1,6 @@
 """vLLM's waiting requests by reason on a real decode: a request whose KV is on its way (the prefill's
 write held back by the delay_transfers fault) waits "deferred" and counts in vllm:num_requests_waiting; once
-its KV lands both are 0 again."""
+its KV lands both are 0 again. SGLang's queue gauges say the same."""
 
 import asyncio
 import re
@@ -26,6 +26,11 @@ async def waiting(session: aiohttp.ClientSession, url: str) -> tuple[float, floa
             value("vllm:num_requests_waiting_by_reason", ',reason="deferred"'))
 
 
+async def gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(url + "/metrics") as r:
+        return float(re.search(rf'^{name}{{[^}}]*dp_rank="0"[^}}]*}} (\S+)$', await r.text(), re.M).group(1))
+
+
 async def test_a_request_waiting_for_its_kv_waits_deferred():
     cluster = await start_pd("tcp", server={"enable_fault_injection": True}, dp_size=1)
     try:
@@ -42,6 +47,10 @@ async def test_a_request_waiting_for_its_kv_waits_deferred():
                 break
             await asyncio.sleep(0.02)
         assert (1, 0, 1) in seen, seen
+        # SGLang's names for the same moment: the decode's transfer queue, the prefill's inflight one.
+        assert await gauge(cluster.session, cluster.decode_url, "sglang:num_decode_transfer_queue_reqs") == 1
+        assert await gauge(cluster.session, cluster.prefill_url, "sglang:num_prefill_inflight_queue_reqs") == 1
+        assert await gauge(cluster.session, cluster.prefill_url, "sglang:num_prefill_bootstrap_queue_reqs") == 0
         (p_status, _, _), (d_status, d_data, _) = await both
         assert (p_status, d_status, len(d_data["output_ids"])) == (200, 200, 4)
         assert await waiting(cluster.session, cluster.decode_url) == (0, 0, 0)

@@ -7,7 +7,7 @@ Routes:
   503 `draining` once the router shuts down: new generate requests get the same)
 - `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
 - `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
-- `GET /metrics`: the router's Prometheus metrics (retries)
+- `GET /metrics`: the router's Prometheus metrics, and its servers' engine families added up
 Every error is OpenAI-shaped JSON; unknown routes are 404. With `api_key`, every route but `/health`
 and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
 """
@@ -37,7 +37,7 @@ from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.kv_index import KVIndex
 from disagg.router.kv_subscriber import KVEventSubscriber
-from disagg.router import passthrough
+from disagg.router import federation, passthrough
 from disagg.router.legs import LegClient
 from disagg.router.metrics import RouterMetrics
 from disagg.router.compat import incompatible_prefills
@@ -159,7 +159,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return _router(request).metrics.render()
+    """The router's own families, then (--federate-metrics) its servers' engine families added up."""
+    router = _router(request)
+    urls = [info.url for role in Role for info in router.pool.infos(role)] if router.config.federate_metrics else []
+    summed, num_failed = await federation.federate(router.session, urls, router.config.health_check_timeout_s)
+    router.metrics.federation_failures.inc(num_failed)
+    return router.metrics.render(summed)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -268,6 +268,9 @@ class RouterConfig:
         default=1.0, metadata={"help": "seconds between /server_info reads of each server that may switch roles "
                                        "(--enable-pd-role-switch): a server that switched is routed by its new role "
                                        "from the next read (0: at health checks only)"})
+    federate_metrics: bool = field(
+        default=True, metadata={"help": "the router's /metrics also carries the servers' vllm:* and sglang:* "
+                                        "families, added up over them (each server's /metrics read at every scrape)"})
     max_body_bytes: int = field(default=64 << 20, metadata={"help": "largest accepted request body"})
     max_connections: int = field(default=1024, metadata={"help": "open connections to all servers together"})
     log_format: str = field(default="console", metadata={"help": "console or json", "choices": ("console", "json")})

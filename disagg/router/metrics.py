@@ -42,6 +42,9 @@ class RouterMetrics:
         self.answers = Counter("disagg_router_answers", "answers by their path (pd, decode-local, retried) and, "
                                "where not pd, why (X-Disagg-Path, X-Disagg-Path-Reason)", ["path", "reason"],
                                registry=self.registry)
+        self.federation_failures = Counter("disagg_router_federation_failures", "servers whose /metrics did not "
+                                           "answer in time at a scrape (left out of the summed engine families)",
+                                           registry=self.registry)
         self.local_prefills_refused = Counter("disagg_router_local_prefills_refused", "requests a decode would not "
                                               "prefill itself, sent again with a prefill", registry=self.registry)
 
@@ -67,6 +70,7 @@ class RouterMetrics:
         except KeyError:
             pass
 
-    def render(self) -> web.Response:
-        """GET /metrics: the Prometheus text format."""
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
+    def render(self, federated: str = "") -> web.Response:
+        """GET /metrics: the Prometheus text format, then `federated` (the servers' families added up)."""
+        return web.Response(body=generate_latest(self.registry) + federated.encode(), content_type="text/plain",
+                            charset="utf-8")

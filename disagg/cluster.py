@@ -56,7 +56,7 @@ def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: Ca
 
 # ServerConfig's fields that `disagg serve` sets alike on both of its servers (`host` binds the router too)
 SHARED_SERVER_FIELDS = ("host", "dp_size", "log_format", "api_key", "admin_key", "max_waiting_requests",
-                        "max_kv_usage", "shutdown_timeout_s")
+                        "max_kv_usage", "shutdown_timeout_s", "otlp_traces_endpoint")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ async def start_cluster(engine: EngineConfig, disagg: DisaggConfig, options: Clu
         raise failed[0]
     prefill, decode = results
     router = RouterServer(router_config(prefill, decode, o.cache_aware, o.planning, host=o.servers.host, port=o.port,
-                                        log_format=o.servers.log_format, api_key=o.servers.api_key, tls=o.tls))
+                                        log_format=o.servers.log_format, api_key=o.servers.api_key, tls=o.tls,
+                                        otlp_traces_endpoint=o.servers.otlp_traces_endpoint))
     try:
         await router.start()
     except BaseException:

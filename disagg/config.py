@@ -68,6 +68,12 @@ def env_secret(name: str, environ: dict[str, str] | None = None) -> str | None:
     return (environ if environ is not None else os.environ).get(name) or None
 
 
+def otlp_traces_endpoint(environ: dict[str, str] | None = None) -> str | None:
+    """OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (OpenTelemetry's variable): where traces go when no
+    --otlp-traces-endpoint is given; unset: tracing off."""
+    return env_secret("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", environ)
+
+
 def cluster_secret(environ: dict[str, str] | None = None) -> str | None:
     """DISAGG_CLUSTER_SECRET: the secret shared by every prefill, decode and bootstrap of one cluster."""
     return env_secret("DISAGG_CLUSTER_SECRET", environ)
@@ -249,6 +255,10 @@ class ServerConfig:
         "publish each DP worker's per-step engine metrics (wall time, prefill tokens, decode sequences and "
         "their KV tokens, queue depth; twice a second) on ZMQ PUB here, tcp://HOST:PORT or ipc://PATH; DP "
         "worker r at PORT + r (default: not published; /metrics summarises them either way)")})
+    otlp_traces_endpoint: str | None = field(default_factory=lambda: otlp_traces_endpoint(), metadata={"help": (
+        "send OpenTelemetry traces over OTLP/HTTP (protobuf) to this URL, e.g. http://collector:4318/v1/traces: a span "
+        "per generate request, the child of the caller's traceparent (vLLM's flag; default: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off; needs the tracing extra)")})
     tls: TlsConfig = field(default_factory=TlsConfig)
     tools: ToolConfig = field(default_factory=ToolConfig)
     enable_fault_injection: bool = field(default=False, metadata={"negatable": False, "help": (

@@ -17,7 +17,7 @@ LAYERS = {
     "bootstrap.server": 3, "disagg.bench": 3, "disagg.top": 3,
     "disagg.engine": 2, "kvtransfer": 2, "bootstrap.client": 2, "bootstrap.registry": 2,
     "disagg.ops": 1,
-    "disagg.config": 0, "disagg.pd_config": 0, "disagg.registry_config": 0, "disagg.host_patterns": 0, "disagg.engine_config": 0, "disagg.types": 0, "disagg.wire": 0, "disagg": 0, "bootstrap": 2,
+    "disagg.config": 0, "disagg.tracing": 0, "disagg.pd_config": 0, "disagg.registry_config": 0, "disagg.host_patterns": 0, "disagg.engine_config": 0, "disagg.types": 0, "disagg.wire": 0, "disagg": 0, "bootstrap": 2,
     "disagg.http_site": 0, "disagg.kv_events_config": 0, "disagg.tool_config": 0, "disagg.cpus": 0, "disagg.block_hashes": 0, "disagg.rank_rule": 0,
 }
 # Same-layer edges that are allowed: the P/D roles build on the worker's unified role; the front's
@@ -30,10 +30,11 @@ SAME_LAYER_OK = {
     ("disagg.worker", "disagg.worker.roles"),  # the worker's spec names RoleSpec's type (TYPE_CHECKING only)
     ("disagg.api", "disagg.dp"), ("disagg.rank_rule", "disagg.config"), ("disagg.rank_rule", "disagg.types"), ("disagg.wire", "disagg.types"), ("disagg.engine_config", "disagg.config"), ("disagg.registry_config", "disagg.config"), ("disagg.kv_events_config", "disagg.config"), ("disagg.cpus", "disagg.config"), ("disagg.config", "disagg.host_patterns"), ("disagg.pd_config", "disagg.config"), ("disagg.pd_config", "disagg.host_patterns"), ("disagg.config", "disagg.tool_config"), ("disagg.http_site", "disagg.config"), ("disagg.bench", "disagg.router"), ("disagg.cli", "disagg.launch"), ("disagg.cli", "disagg.cluster"), ("disagg.cluster", "disagg.launch"),
     ("disagg.testing", "disagg.launch"), ("disagg", "disagg.types"),  # http_edge's error codes
+    ("disagg.tracing", "disagg.config"),  # ConfigError when the tracing extra is missing
 }
 NETWORK_LIBS = {"aiohttp", "grpc", "socket", "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "ucxx", "requests", "zmq"}
 NO_TORCH = ("disagg.api", "disagg.router", "disagg.top", "bootstrap", "disagg.config", "disagg.pd_config", "disagg.tool_config", "disagg.cpus", "disagg.block_hashes", "disagg.kv_events_config", "disagg.registry_config", "disagg.host_patterns", "disagg.engine_config",
-            "disagg.types", "disagg.wire")
+            "disagg.types", "disagg.wire", "disagg.tracing")
 # The P/D control plane (rooms, leases, request ids) builds on the transfer backends, never the other
 # way round: every other kvtransfer module stays request-agnostic and imports neither it nor its wire.
 CONTROL = "kvtransfer.control"

@@ -6,6 +6,7 @@ errors as OpenAI-shaped JSON, then the optional API and admin key checks (disagg
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 
 from aiohttp import web
@@ -24,10 +25,12 @@ from disagg.api.errors import errors_middleware
 from disagg.api.logging import configure_logging, log_context_middleware
 from disagg.api.metrics import ApiMetrics
 from disagg.api.state import STATE, ApiState
+from disagg.api.traces import ROLE_NAMES, tracing_middleware
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
 from disagg.drain import CLOSE_TIMEOUT_S
 from disagg.http_site import start_site
+from disagg.tracing import open_tracing
 
 
 def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bool = True) -> web.Application:
@@ -41,8 +44,13 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
     keys = auth_middleware(config.api_key, config.admin_key)
     if keys is not None:
         middlewares.append(keys)
+    tracing = open_tracing(config.otlp_traces_endpoint, f"disagg-{ROLE_NAMES[engine.mode]}")
+    if tracing is not None:  # outermost: its span sees the answer's final status
+        middlewares.insert(0, tracing_middleware(tracing, lambda: engine.mode))
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
-    app[STATE] = ApiState(config, engine, metrics)
+    app[STATE] = ApiState(config, engine, metrics, tracing=tracing)
+    if tracing is not None:
+        app.on_cleanup.append(lambda _: asyncio.to_thread(tracing.close))  # the spans not sent yet go out
     for module in (openai_routes, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes,
                    fault_routes):
         module.add_routes(app)

@@ -15,6 +15,7 @@ import structlog
 
 from disagg.api.errors import engine_error
 from disagg.api.state import ApiState
+from disagg.api.traces import record_finished
 from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import ErrorCode, FinishReason
@@ -173,6 +174,8 @@ class Generation:
                                             num_preemptions=t.num_preemptions)
         if t.kv is not None:
             self._state.metrics.observe_kv(t.kv, t.dp_rank)
+        if self._state.tracing is not None:
+            record_finished(self._state.tracing, t, self._state.engine.mode, self._msg.bootstrap_room)
         if self._state.engine.mode is DisaggregationMode.DECODE:  # its KV came with it, or not
             self._state.metrics.decode_prefills.labels("local" if t.kv is None else "remote").inc()
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,

@@ -12,6 +12,7 @@ from disagg.api.metrics import ApiMetrics
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
 from disagg.drain import Drain
+from disagg.tracing import Tracing
 
 log = structlog.get_logger("disagg.api")
 
@@ -26,6 +27,7 @@ class ApiState:
     metrics: ApiMetrics
     inflight: dict[str, int] = field(default_factory=dict)
     drain: Drain = field(default_factory=Drain)
+    tracing: Tracing | None = None  # --otlp-traces-endpoint (disagg/tracing.py)
     started_at: int = field(default_factory=lambda: int(time.time()))
     _noted: set[str] = field(default_factory=set)
 

@@ -37,7 +37,7 @@ from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.kv_index import KVIndex
 from disagg.router.kv_subscriber import KVEventSubscriber
-from disagg.router import federation, passthrough
+from disagg.router import federation, passthrough, traces
 from disagg.router.legs import LegClient
 from disagg.router.metrics import RouterMetrics
 from disagg.router.compat import incompatible_prefills
@@ -45,6 +45,7 @@ from disagg.router.planning import RolePlanner
 from disagg.router.policy import PairPicker, Policy
 from disagg.router.proxy import Proxy
 from disagg.router.workers import Health, Role, WorkerPool
+from disagg.tracing import open_tracing
 from disagg.wire.auth import bearer_matches
 
 log = structlog.get_logger("disagg.router")
@@ -79,6 +80,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch_pool(self.pool)
         self.planner: RolePlanner | None = None
+        self.tracing = open_tracing(config.otlp_traces_endpoint, "disagg-router")  # None: tracing off
 
     async def start(self) -> None:
         """Open the session, run the first health checks, start the checker loop (and discovery)."""
@@ -136,6 +138,9 @@ class Router:
         session, self.session = self.session, None
         if session is not None:
             await session.close()
+        tracing, self.tracing = self.tracing, None
+        if tracing is not None:  # the spans not sent yet go out
+            await asyncio.to_thread(tracing.close)
 
 
 ROUTER_KEY = web.AppKey("router", Router)
@@ -155,7 +160,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if router.drain.draining:
         raise RouterDraining(router.drain.refusal_message())
     with router.drain.track():
-        return await router.proxy.serve(request, request.path)
+        if router.tracing is None:
+            return await router.proxy.serve(request, request.path)
+        return await traces.traced(router.tracing, request, router.proxy.serve)
 
 
 async def metrics(request: web.Request) -> web.Response:

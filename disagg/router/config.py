@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from disagg.config import SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, Choice, ConfigError, TlsConfig, check_shutdown_timeout
+from disagg.config import (
+    SHUTDOWN_TIMEOUT_HELP, SHUTDOWN_TIMEOUT_S, Choice, ConfigError, TlsConfig, check_shutdown_timeout, otlp_traces_endpoint,
+)
 from disagg.router.policy import Policy
 
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -268,6 +270,10 @@ class RouterConfig:
         default=1.0, metadata={"help": "seconds between /server_info reads of each server that may switch roles "
                                        "(--enable-pd-role-switch): a server that switched is routed by its new role "
                                        "from the next read (0: at health checks only)"})
+    otlp_traces_endpoint: str | None = field(default_factory=lambda: otlp_traces_endpoint(), metadata={"help": (
+        "send OpenTelemetry traces over OTLP/HTTP (protobuf) to this URL: a span per request with its pick, its legs "
+        "and its path, whose context both servers receive (traceparent), so their spans join the trace "
+        "(default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off; needs the tracing extra)")})
     federate_metrics: bool = field(
         default=True, metadata={"help": "the router's /metrics also carries the servers' vllm:* and sglang:* "
                                         "families, added up over them (each server's /metrics read at every scrape)"})

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
-from disagg.router import bodies, local_prefill
+from disagg.router import bodies, local_prefill, traces
 from disagg.router.config import PdProtocol, PrefillEndpoint, RouterConfig
 from disagg.router.errors import (
     RequestShutDown, ServerDraining, ServerError, ServerUnreachable, retryable, sse_error_event,
@@ -38,6 +38,7 @@ from disagg.router.legs import (
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import PairPolicy, Policy, draw_rooms, pick_dp_rank
 from disagg.router.workers import Health, Role, WorkerPool
+from disagg.tracing import annotate, since_start_ms, step
 from disagg.types import ErrorCode
 from disagg.wire.headers import (
     DP_RANK_HEADER, PATH_HEADER, PATH_REASON_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER, ROLE_EPOCH_HEADER,
@@ -122,7 +123,8 @@ class Proxy:
         local_ok = True
         while True:
             try:
-                plan = await self.plan(path, body, local_ok, headers)
+                with step("router.pick"):
+                    plan = await self.plan(path, body, local_ok, headers)
                 return await self._serve_plan(request, path, plan, headers, num_retries, first_failure)
             except local_prefill.LocalPrefillRefused as exc:
                 log.info("the decode would not prefill the request itself; sending it with a prefill", error=exc.message)
@@ -168,6 +170,8 @@ class Proxy:
                 answer = await (self._stream(request, plan, headers, prefill, out_headers) if plan.stream
                                 else self._unary(plan, headers, prefill, out_headers))
                 self._metrics.answers.labels(taken.value, why or "").inc()
+                annotate(disaggregation_used=plan.prefill is not None, reason=why or taken.value, bootstrap_room=room,
+                         prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server, retries=num_retries)
                 log.info("request answered", disagg_path=taken.value, reason=why, retries=num_retries,
                          prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server)
                 return answer
@@ -285,7 +289,10 @@ class Proxy:
         for --local-prefill-min-prefill-load)."""
         self._pool.begin_prefill(plan.prefill.index)
         try:
-            return await self._legs.fetch(plan.prefill, headers)
+            with step("router.prefill_leg", {"server": plan.prefill.server}):
+                answer = await self._legs.fetch(plan.prefill, headers)
+            annotate(prefill_duration_ms=since_start_ms())
+            return answer
         finally:
             self._pool.end_prefill(plan.prefill.index)
 
@@ -294,6 +301,7 @@ class Proxy:
         prefill = prefill or asyncio.create_task(self._fetch_prefill(plan, headers))
         decode = asyncio.create_task(self._legs.fetch(plan.decode, headers))
         prefill_answer, decode_answer = await both_or_first_error(prefill, decode)
+        traces.first_byte()
         body = self._decode_body(plan, prefill_answer, decode_answer)
         if plan.learn is not None:
             plan.learn(decode_answer.body)
@@ -325,6 +333,7 @@ class Proxy:
         resp = None
         try:
             resp, first = await await_unless_other_fails(opening, prefill)
+            traces.first_byte()
             reported = resp.headers.get(DP_RANK_HEADER)
             if plan.expected_decode_rank is not None and reported is not None:
                 bodies.check_decode_dp_rank(plan.expected_decode_rank, None, reported)

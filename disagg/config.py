@@ -255,6 +255,9 @@ class ServerConfig:
         "publish each DP worker's per-step engine metrics (wall time, prefill tokens, decode sequences and "
         "their KV tokens, queue depth; twice a second) on ZMQ PUB here, tcp://HOST:PORT or ipc://PATH; DP "
         "worker r at PORT + r (default: not published; /metrics summarises them either way)")})
+    enable_tokenizer_info_endpoint: bool = field(default=False, metadata={"negatable": False, "help": (
+        "GET /tokenizer_info: the tokenizer's class and settings, its chat template included (vLLM's flag; off by "
+        "default, as there: the template may be private)")})
     otlp_traces_endpoint: str | None = field(default_factory=lambda: otlp_traces_endpoint(), metadata={"help": (
         "send OpenTelemetry traces over OTLP/HTTP (protobuf) to this URL, e.g. http://collector:4318/v1/traces: a span "
         "per generate request, the child of the caller's traceparent (vLLM's flag; default: "

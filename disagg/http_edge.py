@@ -175,3 +175,17 @@ def error_middleware(edge: Edge):
             return edge.response(err, err.headers or None)
 
     return errors_as_json
+
+
+def invocation_path(raw: bytes) -> str:
+    """The route an `/invocations` body (SageMaker's, as vLLM serves it) stands for: a chat body (it
+    has `messages`) `/v1/chat/completions`, a completions body (`prompt`) `/v1/completions`; else a 400."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise BadRequest("malformed JSON body") from None
+    if isinstance(body, dict) and "messages" in body:
+        return "/v1/chat/completions"
+    if isinstance(body, dict) and "prompt" in body:
+        return "/v1/completions"
+    raise BadRequest("an /invocations body is a chat completion (with messages) or a completion (with prompt)")

@@ -140,6 +140,12 @@ async def get_load(request: web.Request) -> web.Response:
     ])
 
 
+async def load(request: web.Request) -> web.Response:
+    """GET /load (vLLM's, with --enable-server-load-tracking there; always on here): the generate
+    requests this server is serving now."""
+    return json_response({"server_load": state_of(request).drain.num_in_flight})
+
+
 async def version(request: web.Request) -> web.Response:
     """GET /version: `{"version": ...}` (vLLM's route), the disagg package version."""
     return json_response({"version": __version__})
@@ -193,6 +199,7 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(path, model_info)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/get_load", get_load)
+    app.router.add_get("/load", load)
     app.router.add_get("/version", version)
     for path in ("/abort_request", "/abort_requests"):
         app.router.add_post(path, abort_requests)

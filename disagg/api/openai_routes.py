@@ -25,7 +25,7 @@ from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.api.tools import AUTO, ToolPlan, plan_tools, template_fields, tool_constraint
 from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
-from disagg.http_edge import BadRequest
+from disagg.http_edge import BadRequest, invocation_path
 from disagg.types import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, capped by the context; chat's is the rest of the context
@@ -216,9 +216,17 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return json_response(_model_object(state))
 
 
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """POST /invocations (SageMaker's route, as vLLM serves it): a chat body (it has `messages`) is a
+    chat completion, a completions body (`prompt`) a completion; anything else is a 400."""
+    path = invocation_path(await read_body(request))
+    return await (chat_completions(request) if path == "/v1/chat/completions" else completions(request))
+
+
 def add_routes(app: web.Application) -> None:
     """Register the OpenAI routes on `app`."""
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/invocations", invocations)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)

@@ -16,7 +16,7 @@ from disagg.api.bodies import Int64, decode_body
 from disagg.api.openai_routes import chat_messages
 from disagg.api.requests import check_model, read_body
 from disagg.api.serving import json_response
-from disagg.api.state import state_of
+from disagg.api.state import STATE, state_of
 from disagg.dp.protocol import EngineClient, WorkerUnavailable
 from disagg.http_edge import BadRequest
 from disagg.wire.engine_msgs import TokenizeMsg, TokenizeResultMsg, Utility
@@ -95,7 +95,17 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": text})
 
 
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """GET /tokenizer_info (vLLM's, opt-in there too: --enable-tokenizer-info-endpoint): the
+    tokenizer's class and settings, the chat template included."""
+    engine = state_of(request).engine
+    [info] = await engine.call_utility(Utility.TOKENIZER_INFO, ranks=[ready_rank(engine)])
+    return json_response(info)
+
+
 def add_routes(app: web.Application) -> None:
-    """Register POST /tokenize and POST /detokenize on `app`."""
+    """Register POST /tokenize and POST /detokenize on `app` (and GET /tokenizer_info when enabled)."""
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    if app[STATE].config.enable_tokenizer_info_endpoint:
+        app.router.add_get("/tokenizer_info", tokenizer_info)

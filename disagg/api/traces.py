@@ -24,7 +24,8 @@ from disagg.config import DisaggregationMode
 from disagg.http_edge import HttpError
 from disagg.tracing import Tracing, current_span, wall_ns
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate",
+                            "/invocations"})
 ROLE_NAMES = {DisaggregationMode.NULL: "unified", DisaggregationMode.PREFILL: "prefill",
               DisaggregationMode.DECODE: "decode"}
 

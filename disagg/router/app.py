@@ -28,7 +28,7 @@ from aiohttp import web
 
 from disagg.config import admin_key
 from disagg.drain import Drain
-from disagg.http_edge import Edge, HttpError, error_middleware, http_error_of
+from disagg.http_edge import Edge, HttpError, error_middleware, http_error_of, invocation_path
 from disagg.http_site import client_ssl_context
 from disagg.router.cache_aware import CacheAwarePairPicker
 from disagg.router.config import RouterConfig
@@ -154,15 +154,26 @@ def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(payload), status=status, content_type="application/json")
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    """P/D dispatch; the same path is called on both servers. Refused (503) while the router drains."""
+async def generate(request: web.Request, path: str | None = None) -> web.StreamResponse:
+    """P/D dispatch; the same path (`path`, else the request's) is called on both servers. Refused
+    (503) while the router drains."""
     router = _router(request)
     if router.drain.draining:
         raise RouterDraining(router.drain.refusal_message())
     with router.drain.track():
         if router.tracing is None:
-            return await router.proxy.serve(request, request.path)
-        return await traces.traced(router.tracing, request, router.proxy.serve)
+            return await router.proxy.serve(request, path or request.path)
+        return await traces.traced(router.tracing, request, path or request.path, router.proxy.serve)
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """POST /invocations (SageMaker's): dispatched as the chat or completions request its body is."""
+    return await generate(request, invocation_path(await request.read()))
+
+
+async def load(request: web.Request) -> web.Response:
+    """GET /load (vLLM's): the generate requests the router is serving now."""
+    return web.json_response({"server_load": _router(request).drain.num_in_flight})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -260,6 +271,8 @@ def create_app(router: Router) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     for path in GENERATE_PATHS:
         app.router.add_post(path, generate)
+    app.router.add_post("/invocations", invocations)
+    app.router.add_get("/load", load)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health_generate", health_generate)

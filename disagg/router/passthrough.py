@@ -1,5 +1,5 @@
 """The routes the router answers from one healthy server, as sgl-model-gateway and vllm-router do:
-`/v1/models`, `/version`, `/get_model_info` and `/get_server_info` (GET), `/tokenize` and
+`/v1/models`, `/version`, `/get_model_info`, `/tokenizer_info` and `/get_server_info` (GET), `/tokenize` and
 `/detokenize` (POST). The first eligible decode server answers (every server runs the same model);
 its status, content type and body are passed through, the client's Authorization header goes on.
 `/get_server_info` is that server's, with the router's own view added under `"router"`.
@@ -17,7 +17,7 @@ from disagg.router.errors import NoHealthyServer
 from disagg.router.legs import Leg, leg_errors
 from disagg.router.workers import Role
 
-GET_PATHS = ("/v1/models", "/v1/models/{model_id:.+}", "/version", "/get_model_info")
+GET_PATHS = ("/v1/models", "/v1/models/{model_id:.+}", "/version", "/get_model_info", "/tokenizer_info")
 POST_PATHS = ("/tokenize", "/detokenize")
 
 

@@ -24,14 +24,14 @@ from disagg.tracing import Tracing, current_span
 Serve = Callable[[web.Request, str], Awaitable[web.StreamResponse]]
 
 
-async def traced(tracing: Tracing, request: web.Request, serve: Serve) -> web.StreamResponse:
+async def traced(tracing: Tracing, request: web.Request, path: str, serve: Serve) -> web.StreamResponse:
     """`serve(request, path)` inside the request's span; both legs get the span's context."""
-    span = tracing.start(f"router {request.path}", request.headers, {"http.route": request.path})
+    span = tracing.start(f"router {path}", request.headers, {"http.route": path})
     headers = CIMultiDict(request.headers)
     tracing.inject(span, headers)
     try:
         with tracing.activate(span):
-            response = await serve(request.clone(headers=headers), request.path)
+            response = await serve(request.clone(headers=headers), path)
         span.set_attribute("http.response.status_code", response.status)
         first_byte = span.attributes.get("true_ttft_ms")
         if first_byte is not None:

@@ -86,6 +86,7 @@ class Utility(str, enum.Enum):
     STATS = "stats"  # a StatsMsg
     TOKENIZE = "tokenize"  # args: [TokenizeMsg]; a TokenizeResultMsg
     DETOKENIZE = "detokenize"  # args: [token ids]; the text
+    TOKENIZER_INFO = "tokenizer_info"  # the tokenizer's class and settings (vLLM's /tokenizer_info)
     INJECT_FAULT = "inject_fault"  # args: [kind, params]; --enable-fault-injection servers only
     HOLDING = "holding"  # what the role still holds (requests, rooms, leases, fences), or None: free to switch
     SWITCH_ROLE = "switch_role"  # args: [mode]; --enable-pd-role-switch: the worker's loop swaps its role

@@ -1,4 +1,5 @@
-"""The `tokenize` and `detokenize` utilities a worker answers for vLLM's /tokenize and /detokenize.
+"""The `tokenize`, `detokenize` and `tokenizer_info` utilities a worker answers for vLLM's /tokenize,
+/detokenize and /tokenizer_info.
 
 They run in the worker process, beside the engine's tokenizer, so the HTTP front stays free of
 tokenizers and torch. Refused input (a chat template that raises, a model without one) comes back
@@ -47,3 +48,18 @@ def chat_text(tokenizer: Tokenizer, msg: TokenizeMsg | GenerateMsg, template_kwa
 def detokenize(tokenizer: Tokenizer, token_ids: list[int]) -> str:
     """The text of `token_ids`, special tokens kept (vLLM's /detokenize decodes them too)."""
     return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def tokenizer_info(tokenizer: Tokenizer, model_name: str) -> dict:
+    """vLLM's /tokenizer_info body: the tokenizer's class and settings (its special tokens, the
+    vocabulary's size, the chat template when the model has one)."""
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tokenizer.id_to_token(token_id)
+    info = {"name_or_path": model_name, "tokenizer_class": "PreTrainedTokenizerFast", "vocab_size": tokenizer.vocab_size,
+            "bos_token": text(tokenizer.bos_token_id),
+            "eos_token": text(tokenizer.eos_token_ids[0]) if tokenizer.eos_token_ids else None,
+            "add_bos_token": tokenizer.bos_token_id is not None and tokenizer.bos_token_id in tokenizer.encode(""),
+            "added_special_tokens": sorted(tokenizer.id_to_token(i) for i in tokenizer.special_token_ids)}
+    if tokenizer.chat_template is not None:
+        info["chat_template"] = tokenizer.chat_template
+    return info

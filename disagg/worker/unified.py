@@ -158,6 +158,7 @@ class UnifiedRole:
             Utility.RESET_PREFIX_CACHE: core.reset_prefix_cache, Utility.STATS: self.stats,
             Utility.TOKENIZE: partial(tokenization.tokenize, tokenizer),
             Utility.DETOKENIZE: partial(tokenization.detokenize, tokenizer),
+            Utility.TOKENIZER_INFO: partial(tokenization.tokenizer_info, tokenizer, self.model_name),
             Utility.INJECT_FAULT: self.inject_fault, Utility.HOLDING: self.holding,
         }
         return table[method](*args)

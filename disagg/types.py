@@ -228,17 +228,22 @@ def _logit_bias(value: object) -> dict[int, float]:
     """OpenAI's `logit_bias` (token id string -> bias) as ints -> floats clamped to [-100, 100]."""
     if not isinstance(value, dict):
         raise InvalidRequest("logit_bias must be an object mapping token ids to biases", "logit_bias")
-    out: dict[int, float] = {}
-    for key, bias in value.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        if token_id < 0 or not _is_number(bias):
-            raise InvalidRequest(f"logit_bias must map non-negative token ids to finite numbers, got {key!r}: {bias!r}",
-                                 "logit_bias")
-        out[token_id] = min(100.0, max(-100.0, float(bias)))
-    return out
+    not_ids = [key for key in value if not _int_key(key)]
+    if not_ids:  # every bad key named, as vLLM names every bad id
+        raise InvalidRequest(f"logit_bias keys must be token ids, got {', '.join(map(repr, not_ids))}", "logit_bias")
+    bad = [(key, bias) for key, bias in value.items() if int(key) < 0 or not _is_number(bias)]
+    if bad:
+        raise InvalidRequest("logit_bias must map non-negative token ids to finite numbers, got "
+                             + ", ".join(f"{key!r}: {bias!r}" for key, bias in bad), "logit_bias")
+    return {int(key): min(100.0, max(-100.0, float(bias))) for key, bias in value.items()}
+
+
+def _int_key(key: object) -> bool:
+    try:
+        int(key)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _is_number(value: object) -> bool:

@@ -37,7 +37,8 @@ def completion_logprobs(entries: list[TokenLogprobs], text_offset: int, texts: d
     return {
         "tokens": tokens,
         "token_logprobs": [e[0][1] for e in entries],
-        "top_logprobs": [{token_label(t, texts): lp for t, lp in e[1:]} for e in entries],
+        # The sampled token first, then the top-n (vLLM's dict: `logprobs: 0` still names the sampled one).
+        "top_logprobs": [{token_label(t, texts): lp for t, lp in e} for e in entries],
         "text_offset": text_offsets(tokens, text_offset),
     }
 
@@ -71,10 +72,15 @@ class _OpenAIRenderer:
         return {"id": totals.request_id, "object": object_name, "created": totals.created,
                 "model": self.model, "choices": choices, "dp_rank": totals.dp_rank}
 
-    def _chunk(self, totals: Totals, choice: dict) -> dict:
+    def _chunk(self, totals: Totals, choice: dict, num_unsent_tokens: int = 0) -> dict:
+        """One streamed chunk; with continuous usage, the usage up to it (`num_unsent_tokens` of the
+        totals' tokens come in later chunks)."""
         chunk = self._envelope(totals, self.chunk_object, [choice])
         if self.continuous_usage:
-            chunk["usage"] = totals.usage()
+            usage = totals.usage()
+            usage["completion_tokens"] -= num_unsent_tokens
+            usage["total_tokens"] -= num_unsent_tokens
+            chunk["usage"] = usage
         return chunk
 
     def tail(self, totals: Totals) -> list[object]:
@@ -155,7 +161,7 @@ def prompt_completion_logprobs(entries: list[TokenLogprobs | None], prompt_token
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else e[0][1] for e in entries],
-        "top_logprobs": [None if e is None else {token_label(t, texts): lp for t, lp in e[1:]} for e in entries],
+        "top_logprobs": [None if e is None else {token_label(t, texts): lp for t, lp in e} for e in entries],
         "text_offset": text_offsets(tokens, 0),
     }
 
@@ -205,7 +211,9 @@ class ChatRenderer(_OpenAIRenderer):
         chunks: list[object] = []
         if not self._sent_role:
             self._sent_role = True
-            chunks.append(self._chunk(totals, self._choice({"role": "assistant", "content": ""}, None, None, None)))
+            # Before any token, as vLLM's role chunk: its usage counts none of this output's tokens.
+            chunks.append(self._chunk(totals, self._choice({"role": "assistant", "content": ""}, None, None, None),
+                                      num_unsent_tokens=len(out.new_token_ids)))
         if out.new_token_ids or out.finish_reason is not None:
             logprobs = chat_logprobs(out.logprobs, totals.token_texts) if out.logprobs is not None else None
             delta, finish = self._delta(out)

@@ -151,9 +151,11 @@ class EngineCore:
         tokenize bad_words."""
         vocab = self.arch.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            for token_id in ids:
-                if token_id >= vocab:
-                    raise InvalidRequest(f"token id {token_id} in {name} is out of vocabulary (vocab_size={vocab})", name)
+            bad = [token_id for token_id in ids if token_id >= vocab]  # every one named, as vLLM does
+            if bad:
+                which = f"token id {bad[0]}" if len(bad) == 1 else f"token ids {', '.join(map(str, bad))}"
+                raise InvalidRequest(f"{which} in {name} {'is' if len(bad) == 1 else 'are'} out of vocabulary "
+                                     f"(vocab_size={vocab})", name)
         if params.structured_output is not None:
             self.grammars.grammar(params.structured_output)  # raises InvalidRequest naming the field
         if not params.bad_words or params.bad_words_token_ids:

@@ -32,14 +32,16 @@ def tokenize(tokenizer: Tokenizer, arg: object) -> dict:
 def chat_text(tokenizer: Tokenizer, msg: TokenizeMsg | GenerateMsg, template_kwargs: dict | None = None) -> str:
     """The rendered chat (of /tokenize's chat form or of a chat completion: both carry `messages`,
     `add_generation_prompt` and `continue_final_message`). With `continue_final_message` the text
-    ends right after the last message's content (no end-of-turn), as HF's apply_chat_template does,
-    so the model continues that message."""
+    ends right after the last message's content (no end-of-turn; its trailing whitespace kept where
+    the template keeps it), as HF's apply_chat_template does, so the model continues that message."""
     if not msg.continue_final_message:
         return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt,
                                              template_kwargs=template_kwargs)
     text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=False, template_kwargs=template_kwargs)
-    final = str(msg.messages[-1].get("content") or "").strip()
-    if final not in text:
+    content = str(msg.messages[-1].get("content") or "")
+    # As given first ("Sure, " keeps its space), then stripped, for templates that trim messages (HF's order).
+    final = next((c for c in (content, content.strip()) if c and c in text), None)
+    if final is None:
         raise ChatTemplateError("continue_final_message: the chat template does not render the final message's "
                                 "content as given")
     return text[: text.rindex(final) + len(final)]

@@ -203,6 +203,20 @@ async def test_chat_stream_raw_events():
     assert events[-1] == "[DONE]"
 
 
+async def test_chat_continuous_usage_counts_no_token_in_the_role_chunk():
+    """As vLLM: the role chunk goes out before any token (completion_tokens 0), each content chunk
+    counts the tokens up to it, the usage chunk all of them."""
+    async with api_client(FakeEngine()) as client:
+        _, raw = await post(client, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(raw)[:-1]
+    assert [(e["choices"][0]["delta"] if e["choices"] else None, e["usage"]["completion_tokens"],
+             e["usage"]["total_tokens"] - e["usage"]["prompt_tokens"]) for e in events] == [
+        ({"role": "assistant", "content": ""}, 0, 0), ({"content": " w100"}, 1, 1), ({"content": " w101"}, 2, 2),
+        (None, 2, 2)]
+
+
 async def test_worker_rejection_keeps_its_status_even_when_streaming():
     async with api_client(FakeEngine()) as client:
         for stream in (False, True):

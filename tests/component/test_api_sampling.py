@@ -43,6 +43,10 @@ async def test_processor_fields_reach_the_engine(path, body, expected):
      "logit_bias must map non-negative token ids to finite numbers, got '-1': 1.0"),
     ("/generate", {"text": "a", "sampling_params": {"logit_bias": {"a": 1}}}, "logit_bias",
      "logit_bias keys must be token ids, got 'a'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"a": 1, "5": 2, "b": 3}},
+     "logit_bias", "logit_bias keys must be token ids, got 'a', 'b'"),  # every bad key named, as vLLM does
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"-1": 1, "2": 1, "-3": 2}}, "logit_bias",
+     "logit_bias must map non-negative token ids to finite numbers, got '-1': 1.0, '-3': 2.0"),
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"allowed_token_ids": []}}, "allowed_token_ids",
      "allowed_token_ids must be a non-empty list of non-negative integers"),
 ])

@@ -47,3 +47,22 @@ async def test_pd_logprobs_equal_unified(cluster, unified_url):
     assert status == 200
     assert got["choices"][0]["logprobs"]["tokens"] == expected["choices"][0]["logprobs"]["tokens"]
     assert got["choices"][0]["logprobs"]["text_offset"] == expected["choices"][0]["logprobs"]["text_offset"]
+
+
+async def test_logprobs_zero_names_the_sampled_token_and_echo_the_prompts(cluster, unified_url):
+    """vLLM's `logprobs: 0`: each top_logprobs entry holds the sampled token alone (and, with echo,
+    each prompt token after the first its own); a sampled token outside the top-n leads the entry."""
+    tokens = await expected_tokens(cluster, unified_url)
+    _, completion, _ = await cluster.post(unified_url + "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT, "logprobs": 0, "echo": True, **GREEDY}, None)
+    logprobs = completion["choices"][0]["logprobs"]
+    generated = len(tokens)
+    assert logprobs["tokens"][-generated:] == tokens
+    assert logprobs["top_logprobs"][0] is None  # the first prompt token has none
+    for token, lp, top in list(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]))[1:]:
+        assert top == {token: lp}
+    _, sampled, _ = await cluster.post(unified_url + "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT, "logprobs": 1, "temperature": 1.0, "seed": 3, "max_tokens": 12}, None)
+    entries = sampled["choices"][0]["logprobs"]
+    for token, top in zip(entries["tokens"], entries["top_logprobs"]):
+        assert next(iter(top)) == token and len(top) in (1, 2)  # two tokens may share a text ('\ufffd')

@@ -79,6 +79,10 @@ async def test_invalid_grammar_is_a_400_from_the_worker(unified):
     status, data = await post(unified.port, "/v1/completions", {"prompt": "a", "logit_bias": {"100000": 1}})
     assert (status, data["error"]["param"]) == (400, "logit_bias")
     assert data["error"]["message"] == "token id 100000 in logit_bias is out of vocabulary (vocab_size=320)"
+    status, data = await post(unified.port, "/v1/completions", {"prompt": "a", "logit_bias": {"100000": 1, "5": 1,
+                                                                                             "100001": 2}})
+    assert (status, data["error"]["message"]) == (
+        400, "token ids 100000, 100001 in logit_bias are out of vocabulary (vocab_size=320)")  # each one, as vLLM
 
 
 async def test_n_seeded_choices_equal_single_requests_seeded_seed_plus_i(unified):

@@ -34,6 +34,19 @@ def test_continue_final_message_ends_after_its_content(tiny):
     assert open_[-2:] == [89, 111]
 
 
+def test_continue_final_message_keeps_trailing_whitespace_the_template_keeps(tiny):
+    """HF's order: the content as given ("Sure, " keeps its space), then stripped for a template that
+    trims messages."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
+    tokens = run(tiny, messages=chat, add_special_tokens=False, add_generation_prompt=False,
+                 continue_final_message=True)["tokens"]
+    assert tokens[-2:] == [44, 32]  # ',' and ' '
+    trimming = Tokenizer(tiny.backend, tiny.bos_token_id, tiny.eos_token_ids,
+                         "{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}")
+    assert detokenize(trimming, run(trimming, messages=chat, add_special_tokens=False, add_generation_prompt=False,
+                                    continue_final_message=True)["tokens"]) == "[Hi][Sure,"
+
+
 def test_refusals_are_results_not_exceptions(tiny):
     bare = Tokenizer(tiny.backend, tiny.bos_token_id, tiny.eos_token_ids, None)
     assert run(bare, messages=[{"role": "user", "content": "Hi"}]) == {

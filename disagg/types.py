@@ -127,6 +127,10 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words never generated (vLLM); the engine tokenizes them
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # set by the engine from bad_words
     structured_output: StructuredOutput | None = None  # grammar-constrained output (disagg/engine/grammar.py)
+    # vLLM's: keep this many prompt tokens (-1: the context length), dropped from `truncation_side`
+    # ("left" keeps the last ones, vLLM's default); None: the whole prompt, which must fit
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -177,6 +181,11 @@ class SamplingParams:
              f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
             (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              "prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"),
+            (self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                     and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+             "truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}"),
+            (self.truncation_side in ("left", "right"), "truncation_side",
+             f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative integers"),
             (all(_is_int(t) and t >= 0 for t in self.logprob_token_ids), "token_ids_logprob",

@@ -66,6 +66,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None  # keep the prompt's last (truncation_side "right": first) N tokens
+    truncation_side: str | None = None
     response_format: object = None  # checked in structured.py
     structured_outputs: object = None
     guided_json: object = None  # vLLM's older spellings of structured_outputs' keys
@@ -84,6 +86,9 @@ class OpenAIBody(SamplingFields, kw_only=True):
     request_id: str | None = None
     add_special_tokens: bool | None = None
     priority: Int64 | None = None  # scheduling (vLLM's): lower first under --scheduling-policy priority
+    prompt_logprobs: Int64 | None = None  # vLLM's: the top-n of each prompt token (the answer's `prompt_logprobs`)
+    return_token_ids: bool | None = None  # vLLM's: the answer carries `prompt_token_ids` and each choice's `token_ids`
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:<id>`
 
 
 class CompletionBody(OpenAIBody, kw_only=True):

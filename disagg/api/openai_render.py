@@ -9,6 +9,8 @@ each token in them (`OutputMsg.token_texts`: the token decoded alone, as vLLM's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from disagg.api.generation import TokenLogprobs, Totals
 from disagg.api.tool_calls import ToolStream, choice_finish_reason, whole_message
 from disagg.api.tools import ToolPlan
@@ -44,10 +46,25 @@ def completion_logprobs(entries: list[TokenLogprobs], text_offset: int, texts: d
 
 
 def _chat_token(token_id: int, logprob: float, texts: dict[int, str] | None) -> dict:
-    text = None if texts is None else texts.get(token_id)
-    if text is None:
-        return {"token": token_label(token_id), "logprob": logprob, "bytes": None}
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+    token = token_label(token_id, texts)  # `token_id:<id>` without its text, and its bytes those of that, as vLLM
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+@dataclass(frozen=True)
+class VllmExtras:
+    """vLLM's answer fields beyond OpenAI's that a request asked for."""
+
+    prompt_logprobs: bool = False  # `prompt_logprobs`: the prompt's top-n (else null, as vLLM sends it)
+    token_ids: bool = False  # `return_token_ids`: `prompt_token_ids` and each choice's `token_ids`
+
+
+def vllm_prompt_logprobs(totals: Totals) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or `{"<id>": {"logprob", "decoded_token"}}`,
+    the actual token first, then the top-n."""
+    if totals.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp, "decoded_token": token_label(t, totals.token_texts)}
+                                    for t, lp in e} for e in totals.prompt_logprobs]
 
 
 def chat_logprobs(entries: list[TokenLogprobs], texts: dict[int, str] | None = None) -> dict:
@@ -63,10 +80,11 @@ class _OpenAIRenderer:
     object_name = ""  # of the whole response
     chunk_object = ""  # of each streamed chunk
 
-    def __init__(self, model: str, include_usage: bool, continuous_usage: bool):
+    def __init__(self, model: str, include_usage: bool, continuous_usage: bool, extras: VllmExtras = VllmExtras()):
         self.model = model
         self.include_usage = include_usage
         self.continuous_usage = include_usage and continuous_usage
+        self.extras = extras
 
     def _envelope(self, totals: Totals, object_name: str, choices: list[dict]) -> dict:
         return {"id": totals.request_id, "object": object_name, "created": totals.created,
@@ -99,13 +117,14 @@ class CompletionRenderer(_OpenAIRenderer):
     chunk_object = "text_completion"
 
     def __init__(self, model: str, include_usage: bool, continuous_usage: bool, *, echo: bool = False,
-                 prompt_text: str | None = None, index: int = 0, response_id: str | None = None):
-        super().__init__(model, include_usage, continuous_usage)
+                 prompt_text: str | None = None, index: int = 0, response_id: str | None = None,
+                 extras: VllmExtras = VllmExtras()):
+        super().__init__(model, include_usage, continuous_usage, extras)
         self.echo = echo
         self.prompt_text = prompt_text
         self.index = index
         self.response_id = response_id
-        self._echoed = False
+        self._started = False
 
     def _envelope(self, totals: Totals, object_name: str, choices: list[dict]) -> dict:
         body = super()._envelope(totals, object_name, choices)
@@ -117,11 +136,14 @@ class CompletionRenderer(_OpenAIRenderer):
         echo_text = self._echo_text(totals) if self.echo else ""
         offset = len(echo_text) + len(totals.text) - len(out.new_text)
         logprobs = completion_logprobs(out.logprobs, offset, totals.token_texts) if out.logprobs is not None else None
-        text = out.new_text
-        if self.echo and not self._echoed:
-            self._echoed = True
+        text, first = out.new_text, not self._started
+        self._started = True
+        if self.echo and first:
             text, logprobs = echo_text + text, self._with_prompt_logprobs(totals, logprobs)
-        return [self._chunk(totals, self.choice(text, logprobs, out.finish_reason, out.stop_reason))]
+        choice = self.choice(text, logprobs, out.finish_reason, out.stop_reason)
+        if self.extras.token_ids:
+            choice.update({"prompt_token_ids": totals.prompt_token_ids} if first else {}, token_ids=list(out.new_token_ids))
+        return [self._chunk(totals, choice)]
 
     def full(self, totals: Totals) -> object:
         return {**self._envelope(totals, self.object_name, [self.full_choice(totals)]), "usage": totals.usage(),
@@ -135,7 +157,11 @@ class CompletionRenderer(_OpenAIRenderer):
         text = echo_text + totals.text
         if self.echo:
             logprobs = self._with_prompt_logprobs(totals, logprobs)
-        return self.choice(text, logprobs, totals.finish_reason, totals.stop_reason)
+        choice = self.choice(text, logprobs, totals.finish_reason, totals.stop_reason)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(totals) if self.extras.prompt_logprobs else None
+        if self.extras.token_ids:
+            choice.update(prompt_token_ids=totals.prompt_token_ids, token_ids=list(totals.token_ids))
+        return choice
 
     def _echo_text(self, totals: Totals) -> str:
         return self.prompt_text if self.prompt_text is not None else totals.prompt_text or ""
@@ -202,8 +228,9 @@ class ChatRenderer(_OpenAIRenderer):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, include_usage: bool, continuous_usage: bool, tools: ToolPlan | None = None):
-        super().__init__(model, include_usage, continuous_usage)
+    def __init__(self, model: str, include_usage: bool, continuous_usage: bool, tools: ToolPlan | None = None,
+                 extras: VllmExtras = VllmExtras()):
+        super().__init__(model, include_usage, continuous_usage, extras)
         self._sent_role = False
         self._tools = None if tools is None else ToolStream(tools)
 
@@ -214,11 +241,16 @@ class ChatRenderer(_OpenAIRenderer):
             # Before any token, as vLLM's role chunk: its usage counts none of this output's tokens.
             chunks.append(self._chunk(totals, self._choice({"role": "assistant", "content": ""}, None, None, None),
                                       num_unsent_tokens=len(out.new_token_ids)))
+            if self.extras.token_ids:
+                chunks[0]["prompt_token_ids"] = totals.prompt_token_ids
         if out.new_token_ids or out.finish_reason is not None:
             logprobs = chat_logprobs(out.logprobs, totals.token_texts) if out.logprobs is not None else None
             delta, finish = self._delta(out)
             if delta or logprobs is not None or finish is not None:
-                chunks.append(self._chunk(totals, self._choice(delta, logprobs, finish, out.stop_reason)))
+                choice = self._choice(delta, logprobs, finish, out.stop_reason)
+                if self.extras.token_ids:
+                    choice["token_ids"] = list(out.new_token_ids)
+                chunks.append(self._chunk(totals, choice))
         return chunks
 
     def _delta(self, out: OutputMsg) -> tuple[dict, FinishReason | str | None]:
@@ -239,7 +271,12 @@ class ChatRenderer(_OpenAIRenderer):
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish = choice_finish_reason(self._tools.plan, bool(calls), totals.finish_reason)
         choice = self._choice(message, logprobs, finish, totals.stop_reason, key="message")
+        ids = {}
+        if self.extras.token_ids:
+            choice["token_ids"] = list(totals.token_ids)
+            ids = {"prompt_token_ids": totals.prompt_token_ids}
         return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),
+                "prompt_logprobs": vllm_prompt_logprobs(totals) if self.extras.prompt_logprobs else None, **ids,
                 "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod

@@ -9,13 +9,14 @@ from aiohttp import web
 from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, StreamOptions, decode_body
 from disagg.api.errors import ModelNotFound
 from disagg.api.batch import serve_batch
-from disagg.api.openai_render import ChatRenderer, CompletionBatchRenderer, CompletionRenderer
+from disagg.api.openai_render import ChatRenderer, CompletionBatchRenderer, CompletionRenderer, VllmExtras
 from disagg.api.requests import (
     build_generate_msg,
     check_model,
     check_stream_options,
     check_token_ids,
     choose_request_id,
+    logprobs_count,
     read_body,
     sampling_from_fields,
 )
@@ -115,20 +116,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("suffix is not supported", "suffix")
     prompts = completion_prompts(body.prompt, state.engine.model.vocab_size)
     echo = bool(body.echo)
+    asked = logprobs_count(body.prompt_logprobs, "prompt_logprobs")
     sampling = sampling_from_fields(body, max_tokens=body.max_tokens, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                    logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo else None)
+                                    logprobs=body.logprobs, prompt_logprobs=asked if asked is not None
+                                    else body.logprobs if echo else None)
+    extras = vllm_extras(body)
     request_id = choose_request_id(request, body.request_id, "request_id", "cmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    msgs = [build_generate_msg(rid, sampling, r, add_special_tokens=add_special, return_prompt=echo,
-                               return_token_texts=body.logprobs is not None, priority=body.priority or 0, **prompt)
+    msgs = [build_generate_msg(rid, sampling, r, add_special_tokens=add_special,
+                               return_prompt=echo or extras.prompt_logprobs or extras.token_ids,
+                               return_token_texts=wants_token_texts(body, sampling), priority=body.priority or 0,
+                               **prompt)
             for rid, prompt, r in zip(ids, prompts, routing.for_items(len(prompts)))]
 
     def renderer(i: int, prompt: dict) -> CompletionRenderer:
         return CompletionRenderer(state.engine.model.name, bool(options.include_usage),
                                   bool(options.continuous_usage_stats), echo=echo, prompt_text=prompt.get("prompt"),
-                                  index=i, response_id=request_id)
+                                  index=i, response_id=request_id, extras=extras)
 
     n = check_n(body.n)
     if len(prompts) == 1:
@@ -139,6 +145,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs],
                              CompletionBatchRenderer([renderer(i, p) for i, p in enumerate(prompts)]),
                              stream=bool(body.stream), request_id=request_id)
+
+
+def vllm_extras(body: OpenAIBody) -> VllmExtras:
+    """The vLLM answer fields `body` asks for."""
+    return VllmExtras(prompt_logprobs=body.prompt_logprobs is not None, token_ids=bool(body.return_token_ids))
+
+
+def wants_token_texts(body: OpenAIBody, sampling: SamplingParams) -> bool:
+    """Logprobs name tokens by their text, unless `return_tokens_as_token_ids` (then `token_id:<id>`)."""
+    asked = sampling.logprobs is not None or sampling.prompt_logprobs is not None
+    return asked and not body.return_tokens_as_token_ids
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:
@@ -152,7 +169,8 @@ def _chat_sampling(state: ApiState, body: ChatBody) -> tuple[SamplingParams, Too
     schema; the hermes parser needs the special tokens kept in the text, as vLLM's does."""
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     sampling = sampling_from_fields(body, max_tokens=max_tokens, default_max_tokens=None,  # unset: the rest of the context
-                                    logprobs=_chat_logprobs(body))
+                                    logprobs=_chat_logprobs(body),
+                                    prompt_logprobs=logprobs_count(body.prompt_logprobs, "prompt_logprobs"))
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.config.tools)
     if plan is None:
         return sampling, None
@@ -176,6 +194,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     options = _common_checks(state, body)
     messages = chat_messages(body.messages)
     sampling, tools = _chat_sampling(state, body)
+    extras = vllm_extras(body)
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them
@@ -189,10 +208,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     msg = build_generate_msg(request_id, sampling, routing, messages=messages, add_special_tokens=add_special,
                              chat_template_kwargs=template_kwargs or None,
                              add_generation_prompt=generation, continue_final_message=cont,
-                             return_token_texts=sampling.logprobs is not None, priority=body.priority or 0)
+                             return_token_texts=wants_token_texts(body, sampling), priority=body.priority or 0,
+                             return_prompt=extras.prompt_logprobs or extras.token_ids)
     return await serve_choices(
         request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
-            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats), tools),
+            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats), tools, extras),
         n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
 
 

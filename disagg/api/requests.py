@@ -18,7 +18,7 @@ from disagg.api.logging import bind_request
 from disagg.api.routing import Routing
 from disagg.api.structured import from_openai
 from disagg.http_edge import BadRequest
-from disagg.types import SAMPLING_FIELDS, SamplingParams
+from disagg.types import MAX_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 from disagg.wire.headers import REQUEST_ID_HEADER
 
@@ -75,6 +75,13 @@ def check_token_ids(value: object, vocab_size: int, param: str) -> list[int]:
         if token_id >= vocab_size:
             raise BadRequest(f"token id {token_id} in {param} is out of vocabulary (vocab_size={vocab_size})", param)
     return value
+
+
+def logprobs_count(value: int | None, param: str) -> int | None:
+    """A logprobs count as vLLM takes it: -1 is as many as the server allows (MAX_LOGPROBS)."""
+    if value is not None and value < -1:
+        raise BadRequest(f"{param} must be -1 (as many as the server allows) or non-negative, got {value}", param)
+    return MAX_LOGPROBS if value == -1 else value
 
 
 def make_sampling(*, max_tokens: int | None, default_max_tokens: int | None, **fields: object) -> SamplingParams:

@@ -15,8 +15,8 @@ from disagg.api.bodies import StreamOptions, TokensBody, TokensSampling, decode_
 from disagg.api.generation import TokenLogprobs, Totals
 from disagg.api.openai_render import chat_logprobs
 from disagg.api.requests import (
-    build_generate_msg, check_model, check_stream_options, check_token_ids, choose_request_id, read_body,
-    sampling_from_fields,
+    build_generate_msg, check_model, check_stream_options, check_token_ids, choose_request_id, logprobs_count,
+    read_body, sampling_from_fields,
 )
 from disagg.api.routing import read_routing
 from disagg.api.parallel import check_n, merge_openai, serve_choices
@@ -27,13 +27,6 @@ from disagg.types import SamplingParams
 from disagg.wire.engine_msgs import OutputMsg
 
 DEFAULT_MAX_TOKENS = None  # unset: the rest of the context, as current vLLM's tokens endpoint
-MAX_LOGPROBS = 20  # the engine's cap; -1 ("all", as in vLLM) asks for this many
-
-
-def _logprobs_count(value: int | None, param: str) -> int | None:
-    if value is not None and value < -1:
-        raise BadRequest(f"{param} must be -1 (as many as the server allows) or non-negative, got {value}", param)
-    return MAX_LOGPROBS if value == -1 else value
 
 
 def tokens_sampling(sp: TokensSampling) -> SamplingParams:
@@ -43,8 +36,8 @@ def tokens_sampling(sp: TokensSampling) -> SamplingParams:
         raise BadRequest("max_tokens must be greater than 0.", "sampling_params")
     return sampling_from_fields(
         sp, max_tokens=sp.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
-        logprobs=_logprobs_count(sp.logprobs, "logprobs"),
-        prompt_logprobs=_logprobs_count(sp.prompt_logprobs, "prompt_logprobs"),
+        logprobs=logprobs_count(sp.logprobs, "logprobs"),
+        prompt_logprobs=logprobs_count(sp.prompt_logprobs, "prompt_logprobs"),
     )
 
 

@@ -24,8 +24,7 @@ _EMPTY: Neutral = (None, [], {}, "")
 # OpenAI/vLLM completions and chat (top level of the body).
 OPENAI_REFUSED: Mapping[str, Neutral] = {
     "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": _NONE, "prompt_logprobs": _NONE, "prompt_embeds": _EMPTY,
-    "logits_processors": _EMPTY, "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF,
+    "prompt_embeds": _EMPTY, "logits_processors": _EMPTY,
     "vllm_xargs": _EMPTY, "max_repetition_pattern_size": (None, 0), "min_repetition_pattern_size": (None, 0),
     "repetition_min_count": (None, 0), "mm_processor_kwargs": _EMPTY, "documents": _EMPTY, "chat_template": _EMPTY,
     "reasoning_effort": _NONE,
@@ -48,7 +47,7 @@ VLLM_SAMPLING_REFUSED: Mapping[str, Neutral] = {
     "prompt_logprob_token_ids": _EMPTY, "prompt_logprob_start": _NONE, "logprob_token_ids": _EMPTY,
     "flat_logprobs": _OFF, "detokenize": (None, True), "spaces_between_special_tokens": (None, True),
     "output_kind": (None, 0, 1, 2), "stream_interval": (None, 1), "logits_processors": _EMPTY,
-    "truncate_prompt_tokens": _NONE, "extra_args": _EMPTY, "skip_reading_prefix_cache": _OFF,
+    "extra_args": _EMPTY, "skip_reading_prefix_cache": _OFF,
     "thinking_token_budget": _NONE, "repetition_detection": _NONE, "routed_experts_prompt_start": (None, 0),
     "trace_decode_token_ids": _EMPTY,
 }

@@ -14,12 +14,23 @@ import msgspec
 import structlog
 
 from disagg.engine.core import EngineCore
-from disagg.types import FaultKind, FinishReason, InvalidRequest, RequestOutput
+from disagg.types import FaultKind, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, ReadyMsg, StatsMsg, Utility
 from disagg.worker import tokenization
 from disagg.worker.outputs import admission_error, to_output_msg
 
 log = structlog.get_logger(__name__)
+
+
+def truncated(ids: list[int], sampling: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt after vLLM's `truncate_prompt_tokens` (-1: the context length) from `truncation_side`."""
+    keep = sampling.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    if len(ids) <= keep:
+        return ids
+    return ids[-keep:] if sampling.truncation_side == "left" else ids[:keep]
 
 
 class UnifiedRole:
@@ -49,7 +60,7 @@ class UnifiedRole:
         """The request's prompt as token ids, checked for admission with the request's own sampling
         (vocabulary, stop ids, the context with its max_tokens): every role refuses what the
         unified engine refuses, though a prefill runs it with max_tokens 1. Raises InvalidRequest."""
-        ids = self._tokenize(msg)
+        ids = truncated(self._tokenize(msg), msg.sampling, self.core.max_model_len)
         self.core.check_request(ids, msg.sampling)
         return ids
 

@@ -125,8 +125,10 @@ async def test_completions_prompt_list_is_one_choice_per_prompt_with_summed_usag
     assert strip_created(got) == {
         "id": "batch-1", "object": "text_completion", "model": "fake-model", "dp_rank": 0,
         "choices": [
-            {"index": 0, "text": " w100 w101", "logprobs": None, "finish_reason": "length", "stop_reason": None},
-            {"index": 1, "text": " w100 w101", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+            {"index": 0, "text": " w100 w101", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+             "prompt_logprobs": None},
+            {"index": 1, "text": " w100 w101", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+             "prompt_logprobs": None}],
         "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}},
     }
     assert [(m.request_id, m.prompt, m.prompt_token_ids, r) for m, r in engine.requests] == [

@@ -33,7 +33,8 @@ async def test_completion_non_stream_exact_body_and_headers():
     assert resp.headers["X-Request-Id"] == body["id"]
     assert without_created(body) == {
         "id": body["id"], "object": "text_completion", "model": "fake-model", "dp_rank": 0,
-        "choices": [{"index": 0, "text": " w100 w101 w102", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+        "choices": [{"index": 0, "text": " w100 w101 w102", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                     "prompt_logprobs": None}],
         "usage": USAGE_2_3, "kv_transfer_params": None,
     }
     msg, rank = engine.requests[0]
@@ -159,7 +160,7 @@ async def test_chat_non_stream_defaults_and_logprobs():
                           "top_logprobs": [{"token": f" w{t}", "logprob": -0.5, "bytes": [32, 119, 49, 48, t - 52]}]}
                          for t in (100, 101)]}}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}},
-        "kv_transfer_params": None,
+        "prompt_logprobs": None, "kv_transfer_params": None,
     }
     msg = engine.requests[0][0]
     assert (msg.messages, msg.sampling.max_tokens, msg.sampling.logprobs, msg.add_special_tokens) == (messages, 2, 1, False)

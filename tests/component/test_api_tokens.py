@@ -62,7 +62,7 @@ async def test_tokens_prompt_logprobs_all_means_the_cap():
     assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"][1]) == 20  # the prompt token is in its top-20
     assert body["prompt_logprobs"][1]["5"] == {"logprob": -1.0}
     assert body["choices"][0]["logprobs"] == {"content": [
-        {"token": "token_id:100", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}
+        {"token": "token_id:100", "logprob": -0.5, "bytes": list(b"token_id:100"), "top_logprobs": []}]}
 
 
 async def test_tokens_stream_only_new_ids_and_usage_chunks():

@@ -89,6 +89,9 @@ class OpenAIBody(SamplingFields, kw_only=True):
     prompt_logprobs: Int64 | None = None  # vLLM's: the top-n of each prompt token (the answer's `prompt_logprobs`)
     return_token_ids: bool | None = None  # vLLM's: the answer carries `prompt_token_ids` and each choice's `token_ids`
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:<id>`
+    regex: str | None = None  # SGLang's constraints on its OpenAI routes (at most one; structured.from_sglang)
+    ebnf: str | None = None
+    json_schema: str | None = None
 
 
 class CompletionBody(OpenAIBody, kw_only=True):

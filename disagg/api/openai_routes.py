@@ -6,7 +6,7 @@ import dataclasses
 
 from aiohttp import web
 
-from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, StreamOptions, decode_body
+from disagg.api.bodies import ChatBody, CompletionBody, OpenAIBody, RoutedBody, StreamOptions, decode_body
 from disagg.api.errors import ModelNotFound
 from disagg.api.batch import serve_batch
 from disagg.api.openai_render import ChatRenderer, CompletionBatchRenderer, CompletionRenderer, VllmExtras
@@ -25,7 +25,9 @@ from disagg.api.parallel import check_n, merge_openai, serve_choices
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.api.tools import AUTO, ToolPlan, plan_tools, template_fields, tool_constraint
-from disagg.api.upstream_fields import CHAT_REFUSED, OPENAI_REFUSED, check_upstream
+from disagg.api.upstream_fields import (
+    CHAT_REFUSED, OPENAI_IGNORED, OPENAI_REFUSED, PD_FIELDS, check_upstream, unknown_fields,
+)
 from disagg.http_edge import BadRequest, invocation_path
 from disagg.types import SamplingParams
 
@@ -95,6 +97,13 @@ def _content_text(content: object, i: int) -> str:
     return "\n".join(texts)
 
 
+def note_unknown(state: ApiState, raw: bytes, struct: type, refused) -> None:
+    """Log, once per field and server, a field no API we follow has: it is ignored (vLLM's extra="allow")."""
+    for name in unknown_fields(raw, struct, refused, OPENAI_IGNORED, PD_FIELDS, RoutedBody.__struct_fields__):
+        state.warn_once(f"unknown field {name}", f"request field {name!r} is not known to this server and is "
+                                                 "ignored, as vLLM ignores unknown fields")
+
+
 def _common_checks(state: ApiState, body: OpenAIBody) -> StreamOptions:
     check_model(body.model, state.engine.model.name)
     check_stream_options(body.stream, body.stream_options)
@@ -109,6 +118,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = decode_body(raw, CompletionBody)
     check_upstream(raw, OPENAI_REFUSED, CompletionBody)
+    note_unknown(state, raw, CompletionBody, OPENAI_REFUSED)
     options = _common_checks(state, body)
     if body.best_of not in (None, 1):
         raise BadRequest(f"best_of must be 1, got {body.best_of}", "best_of")
@@ -191,6 +201,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = decode_body(raw, ChatBody)
     check_upstream(raw, CHAT_REFUSED, ChatBody)
+    note_unknown(state, raw, ChatBody, CHAT_REFUSED)
     options = _common_checks(state, body)
     messages = chat_messages(body.messages)
     sampling, tools = _chat_sampling(state, body)

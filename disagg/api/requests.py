@@ -16,7 +16,7 @@ from disagg.api.bodies import SamplingFields, StreamOptions
 from disagg.api.errors import ModelNotFound
 from disagg.api.logging import bind_request
 from disagg.api.routing import Routing
-from disagg.api.structured import from_openai
+from disagg.api.structured import from_openai, from_sglang
 from disagg.http_edge import BadRequest
 from disagg.types import MAX_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
@@ -107,6 +107,10 @@ def sampling_from_fields(f: SamplingFields, *, max_tokens: int | None, default_m
     structured = from_openai(f.response_format, f.structured_outputs,
                              {"json": f.guided_json, "regex": f.guided_regex, "choice": f.guided_choice,
                               "grammar": f.guided_grammar})
+    sglang = from_sglang(*(getattr(f, name, None) for name in ("json_schema", "regex", "ebnf")))  # OpenAI bodies
+    if sglang is not None and structured is not None:
+        raise BadRequest(f"set {sglang.param} or response_format / structured_outputs, not both", sglang.param)
+    structured = structured or sglang
     return make_sampling(max_tokens=max_tokens, default_max_tokens=default_max_tokens, logprobs=logprobs,
                          prompt_logprobs=prompt_logprobs, structured_output=structured,
                          **same_named(f, OPENAI_SAMPLING))

@@ -1,5 +1,6 @@
 """Upstream request fields this server does not implement: refused with a 400 naming the field, or
-listed as harmless and ignored. Never silently dropped.
+listed as harmless and ignored. Never silently dropped. A field no upstream API has is accepted and
+ignored, as vLLM's `extra="allow"` does, and logged once per server (`unknown_fields`).
 
 vLLM's and SGLang's request types have many more fields than the ones we honour (bodies.py). Each
 field here is refused when it holds anything but its neutral values (what upstream does when the
@@ -144,3 +145,14 @@ def _is_neutral(value: object, neutral: Neutral) -> bool:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def unknown_fields(raw: bytes, struct: type[msgspec.Struct], *known: Mapping[str, object] | frozenset[str]) -> list[str]:
+    """The top-level fields of `raw` (a JSON object that decoded as `struct`) that neither `struct` nor
+    any of the `known` tables names: accepted and ignored, as vLLM's `extra="allow"` does (the route
+    logs them once)."""
+    body = msgspec.json.decode(raw)
+    if not isinstance(body, dict):
+        return []
+    names = set(struct.__struct_fields__).union(*known)
+    return [name for name in body if name not in names]

@@ -68,9 +68,9 @@ class UnifiedRole:
         tokenizer = self.core.tokenizer
         if msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
-        if msg.messages is not None:
+        if msg.messages is not None:  # the template writes the special tokens; add_special_tokens adds more (vLLM)
             text = tokenization.chat_text(tokenizer, msg, msg.chat_template_kwargs)
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=msg.add_special_tokens)
         if msg.prompt is not None:
             return tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
         raise InvalidRequest("the request has no prompt", "prompt")

@@ -80,6 +80,10 @@ CHAT = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
     ("/generate", {"text": "a", "sampling_params": {"json_schema": json.dumps(SCHEMA)}}, "json_schema", json.dumps(SCHEMA), "json_schema"),
     ("/generate", {"text": "a", "sampling_params": {"regex": "[0-9]+"}}, "regex", "[0-9]+", "regex"),
     ("/generate", {"text": "a", "sampling_params": {"ebnf": 'root ::= "x"'}}, "grammar", 'root ::= "x"', "ebnf"),
+    # SGLang's OpenAI bodies carry the same three at the top level
+    ("/v1/chat/completions", {**CHAT, "regex": "[0-9]+"}, "regex", "[0-9]+", "regex"),
+    ("/v1/chat/completions", {**CHAT, "json_schema": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA), "json_schema"),
+    ("/v1/completions", {"prompt": "a", "ebnf": 'root ::= "x"'}, "grammar", 'root ::= "x"', "ebnf"),
 ])
 async def test_structured_fields_reach_the_engine(path, body, kind, spec, param):
     engine = FakeEngine()
@@ -91,6 +95,10 @@ async def test_structured_fields_reach_the_engine(path, body, kind, spec, param)
 
 
 @pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", {**CHAT, "regex": "a", "response_format": {"type": "json_object"}}, "regex",
+     "set regex or response_format / structured_outputs, not both"),
+    ("/v1/completions", {"prompt": "a", "regex": "a", "ebnf": 'root ::= "a"'}, "ebnf",
+     "Only one of regex, json_schema, or ebnf can be set."),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "structural_tag"}}, "response_format",
      "response_format type 'structural_tag' is not supported: use 'text', 'json_object' or 'json_schema'"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

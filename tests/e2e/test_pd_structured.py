@@ -45,6 +45,13 @@ def requests_for(prompt: str) -> list[tuple[str, dict, object]]:
         ("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 5,
                                                            "regex": r"[a-z]{3}-\d{2}"}},
          lambda t: re.fullmatch(r"[a-z]{3}-\d{2}", t) or pytest.fail(t)),
+        # SGLang's constraints at the top of its OpenAI bodies (chat and completions): honoured, never dropped.
+        ("/v1/chat/completions", {**chat, "temperature": 0.8, "seed": 3, "regex": r"(yes|no), [0-9]{2}"},
+         lambda t: re.fullmatch(r"(yes|no), [0-9]{2}", t) or pytest.fail(t)),
+        ("/v1/chat/completions", {**chat, "json_schema": json.dumps(FLAGS)},
+         lambda t: jsonschema.validate(json.loads(t), FLAGS)),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ebnf": 'root ::= "a" ("b" | "c")+ "."'},
+         lambda t: re.fullmatch(r"a[bc]+\.", t) or pytest.fail(t)),
         ("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True,
                                                            "repetition_penalty": 1.5, "frequency_penalty": 0.5,
                                                            "logit_bias": {"101": 4.0}}},

@@ -83,7 +83,7 @@ async def test_vllm_metrics_count_a_request_on_its_engine(server):
     assert status == 200
     assert {k: v for k, v in changed.items() if "_bucket" not in k and "_sum" not in k and "created" not in k
             and "num_requests" not in k and "kv_cache" not in k  # the workers' twice-a-second reports
-            and "prefix_cache" not in k} == {
+            and "prefix_cache" not in k and "iteration_tokens" not in k} == {
         "vllm:prompt_tokens_total" + one: 9, "vllm:generation_tokens_total" + one: 3,
         'vllm:request_success_total{engine="1",finished_reason="stop",model_name="tiny"}': 0,
         'vllm:request_success_total{engine="1",finished_reason="length",model_name="tiny"}': 1,
@@ -93,4 +93,5 @@ async def test_vllm_metrics_count_a_request_on_its_engine(server):
         **{f"vllm:request_{phase}_time_seconds_count" + one: 1 for phase in ("queue", "prefill", "decode", "inference")},
         "vllm:request_prompt_tokens_count" + one: 1, "vllm:request_generation_tokens_count" + one: 1,
         "vllm:request_params_max_tokens_count" + one: 1, "vllm:num_preemptions_total" + one: 0,
+        "vllm:request_num_preemptions_count" + one: 1, "vllm:request_params_n_count" + one: 1,
     }

@@ -86,7 +86,8 @@ class PushFetch:
         # Only the blocks after our own cached prefix: the prefill sends nothing into the ones we hold.
         info = TransferInfoMsg(room=room, peer_name=self.backend.agent_name, dst_block_ids=tuple(reservation.new_block_ids),
                                dst_dp_rank=self.dp_rank, num_prompt_tokens=reservation.num_prompt_tokens,
-                               request_id=msg.request_id, num_cached_tokens=reservation.num_cached_tokens)
+                               request_id=msg.request_id, num_cached_tokens=reservation.num_cached_tokens,
+                               traceparent=msg.traceparent)
         pending.dst_block_ids = info.dst_block_ids
         return await client.send_transfer(info)
 

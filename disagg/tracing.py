@@ -61,6 +61,12 @@ class Tracing:
             headers.pop(name, None)
         self._propagator.inject(headers, context=self._trace.set_span_in_context(span))
 
+    def link(self, span, traceparent: str) -> None:
+        """Link `span` to the span a W3C `traceparent` names (another trace's, or this one's)."""
+        other = self._trace.get_current_span(self._propagator.extract({"traceparent": traceparent})).get_span_context()
+        if other.is_valid:
+            span.add_link(other)
+
     def record(self, parent, name: str, start_ns: int, end_ns: int, attributes: dict | None = None) -> None:
         """A finished child span of `parent` over times measured elsewhere."""
         context = self._trace.set_span_in_context(parent)
@@ -91,6 +97,15 @@ def current_span():
     """The current request's span; None when tracing is off."""
     current = _CURRENT.get()
     return None if current is None else current[1]
+
+
+def current_traceparent() -> str:
+    """The current request's span as a W3C `traceparent` ("" when tracing is off)."""
+    span = current_span()
+    if span is None:
+        return ""
+    context = span.get_span_context()
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 def annotate(**attributes) -> None:

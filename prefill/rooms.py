@@ -78,6 +78,7 @@ class PrefillRoom:
             prefill_compute_s=computed_at - self.created,
             transfer_s=now - max(computed_at, info_at),
             kv_bytes=self.num_bytes,
+            decode_traceparent=self.info.traceparent if self.info is not None else "",
         )
 
     def blocks_ready(self, block_ids: list[int], num_computed_tokens: int, finished: bool) -> int:

@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from disagg.api.errors import engine_error
 from disagg.api.state import ApiState
 from disagg.api.traces import record_finished
+from disagg.tracing import current_traceparent
 from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import ErrorCode, FinishReason
@@ -108,7 +110,8 @@ class Generation:
         if msg.request_id in state.inflight:
             raise BadRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         self._state = state
-        self._msg = msg
+        traceparent = current_traceparent()  # a decode sends it on to its prefill (--otlp-traces-endpoint)
+        self._msg = msgspec.structs.replace(msg, traceparent=traceparent) if traceparent else msg
         self.totals = Totals(msg.request_id, dp_rank, int(time.time()))
 
     async def outputs(self) -> AsyncIterator[OutputMsg]:

@@ -6,7 +6,9 @@ When a request finishes, its span gets the request's figures and a child span pe
 times the front and the worker measured:
 - prefill: `bootstrap_wait` (arrival until the decode's destination was known), `prefill` (arrival
   until the prompt was computed) and `kv_transfer` (what the transfer added after both); attributes
-  `prefill_duration_ms`, `kv_transfer_overhead_ms`, `bootstrap_wait_ms`, `kv_bytes`;
+  `prefill_duration_ms`, `kv_transfer_overhead_ms`, `bootstrap_wait_ms`, `kv_bytes`, and a link to the
+  decode's span (`decode_traceparent`), whose context came with the room's TransferInfo on the control
+  plane (push flow): the two halves meet even when no caller's context reached both;
 - decode: `kv_wait` (arrival until its KV was admitted, or `queue` when it prefilled the request
   itself), `first_token` and `generation`; attributes `disaggregation_used`, `kv_wait_ms`,
   `true_ttft_ms`, `decode_duration_ms`, `kv_bytes`;
@@ -74,6 +76,9 @@ def record_finished(tracing: Tracing, totals, mode: DisaggregationMode, bootstra
         tracing.record(span, "kv_transfer", both, both + int(kv.transfer_s * 1e9), {"kv_bytes": kv.kv_bytes})
         span.set_attributes({"prefill_duration_ms": kv.prefill_compute_s * 1e3, "kv_transfer_overhead_ms": kv.transfer_s * 1e3,
                              "bootstrap_wait_ms": kv.bootstrap_wait_s * 1e3, "kv_bytes": kv.kv_bytes})
+        if kv.decode_traceparent:  # the decode's request, as its TransferInfo named it on the control plane
+            tracing.link(span, kv.decode_traceparent)
+            span.set_attribute("decode_traceparent", kv.decode_traceparent)
         return
     waited = kv.kv_wait_s if kv is not None else (t.queued_s or 0.0)
     tracing.record(span, "kv_wait" if kv is not None else "queue", arrival, arrival + int(waited * 1e9))

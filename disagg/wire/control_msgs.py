@@ -63,6 +63,7 @@ class TransferInfoMsg(msgspec.Struct, frozen=True, kw_only=True):
     # The decode holds the KV of the prompt's first num_cached_tokens (whole blocks) already:
     # dst_block_ids are the blocks after them, and only those are sent.
     num_cached_tokens: int = 0
+    traceparent: str = ""  # the decode request's W3C trace context (tracing on); "": none
 
 
 class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,7 +161,7 @@ def transfer_info_to_pb(info: TransferInfoMsg) -> pb.TransferInfo:
         room=info.room, peer_name=info.peer_name, dst_block_ids=info.dst_block_ids,
         dst_dp_rank=info.dst_dp_rank, first_token_slot=info.first_token_slot,
         num_prompt_tokens=info.num_prompt_tokens, request_id=info.request_id,
-        num_cached_tokens=info.num_cached_tokens,
+        num_cached_tokens=info.num_cached_tokens, traceparent=info.traceparent,
     )
 
 
@@ -170,7 +171,7 @@ def transfer_info_from_pb(msg: pb.TransferInfo) -> TransferInfoMsg:
         room=msg.room, peer_name=msg.peer_name, dst_block_ids=tuple(msg.dst_block_ids),
         dst_dp_rank=msg.dst_dp_rank, first_token_slot=msg.first_token_slot,
         num_prompt_tokens=msg.num_prompt_tokens, request_id=msg.request_id,
-        num_cached_tokens=msg.num_cached_tokens,
+        num_cached_tokens=msg.num_cached_tokens, traceparent=msg.traceparent,
     )
 
 

@@ -44,6 +44,7 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     return_token_texts: bool = False  # OutputMsgs carry the text of every token in their logprobs
     # Scheduling, not sampling: lower is served first under --scheduling-policy priority (vLLM's).
     priority: int = 0
+    traceparent: str = ""  # the front's span of this request (--otlp-traces-endpoint): a decode sends it to its prefill
 
 
 class DecodeKey(msgspec.Struct, frozen=True):
@@ -139,6 +140,7 @@ class KVStatsMsg(msgspec.Struct, frozen=True, omit_defaults=True):
     transfer_s: float = 0.0  # prefill: prompt computed and destination known -> every block landed; decode (pull): its read
     kv_bytes: int = 0
     kv_wait_s: float = 0.0  # decode: arrival -> KV admitted (its TTFT before the first decode step)
+    decode_traceparent: str = ""  # prefill: the decode request's trace context, from its TransferInfo
 
 
 class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):

@@ -88,7 +88,7 @@ class RegisterAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("room", "peer_name", "dst_block_ids", "dst_dp_rank", "first_token_slot", "num_prompt_tokens", "request_id", "num_cached_tokens")
+    __slots__ = ("room", "peer_name", "dst_block_ids", "dst_dp_rank", "first_token_slot", "num_prompt_tokens", "request_id", "num_cached_tokens", "traceparent")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PEER_NAME_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class TransferInfo(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     room: int
     peer_name: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -105,7 +106,8 @@ class TransferInfo(_message.Message):
     num_prompt_tokens: int
     request_id: str
     num_cached_tokens: int
-    def __init__(self, room: _Optional[int] = ..., peer_name: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_dp_rank: _Optional[int] = ..., first_token_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, room: _Optional[int] = ..., peer_name: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_dp_rank: _Optional[int] = ..., first_token_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs", "prompt_logprobs", "num_cached_tokens", "kv_digest")

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from disagg.cluster import ClusterOptions, start_cluster
 from disagg.config import ServerConfig
-from pd_cluster import TINY, pd_config
+from pd_cluster import TINY, pd_config, start_pd
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -41,7 +41,8 @@ class Receiver:
                         "service": resource["service.name"], "name": span.name, "trace_id": span.trace_id.hex(),
                         "span_id": span.span_id.hex(), "parent": span.parent_span_id.hex(),
                         "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
-                        "attributes": {a.key: value_of(a.value) for a in span.attributes}})
+                        "attributes": {a.key: value_of(a.value) for a in span.attributes},
+                        "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links]})
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf")
 
     def one(self, name: str) -> dict:
@@ -50,7 +51,7 @@ class Receiver:
         return found[0]
 
 
-async def test_one_request_is_one_trace_across_router_prefill_and_decode():
+async def start_receiver() -> tuple[Receiver, web.AppRunner, str]:
     receiver = Receiver()
     app = web.Application()
     app.router.add_post("/v1/traces", receiver.export)
@@ -58,7 +59,11 @@ async def test_one_request_is_one_trace_across_router_prefill_and_decode():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    endpoint = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/traces"
+    return receiver, runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/traces"
+
+
+async def test_one_request_is_one_trace_across_router_prefill_and_decode():
+    receiver, runner, endpoint = await start_receiver()
     prefill, decode, router = await start_cluster(TINY, pd_config("tcp"), ClusterOptions(
         port=0, servers=ServerConfig(dp_size=1, otlp_traces_endpoint=endpoint)))
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
@@ -96,7 +101,27 @@ async def test_one_request_is_one_trace_across_router_prefill_and_decode():
     assert (pa["prompt_tokens"], da["prompt_tokens"], da["completion_tokens"], da["finish_reason"]) == (44, 44, 4, "length")
     assert pa["kv_bytes"] == da["kv_bytes"] > 0 and pa["kv_transfer_overhead_ms"] >= 0 and pa["prefill_duration_ms"] > 0
     assert (da["disaggregation_used"], da["true_ttft_ms"] > 0, da["decode_duration_ms"] >= 0) == (True, True, True)
+    assert p["links"] == [(trace_id, d["span_id"])]  # the decode's context, sent with the room's TransferInfo
+    assert pa["decode_traceparent"] == f"00-{trace_id}-{d['span_id']}-01"
     for s in spans:  # every child lies within its parent's time, give or take the clocks' reading
         parent = next((q for q in spans if q["span_id"] == s["parent"]), None)
         if parent is not None:
             assert parent["start"] - 5_000_000 <= s["start"] <= s["end"] <= parent["end"] + 5_000_000, (s["name"], parent["name"])
+
+
+async def test_without_a_callers_context_the_prefill_links_to_the_decodes_trace():
+    """Legs sent by a router that traces nothing (no traceparent): each server starts its own trace,
+    and the prefill's span links to the decode's, whose context came over the control plane."""
+    receiver, runner, endpoint = await start_receiver()
+    cluster = await start_pd("tcp", server={"otlp_traces_endpoint": endpoint}, dp_size=1)
+    try:
+        body = cluster.pd_body({"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 3}})
+        (p_status, _, _), (d_status, _, _) = await cluster.post_both("/generate", body, body)
+        assert (p_status, d_status) == (200, 200)
+    finally:
+        await cluster.close()
+        await runner.cleanup()
+    p, d = receiver.one("prefill /generate"), receiver.one("decode /generate")
+    assert p["trace_id"] != d["trace_id"] and (p["parent"], d["parent"]) == ("", "")
+    assert p["links"] == [(d["trace_id"], d["span_id"])]
+    assert p["attributes"]["bootstrap_room"] == d["attributes"]["bootstrap_room"] == body["bootstrap_room"]

@@ -146,11 +146,15 @@ class PullFetch:
             await wait_read(self.backend, pending.read, deadline)
             pending.read, pending.read_s = None, time.monotonic() - started
         pending.lease = None
-        released = await client.release(ticket.request_id)
+        remote = getattr(client, "remote", None)  # with other TP sizes the heads are split otherwise: no digest matches
+        same_split = remote is None or remote.layout.tp_size == self.backend.registered_layout.tp_size
+        checked = self.config.kv_checksum and end > first and same_split  # the prefill digests what we read
+        pending.dst_block_ids = tuple(blocks[first:end]) if checked else ()
+        released = await client.release(ticket.request_id, digest_blocks=(first, end - first) if checked else (0, 0))
         if not released.ok:
             raise TransferFailed(f"the KV of {ticket.request_id} was not held through the read: {released.reason}",
                                  peer_lost=released.peer_lost)
-        return TransferStatusMsg(room=0, state=TransferState.SUCCESS, num_bytes=num_bytes)
+        return TransferStatusMsg(room=0, state=TransferState.SUCCESS, num_bytes=num_bytes, kv_digest=released.kv_digest)
 
     def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
         """Every prompt token but the last is in our blocks: the last one and the first output are ours."""

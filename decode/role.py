@@ -225,25 +225,25 @@ class DecodeRole(TransferRole):
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
 
     def _checksum(self, request: DecodeRequest, status: TransferStatusMsg) -> ChecksumMismatch | None:
-        """With --kv-checksum (push flow, equal TP sizes): what landed against the prefill's digest."""
+        """With --kv-checksum (equal TP sizes): what landed (push) or what we read (pull) against the
+        prefill's digest of the same blocks."""
         pending = request.pending
         remote = getattr(pending.client, "remote", None)
-        if not self.config.kv_checksum or pending.ticket is not None or not pending.dst_block_ids:
+        if not self.config.kv_checksum or not pending.dst_block_ids:
             return None
         layout = self.backend.registered_layout
         if remote is not None and remote.layout.tp_size != layout.tp_size:
-            return None  # the heads are split otherwise there: no digest can match
+            return None  # the heads are split otherwise there: no digest can match (pull: fetch checked it)
         if getattr(self.backend, "take_corruption", lambda: False)():
             flip_byte(layout, pending.dst_block_ids[0])
+        what = f"bootstrap_room {pending.room}" if pending.ticket is None else f"the KV of {pending.ticket.request_id}"
         if not status.kv_digest:
-            return ChecksumMismatch(f"bootstrap_room {pending.room}: the prefill sent no KV checksum "
-                                    "(start it with --kv-checksum too)")
+            return ChecksumMismatch(f"{what}: the prefill sent no KV checksum (start it with --kv-checksum too)")
         landed = kv_digest(layout, pending.dst_block_ids)
         if landed == status.kv_digest:
             return None
-        return ChecksumMismatch(f"KV checksum mismatch for bootstrap_room {pending.room}: the prefill wrote "
-                                f"{status.kv_digest:016x}, the {len(pending.dst_block_ids)} blocks that landed digest "
-                                f"to {landed:016x}")
+        return ChecksumMismatch(f"KV checksum mismatch for {what}: the prefill wrote {status.kv_digest:016x}, the "
+                                f"{len(pending.dst_block_ids)} blocks that landed digest to {landed:016x}")
 
     def _admit(self, request: DecodeRequest, status: TransferStatusMsg) -> None:
         request_id, pending = request.request_id, request.pending

@@ -73,16 +73,21 @@ class PullRequests:
             self.core.release(request_id)
         return out
 
-    def on_lease(self, event: LeaseMsg) -> LeaseStatusMsg:
-        """A decode claims or releases leased blocks."""
+    def on_lease(self, event: LeaseMsg, digest: Callable[[list[int]], int] | None = None) -> LeaseStatusMsg:
+        """A decode claims or releases leased blocks. A release that asks for a digest of the blocks it
+        read gets one from `digest` (--kv-checksum), taken before the blocks are freed."""
+        first, count = event.digest_blocks
+        lease = self.leases.leases.get(event.request_id)
+        read = [] if lease is None or digest is None or not event.release else list(lease.block_ids[first:first + count])
         if event.release:
             answer = self.leases.release(event.request_id, event.peer_name)
         else:
             answer = self.leases.claim(event.request_id, event.peer_name)
+        kv_digest = digest(read) if read and answer.ok else 0
         if answer.ended:
             self.core.release(event.request_id)
         return LeaseStatusMsg(request_id=event.request_id, ok=answer.ok, reason=answer.reason,
-                              block_ids=answer.block_ids, released=event.release)
+                              block_ids=answer.block_ids, released=event.release, kv_digest=kv_digest)
 
     def on_peer_lost(self, peer_name: str) -> None:
         for request_id in self.leases.drop_peer(peer_name):

@@ -24,6 +24,7 @@ from disagg.types import RequestOutput, SamplingParams
 from disagg.wire.bootstrap_msgs import RankRegistrationMsg
 from disagg.wire.control_msgs import AbortMsg, LeaseMsg, PeerLostMsg, PeerMsg, TransferInfoMsg
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, PdStatsMsg, StatsMsg
+from kvtransfer.checksum import kv_digest
 from kvtransfer.control.endpoint import open_endpoint
 from kvtransfer.control.server import ControlServer
 from prefill.pull import PullRequests, is_pull
@@ -165,7 +166,8 @@ class PrefillRole(TransferRole):
         if isinstance(event, AbortMsg):
             return self.push.on_decode_abort(event.room, event.reason)
         if isinstance(event, LeaseMsg):
-            self.control.send_lease(event.peer_name, self.pull.on_lease(event))
+            digest = (lambda ids: kv_digest(self.backend.registered_layout, ids)) if self.config.kv_checksum else None
+            self.control.send_lease(event.peer_name, self.pull.on_lease(event, digest))
         elif isinstance(event, PeerLostMsg):
             self.pull.on_peer_lost(event.peer_name)
             return self.push.on_peer_lost(event.peer_name, event.rooms, event.reason)

@@ -102,6 +102,7 @@ class LeaseMsg(msgspec.Struct, frozen=True, kw_only=True):
     peer_name: str
     release: bool = False
     reason: str = ""
+    digest_blocks: tuple[int, int] = (0, 0)  # a release with --kv-checksum: (first, count) of the leased blocks read
 
 
 class LeaseStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +114,7 @@ class LeaseStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: tuple[int, ...] = ()
     released: bool = False
     peer_lost: bool = False  # as TransferStatusMsg.peer_lost: not ok because the stream broke
+    kv_digest: int = 0  # the answer to a release that asked: the digest of the blocks read (0: none)
 
 
 class PeerLostMsg(msgspec.Struct, frozen=True, kw_only=True):
@@ -250,19 +252,20 @@ def claim_msg(request_id: str) -> pb.DecodeMsg:
     return pb.DecodeMsg(claim=pb.Claim(request_id=request_id))
 
 
-def release_msg(request_id: str, reason: str) -> pb.DecodeMsg:
-    """Decode stream message carrying Release (pull flow)."""
-    return pb.DecodeMsg(release=pb.Release(request_id=request_id, reason=reason))
+def release_msg(request_id: str, reason: str, digest_blocks: tuple[int, int] = (0, 0)) -> pb.DecodeMsg:
+    """Decode stream message carrying Release (pull flow); `digest_blocks` (first, count) asks for a digest."""
+    return pb.DecodeMsg(release=pb.Release(request_id=request_id, reason=reason, digest_first_block=digest_blocks[0],
+                                           digest_num_blocks=digest_blocks[1]))
 
 
 def lease_status_msg(status: LeaseStatusMsg) -> pb.PrefillMsg:
     """Prefill stream message carrying LeaseStatus."""
     return pb.PrefillMsg(lease_status=pb.LeaseStatus(
         request_id=status.request_id, ok=status.ok, reason=status.reason, block_ids=list(status.block_ids),
-        released=status.released))
+        released=status.released, kv_digest=status.kv_digest))
 
 
 def lease_status_from_pb(msg: pb.LeaseStatus) -> LeaseStatusMsg:
     """protobuf -> LeaseStatusMsg."""
     return LeaseStatusMsg(request_id=msg.request_id, ok=msg.ok, reason=msg.reason, block_ids=tuple(msg.block_ids),
-                          released=msg.released)
+                          released=msg.released, kv_digest=msg.kv_digest)

@@ -162,26 +162,32 @@ class Claim(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "digest_first_block", "digest_num_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    digest_first_block: int
+    digest_num_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., digest_first_block: _Optional[int] = ..., digest_num_blocks: _Optional[int] = ...) -> None: ...
 
 class LeaseStatus(_message.Message):
-    __slots__ = ("request_id", "ok", "reason", "block_ids", "released")
+    __slots__ = ("request_id", "ok", "reason", "block_ids", "released", "kv_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     reason: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     released: bool
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., released: _Optional[bool] = ...) -> None: ...
+    kv_digest: int
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., released: _Optional[bool] = ..., kv_digest: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq",)

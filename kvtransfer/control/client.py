@@ -243,10 +243,12 @@ class ControlClient:
         Resolves with the prefill's answer (its block ids when ok), or not ok once the stream is lost."""
         return self._lease_call(request_id, False, claim_msg(request_id))
 
-    def release(self, request_id: str, reason: str = "read") -> asyncio.Future[LeaseStatusMsg]:
+    def release(self, request_id: str, reason: str = "read",
+                digest_blocks: tuple[int, int] = (0, 0)) -> asyncio.Future[LeaseStatusMsg]:
         """Pull flow: let the prefill free the blocks. `ok` in the answer: they stayed held by our
-        claim until now, so what we read is the request's KV."""
-        return self._lease_call(request_id, True, release_msg(request_id, reason))
+        claim until now, so what we read is the request's KV. `digest_blocks` (first, count of the
+        leased blocks we read) asks for their digest first (--kv-checksum)."""
+        return self._lease_call(request_id, True, release_msg(request_id, reason, digest_blocks))
 
     def _lease_call(self, request_id: str, release: bool, msg: pb.DecodeMsg) -> asyncio.Future[LeaseStatusMsg]:
         future: asyncio.Future[LeaseStatusMsg] = asyncio.get_running_loop().create_future()

@@ -305,8 +305,10 @@ class ControlServer:
         elif kind == "claim":
             self._emit(LeaseMsg(request_id=msg.claim.request_id, peer_name=session.name))
         elif kind == "release":
-            self._emit(LeaseMsg(request_id=msg.release.request_id, peer_name=session.name, release=True,
-                                            reason=msg.release.reason))
+            release = msg.release
+            self._emit(LeaseMsg(request_id=release.request_id, peer_name=session.name, release=True,
+                                reason=release.reason,
+                                digest_blocks=(release.digest_first_block, release.digest_num_blocks)))
         else:
             log.warning("control message without payload ignored", peer=session.name)
 

@@ -3,6 +3,7 @@ first token. Intact KV answers as unified does; KV that landed with a byte flipp
 corrupt_transfers fault) fails that request with 503 kv_checksum_mismatch, counted, its blocks freed
 on both sides, and the next request is served again. Both transfer backends."""
 
+import asyncio
 import re
 
 import aiohttp
@@ -48,6 +49,53 @@ async def test_a_corrupted_transfer_is_refused_before_the_first_token(backend):
         body = cluster.pd_body(BODY)
         (_, _, _), (d_status, d_data, _) = await cluster.post_both("/generate", body, body)
         assert (d_status, d_data["output_ids"]) == (200, want)  # one corruption asked for, one request failed
+    finally:
+        await cluster.close()
+        await unified.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+async def test_pull_flow_reads_are_checked_against_the_prefills_digest(backend):
+    """vLLM's pull flow: the decode reads the leased blocks, asks for their digest with its release,
+    and compares it with what it read; a read corrupted on purpose fails that request with 503, its
+    blocks freed on both sides, and the next request is served."""
+    cluster = await start_pd(backend, disagg={"kv_checksum": True}, server={"enable_fault_injection": True},
+                             dp_size=1)
+    unified = await start_unified(TINY)
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    pull = {"do_remote_decode": True, "do_remote_prefill": False}
+
+    async def pd(prompt: str = LONG) -> tuple[int, dict, str]:
+        """A new prompt each time: a prompt the decode holds already is not read (nothing to check)."""
+        status, prefill, _ = await cluster.post(cluster.prefill_url + "/v1/completions", dict(
+            body, prompt=prompt, max_tokens=1, min_tokens=1, kv_transfer_params=pull), None)
+        assert status == 200, prefill
+        ticket = prefill["kv_transfer_params"]
+        status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions",
+                                             dict(body, prompt=prompt, kv_transfer_params=ticket), None)
+        return status, data, ticket["remote_request_id"]
+
+    try:
+        async with cluster.session.post(f"http://127.0.0.1:{unified.port}/v1/completions", json=body) as r:
+            want = (await r.json())["choices"][0]["text"]
+        baseline = await cluster.free_blocks()
+        status, data, _ = await pd()
+        assert (status, data["choices"][0]["text"]) == (200, want)
+        async with cluster.session.post(cluster.decode_url + "/faults",
+                                        json={"fault": "corrupt_transfers", "dp_rank": 0, "count": 1}) as r:
+            assert r.status == 200
+        status, data, rid = await pd("Another prompt, long enough to span several blocks of the KV cache. " * 2)
+        assert (status, data["error"]["code"]) == (503, "kv_checksum_mismatch"), data
+        assert re.fullmatch(rf"ChecksumMismatch: KV checksum mismatch for the KV of {rid}: the prefill wrote "
+                            r"[0-9a-f]{16}, the \d+ blocks that landed digest to [0-9a-f]{16}", data["error"]["message"])
+        assert await metric(cluster.session, cluster.decode_url, 'disagg_kv_transfer_failed_total{reason="checksum"}') == 1
+        for _ in range(100):  # the prefill frees its blocks at the release
+            if await cluster.free_blocks() == baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert await cluster.free_blocks() == baseline
+        status, data, _ = await pd("A third prompt, which the decode has not seen either, spanning blocks. " * 2)
+        assert status == 200 and len(data["choices"][0]["text"]) > 0  # one corruption asked for, one request failed
     finally:
         await cluster.close()
         await unified.close()

@@ -25,7 +25,7 @@ from disagg.api.state import ApiState, state_of
 from disagg.drain import Drain
 from disagg.http_edge import HttpError
 from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
-from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER, ROLE_EPOCH_HEADER
+from disagg.wire.headers import DP_RANK_HEADER, KV_BYTES_HEADER, KV_WAIT_HEADER, REQUEST_ID_HEADER, ROLE_EPOCH_HEADER
 
 log = structlog.get_logger("disagg.api")
 
@@ -69,7 +69,16 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
             return await _stream(request, generation, renderer, headers, state.drain)
         with shutdown_if_drained(state.drain):
             totals = await generation.collect()
-        return json_response(renderer.full(totals), headers=headers)
+        return json_response(renderer.full(totals), headers={**headers, **kv_headers(totals)})
+
+
+def kv_headers(totals) -> dict[str, str]:
+    """A decode's answer whose KV came from a prefill: its wait for the KV and the bytes (known with
+    the first output, so before a stream's headers go out)."""
+    kv = totals.kv
+    if kv is None or not kv.kv_wait_s:
+        return {}
+    return {KV_WAIT_HEADER: f"{kv.kv_wait_s * 1e3:.1f}", KV_BYTES_HEADER: str(kv.kv_bytes)}
 
 
 def admit(state: ApiState, headers: Mapping[str, str]) -> None:
@@ -117,7 +126,7 @@ async def _stream(request: web.Request, generation: Generation, renderer: Render
         # (bad prompt, sleeping engine) gets its real HTTP status instead of a 200 stream.
         with shutdown_if_drained(drain):
             first = await anext(outputs, None)
-        sse = SSEWriter(headers)
+        sse = SSEWriter({**headers, **kv_headers(generation.totals)})
         try:
             await sse.start(request)
             await _pump(sse, renderer, generation.totals, first, outputs)

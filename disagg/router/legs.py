@@ -19,7 +19,7 @@ import msgspec
 from disagg.http_edge import refusal_code
 from disagg.router.errors import ServerDraining, ServerError, ServerTimeout, ServerUnreachable
 from disagg.router.workers import Role
-from disagg.wire.headers import DP_RANK_HEADER
+from disagg.wire.headers import PASSED_HEADERS
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class LegAnswer:
 
     status: int
     content_type: str
-    dp_rank_header: str | None
+    passed: dict[str, str]  # the answer's headers the client gets too (PASSED_HEADERS: DP rank, KV wait)
     body: bytes
 
 
@@ -89,7 +89,7 @@ class LegClient:
                 if not 200 <= resp.status < 300:
                     raise answer_error(leg, resp, raw)
                 content_type = resp.headers.get("Content-Type", "application/json")
-                return LegAnswer(resp.status, content_type, resp.headers.get(DP_RANK_HEADER), raw)
+                return LegAnswer(resp.status, content_type, passed_headers(resp.headers), raw)
 
     async def open_stream(self, leg: Leg, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST and wait for the first body chunk; the caller owns (and closes) the response."""
@@ -164,10 +164,12 @@ async def await_unless_other_fails(wanted: asyncio.Task, other: asyncio.Task):
             await cancel_all([wanted])
 
 
+def passed_headers(upstream: Mapping[str, str]) -> dict[str, str]:
+    """The headers of a server's answer that the client gets too (DP rank, the decode's KV wait)."""
+    return {name: upstream[name] for name in PASSED_HEADERS if name in upstream}
+
+
 def stream_headers(upstream: Mapping[str, str]) -> dict[str, str]:
-    out = {"Content-Type": upstream.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
-           "X-Accel-Buffering": "no"}
-    if DP_RANK_HEADER in upstream:
-        out[DP_RANK_HEADER] = upstream[DP_RANK_HEADER]
-    return out
+    return {"Content-Type": upstream.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", **passed_headers(upstream)}
 

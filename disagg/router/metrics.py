@@ -12,6 +12,7 @@ from disagg.prefix_tree import CacheOutcome
 from disagg.router.http_metrics import HttpMetrics, WorkerCollector
 from disagg.router.policy import PairPick
 
+KV_WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MATCH_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -45,8 +46,17 @@ class RouterMetrics:
         self.federation_failures = Counter("disagg_router_federation_failures", "servers whose /metrics did not "
                                            "answer in time at a scrape (left out of the summed engine families)",
                                            registry=self.registry)
+        self.kv_wait = Histogram("disagg_router_kv_wait_seconds", "answers whose KV moved: the decode's wait for it "
+                                 "(X-Disagg-KV-Wait-Ms), by path", ["path"], buckets=KV_WAIT_BUCKETS_S,
+                                 registry=self.registry)
         self.local_prefills_refused = Counter("disagg_router_local_prefills_refused", "requests a decode would not "
                                               "prefill itself, sent again with a prefill", registry=self.registry)
+
+    def record_answer(self, path: str, reason: str | None, kv_wait_ms: str | None) -> None:
+        """One answer by its path and why; the decode's wait for its KV when the answer says it."""
+        self.answers.labels(path, reason or "").inc()
+        if kv_wait_ms is not None:
+            self.kv_wait.labels(path).observe(float(kv_wait_ms) / 1e3)
 
     def record_pick(self, pick: PairPick) -> None:
         """Count where the prompt is prefilled, and how a cache_aware prefill was chosen."""

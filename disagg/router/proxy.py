@@ -41,7 +41,7 @@ from disagg.router.workers import Health, Role, WorkerPool
 from disagg.tracing import annotate, since_start_ms, step
 from disagg.types import ErrorCode
 from disagg.wire.headers import (
-    DP_RANK_HEADER, PATH_HEADER, PATH_REASON_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER, ROLE_EPOCH_HEADER,
+    DP_RANK_HEADER, KV_WAIT_HEADER, PATH_HEADER, PATH_REASON_HEADER, REQUEST_ID_HEADER, RETRIES_HEADER, ROLE_EPOCH_HEADER,
 )
 
 log = structlog.get_logger("disagg.router")
@@ -169,11 +169,12 @@ class Proxy:
                                **({RETRIES_HEADER: str(num_retries)} if num_retries else {})}
                 answer = await (self._stream(request, plan, headers, prefill, out_headers) if plan.stream
                                 else self._unary(plan, headers, prefill, out_headers))
-                self._metrics.answers.labels(taken.value, why or "").inc()
+                self._metrics.record_answer(taken.value, why, answer.headers.get(KV_WAIT_HEADER))
                 annotate(disaggregation_used=plan.prefill is not None, reason=why or taken.value, bootstrap_room=room,
                          prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server, retries=num_retries)
                 log.info("request answered", disagg_path=taken.value, reason=why, retries=num_retries,
-                         prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server)
+                         prefill=plan.prefill and plan.prefill.server, decode=plan.decode.server,
+                         kv_wait_ms=answer.headers.get(KV_WAIT_HEADER))
                 return answer
             except ServerError as exc:
                 if plan.prefill is None and local_prefill.refuses_local_prefill(exc):
@@ -305,9 +306,7 @@ class Proxy:
         body = self._decode_body(plan, prefill_answer, decode_answer)
         if plan.learn is not None:
             plan.learn(decode_answer.body)
-        out_headers = {**(out_headers or {}), "Content-Type": decode_answer.content_type}
-        if decode_answer.dp_rank_header is not None:
-            out_headers[DP_RANK_HEADER] = decode_answer.dp_rank_header
+        out_headers = {**(out_headers or {}), "Content-Type": decode_answer.content_type, **decode_answer.passed}
         return web.Response(body=body, status=decode_answer.status, headers=out_headers)
 
     def _decode_body(self, plan: Plan, prefill: LegAnswer, decode: LegAnswer) -> bytes:
@@ -321,7 +320,7 @@ class Proxy:
                 raise HttpError(502, f"decode server {plan.decode.server} answered invalid JSON") from None
             return decode.body
         if plan.expected_decode_rank is not None:
-            bodies.check_decode_dp_rank(plan.expected_decode_rank, answer, decode.dp_rank_header)
+            bodies.check_decode_dp_rank(plan.expected_decode_rank, answer, decode.passed.get(DP_RANK_HEADER))
         if plan.merge_logprobs and bodies.merge_prompt_logprobs(answer, json_or_none(prefill.body)):
             return msgspec.json.encode(answer)
         return decode.body

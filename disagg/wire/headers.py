@@ -18,3 +18,9 @@ ROLE_EPOCH_HEADER = "X-PD-Role-Epoch"
 # it was not pd, why.
 PATH_HEADER = "X-Disagg-Path"
 PATH_REASON_HEADER = "X-Disagg-Path-Reason"
+# On a decode's answer whose KV came from a prefill (and passed on by our router): how long the request
+# waited for its KV (arrival until admitted: the prefill's compute and the transfer, as the decode saw
+# them), in milliseconds, and the bytes that moved.
+KV_WAIT_HEADER = "X-Disagg-KV-Wait-Ms"
+KV_BYTES_HEADER = "X-Disagg-KV-Bytes"
+PASSED_HEADERS = (DP_RANK_HEADER, KV_WAIT_HEADER, KV_BYTES_HEADER)  # what our router copies from a decode's answer

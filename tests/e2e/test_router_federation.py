@@ -64,3 +64,29 @@ async def test_a_server_that_does_not_answer_is_left_out_and_counted(cluster):
         assert summed[("disagg_router_federation_failures_total", ())] == 1
     finally:
         await router.close()
+
+
+async def test_each_answer_says_how_long_its_kv_took(cluster):
+    """A P/D answer through the router carries the decode's wait for its KV (X-Disagg-KV-Wait-Ms) and
+    the bytes that moved (X-Disagg-KV-Bytes, as the decode counted them), streamed or not; the
+    router observes the wait by path."""
+    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, decode=(cluster.decode_url,),
+                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
+    await router.start()
+    try:
+        before = (await samples(cluster.session, cluster.decode_url)).get(("disagg_kv_transfer_bytes_total", ()), 0.0)
+        moved = []
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": f"KV wait {stream}: the quick brown fox", "max_tokens": 3,
+                    "stream": stream}
+            async with cluster.session.post(router.url + "/v1/completions", json=body) as r:
+                await r.read()
+                assert (r.status, r.headers["X-Disagg-Path"]) == (200, "pd")
+                assert float(r.headers["X-Disagg-KV-Wait-Ms"]) > 0
+                moved.append(int(r.headers["X-Disagg-KV-Bytes"]))
+        after = (await samples(cluster.session, cluster.decode_url))[("disagg_kv_transfer_bytes_total", ())]
+        assert sum(moved) == after - before and all(m > 0 for m in moved)
+        summed = await samples(cluster.session, router.url)
+        assert summed[("disagg_router_kv_wait_seconds_count", (("path", "pd"),))] == 2
+    finally:
+        await router.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 
 from disagg.config import ConfigError
 
@@ -82,6 +82,22 @@ class Tracing:
             yield
         finally:
             _CURRENT.reset(token)
+
+    async def answer_within(self, span, answer: Callable[[], Awaitable]):
+        """`await answer()` with `span` current; the answer's HTTP status (or the status and message of
+        the error it raised: an HttpError's) goes on the span, which then ends."""
+        try:
+            with self.activate(span):
+                response = await answer()
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+        except Exception as exc:
+            if isinstance(getattr(exc, "status", None), int):
+                span.set_attributes({"http.response.status_code": exc.status,
+                                     "error.message": str(getattr(exc, "message", exc))})
+            raise
+        finally:
+            span.end()
 
     def close(self) -> None:
         """Export the spans not sent yet and stop."""

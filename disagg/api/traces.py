@@ -23,7 +23,6 @@ from collections.abc import Callable
 from aiohttp import web
 
 from disagg.config import DisaggregationMode
-from disagg.http_edge import HttpError
 from disagg.tracing import Tracing, current_span, wall_ns
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate",
@@ -42,16 +41,7 @@ def tracing_middleware(tracing: Tracing, mode: Callable[[], DisaggregationMode])
             return await handler(request)
         role = ROLE_NAMES[mode()]
         span = tracing.start(f"{role} {request.path}", request.headers, {"disagg.role": role, "http.route": request.path})
-        try:
-            with tracing.activate(span):
-                response = await handler(request)
-            span.set_attribute("http.response.status_code", response.status)
-            return response
-        except HttpError as exc:
-            span.set_attributes({"http.response.status_code": exc.status, "error.message": exc.message})
-            raise
-        finally:
-            span.end()
+        return await tracing.answer_within(span, lambda: handler(request))
     return trace
 
 

@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from multidict import CIMultiDict
 
-from disagg.http_edge import HttpError
 from disagg.tracing import Tracing, current_span
 
 Serve = Callable[[web.Request, str], Awaitable[web.StreamResponse]]
@@ -29,19 +28,14 @@ async def traced(tracing: Tracing, request: web.Request, path: str, serve: Serve
     span = tracing.start(f"router {path}", request.headers, {"http.route": path})
     headers = CIMultiDict(request.headers)
     tracing.inject(span, headers)
-    try:
-        with tracing.activate(span):
-            response = await serve(request.clone(headers=headers), path)
-        span.set_attribute("http.response.status_code", response.status)
+
+    async def answer() -> web.StreamResponse:
+        response = await serve(request.clone(headers=headers), path)
         first_byte = span.attributes.get("true_ttft_ms")
         if first_byte is not None:
             span.set_attribute("decode_duration_ms", (span_age_ns(span) / 1e6) - first_byte)
         return response
-    except HttpError as exc:
-        span.set_attributes({"http.response.status_code": exc.status, "error.message": exc.message})
-        raise
-    finally:
-        span.end()
+    return await tracing.answer_within(span, answer)
 
 
 def span_age_ns(span) -> int:

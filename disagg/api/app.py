@@ -15,6 +15,7 @@ from disagg.api import (
     admin_routes,
     fault_routes,
     openai_routes,
+    responses,
     sglang_routes,
     tokenize_routes,
     tokens_routes,
@@ -51,7 +52,7 @@ def create_app(config: ServerConfig, engine: EngineClient, *, configure_logs: bo
     app[STATE] = ApiState(config, engine, metrics, tracing=tracing)
     if tracing is not None:
         app.on_cleanup.append(lambda _: asyncio.to_thread(tracing.close))  # the spans not sent yet go out
-    for module in (openai_routes, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes,
+    for module in (openai_routes, responses, sglang_routes, tokens_routes, tokenize_routes, admin_routes, utility_routes,
                    fault_routes):
         module.add_routes(app)
     return app

@@ -203,11 +203,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_upstream(raw, CHAT_REFUSED, ChatBody)
     note_unknown(state, raw, ChatBody, CHAT_REFUSED)
     options = _common_checks(state, body)
-    messages = chat_messages(body.messages)
-    sampling, tools = _chat_sampling(state, body)
     extras = vllm_extras(body)
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
+    msg, tools = chat_generate_msg(state, body, request_id, routing)
+    return await serve_choices(
+        request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
+            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats), tools, extras),
+        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
+
+
+def chat_generate_msg(state: ApiState, body: ChatBody, request_id: str, routing) -> tuple:
+    """The GenerateMsg of a chat body (its messages, sampling, tool plan, template switches) and the
+    tool plan; shared by /v1/chat/completions and /v1/responses."""
+    messages = chat_messages(body.messages)
+    sampling, tools = _chat_sampling(state, body)
+    extras = vllm_extras(body)
     add_special = bool(body.add_special_tokens)  # the chat template already adds them
     cont = bool(body.continue_final_message)
     generation = not cont if body.add_generation_prompt is None else body.add_generation_prompt
@@ -221,10 +232,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              add_generation_prompt=generation, continue_final_message=cont,
                              return_token_texts=wants_token_texts(body, sampling), priority=body.priority or 0,
                              return_prompt=extras.prompt_logprobs or extras.token_ids)
-    return await serve_choices(
-        request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
-            state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats), tools, extras),
-        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
+    return msg, tools
 
 
 def _model_object(state) -> dict:

@@ -26,7 +26,7 @@ from disagg.config import DisaggregationMode
 from disagg.tracing import Tracing, current_span, wall_ns
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate",
-                            "/invocations"})
+                            "/invocations", "/v1/responses"})
 ROLE_NAMES = {DisaggregationMode.NULL: "unified", DisaggregationMode.PREFILL: "prefill",
               DisaggregationMode.DECODE: "decode"}
 

@@ -49,7 +49,7 @@ from disagg.tracing import open_tracing
 from disagg.wire.auth import bearer_matches
 
 log = structlog.get_logger("disagg.router")
-GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Every failure leaves as JSON with the right status; one request never kills the router.
 KV_EVENTS_WATCH_S = 0.5  # how soon a prefill's KV events are subscribed to once its dp_size is known

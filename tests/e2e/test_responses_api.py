@@ -1,0 +1,100 @@
+"""The Responses API with the openai SDK's `responses.create` (tiny model, greedy): plain, streamed,
+with a function tool, with `previous_response_id` on a unified server, and plain and streamed through
+our router on P/D, each equal to the chat completion of the same messages."""
+
+import json
+
+import openai
+import pytest
+import pytest_asyncio
+
+from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.server import RouterServer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+GREEDY = {"temperature": 0, "max_output_tokens": 6}
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router_url(cluster):
+    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, decode=(cluster.decode_url,),
+                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
+    await router.start()
+    yield router.url
+    await router.close()
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+async def chat_text(url: str, messages: list[dict]) -> str:
+    reply = await client(url).chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)
+    return reply.choices[0].message.content
+
+
+async def streamed(url: str, **request) -> tuple[list[str], object]:
+    events = [e async for e in await client(url).responses.create(model="tiny", stream=True, **request)]
+    return [e.type for e in events], events
+
+
+async def test_plain_and_streamed_equal_the_chat(unified_url, router_url):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    for url in (unified_url, router_url):
+        want = await chat_text(unified_url, messages)
+        response = await client(url).responses.create(model="tiny", instructions="Be brief.", input="Hello there",
+                                                      **GREEDY)
+        assert (response.object, response.status, response.output_text) == ("response", "incomplete", want)
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert (response.usage.output_tokens, response.output[0].type, response.output[0].role) == (6, "message", "assistant")
+        kinds, events = await streamed(url, instructions="Be brief.", input="Hello there", **GREEDY)
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.completed"]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+        assert events[-1].response.output_text == want
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+async def test_a_function_tool_and_a_previous_response(unified_url):
+    called = await client(unified_url).responses.create(
+        model="tiny", input=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice="required",
+        temperature=0, max_output_tokens=100)
+    [call] = called.output
+    assert (call.type, call.name, json.loads(call.arguments)["city"] in ("Paris", "Rome")) == (
+        "function_call", "get_weather", True)
+    follow = await client(unified_url).responses.create(
+        model="tiny", previous_response_id=called.id, tools=[WEATHER], tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}], **GREEDY)
+    want = await chat_text(unified_url, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+    assert (follow.previous_response_id, follow.output_text) == (called.id, want)
+    again = await client(unified_url).responses.create(model="tiny", previous_response_id=follow.id,
+                                                       input="And Rome?", **GREEDY)
+    assert again.output_text == await chat_text(unified_url, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+        {"role": "assistant", "content": want}, {"role": "user", "content": "And Rome?"}])
+    with pytest.raises(openai.BadRequestError, match="previous_response_id 'resp-none' is not stored"):
+        await client(unified_url).responses.create(model="tiny", previous_response_id="resp-none", input="x")
+
+
+async def test_text_format_and_pd_follow_ups(unified_url, router_url):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    shaped = await client(unified_url).responses.create(
+        model="tiny", input="Answer in JSON", temperature=0, max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert set(json.loads(shaped.output_text)) == {"ok"}
+    first = await client(router_url).responses.create(model="tiny", input="Hello there", **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id needs a unified server"):
+        await client(router_url).responses.create(model="tiny", previous_response_id=first.id, input="x", **GREEDY)

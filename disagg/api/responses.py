@@ -6,9 +6,9 @@ items: the assistant's message, or its function calls), streamed as Response eve
 (`response.created` ... `response.output_text.delta` ... `response.completed`).
 
 Answers are kept (unless `store: false`) in a bounded store of this server, by id, with the turns
-that led to them, so a next request may name one as its `previous_response_id`. Behind our router on
-P/D each server resolves it from its own store: a stored turn is a decode's, so a follow-up through
-P/D is refused with 400 (send the whole conversation as `input`).
+that led to them, so a next request may name one as its `previous_response_id`. On P/D the decode
+keeps them (a prefill's answer is one token); our router fetches the conversation from the decode
+(`GET /v1/responses/{id}/conversation`) and sends it to both legs (`disagg_conversation`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from disagg.api.generation import Totals
 from disagg.api.openai_routes import chat_generate_msg
 from disagg.api.requests import check_model, choose_request_id, read_body
 from disagg.api.routing import read_routing
-from disagg.api.serving import serve_generation
+from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import state_of
 from disagg.api.tool_calls import whole_message
 from disagg.config import DisaggregationMode
-from disagg.http_edge import BadRequest
+from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
@@ -56,6 +56,7 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     metadata: dict | None = None
     user: str | None = None
     request_id: str | None = None
+    disagg_conversation: list[dict] | None = None  # our router's: the stored turns of previous_response_id (P/D)
 
 
 class ResponseStore:
@@ -141,7 +142,7 @@ class ResponsesRenderer:
 
     def __init__(self, model: str, response_id: str, body: ResponsesBody, messages: list[dict], tools, store):
         self.model, self.response_id, self.body, self.messages, self.tools = model, response_id, body, messages, tools
-        self.store = store if body.store is not False else None
+        self.store = store if body.store is not False else None  # None: nothing kept
         self.message_id = "msg_" + secrets.token_hex(12)
         self._seq, self._started = 0, False
 
@@ -233,10 +234,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     check_model(body.model, state.engine.model.name)
     store = request.app[STORE]
     history: list[dict] = []
-    if body.previous_response_id is not None:
-        if state.engine.mode is not DisaggregationMode.NULL:
-            raise BadRequest("previous_response_id needs a unified server (a P/D pair's prefill holds no stored "
-                             "turns): send the whole conversation as input", "previous_response_id")
+    if body.previous_response_id is not None and body.disagg_conversation is not None:
+        history = body.disagg_conversation  # our router fetched it from the decode that stored it
+    elif body.previous_response_id is not None:
+        if state.engine.mode is DisaggregationMode.PREFILL:
+            raise BadRequest("previous_response_id on a prefill server needs the conversation its decode stored: "
+                             "send the request through our router, or the whole conversation as input",
+                             "previous_response_id")
         history = store.get(body.previous_response_id)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     messages = [*system, *[m for m in history if not (system and m["role"] == "system")], *input_messages(body.input)]
@@ -246,11 +250,22 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     response_id = choose_request_id(request, body.request_id, "request_id", "resp")
     routing = read_routing(request, raw, state.warn_once)
     msg, tools = chat_generate_msg(state, chat, response_id, routing)
-    renderer = ResponsesRenderer(state.engine.model.name, response_id, body, messages, tools, store)
+    keeps = state.engine.mode is not DisaggregationMode.PREFILL  # a prefill's answer is its one token: not a turn
+    renderer = ResponsesRenderer(state.engine.model.name, response_id, body, messages, tools, store if keeps else None)
     return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
 
 
+async def conversation(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}/conversation (ours): the chat messages stored for an answer, its
+    own last; our router reads them for a follow-up on P/D."""
+    try:
+        return json_response({"messages": request.app[STORE].get(request.match_info["response_id"])})
+    except BadRequest as exc:
+        raise HttpError(404, exc.message, code="response_not_found") from None
+
+
 def add_routes(app: web.Application) -> None:
-    """Register POST /v1/responses and its store on `app`."""
+    """Register POST /v1/responses, our conversation route and the store on `app`."""
     app[STORE] = ResponseStore()
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}/conversation", conversation)

@@ -37,7 +37,8 @@ from disagg.router.errors import NoHealthyServer, RouterDraining
 from disagg.router.health import HealthChecker
 from disagg.router.kv_index import KVIndex
 from disagg.router.kv_subscriber import KVEventSubscriber
-from disagg.router import federation, passthrough, traces
+from disagg.router import conversations, federation, passthrough, traces
+from disagg.router.conversations import RESPONSES_PATH
 from disagg.router.legs import LegClient
 from disagg.router.metrics import RouterMetrics
 from disagg.router.compat import incompatible_prefills
@@ -154,16 +155,26 @@ def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(payload), status=status, content_type="application/json")
 
 
-async def generate(request: web.Request, path: str | None = None) -> web.StreamResponse:
-    """P/D dispatch; the same path (`path`, else the request's) is called on both servers. Refused
-    (503) while the router drains."""
+async def generate(request: web.Request, path: str | None = None, raw: bytes | None = None) -> web.StreamResponse:
+    """P/D dispatch; the same path (`path`, else the request's) is called on both servers, with `raw`
+    (else the request's body). Refused (503) while the router drains."""
     router = _router(request)
     if router.drain.draining:
         raise RouterDraining(router.drain.refusal_message())
     with router.drain.track():
         if router.tracing is None:
-            return await router.proxy.serve(request, path or request.path)
-        return await traces.traced(router.tracing, request, path or request.path, router.proxy.serve)
+            return await router.proxy.serve(request, path or request.path, raw)
+        return await traces.traced(router.tracing, request, path or request.path, router.proxy.serve, raw)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: P/D dispatch; a `previous_response_id` is resolved first to the conversation
+    the decode that answered it stored (disagg/router/conversations.py), which both legs then get."""
+    router = _router(request)
+    raw = await conversations.with_conversation(router.session, await request.read(),
+                                                [info.url for info in router.pool.infos(Role.DECODE)],
+                                                router.config.health_check_timeout_s, passthrough.authorization(request))
+    return await generate(request, raw=raw)
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:
@@ -270,7 +281,7 @@ def create_app(router: Router) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     for path in GENERATE_PATHS:
-        app.router.add_post(path, generate)
+        app.router.add_post(path, responses if path == RESPONSES_PATH else generate)
     app.router.add_post("/invocations", invocations)
     app.router.add_get("/load", load)
     app.router.add_get("/health", health)

@@ -92,15 +92,15 @@ class Proxy:
         self._randbits = randbits
         self._metrics = metrics if metrics is not None else RouterMetrics()
 
-    async def serve(self, request: web.Request, path: str) -> web.StreamResponse:
-        """Answer one generate request (`path` is the same on both servers).
+    async def serve(self, request: web.Request, path: str, raw: bytes | None = None) -> web.StreamResponse:
+        """Answer one generate request (`path` is the same on both servers; `raw`: its body, else the request's).
 
         A server that refuses because it is draining is marked unhealthy and the request goes to
         another pair (a new room; the cancelled legs abort the old one). A request the router's own
         drain aborts ends with its shutdown error.
         """
         trusted = self._config.trust_client_routing
-        body = bodies.without_internal_fields(bodies.parse_request_body(await request.read()), trusted)
+        body = bodies.without_internal_fields(bodies.parse_request_body(raw or await request.read()), trusted)
         headers = forwarded_headers(request.headers, self._config.test_external_dp_routing or not trusted)
         try:
             return await self._serve_with_retries(request, path, body, headers)

@@ -20,17 +20,18 @@ from multidict import CIMultiDict
 
 from disagg.tracing import Tracing, current_span
 
-Serve = Callable[[web.Request, str], Awaitable[web.StreamResponse]]
+Serve = Callable[..., Awaitable[web.StreamResponse]]
 
 
-async def traced(tracing: Tracing, request: web.Request, path: str, serve: Serve) -> web.StreamResponse:
+async def traced(tracing: Tracing, request: web.Request, path: str, serve: Serve, raw: bytes | None = None
+                 ) -> web.StreamResponse:
     """`serve(request, path)` inside the request's span; both legs get the span's context."""
     span = tracing.start(f"router {path}", request.headers, {"http.route": path})
     headers = CIMultiDict(request.headers)
     tracing.inject(span, headers)
 
     async def answer() -> web.StreamResponse:
-        response = await serve(request.clone(headers=headers), path)
+        response = await serve(request.clone(headers=headers), path, raw)
         first_byte = span.attributes.get("true_ttft_ms")
         if first_byte is not None:
             span.set_attribute("decode_duration_ms", (span_age_ns(span) / 1e6) - first_byte)

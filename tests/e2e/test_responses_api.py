@@ -1,5 +1,5 @@
 """The Responses API with the openai SDK's `responses.create` (tiny model, greedy): plain, streamed,
-with a function tool, with `previous_response_id` on a unified server, and plain and streamed through
+with a function tool, with `text.format`, with `previous_response_id` on a unified server and through
 our router on P/D, each equal to the chat completion of the same messages."""
 
 import json
@@ -95,6 +95,12 @@ async def test_text_format_and_pd_follow_ups(unified_url, router_url):
         model="tiny", input="Answer in JSON", temperature=0, max_output_tokens=40,
         text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert set(json.loads(shaped.output_text)) == {"ok"}
+    # On P/D the decode keeps the turn; our router hands it to both legs of the follow-up.
     first = await client(router_url).responses.create(model="tiny", input="Hello there", **GREEDY)
-    with pytest.raises(openai.BadRequestError, match="previous_response_id needs a unified server"):
-        await client(router_url).responses.create(model="tiny", previous_response_id=first.id, input="x", **GREEDY)
+    follow = await client(router_url).responses.create(model="tiny", previous_response_id=first.id,
+                                                       input="And then?", **GREEDY)
+    assert follow.output_text == await chat_text(unified_url, [
+        {"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And then?"}])
+    with pytest.raises(openai.BadRequestError, match="'resp-gone' is not stored on any decode server"):
+        await client(router_url).responses.create(model="tiny", previous_response_id="resp-gone", input="x", **GREEDY)

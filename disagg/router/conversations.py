@@ -1,0 +1,45 @@
+"""`previous_response_id` through our router on P/D: the conversation an earlier answer stored lives on
+the decode that answered it (the prefill only computed its prompt), so before dispatching a
+Responses request that names one, the router asks the decodes for it (`GET
+/v1/responses/{id}/conversation`, our servers' route) and puts it in the body
+(`disagg_conversation`), so that both legs build the same prompt from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+
+from disagg.http_edge import BadRequest
+
+RESPONSES_PATH = "/v1/responses"
+
+
+async def with_conversation(session: aiohttp.ClientSession, raw: bytes, decode_urls: list[str],
+                            timeout_s: float, headers: dict[str, str]) -> bytes:
+    """`raw` as is, unless it names a `previous_response_id`: then with the conversation one of the
+    decodes stored for it (400 when none holds it)."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw  # the server answers the malformed body
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if not isinstance(previous, str) or "disagg_conversation" in body:
+        return raw
+    for url in decode_urls:
+        messages = await _conversation(session, url, previous, timeout_s, headers)
+        if messages is not None:
+            return msgspec.json.encode({**body, "disagg_conversation": messages})
+    raise BadRequest(f"previous_response_id {previous!r} is not stored on any decode server", "previous_response_id")
+
+
+async def _conversation(session: aiohttp.ClientSession, url: str, response_id: str, timeout_s: float,
+                        headers: dict[str, str]) -> list | None:
+    try:
+        async with session.get(f"{url}{RESPONSES_PATH}/{response_id}/conversation", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            return (await r.json())["messages"] if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+        return None

@@ -30,6 +30,10 @@ async def start_cli(*args: str, timeout_s: float = 90.0, stderr=asyncio.subproce
                 raise AssertionError(f"disagg {' '.join(args)} printed no ready line in {timeout_s} s:\n{''.join(lines)}") from None
             if not line:
                 raise AssertionError(f"disagg {' '.join(args)} exited before its ready line:\n{''.join(lines)}")
+            at = line.find("ready: ")
+            if at > 0:  # a worker's log line, written to the same stdout, lacked its newline when the ready line came
+                lines.append(line[:at] + "\n")
+                line = line[at:]
             lines.append(line)
     except BaseException:
         if proc.returncode is None:

@@ -151,7 +151,10 @@ def unknown_fields(raw: bytes, struct: type[msgspec.Struct], *known: Mapping[str
     """The top-level fields of `raw` (a JSON object that decoded as `struct`) that neither `struct` nor
     any of the `known` tables names: accepted and ignored, as vLLM's `extra="allow"` does (the route
     logs them once)."""
-    body = msgspec.json.decode(raw)
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:  # a number past float's range (1e999), which the typed decode left unread
+        return []
     if not isinstance(body, dict):
         return []
     names = set(struct.__struct_fields__).union(*known)

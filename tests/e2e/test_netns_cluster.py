@@ -91,9 +91,9 @@ async def start_in(ns: str, *args: str, secret: str) -> tuple[asyncio.subprocess
         if not line:
             raise AssertionError(f"disagg {' '.join(args)} in {ns} exited:\n{''.join(lines)}")
         lines.append(line)
-        if line.startswith("ready:"):
+        if "ready: " in line:  # a worker's log line may lack its newline when the ready line comes
             asyncio.get_running_loop().create_task(drain(proc.stdout))
-            return proc, line
+            return proc, line[line.index("ready: "):]
 
 
 async def drain(stream: asyncio.StreamReader) -> None:

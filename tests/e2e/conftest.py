@@ -2,6 +2,8 @@
 
 import pytest_asyncio
 
+from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.server import RouterServer
 from pd_cluster import start_pd, start_unified
 
 
@@ -25,3 +27,13 @@ async def cluster():
     c = await start_pd("tcp")
     yield c
     await c.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router_url(cluster):
+    """Our router in front of `cluster` (no health checks: both servers are up)."""
+    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, decode=(cluster.decode_url,),
+                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
+    await router.start()
+    yield router.url
+    await router.close()

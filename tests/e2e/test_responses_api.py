@@ -6,25 +6,13 @@ import json
 
 import openai
 import pytest
-import pytest_asyncio
 
-from disagg.router.config import PrefillEndpoint, RouterConfig
-from disagg.router.server import RouterServer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"temperature": 0, "max_output_tokens": 6}
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                           "required": ["city"], "additionalProperties": False}}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def router_url(cluster):
-    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, decode=(cluster.decode_url,),
-                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
-    await router.start()
-    yield router.url
-    await router.close()
 
 
 def client(url: str) -> openai.AsyncOpenAI:

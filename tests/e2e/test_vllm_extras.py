@@ -4,24 +4,12 @@ with `truncation_side`, `return_token_ids`, `return_tokens_as_token_ids`; answer
 carry `prompt_logprobs: null`, as vLLM's do."""
 
 import pytest
-import pytest_asyncio
 
-from disagg.router.config import PrefillEndpoint, RouterConfig
-from disagg.router.server import RouterServer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True, "max_tokens": 4}
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": PROMPT}]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def router_url(cluster):
-    router = RouterServer(RouterConfig(port=0, health_check_interval_s=0, decode=(cluster.decode_url,),
-                                       prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
-    await router.start()
-    yield router.url
-    await router.close()
 
 
 async def answer(cluster, url: str, path: str, body: dict) -> dict:

@@ -14,7 +14,6 @@ keeps them (a prefill's answer is one token); our router fetches the conversatio
 from __future__ import annotations
 
 import secrets
-import time
 from collections import OrderedDict
 
 import msgspec

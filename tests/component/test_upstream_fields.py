@@ -107,3 +107,10 @@ async def test_ignored_fields_are_accepted(surface):
         for field in sorted(f for f in fields if f in ignored):
             resp = await client.post(path, json=make(field, "x"))
             assert resp.status == 200, (field, await resp.text())
+
+
+def test_unknown_fields_are_exactly_those_no_table_names():
+    known = (uf.OPENAI_REFUSED, uf.OPENAI_IGNORED, uf.PD_FIELDS, RoutedBody.__struct_fields__)
+    body = b'{"prompt": "a", "zz": 1e999, "bootstrap_room": 3, "user": "u", "use_beam_search": false, "q": {}}'
+    assert uf.unknown_fields(body, CompletionBody, *known) == ["zz", "q"]
+    assert uf.unknown_fields(b'[1, 2]', CompletionBody, *known) == []

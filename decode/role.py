@@ -68,7 +68,7 @@ class DecodeRole(TransferRole):
         return self.push if pending.ticket is None else self.pull
 
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
-        if msg.resume_token_ids is not None:  # migrated here from a worker that died: computed locally
+        if msg.resume_token_ids is not None:  # migrated from a worker that died, or a beam's step: computed here
             return await super().submit(msg)
         if self.config.decode.max_local_prefill_tokens and msg.bootstrap_room is None and not carries_ticket(msg):
             return self._prefill_here(msg)

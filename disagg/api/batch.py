@@ -63,11 +63,11 @@ async def serve_batch(request: web.Request, items: list[tuple[GenerateMsg, int |
             return await _stream(request, generations, renderer, headers, state)
         tasks = [asyncio.create_task(g.collect()) for g in generations]
         with shutdown_if_drained(state.drain):
-            totals = await _all_or_first_error(tasks)
+            totals = await all_or_first_error(tasks)
         return json_response(renderer.full(totals), headers=headers)
 
 
-async def _all_or_first_error(tasks: list[asyncio.Task]) -> list:
+async def all_or_first_error(tasks: list[asyncio.Task]) -> list:
     """Every task's result in order; the first failure cancels the others and is raised."""
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

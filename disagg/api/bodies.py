@@ -92,6 +92,8 @@ class OpenAIBody(SamplingFields, kw_only=True):
     regex: str | None = None  # SGLang's constraints on its OpenAI routes (at most one; structured.from_sglang)
     ebnf: str | None = None
     json_schema: str | None = None
+    use_beam_search: bool | None = None  # vLLM's: n beams (api/beams.py), scored with length_penalty
+    length_penalty: float | None = None
 
 
 class CompletionBody(OpenAIBody, kw_only=True):

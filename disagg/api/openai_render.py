@@ -193,10 +193,11 @@ def prompt_completion_logprobs(entries: list[TokenLogprobs | None], prompt_token
 
 
 class CompletionBatchRenderer:
-    """/v1/completions with a list of prompts: one choice per prompt (its `index`), usage summed."""
+    """/v1/completions with a list of prompts: `n` choices per prompt (choice `p * n + i`, its
+    `index`), usage summed with each prompt counted once (vLLM's)."""
 
-    def __init__(self, renderers: list[CompletionRenderer]):
-        self.renderers = renderers
+    def __init__(self, renderers: list[CompletionRenderer], n: int = 1):
+        self.renderers, self.n = renderers, n
 
     def chunks(self, index: int, out: OutputMsg, totals: Totals) -> list[object]:
         return self.renderers[index].chunks(out, totals)
@@ -205,20 +206,21 @@ class CompletionBatchRenderer:
         first = self.renderers[0]
         if not first.include_usage:
             return []
-        return [{**first._envelope(totals[0], first.chunk_object, []), "usage": summed_usage(totals)}]
+        return [{**first._envelope(totals[0], first.chunk_object, []), "usage": summed_usage(totals, self.n)}]
 
     def full(self, totals: list[Totals]) -> object:
         first = self.renderers[0]
         choices = [r.full_choice(t) for r, t in zip(self.renderers, totals)]
-        return {**first._envelope(totals[0], first.object_name, choices), "usage": summed_usage(totals)}
+        return {**first._envelope(totals[0], first.object_name, choices), "usage": summed_usage(totals, self.n)}
 
 
-def summed_usage(totals: list[Totals]) -> dict:
-    """The usage of a batch: every prompt's counts added."""
-    usages = [t.usage() for t in totals]
-    summed = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    return {**summed, "prompt_tokens_details": {"cached_tokens": cached}}
+def summed_usage(totals: list[Totals], n: int = 1) -> dict:
+    """The usage of a batch of `n` choices per prompt: each prompt counted once, every choice's tokens."""
+    prompts = totals[::n]
+    num_prompt = sum(t.num_prompt_tokens for t in prompts)
+    num_output = sum(t.num_output_tokens for t in totals)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in prompts)}}
 
 
 class ChatRenderer(_OpenAIRenderer):

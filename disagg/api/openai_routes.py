@@ -21,13 +21,15 @@ from disagg.api.requests import (
     sampling_from_fields,
 )
 from disagg.api.routing import read_routing
-from disagg.api.parallel import check_n, merge_openai, serve_choices
+from disagg.api.beam_serving import beam_first_step, check_beam_request, serve_beam_search
+from disagg.api.parallel import check_n, child_msgs, merge_openai, serve_choices
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.api.tools import AUTO, ToolPlan, plan_tools, template_fields, tool_constraint
 from disagg.api.upstream_fields import (
     CHAT_REFUSED, OPENAI_IGNORED, OPENAI_REFUSED, PD_FIELDS, check_upstream, unknown_fields,
 )
+from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, invocation_path
 from disagg.types import SamplingParams
 
@@ -120,6 +122,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_upstream(raw, OPENAI_REFUSED, CompletionBody)
     note_unknown(state, raw, CompletionBody, OPENAI_REFUSED)
     options = _common_checks(state, body)
+    check_length_penalty(body)
     if body.best_of not in (None, 1):
         raise BadRequest(f"best_of must be 1, got {body.best_of}", "best_of")
     if body.suffix:
@@ -147,14 +150,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                   index=i, response_id=request_id, extras=extras)
 
     n = check_n(body.n)
+    if body.use_beam_search:
+        if echo:
+            raise BadRequest("echo does not apply to beam search", "echo")
+        width = check_beam_request(sampling, body.n)
+        if state.engine.mode is not DisaggregationMode.PREFILL:
+            return await serve_beam_search(request, msgs, routing.routed_dp_rank, lambda i: renderer(i, prompts[i]),
+                                           request_id=request_id, width=width, stream=bool(body.stream),
+                                           length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+        msgs, n = [beam_first_step(m, width) for m in msgs], 1  # a prefill computes the search's first step
     if len(prompts) == 1:
         return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: renderer(0, prompts[0]),
                                    n=n, stream=bool(body.stream), merge=merge_openai)
-    if n > 1:
-        raise BadRequest("n > 1 with a list of prompts is not supported: send one prompt per request", "n")
-    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in msgs],
-                             CompletionBatchRenderer([renderer(i, p) for i, p in enumerate(prompts)]),
+    if n > 1 and isinstance(routing.kv_transfer_params, dict):
+        raise BadRequest("n > 1 is not supported in the pull flow (kv_transfer_params): each choice needs its own "
+                         "ticket; send n requests, or use the push flow or a unified server", "n")
+    children = [child for m in msgs for child in child_msgs(m, n)] if n > 1 else msgs
+    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in children],  # choice p * n + i: prompt p's i-th
+                             CompletionBatchRenderer([renderer(i, prompts[i // n]) for i in range(len(children))], n),
                              stream=bool(body.stream), request_id=request_id)
+
+
+def check_length_penalty(body: OpenAIBody) -> None:
+    """`length_penalty` scores beams: without `use_beam_search` it would change nothing."""
+    if not body.use_beam_search and body.length_penalty not in (None, 1.0):
+        raise BadRequest("length_penalty applies only with use_beam_search", "length_penalty")
 
 
 def vllm_extras(body: OpenAIBody) -> VllmExtras:
@@ -206,11 +226,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     extras = vllm_extras(body)
     request_id = choose_request_id(request, body.request_id, "request_id", "chatcmpl")
     routing = read_routing(request, raw, state.warn_once)
+    check_length_penalty(body)
     msg, tools = chat_generate_msg(state, body, request_id, routing)
+    n = check_n(body.n)
+    if body.use_beam_search:
+        if tools is not None:
+            raise BadRequest("tools do not apply to beam search", "tools")
+        width = check_beam_request(msg.sampling, body.n)
+        if state.engine.mode is not DisaggregationMode.PREFILL:
+            return await serve_beam_search(
+                request, [msg], routing.routed_dp_rank, lambda _: ChatRenderer(
+                    state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats),
+                    None, extras), request_id=request_id, width=width, stream=bool(body.stream),
+                length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+        msg, n = beam_first_step(msg, width), 1  # a prefill computes the search's first step
     return await serve_choices(
         request, msg, routing.routed_dp_rank, lambda: ChatRenderer(
             state.engine.model.name, bool(options.include_usage), bool(options.continuous_usage_stats), tools, extras),
-        n=check_n(body.n), stream=bool(body.stream), merge=merge_openai)
+        n=n, stream=bool(body.stream), merge=merge_openai)
 
 
 def chat_generate_msg(state: ApiState, body: ChatBody, request_id: str, routing) -> tuple:

@@ -24,7 +24,7 @@ _EMPTY: Neutral = (None, [], {}, "")
 
 # OpenAI/vLLM completions and chat (top level of the body).
 OPENAI_REFUSED: Mapping[str, Neutral] = {
-    "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "prompt_embeds": _EMPTY, "logits_processors": _EMPTY,
     "vllm_xargs": _EMPTY, "max_repetition_pattern_size": (None, 0), "min_repetition_pattern_size": (None, 0),
     "repetition_min_count": (None, 0), "mm_processor_kwargs": _EMPTY, "documents": _EMPTY, "chat_template": _EMPTY,

@@ -161,7 +161,8 @@ class DPController:
             log.info("DP worker restarted", dp_rank=worker.rank, num_restarts=worker.num_restarts)
         if self.model is None:
             self.model = ModelCard(ready.model_name, ready.max_model_len, ready.vocab_size, ready.engine_summary,
-                                   dict(ready.compatibility), self.engine_config.cache.metrics_info(ready.num_blocks))
+                                   dict(ready.compatibility), self.engine_config.cache.metrics_info(ready.num_blocks),
+                                   tuple(ready.eos_token_ids))
         if all(w.ready is not None for w in self.workers):
             self._all_ready.set()
         try:

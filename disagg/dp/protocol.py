@@ -47,6 +47,7 @@ class ModelCard:
     engine_summary: str = ""  # dtype and matmul kernels the workers chose, and why
     compatibility: dict = field(default_factory=dict)  # what a P/D peer must share (the workers' ReadyMsg)
     cache_info: dict = field(default_factory=dict)  # vLLM's cache_config_info labels (CacheConfig.metrics_info)
+    eos_token_ids: tuple[int, ...] = ()  # the tokens that end a sequence
 
 
 @dataclass(frozen=True)

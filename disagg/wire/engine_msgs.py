@@ -86,7 +86,7 @@ class Utility(str, enum.Enum):
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     STATS = "stats"  # a StatsMsg
     TOKENIZE = "tokenize"  # args: [TokenizeMsg]; a TokenizeResultMsg
-    DETOKENIZE = "detokenize"  # args: [token ids]; the text
+    DETOKENIZE = "detokenize"  # args: [token ids] or [token ids, skip_special_tokens]; the text
     TOKENIZER_INFO = "tokenizer_info"  # the tokenizer's class and settings (vLLM's /tokenizer_info)
     INJECT_FAULT = "inject_fault"  # args: [kind, params]; --enable-fault-injection servers only
     HOLDING = "holding"  # what the role still holds (requests, rooms, leases, fences), or None: free to switch
@@ -187,6 +187,7 @@ class ReadyMsg(msgspec.Struct, frozen=True, tag="ready"):
     block_size: int
     engine_summary: str = ""  # dtype and matmul kernels chosen, and why (the ready line, /server_info)
     compatibility: dict[str, str | int] = {}  # what a P/D peer must share (EngineCore.compatibility)
+    eos_token_ids: list[int] = []  # the tokens that end a sequence (a beam search ends its beams at them)
 
 
 class PdStatsMsg(msgspec.Struct, frozen=True):

@@ -47,9 +47,10 @@ def chat_text(tokenizer: Tokenizer, msg: TokenizeMsg | GenerateMsg, template_kwa
     return text[: text.rindex(final) + len(final)]
 
 
-def detokenize(tokenizer: Tokenizer, token_ids: list[int]) -> str:
-    """The text of `token_ids`, special tokens kept (vLLM's /detokenize decodes them too)."""
-    return tokenizer.decode(token_ids, skip_special_tokens=False)
+def detokenize(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of `token_ids`, special tokens kept unless skipped (vLLM's /detokenize keeps them;
+    a beam search's answer skips them as its request says)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def tokenizer_info(tokenizer: Tokenizer, model_name: str) -> dict:

@@ -54,7 +54,7 @@ class UnifiedRole:
     def ready_msg(self) -> ReadyMsg:
         core = self.core
         return ReadyMsg(self.dp_rank, self.model_name, core.max_model_len, core.arch.vocab_size, core.num_blocks,
-                        core.block_size, core.engine_summary, core.compatibility)
+                        core.block_size, core.engine_summary, core.compatibility, list(core.eos_token_ids))
 
     def prompt_ids(self, msg: GenerateMsg) -> list[int]:
         """The request's prompt as token ids, checked for admission with the request's own sampling

@@ -71,7 +71,9 @@ async def test_completion_prompt_forms(prompt, field, value):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "a", "n": 65}, "n", "n must be between 1 and 64, got 65"),
-    ({"prompt": ["a", "b"], "n": 2}, "n", "n > 1 with a list of prompts is not supported: send one prompt per request"),
+    ({"prompt": ["a", "b"], "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n",
+     "n > 1 is not supported in the pull flow (kv_transfer_params): each choice needs its own ticket; send n "
+     "requests, or use the push flow or a unified server"),
     ({"prompt": ["a", ""]}, "prompt", "prompt must not be empty"),
     ({"prompt": ["a", [1, "x"]]}, "prompt", "prompt must be a list of integer token ids"),
     ({"prompt": ["a", "b"], "bootstrap_room": 3}, "bootstrap_room",

@@ -20,6 +20,7 @@ COMPLETION_BASE = {"prompt": "Hello there, friend", "max_tokens": 6, "temperatur
 GREEDY_LONG = {"temperature": 0, "max_tokens": 16}
 FORCE_A = {"logit_bias": {"65": 100}}  # 'A' every step
 FORCE_EOS = {"logit_bias": {str(EOS): 100}}
+BEAMS = {"use_beam_search": True, "seed": None, "n": 10, "max_tokens": 8}  # a beam ended by EOS: lengths differ
 
 
 def stop_inside(answer: dict) -> str:
@@ -45,6 +46,7 @@ SHARED = {
     "add_special_tokens": (True, {}), "prompt_logprobs": (1, {}), "return_token_ids": (False, {}),
     "return_tokens_as_token_ids": (True, {}),  # with the route's logprobs below
     "regex": ("[ab]+", {}), "ebnf": ('root ::= "z"+', {}), "json_schema": (json.dumps({"type": "object"}), {}),
+    "use_beam_search": (True, {"seed": None}), "length_penalty": (8.0, BEAMS),
 }
 CHAT = {**SHARED, "messages": ([{"role": "user", "content": "Goodbye"}], {}), "max_completion_tokens": (2, {}),
         "logprobs": (True, {}), "top_logprobs": (3, {"logprobs": True}),

@@ -97,7 +97,10 @@ async def _controller(server: ServerConfig, engine: EngineConfig, disagg: Disagg
     if mode is DisaggregationMode.NULL:
         return DPController(server, engine, kv_events=kv_events), None
     bootstrap = None
-    if mode is DisaggregationMode.PREFILL or server.enable_pd_role_switch:
+    if server.enable_pd_role_switch and disagg.prefill.external_registry:
+        raise ConfigError("--enable-pd-role-switch needs the server's own bootstrap registry (a switch clears its "
+                          "ranks there): drop --external-registry")
+    if (mode is DisaggregationMode.PREFILL or server.enable_pd_role_switch) and not disagg.prefill.external_registry:
         bootstrap = _registry(disagg)
         disagg = replace(disagg, prefill=replace(disagg.prefill, bootstrap_port=await bootstrap.start()))
     roles = _role_specs(server, disagg)
@@ -144,7 +147,11 @@ async def serve_forever(server: ServerConfig, engine: EngineConfig, disagg: Disa
     signals = StopSignals()
     signals.install()
     url = f"{server.tls.scheme}://{server.host}:{running.port}"
-    extra = f" bootstrap_port={running.bootstrap_port}" if running.bootstrap is not None else ""
+    own = running.bootstrap is not None
+    registry = disagg.prefill
+    extra = (f" bootstrap_port={running.bootstrap_port}" if own else
+             f" registry={registry.bootstrap_host}:{registry.bootstrap_port}" if registry.external_registry and
+             server.disaggregation_mode is DisaggregationMode.PREFILL else "")
     card = running.controller.model
     extra += "" if server.cpus is None else f" cpus={server.cpus}"
     mode = "unified" if server.disaggregation_mode is DisaggregationMode.NULL else server.disaggregation_mode

@@ -46,6 +46,9 @@ class PrefillConfig:
                                         "to claim them (a claimed lease lasts until released or the decode is lost)"})
     registry_refresh_s: float = field(
         default=5.0, metadata={"help": "prefill: re-register each rank this often, so a restarted registry learns the topology again"})
+    external_registry: bool = field(default=False, metadata={"negatable": False, "help": (
+        "prefill: register with the bootstrap registry at --bootstrap-host:--bootstrap-port (`disagg bootstrap`, "
+        "in another process or host) instead of running one in this server")})
 
     def __post_init__(self) -> None:
         check_positive(self, "bootstrap_timeout_s", "transfer_timeout_s", "kv_lease_s", "registry_refresh_s")
@@ -130,8 +133,8 @@ def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:
     if mode is DisaggregationMode.NULL:
         return
     binds = {"--host": server.host, "--rank-host": disagg.rank_host}
-    if mode is DisaggregationMode.PREFILL or server.enable_pd_role_switch:  # a switchable decode runs one too
-        binds["--bootstrap-host"] = disagg.prefill.bootstrap_host
+    if (mode is DisaggregationMode.PREFILL or server.enable_pd_role_switch) and not disagg.prefill.external_registry:
+        binds["--bootstrap-host"] = disagg.prefill.bootstrap_host  # a switchable decode runs one too
     refuse_open_binds(mode.value, binds, disagg.cluster_secret, disagg.insecure_no_cluster_secret)
 
 

@@ -19,9 +19,10 @@ class TlsFiles:
     other_ca: str  # a CA that signed nothing here: trusting it alone must fail
 
 
-def write_tls_files(directory: Path) -> TlsFiles:
+def write_tls_files(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:
+    """The files, the server certificate naming `hosts` (addresses or names)."""
     ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
+    server = ca.issue_cert(*hosts)
     client = ca.issue_cert("router.disagg.test")
     paths = {name: str(directory / f"{name}.pem") for name in TlsFiles.__dataclass_fields__}
     ca.cert_pem.write_to_path(paths["ca"])

@@ -43,10 +43,12 @@ def _check_url(url: str, flag: str) -> str:
 
 @dataclass(frozen=True)
 class PrefillEndpoint:
-    """One prefill server: its HTTP URL and the port of its bootstrap registry (None: send null)."""
+    """One prefill server: its HTTP URL, the port of its bootstrap registry (None: send null) and that
+    registry's host when it is not the server's own (a standalone `disagg bootstrap`)."""
 
     url: str
     bootstrap_port: int | None = DEFAULT_BOOTSTRAP_PORT
+    registry_host: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _check_url(self.url, "--prefill"))
@@ -57,11 +59,12 @@ class PrefillEndpoint:
     @property
     def bootstrap_host(self) -> str:
         """The host decode workers use to reach this prefill's bootstrap registry."""
-        return urlsplit(self.url).hostname or ""
+        return self.registry_host or urlsplit(self.url).hostname or ""
 
 
 def parse_prefill(values: list[str]) -> PrefillEndpoint:
-    """`["URL"]` or `["URL", "PORT"|"none"]`, as given to one `--prefill`."""
+    """`["URL"]` or `["URL", "PORT"|"none"|"HOST:PORT"]`, as given to one `--prefill` (HOST:PORT: a
+    registry of its own, `disagg bootstrap`, that the server registers with: --external-registry)."""
     if not 1 <= len(values) <= 2:
         raise ConfigError(f"--prefill takes a URL and an optional bootstrap port, got {' '.join(values)!r}")
     if len(values) == 1:
@@ -69,11 +72,12 @@ def parse_prefill(values: list[str]) -> PrefillEndpoint:
     raw_port = values[1].strip()
     if raw_port.lower() == "none":
         return PrefillEndpoint(values[0], None)
+    host, _, raw_port = raw_port.rpartition(":")
     try:
         port = int(raw_port)
     except ValueError:
-        raise ConfigError(f"bootstrap port must be an integer or 'none', got {raw_port!r}") from None
-    return PrefillEndpoint(values[0], port)
+        raise ConfigError(f"bootstrap port must be an integer, HOST:PORT or 'none', got {values[1].strip()!r}") from None
+    return PrefillEndpoint(values[0], port, host.strip("[]") or None)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the router's options to `parser` (a sub-command parser of `disagg`)."""
     parser.add_argument(
         "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
-        help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}; 'none' sends null); repeat",
+        help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}; 'none' sends null; HOST:PORT "
+             "for a standalone registry the server registers with, --external-registry); repeat",
     )
     parser.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL",
                         help="a decode server; repeat")

@@ -238,7 +238,7 @@ class Proxy:
         """The legs of the pair; `p_rank` is the prefill DP rank the policy pinned (cache_aware), if any."""
         prefill = self._pool.info(Role.PREFILL, p)
         decode_url = self._pool.info(Role.DECODE, d).url
-        endpoint = PrefillEndpoint(prefill.url, prefill.bootstrap_port)
+        endpoint = PrefillEndpoint(prefill.url, prefill.bootstrap_port, prefill.registry_host)
         room = draw_rooms(bodies.generate_batch_size(path, body), self._randbits)
         shared = bodies.with_bootstrap(body, bodies.Bootstrap(endpoint.bootstrap_host, endpoint.bootstrap_port, room))
         expected = None

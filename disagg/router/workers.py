@@ -48,6 +48,7 @@ class WorkerInfo:
     prefilling: int = 0  # prefill servers: legs sent that have not answered
     role_epoch: int | None = None  # a server that may switch roles: its pd_role_epoch when last read
     compatibility: dict | None = None  # its /server_info kv_compatibility (disagg/router/compat.py)
+    registry_host: str | None = None  # a prefill's standalone bootstrap registry (None: on the server's host)
 
     def as_json(self) -> dict:
         """The entry of this server in `/server_info` and `/workers`."""
@@ -58,6 +59,8 @@ class WorkerInfo:
             out["draining"] = True
         if self.role is Role.PREFILL:
             out["bootstrap_port"] = self.bootstrap_port
+            if self.registry_host is not None:
+                out["bootstrap_host"] = self.registry_host
         if self.role_epoch is not None:
             out["pd_role_epoch"] = self.role_epoch
         return out
@@ -76,6 +79,7 @@ class _Worker:
     max_local_prefill_tokens: int = 0  # decode servers: from /server_info, read with dp_size
     role_epoch: int | None = None  # from /server_info: a server that may switch roles (None: it cannot)
     compatibility: dict | None = None  # from /server_info: what a peer must share (None: not said)
+    registry_host: str | None = None  # a prefill registering with a standalone registry (--prefill URL HOST:PORT)
 
 
 class WorkerPool:
@@ -91,7 +95,8 @@ class WorkerPool:
         self._next_id = {Role.PREFILL: 0, Role.DECODE: 0}
         self.on_forget: Callable[[Role, str], None] | None = None  # (role, url) of a server forgotten
         for p in prefill:
-            self.add(Role.PREFILL, p.url, p.bootstrap_port, initial)
+            self._workers[Role.PREFILL][self.add(Role.PREFILL, p.url, p.bootstrap_port, initial)].registry_host = \
+                p.registry_host
         for url in decode:
             self.add(Role.DECODE, url, None, initial)
 
@@ -139,7 +144,7 @@ class WorkerPool:
         """A snapshot of one server."""
         w = self._workers[role][worker_id]
         return WorkerInfo(role, worker_id, w.url, w.bootstrap_port, w.health, w.in_flight, w.dp_size, w.last_error,
-                          w.admitting, w.prefilling, w.role_epoch, w.compatibility)
+                          w.admitting, w.prefilling, w.role_epoch, w.compatibility, w.registry_host)
 
     def infos(self, role: Role) -> list[WorkerInfo]:
         """Snapshots of every server of `role`, in order of arrival."""

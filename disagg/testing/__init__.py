@@ -13,5 +13,7 @@ own once disagg is installed.
 
 from disagg.testing.cluster import Cluster, Metrics, Server, Worker
 from disagg.testing.faults import FaultRefused, Faults
+from disagg.testing.netns import NetnsCluster, QdiscUnavailable, TlsFiles, namespaces_unavailable, qdisc_unavailable
 
-__all__ = ["Cluster", "FaultRefused", "Faults", "Metrics", "Server", "Worker"]
+__all__ = ["Cluster", "FaultRefused", "Faults", "Metrics", "NetnsCluster", "QdiscUnavailable", "Server", "TlsFiles",
+           "Worker", "namespaces_unavailable", "qdisc_unavailable"]

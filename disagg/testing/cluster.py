@@ -234,6 +234,14 @@ class Cluster:
             closing.append(self._unified.close())
         await asyncio.gather(*closing, return_exceptions=True)
 
+    @staticmethod
+    def across_namespaces(**options: object):
+        """The cluster with our router, a standalone registry, the prefill and the decode each in a
+        network namespace of its own, on addresses that are not loopback (disagg/testing/netns.py:
+        NetnsCluster, whose `options` these are; Linux and root)."""
+        from disagg.testing.netns import NetnsCluster  # it reads this module's checks
+        return NetnsCluster(**options)
+
     def __enter__(self) -> Cluster:
         return self.start()
 

@@ -4,6 +4,8 @@ with the server's status and message."""
 
 from __future__ import annotations
 
+import ssl
+
 from disagg.testing.http import post
 
 
@@ -15,9 +17,10 @@ class FaultRefused(RuntimeError):
 
 
 class Faults:
-    def __init__(self, url: str, admin_key: str | None = None):
+    def __init__(self, url: str, admin_key: str | None = None, context: ssl.SSLContext | None = None):
         self.url = url
         self.admin_key = admin_key
+        self.context = context  # an https server's: trusting its CA
 
     def stall(self, rank: int = 0, seconds: float = 5.0) -> dict:
         """The worker's process stops (SIGSTOP) for `seconds`: no step, no answer, no heartbeat."""
@@ -53,7 +56,7 @@ class Faults:
 
     def inject(self, fault: str, rank: int, **params: float) -> dict:
         headers = {} if self.admin_key is None else {"Authorization": f"Bearer {self.admin_key}"}
-        status, answer = post(self.url + "/faults", {"fault": fault, "dp_rank": rank, **params}, headers, 30)
+        status, answer = post(self.url + "/faults", {"fault": fault, "dp_rank": rank, **params}, headers, 30, self.context)
         if status != 200:
             message = answer["error"]["message"] if isinstance(answer, dict) and "error" in answer else str(answer)
             raise FaultRefused(status, message)

@@ -1,196 +1,116 @@
-"""A P/D pair across real network namespaces: the prefill in one, the decode in another, each binding
-its own non-loopback address on a bridge the test makes (veth pairs; removed afterwards), with a
-cluster secret; the test drives them from the host side of the bridge. P/D over tcp and nixl answers
-as unified does; with the prefill's link cut, a request fails clearly within the decode's deadline
-and leaks no block; once the link returns the pair serves again. Skipped, saying why, where network
-namespaces cannot be made (not root, no `ip`)."""
+"""A P/D cluster across real network namespaces (disagg.testing.NetnsCluster): our router, a
+standalone bootstrap registry, the prefill and the decode each in a namespace of its own on a bridge
+the test makes (veth pairs; removed afterwards), binding their own addresses, with a cluster secret
+and HTTPS on the router and both servers (a throwaway CA naming each address). Through the router,
+P/D over tcp and nixl answers as unified does; a link cut while the prefill's KV crawls over a
+slowed link (tc tbf) ends the request clearly (or it completes, equal to unified), leaks nothing, and
+the cluster serves again once the link returns; netem's delay and loss, where the kernel has netem.
+Skipped, saying why, where namespaces (or netem) cannot be made."""
 
-import asyncio
-import os
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
+import json
+import threading
+import time
 
-import aiohttp
 import pytest
 
-from pd_cluster import TINY, start_unified
+from disagg.testing import NetnsCluster, TlsFiles, namespaces_unavailable, qdisc_unavailable
+from tls_files import write_tls_files
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
-ROOT = str(Path(__file__).resolve().parents[2])
-BODY = {"text": "The quick brown fox jumps over the lazy dog", "sampling_params": {
-    "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-def can_make_namespaces() -> str | None:
-    """None when this host lets the test make namespaces; else why not."""
-    if shutil.which("ip") is None:
-        return "no `ip` command (iproute2)"
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    name = f"dgprobe{os.getpid()}"
-    try:
-        ip("netns", "add", name)
-        ip("netns", "del", name)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        return f"`ip netns add` failed: {getattr(exc, 'stderr', b'').decode().strip() or exc}"
-    return None
+pytestmark = [pytest.mark.timeout(300)]
+LONG = "The quick brown fox jumps over the lazy dog. " * 10  # ~450 tokens: ~225 KB of tiny's KV
+BODY = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 6,
+        "temperature": 0, "ignore_eos": True}
+SLOW_LINK = ("tbf", "rate", "800kbit", "burst", "16kb", "latency", "2s")  # a 225 KB transfer: ~2 s
+NETEM = ("netem", "delay", "20ms", "loss", "1%")
+# Short deadlines, so that a cut link ends the request in seconds.
+ARGS = {"prefill": ["--bootstrap-timeout-s", "5", "--transfer-timeout-s", "5"],
+        "decode": ["--waiting-timeout-s", "8", "--connect-timeout-s", "2", "--abort-ack-timeout-s", "2"],
+        "router": ["--request-timeout-s", "60"]}
 
 
-class Bridge:
-    """Namespaces `p` and `d` on a bridge: the host side 10.77.S.254, the prefill .1, the decode .2."""
-
-    def __init__(self):
-        tag = f"{os.getpid() % 10000}"
-        self.subnet = f"10.77.{os.getpid() % 250}"
-        self.bridge, self.ns = f"dgb{tag}", {"p": f"dgp{tag}", "d": f"dgd{tag}"}
-        self.host_ends = {n: f"dg{n}h{tag}" for n in self.ns}
-        self.addr = {"p": f"{self.subnet}.1", "d": f"{self.subnet}.2"}
-
-    def up(self) -> None:
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
-        ip("link", "set", self.bridge, "up")
-        for n, ns in self.ns.items():
-            inner = f"dg{n}n{os.getpid() % 10000}"
-            ip("netns", "add", ns)
-            ip("link", "add", self.host_ends[n], "type", "veth", "peer", "name", inner)
-            ip("link", "set", inner, "netns", ns)
-            ip("link", "set", self.host_ends[n], "master", self.bridge)
-            ip("link", "set", self.host_ends[n], "up")
-            ip("-n", ns, "addr", "add", f"{self.addr[n]}/24", "dev", inner)
-            ip("-n", ns, "link", "set", inner, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-
-    def link(self, n: str, up: bool) -> None:
-        ip("link", "set", self.host_ends[n], "up" if up else "down")
-
-    def down(self) -> None:
-        """Remove everything `up` made (a pair goes with either end; a namespace may outlive its name)."""
-        for args in (*(("link", "del", end) for end in self.host_ends.values()),
-                     *(("netns", "del", ns) for ns in self.ns.values()), ("link", "del", self.bridge)):
-            subprocess.run(["ip", *args], capture_output=True, timeout=10)
-
-
-async def start_in(ns: str, *args: str, secret: str) -> tuple[asyncio.subprocess.Process, str]:
-    """`disagg ARGS` inside namespace `ns`; (the process, its ready line)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, DISAGG_CLUSTER_SECRET=secret)
-    proc = await asyncio.create_subprocess_exec("ip", "netns", "exec", ns, sys.executable, "-m", "disagg.cli", *args,
-                                                cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
-    lines = []
-    while True:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-        if not line:
-            raise AssertionError(f"disagg {' '.join(args)} in {ns} exited:\n{''.join(lines)}")
-        lines.append(line)
-        if "ready: " in line:  # a worker's log line may lack its newline when the ready line comes
-            asyncio.get_running_loop().create_task(drain(proc.stdout))
-            return proc, line[line.index("ready: "):]
-
-
-async def drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
-
-
-async def stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except asyncio.TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-
-
-def field(ready: str, name: str) -> str:
-    return next(part.split("=", 1)[1].rstrip(";") for part in ready.split() if part.startswith(name + "="))
-
-
-async def free_blocks(session: aiohttp.ClientSession, url: str) -> float:
-    """The decode's free KV blocks now (/metrics asks the workers at the scrape)."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("disagg_num_free_blocks{"))
-
-
-async def back_to(session: aiohttp.ClientSession, url: str, baseline: float, within_s: float) -> float:
-    """The free blocks once they are `baseline` again (a failed room's blocks stay quarantined until
-    its prefill is declared lost), or what they are at the deadline."""
-    for _ in range(int(within_s / 0.25)):
-        if (free := await free_blocks(session, url)) == baseline:
-            return free
-        await asyncio.sleep(0.25)
-    return await free_blocks(session, url)
-
-
-@pytest.fixture
-def bridge():
-    why = can_make_namespaces()
+def tls_cluster(tmp_path, backend: str) -> NetnsCluster:
+    """A NetnsCluster (not started) whose router and servers serve HTTPS with a certificate naming their addresses."""
+    why = namespaces_unavailable()
     if why is not None:
         pytest.skip(f"network namespaces cannot be made here: {why}")
-    b = Bridge()
-    try:
-        b.up()
-        yield b
-    finally:
-        b.down()
+    # nixl's KV crosses the bridge over UCX's tcp transport, as between hosts (on one host UCX would
+    # pick shared memory, which no link cut touches).
+    cluster = NetnsCluster(backend=backend, args=ARGS, env={"UCX_TLS": "tcp"} if backend == "nixl" else None)
+    files = write_tls_files(tmp_path, tuple(cluster.addresses.values()))
+    cluster.tls = TlsFiles(files.ca, files.certfile, files.keyfile)
+    return cluster
+
+
+def stream_text(raw: str) -> str:
+    return "".join(c["text"] for line in raw.splitlines() if line.startswith("data: {")
+                   for c in json.loads(line[6:])["choices"])
+
+
+def waiting_for_kv(cluster: NetnsCluster) -> float:
+    """The decode's requests whose KV is on its way (asked of the decode: the prefill's own answers
+    queue behind its KV on the slowed link)."""
+    return cluster.decode.metrics().value("sglang:num_decode_transfer_queue_reqs")
 
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
-async def test_pd_across_namespaces_equals_unified_and_survives_a_cut_link(bridge, backend):
-    secret = secrets.token_hex(16)
-    p, d = bridge.addr["p"], bridge.addr["d"]
-    prefill, ready_p = await start_in(bridge.ns["p"], "prefill", "--model", "tiny", "--host", p, "--port", "0",
-                                      "--rank-host", p, "--bootstrap-host", p, "--bootstrap-port", "0",
-                                      "--transfer-backend", backend, "--bootstrap-timeout-s", "3", secret=secret)
-    decode = None
-    unified = await start_unified(TINY)
-    try:
-        decode, ready_d = await start_in(bridge.ns["d"], "decode", "--model", "tiny", "--host", d, "--port", "0",
-                                         "--rank-host", d, "--transfer-backend", backend, "--waiting-timeout-s", "4",
-                                         "--connect-timeout-s", "2", "--abort-ack-timeout-s", "2", secret=secret)
-        prefill_url, decode_url = ready_p.split()[1], ready_d.split()[1]
-        assert prefill_url.startswith(f"http://{p}:") and decode_url.startswith(f"http://{d}:")
-        bootstrap = {"bootstrap_host": p, "bootstrap_port": int(field(ready_p, "bootstrap_port"))}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"http://127.0.0.1:{unified.port}/generate", json=BODY) as r:
-                want = (await r.json())["output_ids"]
+def test_pd_across_namespaces_equals_unified_and_survives_a_link_cut_mid_transfer(tmp_path, backend):
+    with tls_cluster(tmp_path, backend) as cluster:
+        check_cut(cluster)
 
-            async def both(room: int) -> tuple[tuple[int, dict], tuple[int, dict]]:
-                body = {**BODY, **bootstrap, "bootstrap_room": room}
-                async def post(url):
-                    async with session.post(url + "/generate", json=body) as r:
-                        return r.status, await r.json()
-                return await asyncio.gather(post(prefill_url), post(decode_url))
 
-            (p_status, _), (d_status, answer) = await both(secrets.randbits(62))
-            assert (p_status, d_status, answer["output_ids"]) == (200, 200, want)
-            baseline = await free_blocks(session, decode_url)  # the first answer's blocks stay cached
-            bridge.link("p", up=False)  # the prefill is gone from the network
-            body = {**BODY, **bootstrap, "bootstrap_room": secrets.randbits(62)}
-            async with session.post(decode_url + "/generate", json=body) as r:
-                status, failed = r.status, await r.json()
-            assert status in (500, 503, 504) and failed["error"]["message"], failed
-            assert await back_to(session, decode_url, baseline, 20) == baseline  # nothing leaked on the decode
-            bridge.link("p", up=True)
-            for _ in range(30):  # the decode reconnects on its next request
-                (p_status, _), (d_status, answer) = await both(secrets.randbits(62))
-                if (p_status, d_status) == (200, 200):
-                    break
-                await asyncio.sleep(0.5)
-            assert (p_status, d_status, answer["output_ids"]) == (200, 200, want)
-            assert await back_to(session, decode_url, baseline, 20) == baseline
-    finally:
-        await unified.close()
-        for proc in (decode, prefill):
-            if proc is not None:
-                await stop(proc)
+def check_cut(cluster: NetnsCluster) -> None:
+    assert all(not a.startswith("127.") for a in cluster.addresses.values())
+    assert cluster.router_url.startswith(f"https://{cluster.addresses['router']}:")
+    want = cluster.reference("/v1/completions", BODY)["choices"][0]["text"]
+    status, answer = cluster.post("/v1/completions", BODY)
+    assert (status, answer["choices"][0]["text"]) == (200, want)
+    status, raw = cluster.post("/v1/completions", {**BODY, "stream": True})
+    assert (status, stream_text(raw)) == (200, want)
+    long_body = {**BODY, "prompt": LONG}
+    long_want = cluster.reference("/v1/completions", long_body)["choices"][0]["text"]
+    cluster.assert_no_leaks()
+
+    # The prefill's link slowed to ~100 KB/s: its KV takes ~2 s to cross. The decode waits for it
+    # (its destination sent), the prefill computes the prompt in well under a second, then the link is cut.
+    cluster.net.shape("prefill", *SLOW_LINK)
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(cluster.post("/v1/completions", long_body)))
+    client.start()
+    deadline = time.monotonic() + 60
+    while waiting_for_kv(cluster) < 1:
+        assert time.monotonic() < deadline and client.is_alive(), ("the decode never waited for KV", answers)
+        time.sleep(0.05)
+    time.sleep(0.8)
+    assert client.is_alive() and waiting_for_kv(cluster) == 1  # the KV is still crossing
+    cluster.net.link("prefill", up=False)
+    client.join(90)
+    assert not client.is_alive()
+    [(status, answer)] = answers
+    if status == 200:  # the KV landed before the cut mattered (nixl may move it over shared memory)
+        assert answer["choices"][0]["text"] == long_want
+    else:
+        assert status in (500, 502, 503, 504) and answer["error"]["message"], answer
+    cluster.net.link("prefill", up=True)
+    cluster.net.unshape("prefill")
+    cluster.assert_no_leaks(timeout_s=30)  # nothing held on either side once the peers meet again
+    for _ in range(40):  # the router's health check and the decode's peer come back
+        status, answer = cluster.post("/v1/completions", long_body)
+        if status == 200:
+            break
+        time.sleep(0.5)
+    assert (status, answer["choices"][0]["text"]) == (200, long_want)
+    cluster.assert_no_leaks()
+
+
+def test_pd_across_namespaces_with_delay_and_loss(tmp_path):
+    why = namespaces_unavailable() or qdisc_unavailable(*NETEM)
+    if why is not None:
+        pytest.skip(f"no netem here (the kernel's sch_netem qdisc): {why}")
+    with tls_cluster(tmp_path, "tcp") as cluster:
+        for name in ("prefill", "decode"):
+            cluster.net.shape(name, *NETEM)
+        want = cluster.reference("/v1/completions", {**BODY, "prompt": LONG})["choices"][0]["text"]
+        for _ in range(3):
+            status, answer = cluster.post("/v1/completions", {**BODY, "prompt": LONG})
+            assert (status, answer["choices"][0]["text"]) == (200, want)
+        cluster.assert_no_leaks()

@@ -232,7 +232,13 @@ def test_prefill_argument_shapes():
     assert parse_prefill(["http://p:30001/", "9000"]) == PrefillEndpoint("http://p:30001", 9000)
     assert parse_prefill(["http://p:30001", "none"]) == PrefillEndpoint("http://p:30001", None)
     assert PrefillEndpoint("http://10.1.2.3:30001").bootstrap_host == "10.1.2.3"
-    for bad in (["http://p", "x"], ["http://p", "1", "2"], ["p:30001"], ["http://p", "70000"]):
+    standalone = parse_prefill(["http://10.1.2.3:30001", "10.1.2.9:8998"])  # a registry of its own
+    assert standalone == PrefillEndpoint("http://10.1.2.3:30001", 8998, "10.1.2.9")
+    assert standalone.bootstrap_host == "10.1.2.9"
+    assert parse_prefill(["http://p:1", "[fd00::9]:7000"]) == PrefillEndpoint("http://p:1", 7000, "fd00::9")
+    with pytest.raises(ConfigError, match="bootstrap port must be an integer, HOST:PORT or 'none', got 'h:x'"):
+        parse_prefill(["http://p", "h:x"])
+    for bad in (["http://p", "x"], ["http://p", "1", "2"], ["p:30001"], ["http://p", "70000"], ["http://p", "h:0"]):
         with pytest.raises(ConfigError):
             parse_prefill(bad)
 

@@ -225,15 +225,12 @@ class DecodeRole(TransferRole):
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
 
     def _checksum(self, request: DecodeRequest, status: TransferStatusMsg) -> ChecksumMismatch | None:
-        """With --kv-checksum (equal TP sizes): what landed (push) or what we read (pull) against the
-        prefill's digest of the same blocks."""
+        """With --kv-checksum: what landed (push) or what we read (pull) against the prefill's digest
+        of the same blocks (TP sizes may differ: the digest reads blocks as a TP-1 cache holds them)."""
         pending = request.pending
-        remote = getattr(pending.client, "remote", None)
         if not self.config.kv_checksum or not pending.dst_block_ids:
             return None
         layout = self.backend.registered_layout
-        if remote is not None and remote.layout.tp_size != layout.tp_size:
-            return None  # the heads are split otherwise there: no digest can match (pull: fetch checked it)
         if getattr(self.backend, "take_corruption", lambda: False)():
             flip_byte(layout, pending.dst_block_ids[0])
         what = f"bootstrap_room {pending.room}" if pending.ticket is None else f"the KV of {pending.ticket.request_id}"

@@ -1,10 +1,12 @@
 """The KV checksum (`--kv-checksum`): one 64-bit xxh3 digest over the blocks a room moves, the sender's
 over what it wrote, the receiver's over what landed. Equal digests: every byte arrived as sent.
 
-Block ids in the order given; within a block, each TP rank's copy in rank order (a TP group's region
-holds its ranks' caches back to back: rank r's block i at `base_address + (r * num_blocks + i) *
-block_size_bytes`). Two sides whose TP sizes differ split a block's heads differently, so their
-digests never match: the checksum needs equal TP sizes. CPU memory only (a CUDA region would be
+Block ids in the order given; each block's bytes as a cache of TP size 1 holds them, whatever the
+TP size of the side: each row (layer, K or V, token) holds every KV head in order, each head taken
+from the first rank that holds it (kvtransfer/heads.py). A TP group's region holds its ranks' caches
+back to back (rank r's block i at `base_address + (r * num_blocks + i) * block_size_bytes`), so its
+blocks are gathered into that order first; a TP-1 side digests its blocks as they lie. So a prefill
+and a decode of different TP sizes digest the same KV alike. CPU memory only (a CUDA region would be
 read through the host first).
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 from kvtransfer.base import KVLayout, KVTransferError
+from kvtransfer.heads import head_row_bytes, head_sources, rank_heads
 
 
 class ChecksumMismatch(KVTransferError):
@@ -27,12 +31,29 @@ def kv_digest(layout: KVLayout, block_ids: Sequence[int]) -> int:
     if not str(layout.device).startswith("cpu"):
         raise ValueError(f"the KV checksum reads CPU memory, not {layout.device}")
     digest = xxhash.xxh3_64()
-    size, rank_bytes = layout.block_size_bytes, layout.num_blocks * layout.block_size_bytes
+    size = layout.block_size_bytes
+    if layout.tp_size == 1:
+        for block_id in block_ids:
+            digest.update((ctypes.c_char * size).from_address(layout.base_address + block_id * size))
+        return digest.intdigest() or 1
+    region = np.ctypeslib.as_array((ctypes.c_uint8 * (layout.tp_size * layout.num_blocks * size))
+                                   .from_address(layout.base_address))
     for block_id in block_ids:
-        for rank in range(layout.tp_size):
-            address = layout.base_address + rank * rank_bytes + block_id * size
-            digest.update((ctypes.c_char * size).from_address(address))
+        digest.update(_as_one_rank(layout, region, block_id))
     return digest.intdigest() or 1
+
+
+def _as_one_rank(layout: KVLayout, region: np.ndarray, block_id: int) -> np.ndarray:
+    """Block `block_id` of a TP group's region, as a TP-1 cache lays it out (a new array)."""
+    heads, head_bytes, size = layout.num_kv_heads, head_row_bytes(layout), layout.block_size_bytes
+    rows = layout.num_layers * 2 * layout.block_size_tokens
+    parts = []
+    for start, end, rank in head_sources(heads, layout.tp_size, 1)[0]:
+        first = rank_heads(heads, layout.tp_size, rank)[0]
+        offset = (rank * layout.num_blocks + block_id) * size
+        block = region[offset:offset + size].reshape(rows, -1)
+        parts.append(block[:, (start - first) * head_bytes:(end - first) * head_bytes])
+    return np.concatenate(parts, axis=1)
 
 
 def flip_byte(layout: KVLayout, block_id: int) -> None:

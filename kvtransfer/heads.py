@@ -115,7 +115,7 @@ def head_slice_copies(src: HeadLayout, dst: HeadLayout, src_ids: Sequence[int], 
     """The copies that fill destination blocks `dst_ids` (on every destination rank, with the heads
     it holds) from source blocks `src_ids`: one per (block, row, group of heads), merged where they
     are contiguous on both sides. Each destination byte is written once."""
-    heads, head_bytes = src.num_kv_heads, src.head_dim * (src.block_size_bytes // _block_elems(src))
+    heads, head_bytes = src.num_kv_heads, head_row_bytes(src)
     rows = src.num_layers * 2 * src.block_size_tokens
     row = np.arange(rows, dtype=np.int64)[None, :]
     s_ids, d_ids = np.asarray(src_ids, dtype=np.int64)[:, None], np.asarray(dst_ids, dtype=np.int64)[:, None]
@@ -131,6 +131,11 @@ def head_slice_copies(src: HeadLayout, dst: HeadLayout, src_ids: Sequence[int], 
             parts_dst.append(d.ravel())
             parts_size.append(np.full(s.size, (end - start) * head_bytes, dtype=np.int64))
     return merge(Copies(np.concatenate(parts_src), np.concatenate(parts_dst), np.concatenate(parts_size)))
+
+
+def head_row_bytes(layout: HeadLayout) -> int:
+    """Bytes of one KV head in one row (layer, K or V, token) of a block."""
+    return layout.head_dim * (layout.block_size_bytes // _block_elems(layout))
 
 
 def _block_elems(layout: HeadLayout) -> int:

@@ -126,10 +126,10 @@ async def start_pd(backend: str, force_query: bool = False, engine: EngineConfig
 
 
 async def start_tp_pd(backend: str, prefill_tp: int, decode_tp: int, server: dict | None = None,
-                      engine: EngineConfig = TINY) -> Cluster:
+                      engine: EngineConfig = TINY, disagg: dict | None = None) -> Cluster:
     """A prefill and a decode server, dp 1 each, whose worker is a TP group of `prefill_tp` and
-    `decode_tp` processes (`engine`: the tiny model); `server` overrides config fields of both."""
-    disagg = pd_config(backend)
+    `decode_tp` processes (`engine`: the tiny model); `server` and `disagg` override config fields of both."""
+    disagg = pd_config(backend, **(disagg or {}))
     prefill, decode = await asyncio.gather(
         start_server(ServerConfig(port=0, dp_size=1, disaggregation_mode="prefill", **(server or {})),
                      replace(engine, tensor_parallel_size=prefill_tp), disagg, lambda _: None),

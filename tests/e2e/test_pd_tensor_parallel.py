@@ -3,7 +3,9 @@ TP sizes on the two sides (the tiny model: 2 KV heads, one per rank at TP 2, eac
 TP 4): every answer equals the unified TP 1 server's token for token, in both flows and on both
 backends; the KV that crosses is one copy of the prompt's blocks per copy the decode holds (each
 decode rank gets its heads, from the prefill rank holding them; a replicated prefill head is read
-once); the registry and the pull ticket carry the prefill's TP size; every block comes back."""
+once); the registry and the pull ticket carry the prefill's TP size; every block comes back. Every
+layout runs with --kv-checksum (the digest reads blocks as a TP-1 cache holds them, so different TP
+sizes digest alike), and a flipped byte is refused."""
 
 import asyncio
 import os
@@ -27,7 +29,8 @@ LAYOUTS = [(2, 1, "tcp"), (2, 1, "nixl"), (1, 2, "tcp"), (1, 2, "nixl"), (2, 2, 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=LAYOUTS, ids=lambda p: f"p{p[0]}-d{p[1]}-{p[2]}")
 async def cluster(request):
     prefill_tp, decode_tp, backend = request.param
-    c = await start_tp_pd(backend, prefill_tp, decode_tp)
+    c = await start_tp_pd(backend, prefill_tp, decode_tp, disagg={"kv_checksum": True},
+                          server={"enable_fault_injection": True})
     c.prefill_tp = prefill_tp
     c.copies = max(1, decode_tp // 2)  # of the KV each block needs: the decode's replicated heads each get theirs
     yield c
@@ -65,6 +68,20 @@ async def test_answers_equal_unified_and_one_copy_of_the_kv_crosses(cluster, uni
     assert await cluster.decode_kv_bytes() - before == (11 if flow == "push" else 10) * BLOCK_BYTES * cluster.copies
     if flow == "pull":
         assert ticket["tp_size"] == cluster.prefill_tp
+    assert await cluster.settled(([96], [96])) == ([96], [96])
+
+
+async def test_a_corrupted_transfer_between_tp_sizes_is_refused(cluster, unified):
+    prompt = list(range(40, 61))  # 6 blocks
+    text, _ = await unified_answer(cluster, unified, prompt)
+    status, _, _ = await cluster.post(cluster.decode_url + "/faults", {"fault": "corrupt_transfers", "dp_rank": 0,
+                                                                       "count": 1}, None)
+    assert status == 200
+    body = cluster.pd_body({"model": "tiny", "prompt": prompt, **GREEDY})
+    (_, _, _), (status, data, _) = await cluster.post_both("/v1/completions", body, body)
+    assert (status, data["error"]["code"]) == (503, "kv_checksum_mismatch") and "KV checksum mismatch" in \
+        data["error"]["message"]
+    assert (await pd_completion(cluster, "push", prompt))[0] == text
     assert await cluster.settled(([96], [96])) == ([96], [96])
 
 

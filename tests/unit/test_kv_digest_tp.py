@@ -1,0 +1,68 @@
+"""The KV checksum's digest (kvtransfer/checksum.py) reads each block as a TP-1 cache holds it, so
+sides of different TP sizes holding the same KV digest alike: exact values over hand-built regions."""
+
+import numpy as np
+import xxhash
+
+from kvtransfer.base import KVLayout
+from kvtransfer.checksum import flip_byte, kv_digest
+
+LAYERS, TOKENS, HEADS, DIM, BLOCKS = 2, 4, 4, 8, 3
+ROWS = LAYERS * 2 * TOKENS
+
+
+def logical_kv() -> np.ndarray:
+    """[block, row, head, dim] float32: the KV as one rank holding every head has it."""
+    return np.random.default_rng(0).standard_normal((BLOCKS, ROWS, HEADS, DIM), dtype=np.float32)
+
+
+def layout(region: np.ndarray, tp_size: int, num_kv_heads: int = HEADS) -> KVLayout:
+    local = max(num_kv_heads // tp_size, 1)
+    return KVLayout(base_address=region.ctypes.data, num_blocks=BLOCKS, block_size_bytes=ROWS * local * DIM * 4,
+                    block_size_tokens=TOKENS, dtype="float32", num_layers=LAYERS, num_kv_heads=num_kv_heads,
+                    head_dim=DIM, tp_size=tp_size)
+
+
+def split(kv: np.ndarray, tp_size: int) -> np.ndarray:
+    """The TP group's region: rank r's cache (its heads' share) after rank r-1's."""
+    per = HEADS // tp_size
+    return np.ascontiguousarray(np.stack([kv[:, :, r * per:(r + 1) * per] for r in range(tp_size)]))
+
+
+def test_every_tp_size_digests_the_same_kv_alike():
+    kv = logical_kv()
+    one = np.ascontiguousarray(kv)
+    want = xxhash.xxh3_64(one[2].tobytes() + one[0].tobytes()).intdigest()
+    assert kv_digest(layout(one, 1), [2, 0]) == want  # a TP-1 side: its blocks as they lie, in the order given
+    for tp_size in (2, 4):
+        region = split(kv, tp_size)
+        assert kv_digest(layout(region, tp_size), [2, 0]) == want
+    assert kv_digest(layout(one, 1), [0, 2]) != want
+
+
+def test_a_flipped_byte_on_any_rank_changes_the_digest():
+    kv = logical_kv()
+    region = split(kv, 2)
+    lay = layout(region, 2)
+    before = kv_digest(lay, [1])
+    kept = region[1, 1, 5, 0, 3]
+    region[1, 1, 5, 0, 3] = kept + 1.0  # rank 1's copy of block 1
+    assert kv_digest(lay, [1]) != before
+    region[1, 1, 5, 0, 3] = kept
+    assert kv_digest(lay, [1]) == before
+    flip_byte(lay, 1)  # the corrupt_transfers fault: rank 0's first byte of the block
+    assert kv_digest(lay, [1]) != before
+
+
+def test_replicated_heads_are_read_from_their_first_rank():
+    # Two KV heads over four ranks: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1.
+    kv = logical_kv()[:, :, :2]
+    region = np.ascontiguousarray(np.stack([kv[:, :, r // 2:r // 2 + 1] for r in range(4)]))
+    lay = layout(region, 4, num_kv_heads=2)
+    want = xxhash.xxh3_64(np.ascontiguousarray(kv[0]).tobytes()).intdigest()
+    assert kv_digest(lay, [0]) == want
+    region[1, 0] = 7.0  # a replica no one reads
+    region[3, 0] = 7.0
+    assert kv_digest(lay, [0]) == want
+    region[2, 0, 0, 0, 0] = 7.0  # head 1's first holder
+    assert kv_digest(lay, [0]) != want

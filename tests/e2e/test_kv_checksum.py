@@ -99,3 +99,64 @@ async def test_pull_flow_reads_are_checked_against_the_prefills_digest(backend):
     finally:
         await cluster.close()
         await unified.close()
+
+
+async def test_through_the_router_exactly_the_corrupted_requests_fail_and_a_thousand_intact_ones_pass():
+    """The issue's count: corrupt_transfers 3, 12 requests through our router without retries: exactly 3
+    answer 503 naming the checksum, 9 equal unified, the decode counts 3. With the router's default
+    retries (2) a refused room is sent again on a fresh one: the first request meets all three
+    corruptions and answers 503, the other 11 equal unified (3 more counted). Then 1,000 requests with
+    no fault: every one 200, no transfer failed."""
+    from disagg.router.config import PrefillEndpoint, RouterConfig
+    from disagg.router.server import RouterServer
+
+    cluster = await start_pd("tcp", disagg={"kv_checksum": True}, server={"enable_fault_injection": True}, dp_size=1)
+    unified = await start_unified(TINY)
+    routers = [RouterServer(RouterConfig(port=0, health_check_interval_s=0, retry_max_retries=retries,
+                                         decode=(cluster.decode_url,),
+                                         prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),)))
+               for retries in (0, 2)]
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    failed = 'disagg_kv_transfer_failed_total{reason="checksum"}'
+    try:
+        for router in routers:
+            await router.start()
+        async with cluster.session.post(f"http://127.0.0.1:{unified.port}/v1/completions", json=body) as r:
+            want = (await r.json())["choices"][0]["text"]
+        for router, counted in zip(routers, (3, 6)):
+            async with cluster.session.post(cluster.decode_url + "/faults",
+                                            json={"fault": "corrupt_transfers", "dp_rank": 0, "count": 3}) as r:
+                assert r.status == 200
+            answers = []
+            for _ in range(12):  # one at a time: the next three rooms are the corrupted ones
+                async with cluster.session.post(router.url + "/v1/completions", json=body) as r:
+                    answers.append((r.status, await r.json()))
+            ok = [a["choices"][0]["text"] for status, a in answers if status == 200]
+            refused = [a["error"] for status, a in answers if status != 200]
+            if router is routers[0]:
+                assert (len(ok), [e["code"] for e in refused]) == (9, ["kv_checksum_mismatch"] * 3)
+                assert all("KV checksum mismatch" in e["message"] for e in refused)
+            else:
+                # Sent again on a fresh room at most twice: the first request met all three corruptions.
+                assert (len(ok), [e["code"] for e in refused]) == (11, ["kv_checksum_mismatch"])
+                assert [status for status, _ in answers[:2]] == [503, 200]
+            assert ok == [want] * len(ok)
+            assert await metric(cluster.session, cluster.decode_url, failed) == counted
+
+        short = {"model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        gate = asyncio.Semaphore(16)
+
+        async def one(i: int) -> int:
+            async with gate, cluster.session.post(routers[0].url + "/v1/completions",
+                                                  json={**short, "prompt": f"request {i}"}) as r:
+                await r.read()
+                return r.status
+        statuses = await asyncio.gather(*(one(i) for i in range(1000)))
+        assert statuses == [200] * 1000
+        assert await metric(cluster.session, cluster.decode_url, failed) == 6
+        assert await metric(cluster.session, cluster.decode_url, "sglang:num_transfer_failed_reqs_total") == 6
+    finally:
+        for router in routers:
+            await router.close()
+        await cluster.close()
+        await unified.close()

@@ -159,16 +159,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                            request_id=request_id, width=width, stream=bool(body.stream),
                                            length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
         msgs, n = [beam_first_step(m, width) for m in msgs], 1  # a prefill computes the search's first step
-    if len(prompts) == 1:
-        return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: renderer(0, prompts[0]),
-                                   n=n, stream=bool(body.stream), merge=merge_openai)
+    return await _serve_prompts(request, msgs, routing, lambda i: renderer(i, prompts[i // n]), n=n,
+                                stream=bool(body.stream), request_id=request_id)
+
+
+async def _serve_prompts(request: web.Request, msgs: list, routing, renderer, *, n: int, stream: bool,
+                         request_id: str) -> web.StreamResponse:
+    """One prompt's `n` choices, or a list's: choice `p * n + i` is prompt p's i-th (vLLM's order);
+    `renderer(i)` shapes choice i."""
+    if len(msgs) == 1:
+        return await serve_choices(request, msgs[0], routing.routed_dp_rank, lambda: renderer(0), n=n, stream=stream,
+                                   merge=merge_openai)
     if n > 1 and isinstance(routing.kv_transfer_params, dict):
         raise BadRequest("n > 1 is not supported in the pull flow (kv_transfer_params): each choice needs its own "
                          "ticket; send n requests, or use the push flow or a unified server", "n")
     children = [child for m in msgs for child in child_msgs(m, n)] if n > 1 else msgs
-    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in children],  # choice p * n + i: prompt p's i-th
-                             CompletionBatchRenderer([renderer(i, prompts[i // n]) for i in range(len(children))], n),
-                             stream=bool(body.stream), request_id=request_id)
+    return await serve_batch(request, [(m, routing.routed_dp_rank) for m in children],
+                             CompletionBatchRenderer([renderer(i) for i in range(len(children))], n),
+                             stream=stream, request_id=request_id)
 
 
 def check_length_penalty(body: OpenAIBody) -> None:

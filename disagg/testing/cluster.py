@@ -287,14 +287,19 @@ class Cluster:
         """Within `timeout_s`, every worker of both servers back to where it started: all its KV
         blocks free (cached ones count: they are free to evict), none quarantined, nothing running
         or waiting. AssertionError naming each gauge that is not, otherwise."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = [problem for s in self.servers for problem in leaks(s.role, s.metrics())]
-            if not left:
-                return
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"not back to start after {timeout_s} s: " + "; ".join(left))
-            time.sleep(0.1)
+        wait_no_leaks(self.servers, timeout_s)
+
+
+def wait_no_leaks(servers, timeout_s: float) -> None:
+    """Return once no server (anything with `role` and `metrics()`) `leaks`; AssertionError at `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [problem for s in servers for problem in leaks(s.role, s.metrics())]
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not back to start after {timeout_s} s: " + "; ".join(left))
+        time.sleep(0.1)
 
 
 def leaks(role: str, metrics: Metrics) -> list[str]:

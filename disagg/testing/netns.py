@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg.testing.cluster import Metrics, leaks
+from disagg.testing.cluster import Metrics, wait_no_leaks
 from disagg.testing.faults import Faults
 from disagg.testing.http import post
 
@@ -201,14 +201,13 @@ class NetnsCluster:
                                                "--health-check-interval-s", "1", *upstream, *tls])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        """`disagg ARGV` in `name`'s namespace (on the host when it has none), its output in `logs`."""
         env = dict(os.environ, **self.env, DISAGG_CLUSTER_SECRET=self.secret, PYTHONUNBUFFERED="1")
-        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it; closed with our copy now
-        try:
+        where = ["ip", "netns", "exec", self.net.ns[name]] if name in self.net.ns else []
+        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own copy
             self._procs[name] = subprocess.Popen(
-                ["ip", "netns", "exec", self.net.ns[name], sys.executable, "-m", "disagg.cli", *argv,
-                 *self.args.get(name, [])], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        finally:
-            log.close()
+                [*where, sys.executable, "-m", "disagg.cli", *argv, *self.args.get(name, [])], stdout=log,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _ready(self, name: str) -> str:
         """The URL of `name`'s ready line, once printed (its log's tail when it exits or times out)."""
@@ -255,19 +254,9 @@ class NetnsCluster:
     def reference(self, path: str, body: dict) -> object:
         """What a unified server of the same model answers (on the host's loopback; started on first use)."""
         if self._reference_url is None:
-            self._procs["unified"] = subprocess.Popen(
-                [sys.executable, "-m", "disagg.cli", "unified", "--model", self.model, "--port", "0"],
-                stdout=open(self.logs / "unified.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-            self._reference_url = self._ready("unified")
+            self._reference_url = self._run("unified", ["unified", "--model", self.model, "--port", "0"])
         return post(self._reference_url + path, body)[1]
 
     def assert_no_leaks(self, timeout_s: float = 10.0) -> None:
         """Within `timeout_s`, every worker of both servers back to where it started (Cluster's check)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = [problem for s in (self.prefill, self.decode) for problem in leaks(s.role, s.metrics())]
-            if not left:
-                return
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"not back to start after {timeout_s} s: " + "; ".join(left))
-            time.sleep(0.2)
+        wait_no_leaks((self.prefill, self.decode), timeout_s)

@@ -59,23 +59,38 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
 
 
 class ResponseStore:
-    """Stored answers: id -> the chat messages of its conversation, its answer last."""
+    """Stored answers: id -> the chat messages of its conversation (its answer last) and the Response object."""
 
     def __init__(self, max_size: int = MAX_STORED_RESPONSES):
         self.max_size = max_size
-        self._turns: OrderedDict[str, list[dict]] = OrderedDict()
+        self._turns: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
-        self._turns[response_id] = messages
+    def put(self, response_id: str, messages: list[dict], response: dict) -> None:
+        self._turns[response_id] = messages, response
         while len(self._turns) > self.max_size:
             self._turns.popitem(last=False)
 
     def get(self, response_id: str) -> list[dict]:
+        """The conversation of a stored answer (400 naming `previous_response_id` when it is not stored)."""
         if response_id not in self._turns:
             raise BadRequest(f"previous_response_id {response_id!r} is not stored on this server (unknown, "
                              f"forgotten after {self.max_size} answers, or sent with store: false)",
                              "previous_response_id")
-        return list(self._turns[response_id])
+        return list(self._turns[response_id][0])
+
+    def response(self, response_id: str) -> dict:
+        """The stored Response object; 404 when it is not stored."""
+        if response_id not in self._turns:
+            raise not_found(response_id)
+        return self._turns[response_id][1]
+
+    def delete(self, response_id: str) -> None:
+        if self._turns.pop(response_id, None) is None:
+            raise not_found(response_id)
+
+
+def not_found(response_id: str) -> HttpError:
+    return HttpError(404, f"Response with id {response_id!r} not found.", code="response_not_found")
 
 
 STORE = web.AppKey("disagg_responses", ResponseStore)
@@ -196,14 +211,15 @@ class ResponsesRenderer:
         if content or not calls:
             output.insert(0, self._message(content or "", "completed"))
         status = "incomplete" if totals.finish_reason is FinishReason.LENGTH else "completed"
-        if self.store is not None:
-            answer = {"role": "assistant", "content": content or "",
-                      **({"tool_calls": calls} if calls else {})}
-            self.store.put(self.response_id, [*self.messages, answer])
-        return {**self.response(totals, status, output), "usage": {
+        whole = {**self.response(totals, status, output), "usage": {
             "input_tokens": totals.num_prompt_tokens, "input_tokens_details": {"cached_tokens": totals.num_cached_tokens},
             "output_tokens": totals.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": totals.num_prompt_tokens + totals.num_output_tokens}}
+        if self.store is not None:
+            answer = {"role": "assistant", "content": content or "",
+                      **({"tool_calls": calls} if calls else {})}
+            self.store.put(self.response_id, [*self.messages, answer], whole)
+        return whole
 
     def response(self, totals: Totals, status: str, output: list[dict]) -> dict:
         b = self.body
@@ -263,8 +279,22 @@ async def conversation(request: web.Request) -> web.Response:
         raise HttpError(404, exc.message, code="response_not_found") from None
 
 
+async def retrieve(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id} (the openai SDK's `responses.retrieve`): the stored Response."""
+    return json_response(request.app[STORE].response(request.match_info["response_id"]))
+
+
+async def delete(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{response_id}: forget a stored answer (a follow-up may no longer name it)."""
+    response_id = request.match_info["response_id"]
+    request.app[STORE].delete(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
 def add_routes(app: web.Application) -> None:
-    """Register POST /v1/responses, our conversation route and the store on `app`."""
+    """Register POST /v1/responses, its retrieve and delete, our conversation route and the store on `app`."""
     app[STORE] = ResponseStore()
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_get("/v1/responses/{response_id}/conversation", conversation)

@@ -7,6 +7,7 @@ Routes:
   503 `draining` once the router shuts down: new generate requests get the same)
 - `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
 - `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
+- `GET` and `DELETE /v1/responses/{id}`: a stored Response, from the decode that stored it
 - `GET /metrics`: the router's Prometheus metrics, and its servers' engine families added up
 Every error is OpenAI-shaped JSON; unknown routes are 404. With `api_key`, every route but `/health`
 and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
@@ -177,6 +178,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await generate(request, raw=raw)
 
 
+async def stored_response(request: web.Request) -> web.Response:
+    """GET or DELETE /v1/responses/{id}: the decode that stored the answer answers it."""
+    router = _router(request)
+    status, body = await conversations.stored_response(
+        router.session, request.method, request.match_info["response_id"],
+        [info.url for info in router.pool.infos(Role.DECODE)], router.config.health_check_timeout_s,
+        passthrough.authorization(request))
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
 async def invocations(request: web.Request) -> web.StreamResponse:
     """POST /invocations (SageMaker's): dispatched as the chat or completions request its body is."""
     return await generate(request, invocation_path(await request.read()))
@@ -283,6 +294,8 @@ def create_app(router: Router) -> web.Application:
     for path in GENERATE_PATHS:
         app.router.add_post(path, responses if path == RESPONSES_PATH else generate)
     app.router.add_post("/invocations", invocations)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}", stored_response)
+    app.router.add_delete(RESPONSES_PATH + "/{response_id}", stored_response)
     app.router.add_get("/load", load)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -1,6 +1,7 @@
 """The Responses API with the openai SDK's `responses.create` (tiny model, greedy): plain, streamed,
 with a function tool, with `text.format`, with `previous_response_id` on a unified server and through
-our router on P/D, each equal to the chat completion of the same messages."""
+our router on P/D, each equal to the chat completion of the same messages; `responses.retrieve` and
+`responses.delete` of stored answers."""
 
 import json
 
@@ -92,3 +93,21 @@ async def test_text_format_and_pd_follow_ups(unified_url, router_url):
         {"role": "user", "content": "And then?"}])
     with pytest.raises(openai.BadRequestError, match="'resp-gone' is not stored on any decode server"):
         await client(router_url).responses.create(model="tiny", previous_response_id="resp-gone", input="x", **GREEDY)
+
+
+async def test_retrieve_and_delete_a_stored_response(unified_url, router_url):
+    for url in (unified_url, router_url):  # through the router, the decode that stored it answers
+        made = await client(url).responses.create(model="tiny", input="Hello there", **GREEDY)
+        got = await client(url).responses.retrieve(made.id)
+        assert got.model_dump() == made.model_dump()
+        completed = (await streamed(url, input="Hi", **GREEDY))[1][-1].response  # response.completed's
+        assert (await client(url).responses.retrieve(completed.id)).model_dump() == completed.model_dump()
+        assert await client(url).responses.delete(made.id) is None
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            await client(url).responses.retrieve(made.id)
+        with pytest.raises(openai.BadRequestError, match="is not stored"):
+            await client(url).responses.create(model="tiny", previous_response_id=made.id, input="x", **GREEDY)
+        unkept = await client(url).responses.create(model="tiny", input="Hello", store=False, **GREEDY)
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client(url).responses.retrieve(unkept.id)
+        assert caught.value.body["code"] == "response_not_found"

@@ -61,8 +61,9 @@ def check_beam_request(sampling: SamplingParams, n: int | None) -> int:
 
 
 def step_sampling(sampling: SamplingParams, width: int, num_resumed: int = 0) -> SamplingParams:
-    """One step of one beam: the next token (after the `num_resumed` the beam has) and its top 2 x width."""
-    return SamplingParams(max_tokens=num_resumed + 1, temperature=0.0, logprobs=2 * width,
+    """One step of one beam: the next token (after the `num_resumed` the beam has) and its top 2 x width
+    (more when the request's `logprobs` asks for more)."""
+    return SamplingParams(max_tokens=num_resumed + 1, temperature=0.0, logprobs=max(2 * width, sampling.logprobs or 0),
                           truncate_prompt_tokens=None if num_resumed else sampling.truncate_prompt_tokens,
                           truncation_side=sampling.truncation_side)
 

@@ -60,11 +60,12 @@ class BeamSearch:
         return not self.live or self.num_steps >= self.params.max_tokens
 
     def step(self, tops: Sequence[TopTokens]) -> None:
-        """Extend the live beams by one token; `tops[i]` holds live beam i's top next tokens."""
+        """Extend the live beams by one token; `tops[i]` holds live beam i's top next tokens (its first
+        `2 x width` are the candidates; the beam keeps the whole list, for the answer's logprobs)."""
         assert len(tops) == len(self.live), "one top list per live beam"
         params, candidates = self.params, []
         for beam, top in zip(self.live, tops):
-            for token_id, logprob in top:
+            for token_id, logprob in top[:params.num_logprobs]:
                 cum_logprob = beam.cum_logprob + logprob
                 if token_id in self.eos_token_ids and not params.ignore_eos:
                     kept = (token_id,) if params.include_stop_str_in_output else ()

@@ -89,6 +89,16 @@ async def test_beams_through_pd_equal_unifieds_and_move_one_prompt(cluster, unif
     assert await cluster.settled(((96, 96), (96, 96))) == ([96, 96], [96, 96])
 
 
+async def test_logprobs_past_the_candidates_are_answered(cluster, unified_url):
+    # One beam takes 2 candidates a step; the 5 top logprobs asked for come with each token anyway.
+    got = await answer(cluster, unified_url, {**BEAMS, "n": 1, "logprobs": 5, "return_tokens_as_token_ids": True})
+    [choice] = got["choices"]
+    assert [len(top) for top in choice["logprobs"]["top_logprobs"]] == [5] * len(choice["token_ids"])
+    greedy = await answer(cluster, unified_url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                                                 "return_token_ids": True, "ignore_eos": True})
+    assert choice["token_ids"] == greedy["choices"][0]["token_ids"][:len(choice["token_ids"])]
+
+
 async def test_beams_in_the_pull_flow_equal_unifieds(cluster, unified_url):
     router = RouterServer(RouterConfig(port=0, protocol="pull", health_check_interval_s=0, decode=(cluster.decode_url,),
                                        prefill=(PrefillEndpoint(cluster.prefill_url, None),)))

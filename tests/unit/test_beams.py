@@ -70,3 +70,10 @@ def test_the_search_ends_when_no_beam_is_live_or_at_max_tokens():
     assert search(max_tokens=0).done and search(max_tokens=0).best() == [Beam()]
     assert BeamParams(3, 5).num_logprobs == 6
     assert math.isclose(search().score(Beam((), 0.0)), 0.0)
+
+
+def test_only_the_first_two_x_width_tokens_are_candidates_but_the_beam_keeps_the_whole_list():
+    s = search(width=1)
+    top = ((1, -0.1), (2, -0.2), (3, -0.3), (EOS, -0.4))  # EOS is fourth: no candidate at width 1
+    s.step([top])
+    assert ([b.token_ids for b in s.live], s.finished, s.live[0].steps) == ([(1,)], [], (top,))

@@ -12,13 +12,15 @@ ROOT = str(Path(__file__).resolve().parents[1])
 
 
 async def start_cli(*args: str, timeout_s: float = 90.0, stderr=asyncio.subprocess.DEVNULL,
-                    env: dict[str, str] | None = None) -> tuple[asyncio.subprocess.Process, list[str]]:
+                    env: dict[str, str] | None = None, new_session: bool = False) -> tuple[asyncio.subprocess.Process, list[str]]:
     """(the process, its stdout lines up to and including `ready: URL ...`). A process that exits or
-    stays silent past `timeout_s` before that line is killed and fails the test with what it printed."""
+    stays silent past `timeout_s` before that line is killed and fails the test with what it printed.
+    `new_session`: the process leads a process group of its own (its workers join it)."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "disagg.cli", *args, cwd=ROOT, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=stderr)
+                                                stdout=asyncio.subprocess.PIPE, stderr=stderr,
+                                                start_new_session=new_session)
     lines: list[str] = []
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:

@@ -18,7 +18,6 @@ import asyncio
 import functools
 import multiprocessing
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import structlog
 from disagg.engine_config import EngineConfig
 from disagg.wire.framing import frame, read_frame
 from disagg.worker.kv_events import ZmqEventPublisher, open_publisher
-from disagg.worker.tp_group import Followers, MirroredCore, rank_cpus, rank_engine
+from disagg.worker.tp_group import Followers, MirroredCore, ignore_stop_signals, rank_cpus, rank_engine
 from disagg.kv_events_config import KVEventsConfig
 from disagg.logs import configure_logging
 from disagg.worker.outputs import admission_error
@@ -110,8 +109,10 @@ def run_worker(spec: WorkerSpec) -> None:
         # OpenMP team, sized from this mask unless num_threads says otherwise) inherits the mask. A
         # TP group's rank 0 takes its share; each follower pins itself to its own.
         os.sched_setaffinity(0, rank_cpus(spec, 0))
-    # Ctrl-C reaches the whole process group; the front shuts workers down in order instead.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C (and a SIGTERM sent to the process group: systemd's default, `kill -TERM -PGID`) reaches
+    # every process; the front drains and shuts workers down in order instead. A worker that died of
+    # the signal would be restarted by the draining front (a prefill took 14 s to stop).
+    ignore_stop_signals()
     configure_logging(spec.log_format)
     structlog.contextvars.bind_contextvars(dp_rank=spec.dp_rank, pid=os.getpid())
     try:

@@ -127,13 +127,21 @@ class MirroredCore:
         return mirrored
 
 
+def ignore_stop_signals() -> None:
+    """An engine process ignores SIGINT and SIGTERM: sent to the whole process group (Ctrl-C, systemd's
+    default, `kill -TERM -PGID`), they are its front's to handle, which drains and then stops its
+    workers in order (each also exits when the front's connection closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def follower_main(spec: WorkerSpec, rank: int, rendezvous: str, kv_file: str | None, conn) -> None:
     """A follower process: join the group, build the rank's engine, make each call rank 0 made."""
     from disagg.logs import configure_logging
 
     if spec.cpus is not None:
         os.sched_setaffinity(0, rank_cpus(spec, rank))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_stop_signals()
     configure_logging(spec.log_format)
     structlog.contextvars.bind_contextvars(dp_rank=spec.dp_rank, tp_rank=rank, pid=os.getpid())
     from disagg.engine.core import EngineCore

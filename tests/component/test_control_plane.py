@@ -357,8 +357,10 @@ async def test_a_stream_without_the_cluster_secret_is_refused(secret, reason):
             await ControlClient(f"127.0.0.1:{srv.port}", DECODE, FAST, cluster_secret=secret).connect()
         assert type(exc.value) is AuthenticationFailed
         assert str(exc.value) == f"prefill 127.0.0.1:{srv.port} refused the control stream: {reason}"
-        assert [(e["event"], e["reason"]) for e in logs if e["event"] == "control stream refused"] == [
-            ("control stream refused", reason)]
+        # One refusal per attempt: under load grpc can end a refused attempt with a retryable code
+        # (the client then tries again within connect_timeout_s and is refused again).
+        refusals = [e["reason"] for e in logs if e["event"] == "control stream refused"]
+        assert refusals[:1] == [reason] and set(refusals) == {reason}
         assert srv.peers == {} and srv.events.empty()
 
 

@@ -70,7 +70,12 @@ class DecodeRole(TransferRole):
     async def submit(self, msg: GenerateMsg) -> list[OutputMsg]:
         if msg.resume_token_ids is not None:  # migrated from a worker that died, or a beam's step: computed here
             return await super().submit(msg)
-        if self.config.decode.max_local_prefill_tokens and msg.bootstrap_room is None and not carries_ticket(msg):
+        remote = msg.bootstrap_room is not None or carries_ticket(msg)
+        if msg.disagg_prefill_here and remote:
+            return [admission_error(msg.request_id, InvalidRequest(
+                "disagg_prefill_here asks this decode to prefill the prompt itself: send it without bootstrap_room "
+                "and kv_transfer_params (those name a prefill that computes it)", "disagg_prefill_here"))]
+        if (msg.disagg_prefill_here or self.config.decode.max_local_prefill_tokens) and not remote:
             return self._prefill_here(msg)
         try:
             ticket = ticket_of(msg)
@@ -91,13 +96,14 @@ class DecodeRole(TransferRole):
         """A request sent to this decode alone (selective disaggregation): prefilled here when its
         prompt tokens missing from our prefix cache, with those of the local prefills still running,
         are at most `max_local_prefill_tokens`; else refused (400, code local_prefill_refused) so that a
-        router sends it again with a prefill (a busy decode hands the work to the prefill)."""
+        router sends it again with a prefill (a busy decode hands the work to the prefill). One sent with
+        `disagg_prefill_here` (no prefill serves) is prefilled here whatever its length."""
         limit = self.config.decode.max_local_prefill_tokens
         try:
             ids = self.prompt_ids(msg)
             cached = 0 if msg.sampling.prompt_logprobs is not None else self.core.cached_prefix_tokens(ids)
             backlog = self._local_backlog()
-            if len(ids) - cached + backlog > limit:
+            if not msg.disagg_prefill_here and len(ids) - cached + backlog > limit:
                 waiting = f", and {backlog} of other requests wait to be prefilled here" if backlog else ""
                 raise InvalidRequest(
                     f"{len(ids) - cached} of the prompt's {len(ids)} tokens are not in this decode's prefix cache{waiting}; "

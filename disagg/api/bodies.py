@@ -43,6 +43,7 @@ class RoutedBody(msgspec.Struct, kw_only=True):
     bootstrap_port: Port | list[Port | None] | None = None
     bootstrap_room: Room | list[Room] | None = None
     kv_transfer_params: dict | None = None  # pull flow (vLLM's NixlConnector): passed to the worker as is
+    disagg_prefill_here: bool = False  # a decode: prefill the whole prompt here (our router, with no prefill serving)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

@@ -124,5 +124,5 @@ def build_generate_msg(request_id: str, sampling: SamplingParams, routing: Routi
         request_id=request_id, sampling=sampling, **prompt,
         bootstrap_host=routing.bootstrap_host, bootstrap_port=routing.bootstrap_port,
         bootstrap_room=routing.bootstrap_room, disagg_prefill_dp_rank=routing.disagg_prefill_dp_rank,
-        kv_transfer_params=routing.kv_transfer_params,
+        kv_transfer_params=routing.kv_transfer_params, disagg_prefill_here=routing.disagg_prefill_here,
     )

@@ -30,6 +30,7 @@ class Routing:
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
     kv_transfer_params: dict | None = None
+    disagg_prefill_here: bool = False  # a decode prefills the whole prompt itself (docs/api.md)
 
     def for_items(self, num_items: int) -> list[Routing]:
         """One Routing per prompt of a request with `num_items` prompts. A list must have one entry
@@ -66,7 +67,7 @@ def read_routing(request: web.Request, raw: bytes, warn_once: Callable[[str, str
     if asks_for_pull(body.kv_transfer_params) and body.bootstrap_room is not None:
         raise BadRequest(ONE_FLOW, "kv_transfer_params")  # one leg would wait for KV the other never sends
     return Routing(rank, body.disagg_prefill_dp_rank, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
-                   body.kv_transfer_params)
+                   body.kv_transfer_params, body.disagg_prefill_here)
 
 
 def asks_for_pull(kv_transfer_params: dict | None) -> bool:

@@ -23,7 +23,7 @@ NOT_JSON = "request body is not valid JSON"  # the words before why a body is re
 # Prompt-logprob fields of SGLang's /generate meta_info; only the prefill computes them.
 PROMPT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 # Fields only the router sets: a client's copy could send the KV elsewhere or leave a leg waiting.
-PD_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+PD_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_here")
 # DP routing fields (and the deprecated alias): the client's unless the router trusts them.
 ROUTING_FIELDS = ("routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank")
 

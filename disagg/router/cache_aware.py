@@ -138,10 +138,12 @@ class DecodePicker:
         self.local_servers = frozenset(load.server_id for load in loads if load.max_local_prefill_tokens > 0)
         return any(load.eligible and load.max_local_prefill_tokens > 0 for load in loads)
 
-    def pick(self, loads: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool] | None:
-        """(the decode's position, whether it prefills the request itself); None when none is eligible."""
+    def pick(self, loads: Sequence[ServerLoad], text: Prompt, only_local: bool = False) -> tuple[int, bool] | None:
+        """(the decode's position, whether it prefills the request itself); None when none is eligible
+        (`only_local`: among the decodes that prefill locally)."""
         self.trees.keep_servers({load.server_id for load in loads})
-        candidates = [i for i, load in enumerate(loads) if load.eligible]
+        candidates = [i for i, load in enumerate(loads) if load.eligible and (load.max_local_prefill_tokens > 0
+                                                                              or not only_local)]
         if not candidates:
             return None
         groups = [[(loads[i].server_id, 0)] for i in candidates]
@@ -170,8 +172,14 @@ class CacheAwarePairPicker:
              local_ok: bool = True, token_ids: Sequence[int] | None = None) -> PairPick:
         """The pair; NoHealthyServer names the role that has none (the trees are then left as they were).
         `local_ok` False: a prefill whatever the decode holds (its local prefill was refused).
-        `token_ids`: the prompt as the prefill tokenizes it, for the KV-event index."""
+        `token_ids`: the prompt as the prefill tokenizes it, for the KV-event index. With no eligible
+        prefill, a decode that prefills locally takes the whole request (`PairPick.whole`): a planner
+        that moved the last prefill to decode, or a prefill down, leaves every decode prefilling its own."""
         if not any(load.eligible for load in prefill):
+            if self.decode.wanted(decode):
+                picked = self.decode.pick(decode, text, only_local=True)
+                if picked is not None:
+                    return PairPick(None, picked[0], whole=True)
             raise NoHealthyServer("prefill")
         d, local = self._pick_decode(decode, text)
         if local and local_ok and self._prefills_busy(prefill):

@@ -49,6 +49,7 @@ class PairPick:
     prefill_dp_rank: int | None = None
     cache_outcome: CacheOutcome | None = None  # cache_aware only
     match_ratio: float = 0.0  # cache_aware only: the matched share of the prompt (0 when imbalanced)
+    whole: bool = False  # no prefill serves: the decode prefills the whole prompt (cache_aware only)
 
     @property
     def local(self) -> bool:

@@ -62,6 +62,7 @@ class Plan:
     merge_logprobs: bool
     expected_decode_rank: int | None  # external-DP-routing test mode only
     learn: Callable[[bytes], None] | None = None  # records the decode's answer in its tree (local prefill)
+    whole: bool = False  # no prefill serves: the decode prefills the whole prompt (disagg_prefill_here)
 
 
 def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[str, str]:
@@ -164,7 +165,7 @@ class Proxy:
                     prefill.set_result(None)
                 elif self._config.protocol is PdProtocol.PULL:
                     plan, prefill = await self._pull_ticket(plan, headers)
-                taken, why = answer_path(plan.prefill is None, first_failure)
+                taken, why = answer_path(plan.prefill is None, first_failure, plan.whole)
                 out_headers = {PATH_HEADER: taken.value, **({PATH_REASON_HEADER: why} if why else {}),
                                **({RETRIES_HEADER: str(num_retries)} if num_retries else {})}
                 answer = await (self._stream(request, plan, headers, prefill, out_headers) if plan.stream
@@ -177,7 +178,7 @@ class Proxy:
                          kv_wait_ms=answer.headers.get(KV_WAIT_HEADER))
                 return answer
             except ServerError as exc:
-                if plan.prefill is None and local_prefill.refuses_local_prefill(exc):
+                if plan.prefill is None and not plan.whole and local_prefill.refuses_local_prefill(exc):
                     raise local_prefill.LocalPrefillRefused(exc) from None
                 raise
             finally:
@@ -204,10 +205,12 @@ class Proxy:
         if pick.local:
             self._pool.begin(Role.DECODE, d)
             decode_url = self._pool.info(Role.DECODE, d).url
-            decode = Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(body), self._epoch(Role.DECODE, d))
+            decode_body = {**body, "disagg_prefill_here": True} if pick.whole else body
+            decode = Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(decode_body),
+                         self._epoch(Role.DECODE, d))
             return Plan(prefill=None, decode=decode,
                         room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None,
-                        learn=learn)
+                        learn=learn, whole=pick.whole)
         p = self._pool.ids(Role.PREFILL)[pick.prefill]
         self._metrics.picks.labels("prefill", self._pool.info(Role.PREFILL, p).url).inc()
         self._pool.begin(Role.PREFILL, p)

@@ -34,6 +34,9 @@ class GenerateMsg(msgspec.Struct, frozen=True, tag="generate", omit_defaults=Tru
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: int | None = None
     register_room: bool = False  # prefill: tell the registry which DP rank took this room
+    # decode: prefill the whole prompt here whatever --max-local-prefill-tokens says (our router sends
+    # it while no prefill server serves: every decode prefills its own requests)
+    disagg_prefill_here: bool = False
     # Pull flow (vLLM's NixlConnector fields): `do_remote_decode` on the prefill leg, the prefill's
     # ticket (`do_remote_prefill`, `remote_*`) on the decode leg.
     kv_transfer_params: dict | None = None

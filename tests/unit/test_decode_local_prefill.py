@@ -77,3 +77,30 @@ def test_a_first_token_that_came_with_the_kv_goes_out_before_any_decode_step(tin
     while core.has_unfinished():
         core.step()
     assert core.kv.num_free_blocks == core.num_blocks
+
+
+def test_a_request_marked_prefill_here_is_prefilled_whole_whatever_the_limit(tiny_loaded):
+    """`disagg_prefill_here` (our router, while no prefill serves): taken past the limit and the backlog,
+    on a decode with no limit at all too; with a room or a ticket it is refused (it names no prefill)."""
+    for limit in (16, 0):
+        core = engine(tiny_loaded)
+        role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp",
+                                                               decode=DecodeConfig(max_local_prefill_tokens=limit)))
+        submit = lambda msg: asyncio.run(role.submit(msg))  # noqa: E731
+        whole = lambda rid, ids: GenerateMsg(rid, alone(rid, ids).sampling, prompt_token_ids=ids,  # noqa: E731
+                                             disagg_prefill_here=True)
+        assert submit(whole("a", list(range(40, 80)))) == []  # 40 uncached
+        assert submit(whole("b", list(range(100, 130)))) == []  # 30 more, behind a's 40
+        assert local(role) == {"a": 0, "b": 0} and role._local_backlog() == 70
+        [refused] = submit(GenerateMsg("c", alone("c", [1]).sampling, prompt_token_ids=list(range(5, 9)),
+                                       bootstrap_room=7, bootstrap_host="127.0.0.1", bootstrap_port=1,
+                                       disagg_prefill_here=True))
+        assert (refused.request_id, refused.error_status, refused.error_param) == ("c", 400, "disagg_prefill_here")
+        assert refused.error == ("disagg_prefill_here asks this decode to prefill the prompt itself: send it without "
+                                 "bootstrap_room and kv_transfer_params (those name a prefill that computes it)")
+        tokens = {"a": [], "b": []}
+        while core.has_unfinished():
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert [len(t) for t in tokens.values()] == [4, 4]
+        assert core.kv.num_free_blocks == core.num_blocks

@@ -219,6 +219,29 @@ def test_each_decode_goes_by_its_own_limit():
     assert picker.pick(two_servers(), decodes[::-1], "Hello there, who are you, my friend?") == PairPick(None, 0)
 
 
+def test_with_no_prefill_serving_a_decode_that_prefills_locally_takes_the_whole_prompt():
+    """No eligible prefill (the planner moved the last one to decode, or it is down): the decodes that
+    prefill locally take every request whole, by the same cache-aware pick (a conversation stays where
+    its prefix is); a decode that prefills nothing itself never does, and without one it is a 503."""
+    picker = CacheAwarePairPicker(CacheAwareConfig(local_prefill_min_prefill_load=0), random.Random(0))
+    none_serving = two_servers(eligible=(False, False))
+    decodes = [ServerLoad(True, 0, server_id=7, max_local_prefill_tokens=0),
+               ServerLoad(True, 0, server_id=8, max_local_prefill_tokens=8),
+               ServerLoad(True, 0, server_id=9, max_local_prefill_tokens=8)]
+    long_prompt = "You are a helpful assistant. " * 20  # 580 characters: far past any limit
+    assert picker.pick(none_serving, decodes, long_prompt) == PairPick(None, 1, whole=True)
+    assert picker.pick(none_serving, decodes, "Something else entirely") == PairPick(None, 2, whole=True)
+    assert picker.pick(none_serving, decodes, long_prompt + "And now?") == PairPick(None, 1, whole=True)
+    assert picker.pick(none_serving, decodes, long_prompt + "Again", local_ok=False) == PairPick(None, 1, whole=True)
+    assert [picker.decode.trees.size((n, 0)) for n in (7, 8, 9)] == [0, len(long_prompt) + len("And now?") + len("gain"), 23]  # "Again" shares its A
+    # The prefill serving again: a long rest goes with it.
+    assert picker.pick(two_servers(), decodes, long_prompt + "And then?").whole is False
+    with pytest.raises(NoHealthyServer, match="prefill"):
+        picker.pick(none_serving, decodes[:1], long_prompt)
+    with pytest.raises(NoHealthyServer, match="prefill"):
+        picker.pick(none_serving, [ServerLoad(False, 0, server_id=8, max_local_prefill_tokens=8)], long_prompt)
+
+
 def test_the_flags_are_sglang_routers():
     base = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
     assert config_from_args(build_parser().parse_args(base)).cache_aware == CacheAwareConfig(0.3, 64, 1.5, 2**22)

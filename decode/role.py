@@ -44,6 +44,11 @@ class DecodeRole(TransferRole):
         self.requests = DecodeRequests()
         self.fences = Fences(lambda: self.wake())
         self.num_failed = [0, 0]  # requests failed so far: [bootstrap (prefill not reached or refused), transfer]
+        # The scheduler's limits beside KV from a prefill, and as a unified server's while requests come whole.
+        limits = core.scheduler.config
+        self._own_limits = (limits.max_num_seqs, limits.max_prefill_tokens_per_step)
+        self._whole_limits = (config.decode.whole_max_num_seqs or limits.max_num_seqs, 0)
+        self._limits = self._own_limits
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -56,6 +61,7 @@ class DecodeRole(TransferRole):
         self.pull = PullFetch(self.core, self.config, self.backend, self.peers, self.fences)
 
     async def close(self) -> None:
+        self._schedule_as(self._own_limits)  # a role switch hands the engine on as it came
         for request in self.requests:
             for task in () if request.pending is None else (request.pending.task, request.pending.hold):
                 if task is not None:
@@ -71,6 +77,7 @@ class DecodeRole(TransferRole):
         if msg.resume_token_ids is not None:  # migrated from a worker that died, or a beam's step: computed here
             return await super().submit(msg)
         remote = msg.bootstrap_room is not None or carries_ticket(msg)
+        self._schedule_as(self._whole_limits if msg.disagg_prefill_here and not remote else self._own_limits)
         if msg.disagg_prefill_here and remote:
             return [admission_error(msg.request_id, InvalidRequest(
                 "disagg_prefill_here asks this decode to prefill the prompt itself: send it without bootstrap_room "
@@ -91,6 +98,15 @@ class DecodeRole(TransferRole):
             self.pull.hold(pending)
         self.requests.add(DecodeRequest(msg.request_id, DecodeState.QUEUED, pending, prompt_ids))
         return self._reserve_queued()
+
+    def _schedule_as(self, limits: tuple[int, int]) -> None:
+        """Requests sent whole (no prefill serves) run under a unified server's limits; KV from a prefill
+        (or a short rest beside it) under the decode's own, which keep its decoding requests' pace."""
+        if limits != self._limits:
+            self.core.set_scheduler_limits(*limits)
+            self._limits = limits
+            log.info("decode schedules", max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1],
+                     sent_whole=limits == self._whole_limits and limits != self._own_limits)
 
     def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
         """A request sent to this decode alone (selective disaggregation): prefilled here when its

@@ -78,6 +78,11 @@ class DecodeConfig:
                                      "when at most this many of its prompt tokens are not in this decode's prefix "
                                      "cache (llm-d's nonCachedTokens rule); 0: never, such a request is refused. "
                                      "Our router reads it from /server_info and sends such requests alone"})
+    whole_max_num_seqs: int = field(
+        default=0, metadata={"help": "decode: while it gets requests sent whole (no prefill serves: our router marks "
+                                     "them disagg_prefill_here), it schedules as a unified server: this many requests "
+                                     "at once and no --max-prefill-tokens-per-step; a request with KV from a prefill "
+                                     "restores its own limits (0: its --max-num-seqs)"})
 
     def __post_init__(self) -> None:
         check_positive(self, "waiting_timeout_s", "abort_ack_timeout_s")
@@ -85,6 +90,8 @@ class DecodeConfig:
             raise ConfigError(f"max_bootstrap_clients must be at least 1, got {self.max_bootstrap_clients}")
         if self.max_local_prefill_tokens < 0:
             raise ConfigError(f"max_local_prefill_tokens must be >= 0 (0: off), got {self.max_local_prefill_tokens}")
+        if self.whole_max_num_seqs < 0:
+            raise ConfigError(f"whole_max_num_seqs must be >= 0 (0: --max-num-seqs), got {self.whole_max_num_seqs}")
         object.__setattr__(self, "allowed_bootstrap_hosts", tuple(self.allowed_bootstrap_hosts))
         try:
             host_patterns.parse_patterns(self.allowed_bootstrap_hosts)

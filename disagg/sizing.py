@@ -17,6 +17,8 @@ WAITING_PER_WORKER = 4  # a request queued past these on 2 cores misses a 1.5 s 
 DECODE_SEQS_PER_WORKER = {"avx512": 8, "avx2": 4, "base": 4}
 LOCAL_PREFILL_TOKENS = 192  # a chat turn's new tokens: the decode prefills it while the prefill is busy
 DECODE_PREFILL_TOKENS_PER_STEP = 24  # the decode's prompt chunk per step, beside every decoding request
+# with no prefill serving each server runs as `disagg unified --max-num-seqs 8`, which served the chat load best
+WHOLE_SEQS_PER_WORKER = 8
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Sized:
     max_local_prefill_tokens: int
     decode_max_prefill_tokens_per_step: int
     decode_max_num_seqs: int
+    whole_max_num_seqs: int
     notes: tuple[str, ...]
 
 
@@ -41,7 +44,8 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
-                    decode_max_num_seqs: int | None = None, isa: str = "avx512") -> Sized:
+                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
+                    isa: str = "avx512") -> Sized:
     """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (`isa`:
     the csrc instruction set in force, disagg.ops.cpu)."""
     notes: list[str] = []
@@ -65,5 +69,9 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         decode_max_num_seqs = DECODE_SEQS_PER_WORKER[isa]
         notes.append(f"--decode-max-num-seqs {decode_max_num_seqs} (on {isa}: the rest wait for a slot; these keep "
                      "their pace)")
+    if whole_max_num_seqs is None:
+        whole_max_num_seqs = WHOLE_SEQS_PER_WORKER
+        notes.append(f"--whole-max-num-seqs {WHOLE_SEQS_PER_WORKER} (while no prefill serves, every server "
+                     "prefills its own requests as a unified one)")
     return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
-                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, tuple(notes))
+                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, tuple(notes))

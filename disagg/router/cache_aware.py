@@ -29,6 +29,10 @@ from disagg.router.policy import PairPick, ServerLoad
 # The router has no tokenizer: a text prompt's characters over this count its tokens (English text
 # runs 3.5 to 4.5 characters per token in the Llama-family tokenizers).
 CHARS_PER_TOKEN = 4
+# With no prefill serving, a request in flight at a decode weighs as this many prompt tokens to
+# prefill there: a later turn goes back to the decode holding its history unless that decode has more
+# requests in flight than the prefix it holds is worth (a shared system prompt alone is worth ~1).
+WHOLE_REQUEST_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,26 @@ class DecodePicker:
         return chosen, local
 
 
+    def pick_whole(self, loads: Sequence[ServerLoad], text: Prompt) -> int | None:
+        """No prefill serves: the decode (of those that prefill locally) with the least to do for this
+        request, its uncached tokens plus WHOLE_REQUEST_TOKENS a request in flight (ties: the smaller
+        tree, then the first); None when none is eligible. The prompt goes into its tree."""
+        self.trees.keep_servers({load.server_id for load in loads})
+        candidates = [i for i, load in enumerate(loads) if load.eligible and load.max_local_prefill_tokens > 0]
+        if not candidates:
+            return None
+
+        def cost(i: int) -> tuple[int, int]:
+            tenant = (loads[i].server_id, 0)
+            uncached = estimated_tokens(text, len(text) - self.trees.match_length(tenant, text))
+            return uncached + WHOLE_REQUEST_TOKENS * loads[i].in_flight, self.trees.size(tenant)
+
+        chosen = min(candidates, key=cost)
+        if text:
+            self.trees.insert((loads[chosen].server_id, 0), text)
+        return chosen
+
+
 class CacheAwarePairPicker:
     """`--policy cache_aware`: the prefill (and rank) by CacheAwarePicker; the decode by power of
     two, or while a decode prefills short rests itself by DecodePicker, which may send a request to the
@@ -177,9 +201,9 @@ class CacheAwarePairPicker:
         that moved the last prefill to decode, or a prefill down, leaves every decode prefilling its own."""
         if not any(load.eligible for load in prefill):
             if self.decode.wanted(decode):
-                picked = self.decode.pick(decode, text, only_local=True)
-                if picked is not None:
-                    return PairPick(None, picked[0], whole=True)
+                d = self.decode.pick_whole(decode, text)
+                if d is not None:
+                    return PairPick(None, d, whole=True)
             raise NoHealthyServer("prefill")
         d, local = self._pick_decode(decode, text)
         if local and local_ok and self._prefills_busy(prefill):

@@ -14,6 +14,15 @@ moving a prefill to decode when ITL is over its objective and the move is predic
 while TTFT stays within its objective; a decode to prefill when TTFT is over its objective and ITL
 is predicted to stay within its objective; else it holds. A proposal is confirmed when it repeats
 `confirm_intervals` times in a row (hysteresis); after a move the planner waits one interval.
+
+While the decodes prefill locally (`decodes_prefill`: our router sends them whole prompts when no
+prefill serves) the last prefill may leave its role too, as the load decides: the prompt tokens
+computed per second, by every server, over what one prefill server computes per second of its steps
+(both over the intervals seen, older ones decaying: the load by half an interval, the rate by 0.8). At most `light_load` (its spare time is worth more
+running requests end to end) and no request was turned away (429), the one prefill becomes a decode
+and every server prefills its own requests; with no prefill, once requests are turned away or past
+`heavy_load` (the decodes' steps fill with prompts, and the decoding requests beside them slow), a
+decode becomes the prefill again: past capacity P/D keeps what it admits within the objectives.
 """
 
 from __future__ import annotations
@@ -61,6 +70,15 @@ def parse_step_sums(metrics_text: str) -> StepSums:
             except ValueError:
                 continue
     return StepSums(**values)
+
+
+# The moves to and from no prefill (see the module's docstring), in prompt tokens per second over one
+# prefill server's rate: below LIGHT_LOAD its core serves more running whole requests; past HEAVY_LOAD
+# the decodes' steps fill with prompts. docs/benchmarks.md ("Roles that follow the load") has the figures.
+LIGHT_LOAD = 0.8
+HEAVY_LOAD = 1.3
+LOAD_DECAY = 0.5  # the prompt load's sums an interval: a document's burst weighs on two or three intervals
+MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
 
 
 class StepFit:
@@ -145,19 +163,32 @@ class Decision:
 class Planner:
     """Decides once per interval; keeps only the streak of its last proposal (the hysteresis)."""
 
-    def __init__(self, ttft_slo_s: float, itl_slo_s: float, confirm_intervals: int = 2):
+    def __init__(self, ttft_slo_s: float, itl_slo_s: float, confirm_intervals: int = 2, light_load: float = LIGHT_LOAD,
+                 heavy_load: float = HEAVY_LOAD):
         self.ttft_slo_s, self.itl_slo_s, self.confirm_intervals = ttft_slo_s, itl_slo_s, confirm_intervals
+        self.light_load, self.heavy_load = light_load, heavy_load
         self.prefill_fit, self.decode_fit = StepFit(), StepFit()
+        self._rate_sums = (0.0, 0.0)  # (prompt tokens, seconds) of the prefills' steps, decaying as the fits
+        self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
 
-    def decide(self, prefill: RoleLoad, decode: RoleLoad) -> Decision:
-        """This interval's proposal (see the module's docstring); `confirmed` when it should be acted on."""
+    def decide(self, prefill: RoleLoad, decode: RoleLoad, decodes_prefill: bool = False, rejected: int = 0) -> Decision:
+        """This interval's proposal (see the module's docstring); `confirmed` when it should be acted on.
+        `decodes_prefill`: with no prefill, the decodes would prefill every request themselves;
+        `rejected`: the requests the cluster answered 429 (admission) in the interval."""
         self.prefill_fit.add(prefill.work, prefill.step_s, prefill.steps.num_steps)
         self.decode_fit.add(decode.work, decode.step_s, decode.steps.num_steps)
+        decay = self.prefill_fit.decay
+        self._load_sums = (LOAD_DECAY * self._load_sums[0] + prefill.steps.prefill_tokens + decode.steps.prefill_tokens,
+                           LOAD_DECAY * self._load_sums[1] + (prefill.interval_s or decode.interval_s))
+        if prefill.steps.prefill_tokens > 0:
+            self._rate_sums = (decay * self._rate_sums[0] + prefill.steps.prefill_tokens,
+                               decay * self._rate_sums[1] + prefill.steps.wall_s)
         ttft = prefill.step_s * (1 + prefill.steps.waiting / max(prefill.num_servers, 1))
         itl = decode.step_s
-        action, reason, after = self._propose(prefill, decode, ttft, itl)
+        roles = self._propose_roles(prefill, decode, ttft, itl, rejected) if decodes_prefill else None
+        action, reason, after = roles or self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
         self._streak = (action, count)
         confirmed = action is not Action.HOLD and count >= self.confirm_intervals and not self._cooling
@@ -181,6 +212,42 @@ class Planner:
         ttft = step_p * (1 + prefill.steps.waiting / (p + shift))
         itl = self.decode_fit.scaled(decode.work, decode.step_s, d / (d - shift)) if shift else decode.step_s
         return ttft, itl
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens a prefill server computes per second of its steps, over the intervals it ran
+        (older ones decaying); None before MIN_RATE_WALL_S of its steps were seen."""
+        tokens, wall_s = self._rate_sums
+        return tokens / wall_s if wall_s >= MIN_RATE_WALL_S else None
+
+    def prompt_load(self) -> float | None:
+        """Prompt tokens computed per second by every server over one prefill server's rate, over the
+        intervals seen (older ones decaying: a document's burst is one interval's); None before a rate
+        was measured."""
+        tokens, seconds = self._load_sums
+        if not self.prefill_rate or seconds <= 0:
+            return None
+        return tokens / seconds / self.prefill_rate
+
+    def _propose_roles(self, prefill: RoleLoad, decode: RoleLoad, ttft: float, itl: float,
+                       rejected: int) -> tuple[Action, str, tuple[float, float]] | None:
+        """The moves to and from no prefill at all (the decodes prefill locally); None: the usual rules."""
+        p, d = prefill.num_servers, decode.num_servers
+        load = self.prompt_load()
+        if load is None or p > 1 or (p == 0 and d < 2) or (p == 1 and d < 1):
+            return None
+        said = f"prompt load {load:.2f} of one prefill server ({self.prefill_rate:.0f} tokens/s)"
+        if p == 1 and load <= self.light_load and not rejected:
+            return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
+                                              "every server prefills its own requests"), (ttft, itl)
+        if p == 0 and rejected:
+            return Action.DECODE_TO_PREFILL, (f"{rejected} requests answered 429 with no prefill ({said}): a decode "
+                                              "becomes the prefill"), (ttft, itl)
+        if p == 0 and load > self.heavy_load:
+            return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g}: a decode becomes the prefill"), (ttft, itl)
+        if p == 0:
+            return Action.HOLD, f"{said}, no prefill: every server prefills its own requests", (ttft, itl)
+        return None
 
     def _propose(self, prefill: RoleLoad, decode: RoleLoad, ttft: float,
                  itl: float) -> tuple[Action, str, tuple[float, float]]:

@@ -23,6 +23,12 @@ log = structlog.get_logger("disagg.router")
 SWITCH_TIMEOUT_S = 120.0  # a switch waits for its server's accepted work (its --pd-role-switch-timeout-s)
 
 
+def rejected_total(registry: CollectorRegistry) -> float:
+    """The router's 429 answers so far (`smg_http_responses_total{status_code="429"}`: admission turned them away)."""
+    return sum(sample.value for metric in registry.collect() if metric.name == "smg_http_responses"
+               for sample in metric.samples if sample.name.endswith("_total") and sample.labels.get("status_code") == "429")
+
+
 class PlannerMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.servers = Gauge("disagg_planner_servers", "the role mix the planner's last decision leads to",
@@ -52,9 +58,13 @@ class RolePlanner:
     """Reads, decides, exports and (auto) switches every interval until closed."""
 
     def __init__(self, config: PlannerConfig, pool: WorkerPool, session: aiohttp.ClientSession,
-                 registry: CollectorRegistry, timeout_s: float, admin_key: str | None):
+                 registry: CollectorRegistry, timeout_s: float, admin_key: str | None, whole_local: bool = False):
         self.config, self._pool, self._session, self._timeout_s = config, pool, session, timeout_s
         self._admin_key = admin_key
+        self._whole_local = whole_local  # the router sends decodes whole prompts while no prefill serves (cache_aware)
+        self._moved_to_decode: list[str] = []  # the prefills this planner made decodes, latest last
+        self._registry = registry
+        self._rejected = rejected_total(registry)  # the router's 429 answers so far
         self.planner = Planner(config.ttft_slo_ms / 1e3, config.itl_slo_ms / 1e3)
         self.metrics = PlannerMetrics(registry)
         self.last: Decision | None = None
@@ -86,7 +96,8 @@ class RolePlanner:
         loads = {role: await self._role_load(role) for role in Role}
         if any(load is None for load in loads.values()):
             return None
-        decision = self.planner.decide(loads[Role.PREFILL], loads[Role.DECODE])
+        rejected, self._rejected = rejected_total(self._registry) - self._rejected, rejected_total(self._registry)
+        decision = self.planner.decide(loads[Role.PREFILL], loads[Role.DECODE], self._decodes_prefill(), round(rejected))
         self.metrics.record(decision)
         if decision.action is not Action.HOLD or decision != self.last:
             log.info("planner decision", action=decision.action.value, reason=decision.reason,
@@ -95,6 +106,12 @@ class RolePlanner:
         if decision.confirmed and self.config.planner is PlannerMode.AUTO:
             self._switch(decision.action)
         return decision
+
+    def _decodes_prefill(self) -> bool:
+        """With no prefill, would the decodes serve? Our router's cache_aware pick sends whole prompts to
+        the decodes that prefill locally (their --max-local-prefill-tokens); every admitting one must."""
+        loads = [load for load in self._pool.loads(Role.DECODE) if load.eligible]
+        return self._whole_local and bool(loads) and all(load.max_local_prefill_tokens > 0 for load in loads)
 
     async def _role_load(self, role: Role) -> RoleLoad | None:
         """The role's admitting servers' growth since the last read (None: one was read for the first time)."""
@@ -130,7 +147,13 @@ class RolePlanner:
         if not candidates:
             log.warning("planner: no server of the role can switch (--enable-pd-role-switch)", role=str(role))
             return
-        target = min(candidates, key=lambda info: (info.in_flight, info.index))
+        # Back to prefill: the server this planner made a decode last (its engine was sized to prefill).
+        back = {url: i for i, url in enumerate(self._moved_to_decode)} if role is Role.DECODE else {}
+        target = min(candidates, key=lambda info: (-back.get(info.url, -1), info.in_flight, info.index))
+        if role is Role.PREFILL:
+            self._moved_to_decode = [url for url in self._moved_to_decode if url != target.url] + [target.url]
+        elif target.url in back:
+            self._moved_to_decode.remove(target.url)
         self._switching = asyncio.create_task(self._post_switch(target.url, new_role))
 
     async def _post_switch(self, url: str, new_role: Role) -> None:

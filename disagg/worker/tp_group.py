@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 # The EngineCore methods that change its state: what the followers must do too, in rank 0's order.
 MIRRORED = frozenset({"add_request", "abort", "fail", "release", "reserve_for_remote_kv", "admit_remote_kv",
-                      "admit_remote_prefix", "reset_prefix_cache", "sleep", "wake_up", "step"})
+                      "admit_remote_prefix", "reset_prefix_cache", "sleep", "wake_up", "step",
+                      "set_scheduler_limits"})
 
 
 def rank_engine(config: EngineConfig) -> EngineConfig:

@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from disagg.config import ServerConfig
 from disagg.launch import start_server
-from disagg.router.config import PrefillEndpoint, RouterConfig
+from disagg.router.config import PlannerConfig, PrefillEndpoint, RouterConfig
 from disagg.router.server import RouterServer
 from pd_cluster import TINY, Cluster, pd_config, unified_answer
 
@@ -120,4 +120,38 @@ async def test_a_client_cannot_mark_a_request_prefill_here_through_the_router(cl
     assert (status, data["error"]["param"], data["error"]["message"]) == (
         400, "disagg_prefill_here", "disagg_prefill_here asks this decode to prefill the prompt itself: send it without "
         "bootstrap_room and kv_transfer_params (those name a prefill that computes it)")
+    assert await cluster.settled(([96], [96])) == ([96], [96])
+
+
+async def test_the_planner_moves_a_lightly_loaded_last_prefill_to_decode(cluster, unified):
+    """`--planner auto` with cache_aware: the one prefill's prompt load stays far under 0.8 of its rate on
+    the tiny model, so the planner makes it a decode; the answers stay unified's, and then go decode-local."""
+    planned = RouterServer(RouterConfig(
+        port=0, policy="cache_aware", health_check_interval_s=5.0,
+        prefill=(PrefillEndpoint(cluster.prefill_url, cluster.prefill.bootstrap_port),), decode=(cluster.decode_url,),
+        planning=PlannerConfig(planner="auto", planner_interval_s=0.5)))
+    prompts = [prompt_of(f"planned-{i}") for i in range(4)]
+    expected = [(await unified_answer(cluster, unified, p))[0] for p in prompts]
+    await planned.start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline, texts = loop.time() + 20, []
+        while (await roles(cluster, planned))["prefill"]:
+            assert loop.time() < deadline, "the planner moved nothing in 20 s"
+            answers = await asyncio.gather(*(cluster.post(planned.url + "/v1/completions",
+                                                          {"model": "tiny", "prompt": p, **GREEDY}, None) for p in prompts))
+            texts += [d["choices"][0]["text"] for _, d, _ in answers]
+        assert texts == expected * (len(texts) // len(prompts))
+        answers = await asyncio.gather(*(cluster.post(planned.url + "/v1/completions",
+                                                      {"model": "tiny", "prompt": p, **GREEDY}, None) for p in prompts))
+        assert [(d["choices"][0]["text"], h["X-Disagg-Path-Reason"]) for _, d, h in answers] == [
+            (text, "no_prefill_server") for text in expected]
+        async with cluster.session.get(planned.url + "/metrics") as r:
+            metrics = await r.text()
+        assert 'disagg_planner_decisions_total{action="prefill_to_decode",confirmed="true"} 1.0' in metrics
+        assert 'disagg_planner_servers{role="prefill"} 0.0' in metrics
+    finally:
+        await planned.close()
+    status, answer, _ = await cluster.post(cluster.prefill_url + "/pd_role_switch", {"new_role": "prefill"}, None)
+    assert status == 200, answer  # as the other tests found it
     assert await cluster.settled(([96], [96])) == ([96], [96])

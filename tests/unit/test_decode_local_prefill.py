@@ -104,3 +104,30 @@ def test_a_request_marked_prefill_here_is_prefilled_whole_whatever_the_limit(tin
                 tokens[out.request_id] += out.new_token_ids
         assert [len(t) for t in tokens.values()] == [4, 4]
         assert core.kv.num_free_blocks == core.num_blocks
+
+
+def test_requests_sent_whole_run_under_a_unified_servers_limits(tiny_loaded):
+    """A decode with 2 seqs and 4 prompt tokens a step beside KV from a prefill: requests sent whole run
+    3 at once (--whole-max-num-seqs) with no per-step prompt cap; a request with a room restores 2 and 4;
+    closing the role (a role switch) hands the engine on with its own limits."""
+    core = engine(tiny_loaded, max_seqs=2)
+    core.set_scheduler_limits(2, 4)
+    role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", decode=DecodeConfig(
+        max_local_prefill_tokens=16, whole_max_num_seqs=3)))
+    limits = lambda: (core.scheduler.config.max_num_seqs, core.scheduler.config.max_prefill_tokens_per_step)  # noqa: E731
+    for i in range(3):
+        assert asyncio.run(role.submit(GenerateMsg(f"w{i}", alone("w", [1]).sampling, prompt_token_ids=list(range(
+            40 + 10 * i, 50 + 10 * i)), disagg_prefill_here=True))) == []
+    assert limits() == (3, 0)
+    step = core.step()
+    assert sorted(out.request_id for out in step) == ["w0", "w1", "w2"]  # 30 prompt tokens in one step, 3 running
+    asyncio.run(role.submit(GenerateMsg("short", alone("short", [1]).sampling, prompt_token_ids=list(range(40, 44)))))
+    assert limits() == (2, 4)  # a short rest beside a prefill: the decode's own limits
+    while core.has_unfinished():
+        core.step()
+    assert core.kv.num_free_blocks == core.num_blocks
+    asyncio.run(role.submit(GenerateMsg("again", alone("again", [1]).sampling, prompt_token_ids=[5, 6],
+                                        disagg_prefill_here=True)))
+    assert limits() == (3, 0)
+    role._schedule_as(role._own_limits)  # what close() does first
+    assert limits() == (2, 4)

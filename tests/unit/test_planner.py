@@ -85,3 +85,65 @@ def test_the_decode_fit_learns_a_fixed_cost_a_step_and_predicts_a_spread_batch_f
     planner.decode_fit = fit
     decision = planner.decide(load(2, 10, 0.5), load(1, 40, 4.0, decode_seqs=640))  # 16 a step, 100 ms
     assert (decision.action, round(decision.predicted_itl_s, 9)) == (Action.PREFILL_TO_DECODE, 0.06)
+
+
+def test_while_the_decodes_prefill_the_last_prefill_follows_the_prompt_load():
+    """The one prefill computed 400 prompt tokens per second of its steps; the prompt load is every
+    server's prompt tokens per second over that rate, the sums halving an interval. At most 0.8: the
+    prefill becomes a decode (the decodes prefill every request then); with no prefill, past 1.3: a
+    decode becomes the prefill."""
+    planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
+    # 5 s: the prefill stepped 3 s for 1200 tokens (400/s), the decode prefilled 400 itself: (1600 / 5) / 400 = 0.8.
+    light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
+    reason = ("prompt load 0.80 of one prefill server (400 tokens/s), at most 0.8: the prefill becomes a decode, "
+              "every server prefills its own requests")
+    assert planner.decide(*light, decodes_prefill=True) == Decision(
+        Action.PREFILL_TO_DECODE, reason, 0.1, 0.04, 0, 2, False, 0.1, 0.04)
+    assert planner.decide(*light, decodes_prefill=True).confirmed is True
+    assert planner.prompt_load() == 0.8
+    # Without decodes that prefill locally the one prefill stays, as before.
+    assert Planner(1.5, 0.06).decide(*light).action is Action.HOLD
+    # No prefill now: 2000 tokens in 5 s (1.0 of the rate) twice; then 3000 (1.5) three times.
+    steady = (load(0, 0, 0.0), load(2, 200, 9.0, prefill_tokens=2000, decode_seqs=600))
+    heavy = (load(0, 0, 0.0), load(2, 200, 9.6, prefill_tokens=3000, decode_seqs=600))
+    decisions = [planner.decide(*loads, decodes_prefill=True) for loads in (steady, steady, heavy, heavy, heavy)]
+    assert [(d.action, d.confirmed, d.num_prefill, d.num_decode) for d in decisions] == [
+        (Action.HOLD, False, 0, 2), (Action.HOLD, False, 0, 2), (Action.HOLD, False, 0, 2),
+        (Action.DECODE_TO_PREFILL, False, 1, 1), (Action.DECODE_TO_PREFILL, True, 1, 1)]
+    assert [d.reason.partition(" of")[0] for d in decisions] == [
+        "prompt load 0.91", "prompt load 0.96", "prompt load 1.24", "prompt load 1.37", "prompt load 1.44"]
+    assert decisions[0].reason == ("prompt load 0.91 of one prefill server (400 tokens/s), no prefill: every "
+                                   "server prefills its own requests")
+    assert decisions[3].reason == ("prompt load 1.37 of one prefill server (400 tokens/s), over 1.3: a decode becomes "
+                                   "the prefill")
+    assert planner.prefill_rate == 400  # an interval without prefill steps keeps the rate
+
+
+def test_no_rate_no_move_to_or_from_no_prefill():
+    """Before 0.1 s of prefill steps were seen (the sums decay by 0.8 an interval) the usual rules hold;
+    a move that would leave no decode, or two prefills, follows them too."""
+    planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
+    idle = (load(1, 5, 0.05, prefill_tokens=100), load(1, 40, 1.0))
+    assert (planner.decide(*idle, decodes_prefill=True).reason, planner.prefill_rate) == (
+        "TTFT 10 ms and ITL 25 ms against 1500 and 60 ms: no move pays", None)
+    planner.decide(load(1, 6, 0.06, prefill_tokens=120), load(1, 40, 1.0), decodes_prefill=True)
+    assert round(planner.prefill_rate, 6) == 2000.0  # (0.8 x 100 + 120) tokens / (0.8 x 0.05 + 0.06) s
+    two = planner.decide(load(2, 10, 1.0, prefill_tokens=500), load(1, 40, 1.0), decodes_prefill=True)
+    assert two.reason == "TTFT 100 ms and ITL 25 ms against 1500 and 60 ms: no move pays"
+    lone = planner.decide(load(0, 0, 0.0), load(1, 40, 1.0, prefill_tokens=5000), decodes_prefill=True)
+    assert (lone.action, lone.reason) == (Action.HOLD, "TTFT 0 ms and ITL 25 ms against 1500 and 60 ms: no move pays")
+
+
+def test_requests_turned_away_keep_or_bring_back_the_prefill():
+    """A 429 in the interval (admission turned requests away: past capacity) keeps the one prefill in its
+    role however light its prompt load, and with no prefill brings one back however light the load."""
+    planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
+    light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
+    kept = planner.decide(*light, decodes_prefill=True, rejected=3)
+    assert (kept.action, kept.reason) == (Action.HOLD, "TTFT 100 ms and ITL 40 ms against 1500 and 60 ms: no move pays")
+    assert planner.decide(*light, decodes_prefill=True).action is Action.PREFILL_TO_DECODE
+    none = (load(0, 0, 0.0), load(2, 200, 9.0, prefill_tokens=400, decode_seqs=600))
+    back = planner.decide(*none, decodes_prefill=True, rejected=2)
+    assert (back.action, back.num_prefill, back.num_decode) == (Action.DECODE_TO_PREFILL, 1, 1)
+    assert back.reason == ("2 requests answered 429 with no prefill (prompt load 0.46 of one prefill server "
+                           "(400 tokens/s)): a decode becomes the prefill")

@@ -18,11 +18,14 @@ is predicted to stay within its objective; else it holds. A proposal is confirme
 While the decodes prefill locally (`decodes_prefill`: our router sends them whole prompts when no
 prefill serves) the last prefill may leave its role too, as the load decides: the prompt tokens
 computed per second, by every server, over what one prefill server computes per second of its steps
-(both over the intervals seen, older ones decaying: the load by half an interval, the rate by 0.8). At most `light_load` (its spare time is worth more
-running requests end to end) and no request was turned away (429), the one prefill becomes a decode
-and every server prefills its own requests; with no prefill, once requests are turned away or past
-`heavy_load` (the decodes' steps fill with prompts, and the decoding requests beside them slow), a
-decode becomes the prefill again: past capacity P/D keeps what it admits within the objectives.
+(both over the intervals seen, older ones decaying: the load's sums by half an interval, the rate's
+by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running requests
+end to end), the one prefill becomes a decode and every server prefills its own requests; with no
+prefill, once requests are turned away (429) or past `heavy_load` (the decodes' steps fill with
+prompts, and the decoding requests beside them slow), a decode becomes the prefill again: past
+capacity P/D keeps what it admits within the objectives. Each such return doubles the proposals in
+a row the next move to no prefill needs (up to 16 intervals; reset after 6 calm ones with no
+prefill), so a load past capacity stays with P/D instead of flapping.
 """
 
 from __future__ import annotations
@@ -73,10 +76,13 @@ def parse_step_sums(metrics_text: str) -> StepSums:
 
 
 # The moves to and from no prefill (see the module's docstring), in prompt tokens per second over one
-# prefill server's rate: below LIGHT_LOAD its core serves more running whole requests; past HEAVY_LOAD
-# the decodes' steps fill with prompts. docs/benchmarks.md ("Roles that follow the load") has the figures.
-LIGHT_LOAD = 0.8
+# prefill server's rate: up to LIGHT_LOAD (the prefill is not saturated) its core serves more running
+# whole requests; past HEAVY_LOAD the decodes' steps fill with prompts. docs/benchmarks.md ("Roles that
+# follow the load") has the figures.
+LIGHT_LOAD = 1.0
 HEAVY_LOAD = 1.3
+MAX_TO_NO_PREFILL_INTERVALS = 16  # a move to no prefill after repeated overloads waits at most this many intervals
+CALM_INTERVALS = 6  # with no prefill and no move this long, the next move to no prefill needs confirm_intervals again
 LOAD_DECAY = 0.5  # the prompt load's sums an interval: a document's burst weighs on two or three intervals
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
 
@@ -172,6 +178,8 @@ class Planner:
         self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
+        self.to_no_prefill_intervals = confirm_intervals  # proposals in a row a move to no prefill needs now
+        self._calm = 0  # intervals in a row with no prefill and no move
 
     def decide(self, prefill: RoleLoad, decode: RoleLoad, decodes_prefill: bool = False, rejected: int = 0) -> Decision:
         """This interval's proposal (see the module's docstring); `confirmed` when it should be acted on.
@@ -191,10 +199,13 @@ class Planner:
         action, reason, after = roles or self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
         self._streak = (action, count)
-        confirmed = action is not Action.HOLD and count >= self.confirm_intervals and not self._cooling
+        to_none = roles is not None and action is Action.PREFILL_TO_DECODE  # to no prefill: it may have to wait longer
+        needed = self.to_no_prefill_intervals if to_none else self.confirm_intervals
+        confirmed = action is not Action.HOLD and count >= needed and not self._cooling
         self._cooling = confirmed
         if confirmed:
             self._streak = (Action.HOLD, 0)
+        self._back_off(roles is not None, action, confirmed, prefill.num_servers)
         shift = {Action.HOLD: 0, Action.PREFILL_TO_DECODE: -1, Action.DECODE_TO_PREFILL: 1}[action]
         return Decision(action, reason, ttft, itl, prefill.num_servers + shift, decode.num_servers - shift, confirmed,
                         *after)
@@ -213,6 +224,20 @@ class Planner:
         itl = self.decode_fit.scaled(decode.work, decode.step_s, d / (d - shift)) if shift else decode.step_s
         return ttft, itl
 
+    def _back_off(self, by_roles: bool, action: Action, confirmed: bool, num_prefill: int) -> None:
+        """A prefill brought back (requests turned away with none) doubles the intervals the next move
+        to no prefill must be proposed in a row, up to MAX_TO_NO_PREFILL_INTERVALS, so a load past
+        capacity does not flap between the two; CALM_INTERVALS with no prefill and no move reset them."""
+        if by_roles and confirmed and action is Action.DECODE_TO_PREFILL:
+            self.to_no_prefill_intervals = min(2 * self.to_no_prefill_intervals, MAX_TO_NO_PREFILL_INTERVALS)
+            self._calm = 0
+        elif num_prefill == 0 and action is Action.HOLD:
+            self._calm += 1
+            if self._calm >= CALM_INTERVALS:
+                self.to_no_prefill_intervals = self.confirm_intervals
+        else:
+            self._calm = 0
+
     @property
     def prefill_rate(self) -> float | None:
         """Prompt tokens a prefill server computes per second of its steps, over the intervals it ran
@@ -222,8 +247,8 @@ class Planner:
 
     def prompt_load(self) -> float | None:
         """Prompt tokens computed per second by every server over one prefill server's rate, over the
-        intervals seen (older ones decaying: a document's burst is one interval's); None before a rate
-        was measured."""
+        intervals seen (older ones decaying by LOAD_DECAY, so a document's burst weighs on two or three);
+        None before a rate was measured."""
         tokens, seconds = self._load_sums
         if not self.prefill_rate or seconds <= 0:
             return None
@@ -237,7 +262,7 @@ class Planner:
         if load is None or p > 1 or (p == 0 and d < 2) or (p == 1 and d < 1):
             return None
         said = f"prompt load {load:.2f} of one prefill server ({self.prefill_rate:.0f} tokens/s)"
-        if p == 1 and load <= self.light_load and not rejected:
+        if p == 1 and load <= self.light_load:
             return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
         if p == 0 and rejected:

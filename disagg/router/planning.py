@@ -96,7 +96,8 @@ class RolePlanner:
         loads = {role: await self._role_load(role) for role in Role}
         if any(load is None for load in loads.values()):
             return None
-        rejected, self._rejected = rejected_total(self._registry) - self._rejected, rejected_total(self._registry)
+        now = rejected_total(self._registry)
+        rejected, self._rejected = now - self._rejected, now
         decision = self.planner.decide(loads[Role.PREFILL], loads[Role.DECODE], self._decodes_prefill(), round(rejected))
         self.metrics.record(decision)
         if decision.action is not Action.HOLD or decision != self.last:

@@ -17,9 +17,12 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 class SwitchableFake:
     """A server with --enable-pd-role-switch: each /metrics read adds `steps` steps of `step_s` each."""
 
-    def __init__(self, mode: str, steps: int, step_s: float):
+    def __init__(self, mode: str, steps: int, step_s: float, tokens_per_step: int = 0, local_limit: int = 0):
         self.mode, self.steps, self.step_s = mode, steps, step_s
-        self.count = self.wall = 0.0
+        self.tokens_per_step, self.local_limit = tokens_per_step, local_limit  # prompt tokens a step; a decode's limit
+        self.count = self.wall = self.tokens = 0.0
+        self.generate_status = 200  # what /v1/completions answers (429: admission turns it away)
+        self.generate_bodies: list[dict] = []
         self.switches: list[dict] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -30,6 +33,7 @@ class SwitchableFake:
         app.router.add_get("/server_info", self._server_info)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/pd_role_switch", self._switch)
+        app.router.add_post("/v1/completions", self._completions)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -40,14 +44,26 @@ class SwitchableFake:
         return web.Response(status=200)
 
     async def _server_info(self, request):
-        return web.json_response({"dp_size": 1, "disaggregation_mode": self.mode, "pd_role_epoch": len(self.switches)})
+        info = {"dp_size": 1, "disaggregation_mode": self.mode, "pd_role_epoch": len(self.switches)}
+        if self.mode == "decode" and self.local_limit:
+            info["max_local_prefill_tokens"] = self.local_limit
+        return web.json_response(info)
 
     async def _metrics(self, request):
         self.count += self.steps
         self.wall += self.steps * self.step_s
+        self.tokens += self.steps * self.tokens_per_step
         return web.Response(text=f'disagg_engine_step_seconds_count{{dp_rank="0"}} {self.count}\n'
                                  f'disagg_engine_step_seconds_sum{{dp_rank="0"}} {self.wall}\n'
+                                 f'disagg_engine_step_prefill_tokens_sum{{dp_rank="0"}} {self.tokens}\n'
                                  'disagg_engine_step_waiting{dp_rank="0"} 0.0\n')
+
+    async def _completions(self, request):
+        self.generate_bodies.append(await request.json())
+        if self.generate_status == 429:
+            return web.json_response({"error": {"message": "too many requests waiting", "type": "RateLimitError",
+                                                "param": None, "code": 429}}, status=429)
+        return web.json_response({"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
 
     async def _switch(self, request):
         body = await request.json()
@@ -100,3 +116,48 @@ async def test_auto_switches_one_prefill_to_decode_and_the_router_follows():
     assert sorted(w["url"] for w in workers["decode"] if not w.get("draining")) == sorted([prefills[0].url, decode.url])
     assert [w["url"] for w in workers["prefill"] if not w.get("draining")] == [prefills[1].url]
     assert 'disagg_planner_decisions_total{action="prefill_to_decode",confirmed="true"} 1.0' in metrics
+
+
+async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_are_turned_away():
+    """cache_aware with decodes that prefill locally: the one prefill steps half the time (a prompt load
+    of 0.5, at most 1), so auto makes it a decode and requests go whole to the decodes
+    (disagg_prefill_here); once the decodes answer 429, the router's 429s bring back the prefill: the
+    server it made a decode, not the other."""
+    prefill = SwitchableFake("prefill", 2, 0.05, tokens_per_step=100, local_limit=192)  # 0.1 s of each 0.2 s
+    decode = SwitchableFake("decode", 20, 0.02, local_limit=192)
+    for fake in (prefill, decode):
+        await fake.start()
+    config = RouterConfig(host="127.0.0.1", port=0, policy="cache_aware", health_check_interval_s=0.2,
+                          role_poll_interval_s=0.1, prefill=(PrefillEndpoint(prefill.url, 8998),), decode=(decode.url,),
+                          planning=PlannerConfig(planner="auto", planner_interval_s=0.2))
+    body = {"model": "m", "prompt": "Hello there " * 100, "max_tokens": 4}
+    try:
+        async with RouterServer(config) as router, aiohttp.ClientSession() as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while not prefill.switches:
+                assert loop.time() < deadline, "the planner moved nothing in 10 s"
+                await asyncio.sleep(0.05)
+            assert prefill.switches == [{"new_role": "decode"}]
+            while prefill.url not in [w["url"] for w in (await (await http.get(router.url + "/workers")).json())["decode"]]:
+                assert loop.time() < deadline, "the router did not follow the switch"
+                await asyncio.sleep(0.05)
+            async with http.post(router.url + "/v1/completions", json=body) as r:
+                assert (r.status, r.headers["X-Disagg-Path-Reason"]) == (200, "no_prefill_server")
+            sent = prefill.generate_bodies + decode.generate_bodies
+            assert [b.get("disagg_prefill_here") for b in sent] == [True]
+            prefill.generate_status = decode.generate_status = 429
+            while len(prefill.switches) < 2:
+                assert loop.time() < deadline + 10, "no 429 brought the prefill back"
+                async with http.post(router.url + "/v1/completions", json=body) as r:
+                    assert r.status == 429
+                await asyncio.sleep(0.05)
+            assert (prefill.switches, decode.switches) == ([{"new_role": "decode"}, {"new_role": "prefill"}], [])
+            async with http.get(router.url + "/metrics") as r:
+                metrics = await r.text()
+            assert 'disagg_planner_decisions_total{action="decode_to_prefill",confirmed="true"} 1.0' in metrics
+            reasons = [line for line in lines(metrics, "disagg_planner_last_decision{")]
+            assert len(reasons) == 1 and "answered 429 with no prefill" in reasons[0]
+    finally:
+        for fake in (prefill, decode):
+            await fake.runner.cleanup()

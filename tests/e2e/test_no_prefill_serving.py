@@ -124,7 +124,7 @@ async def test_a_client_cannot_mark_a_request_prefill_here_through_the_router(cl
 
 
 async def test_the_planner_moves_a_lightly_loaded_last_prefill_to_decode(cluster, unified):
-    """`--planner auto` with cache_aware: the one prefill's prompt load stays far under 0.8 of its rate on
+    """`--planner auto` with cache_aware: the one prefill's prompt load stays far under 1 (its rate) on
     the tiny model, so the planner makes it a decode; the answers stay unified's, and then go decode-local."""
     planned = RouterServer(RouterConfig(
         port=0, policy="cache_aware", health_check_interval_s=5.0,

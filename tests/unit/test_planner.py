@@ -89,13 +89,13 @@ def test_the_decode_fit_learns_a_fixed_cost_a_step_and_predicts_a_spread_batch_f
 
 def test_while_the_decodes_prefill_the_last_prefill_follows_the_prompt_load():
     """The one prefill computed 400 prompt tokens per second of its steps; the prompt load is every
-    server's prompt tokens per second over that rate, the sums halving an interval. At most 0.8: the
+    server's prompt tokens per second over that rate, the sums halving an interval. At most 1: the
     prefill becomes a decode (the decodes prefill every request then); with no prefill, past 1.3: a
     decode becomes the prefill."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     # 5 s: the prefill stepped 3 s for 1200 tokens (400/s), the decode prefilled 400 itself: (1600 / 5) / 400 = 0.8.
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
-    reason = ("prompt load 0.80 of one prefill server (400 tokens/s), at most 0.8: the prefill becomes a decode, "
+    reason = ("prompt load 0.80 of one prefill server (400 tokens/s), at most 1: the prefill becomes a decode, "
               "every server prefills its own requests")
     assert planner.decide(*light, decodes_prefill=True) == Decision(
         Action.PREFILL_TO_DECODE, reason, 0.1, 0.04, 0, 2, False, 0.1, 0.04)
@@ -134,16 +134,30 @@ def test_no_rate_no_move_to_or_from_no_prefill():
     assert (lone.action, lone.reason) == (Action.HOLD, "TTFT 0 ms and ITL 25 ms against 1500 and 60 ms: no move pays")
 
 
-def test_requests_turned_away_keep_or_bring_back_the_prefill():
-    """A 429 in the interval (admission turned requests away: past capacity) keeps the one prefill in its
-    role however light its prompt load, and with no prefill brings one back however light the load."""
+def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
+    """With no prefill, a 429 in the interval (admission turned requests away: past capacity) brings a
+    prefill back however light the load; the next move to no prefill then needs 4 proposals in a row,
+    then 8; 6 calm intervals with no prefill make it 2 again."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
-    kept = planner.decide(*light, decodes_prefill=True, rejected=3)
-    assert (kept.action, kept.reason) == (Action.HOLD, "TTFT 100 ms and ITL 40 ms against 1500 and 60 ms: no move pays")
-    assert planner.decide(*light, decodes_prefill=True).action is Action.PREFILL_TO_DECODE
     none = (load(0, 0, 0.0), load(2, 200, 9.0, prefill_tokens=400, decode_seqs=600))
+
+    def confirmed_after(loads, rejected: int = 0) -> int:
+        for n in range(1, 20):
+            decision = planner.decide(*loads, decodes_prefill=True, rejected=rejected)
+            if decision.confirmed:
+                return n
+        raise AssertionError("never confirmed")
+
+    assert (confirmed_after(light), planner.to_no_prefill_intervals) == (2, 2)
     back = planner.decide(*none, decodes_prefill=True, rejected=2)
-    assert (back.action, back.num_prefill, back.num_decode) == (Action.DECODE_TO_PREFILL, 1, 1)
+    assert (back.action, back.confirmed, back.num_prefill, back.num_decode) == (Action.DECODE_TO_PREFILL, False, 1, 1)
     assert back.reason == ("2 requests answered 429 with no prefill (prompt load 0.46 of one prefill server "
                            "(400 tokens/s)): a decode becomes the prefill")
+    assert planner.decide(*none, decodes_prefill=True, rejected=1).confirmed is True
+    assert planner.to_no_prefill_intervals == 4
+    assert confirmed_after(light) == 4  # 4 in a row (the first, right after the move, would not act anyway)
+    assert confirmed_after(none, rejected=1) == 2 and planner.to_no_prefill_intervals == 8
+    assert confirmed_after(light) == 8
+    calm = [planner.decide(*none, decodes_prefill=True).action for _ in range(6)]
+    assert calm == [Action.HOLD] * 6 and planner.to_no_prefill_intervals == 2

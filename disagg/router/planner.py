@@ -21,8 +21,8 @@ computed per second, by every server, over what one prefill server computes per 
 (both over the intervals seen, older ones decaying: the load's sums by half an interval, the rate's
 by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running requests
 end to end), the one prefill becomes a decode and every server prefills its own requests; with no
-prefill, once requests are turned away (429) or past `heavy_load` (the decodes' steps fill with
-prompts, and the decoding requests beside them slow), a decode becomes the prefill again: past
+prefill, once requests are turned away (429) or past `heavy_load` a decode (the decodes' steps fill
+with prompts, and the decoding requests beside them slow), a decode becomes the prefill again: past
 capacity P/D keeps what it admits within the objectives. Each such return doubles the proposals in
 a row the next move to no prefill needs (up to 16 intervals; reset after 6 calm ones with no
 prefill), so a load past capacity stays with P/D instead of flapping.
@@ -80,7 +80,7 @@ def parse_step_sums(metrics_text: str) -> StepSums:
 # whole requests; past HEAVY_LOAD the decodes' steps fill with prompts. docs/benchmarks.md ("Roles that
 # follow the load") has the figures.
 LIGHT_LOAD = 1.0
-HEAVY_LOAD = 1.3
+HEAVY_LOAD = 0.9  # a server: with no prefill, d decodes prefill up to d times one prefill's rate
 MAX_TO_NO_PREFILL_INTERVALS = 16  # a move to no prefill after repeated overloads waits at most this many intervals
 CALM_INTERVALS = 6  # with no prefill and no move this long, the next move to no prefill needs confirm_intervals again
 LOAD_DECAY = 0.5  # the prompt load's sums an interval: a document's burst weighs on two or three intervals
@@ -268,8 +268,9 @@ class Planner:
         if p == 0 and rejected:
             return Action.DECODE_TO_PREFILL, (f"{rejected} requests answered 429 with no prefill ({said}): a decode "
                                               "becomes the prefill"), (ttft, itl)
-        if p == 0 and load > self.heavy_load:
-            return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g}: a decode becomes the prefill"), (ttft, itl)
+        if p == 0 and load > self.heavy_load * d:
+            return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g} a server: a decode becomes the "
+                                              "prefill"), (ttft, itl)
         if p == 0:
             return Action.HOLD, f"{said}, no prefill: every server prefills its own requests", (ttft, itl)
         return None

@@ -90,8 +90,8 @@ def test_the_decode_fit_learns_a_fixed_cost_a_step_and_predicts_a_spread_batch_f
 def test_while_the_decodes_prefill_the_last_prefill_follows_the_prompt_load():
     """The one prefill computed 400 prompt tokens per second of its steps; the prompt load is every
     server's prompt tokens per second over that rate, the sums halving an interval. At most 1: the
-    prefill becomes a decode (the decodes prefill every request then); with no prefill, past 1.3: a
-    decode becomes the prefill."""
+    prefill becomes a decode (the decodes prefill every request then); with no prefill, past 0.9 a
+    decode (1.8 for two): a decode becomes the prefill."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     # 5 s: the prefill stepped 3 s for 1200 tokens (400/s), the decode prefilled 400 itself: (1600 / 5) / 400 = 0.8.
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
@@ -103,19 +103,19 @@ def test_while_the_decodes_prefill_the_last_prefill_follows_the_prompt_load():
     assert planner.prompt_load() == 0.8
     # Without decodes that prefill locally the one prefill stays, as before.
     assert Planner(1.5, 0.06).decide(*light).action is Action.HOLD
-    # No prefill now: 2000 tokens in 5 s (1.0 of the rate) twice; then 3000 (1.5) three times.
+    # No prefill now: 2000 tokens in 5 s (1.0 of the rate) twice; then 4400 (2.2) three times.
     steady = (load(0, 0, 0.0), load(2, 200, 9.0, prefill_tokens=2000, decode_seqs=600))
-    heavy = (load(0, 0, 0.0), load(2, 200, 9.6, prefill_tokens=3000, decode_seqs=600))
+    heavy = (load(0, 0, 0.0), load(2, 200, 9.6, prefill_tokens=4400, decode_seqs=600))
     decisions = [planner.decide(*loads, decodes_prefill=True) for loads in (steady, steady, heavy, heavy, heavy)]
     assert [(d.action, d.confirmed, d.num_prefill, d.num_decode) for d in decisions] == [
         (Action.HOLD, False, 0, 2), (Action.HOLD, False, 0, 2), (Action.HOLD, False, 0, 2),
         (Action.DECODE_TO_PREFILL, False, 1, 1), (Action.DECODE_TO_PREFILL, True, 1, 1)]
     assert [d.reason.partition(" of")[0] for d in decisions] == [
-        "prompt load 0.91", "prompt load 0.96", "prompt load 1.24", "prompt load 1.37", "prompt load 1.44"]
+        "prompt load 0.91", "prompt load 0.96", "prompt load 1.60", "prompt load 1.90", "prompt load 2.05"]
     assert decisions[0].reason == ("prompt load 0.91 of one prefill server (400 tokens/s), no prefill: every "
                                    "server prefills its own requests")
-    assert decisions[3].reason == ("prompt load 1.37 of one prefill server (400 tokens/s), over 1.3: a decode becomes "
-                                   "the prefill")
+    assert decisions[3].reason == ("prompt load 1.90 of one prefill server (400 tokens/s), over 0.9 a server: a decode "
+                                   "becomes the prefill")
     assert planner.prefill_rate == 400  # an interval without prefill steps keeps the rate
 
 

@@ -21,9 +21,10 @@ computed per second, by every server, over what one prefill server computes per 
 (both over the intervals seen, older ones decaying: the load's sums by half an interval, the rate's
 by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running requests
 end to end), the one prefill becomes a decode and every server prefills its own requests; with no
-prefill, once requests are turned away (429) or past `heavy_load` a decode (the decodes' steps fill
-with prompts, and the decoding requests beside them slow), a decode becomes the prefill again: past
-capacity P/D keeps what it admits within the objectives. Each such return doubles the proposals in
+prefill, once requests are turned away (the router's 429s an interval, decaying as the load's sums,
+at least one) or past `heavy_load` a decode (the decodes' steps fill with prompts, and the decoding
+requests beside them slow), a decode becomes the prefill again: past capacity P/D keeps what it
+admits within the objectives. Each such return doubles the proposals in
 a row the next move to no prefill needs (up to 16 intervals; reset after 6 calm ones with no
 prefill), so a load past capacity stays with P/D instead of flapping.
 """
@@ -176,6 +177,7 @@ class Planner:
         self.prefill_fit, self.decode_fit = StepFit(), StepFit()
         self._rate_sums = (0.0, 0.0)  # (prompt tokens, seconds) of the prefills' steps, decaying as the fits
         self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
+        self._rejected_sum = 0.0  # the router's 429s an interval, decaying as the load's sums
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
         self.to_no_prefill_intervals = confirm_intervals  # proposals in a row a move to no prefill needs now
@@ -188,6 +190,7 @@ class Planner:
         self.prefill_fit.add(prefill.work, prefill.step_s, prefill.steps.num_steps)
         self.decode_fit.add(decode.work, decode.step_s, decode.steps.num_steps)
         decay = self.prefill_fit.decay
+        self._rejected_sum = LOAD_DECAY * self._rejected_sum + rejected  # one burst weighs on two or three intervals
         self._load_sums = (LOAD_DECAY * self._load_sums[0] + prefill.steps.prefill_tokens + decode.steps.prefill_tokens,
                            LOAD_DECAY * self._load_sums[1] + (prefill.interval_s or decode.interval_s))
         if prefill.steps.prefill_tokens > 0:
@@ -265,9 +268,9 @@ class Planner:
         if p == 1 and load <= self.light_load:
             return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
-        if p == 0 and rejected:
-            return Action.DECODE_TO_PREFILL, (f"{rejected} requests answered 429 with no prefill ({said}): a decode "
-                                              "becomes the prefill"), (ttft, itl)
+        if p == 0 and self._rejected_sum >= 1:
+            return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({self._rejected_sum:.1f} an interval lately; "
+                                              f"{said}): a decode becomes the prefill"), (ttft, itl)
         if p == 0 and load > self.heavy_load * d:
             return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g} a server: a decode becomes the "
                                               "prefill"), (ttft, itl)

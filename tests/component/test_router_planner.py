@@ -157,7 +157,7 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
                 metrics = await r.text()
             assert 'disagg_planner_decisions_total{action="decode_to_prefill",confirmed="true"} 1.0' in metrics
             reasons = [line for line in lines(metrics, "disagg_planner_last_decision{")]
-            assert len(reasons) == 1 and "answered 429 with no prefill" in reasons[0]
+            assert len(reasons) == 1 and "429s with no prefill" in reasons[0]
     finally:
         for fake in (prefill, decode):
             await fake.runner.cleanup()

@@ -135,8 +135,8 @@ def test_no_rate_no_move_to_or_from_no_prefill():
 
 
 def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
-    """With no prefill, a 429 in the interval (admission turned requests away: past capacity) brings a
-    prefill back however light the load; the next move to no prefill then needs 4 proposals in a row,
+    """With no prefill, 429s (admission turned requests away: past capacity; at least one an interval,
+    the counts halving) bring a prefill back however light the load; one 429 alone does not; the next move to no prefill then needs 4 proposals in a row,
     then 8; 6 calm intervals with no prefill make it 2 again."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
@@ -152,7 +152,7 @@ def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twi
     assert (confirmed_after(light), planner.to_no_prefill_intervals) == (2, 2)
     back = planner.decide(*none, decodes_prefill=True, rejected=2)
     assert (back.action, back.confirmed, back.num_prefill, back.num_decode) == (Action.DECODE_TO_PREFILL, False, 1, 1)
-    assert back.reason == ("2 requests answered 429 with no prefill (prompt load 0.46 of one prefill server "
+    assert back.reason == ("429s with no prefill (2.0 an interval lately; prompt load 0.46 of one prefill server "
                            "(400 tokens/s)): a decode becomes the prefill")
     assert planner.decide(*none, decodes_prefill=True, rejected=1).confirmed is True
     assert planner.to_no_prefill_intervals == 4
@@ -161,3 +161,5 @@ def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twi
     assert confirmed_after(light) == 8
     calm = [planner.decide(*none, decodes_prefill=True).action for _ in range(6)]
     assert calm == [Action.HOLD] * 6 and planner.to_no_prefill_intervals == 2
+    once = [planner.decide(*none, decodes_prefill=True, rejected=r).action for r in (1, 0, 0)]
+    assert once == [Action.DECODE_TO_PREFILL, Action.HOLD, Action.HOLD]  # 1, then 0.5: never twice in a row

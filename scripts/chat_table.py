@@ -2,8 +2,9 @@
 
     python scripts/chat_table.py --dir bench-out/defaults --rates 0.5 1 1.5 2
 
-Per rate, one row per server (`unified`, `unified-limits`, `serve`): good / sent / offered turns,
-goodput, TTFT p50 and p99, TPOT p99, ITL p99; serve's goodput against the better unified run and its
+Per rate, one row per server (`unified`, `unified-limits`, `serve`, and any `--labels` more, e.g. a
+`SERVE_LABEL` run): good / sent / offered turns, goodput, TTFT p50 and p99, TPOT p99, ITL p99; the
+goodput of serve (and of those labels) against the better unified run, serve's
 ITL p99 against the plain unified run's, and its KV moved per later turn (scripts/kv_per_turn.py, the
 model's KV at `--bytes-per-token`, SmolLM2-135M in float32 by default).
 """
@@ -32,19 +33,20 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--rates", nargs="+", required=True)
     parser.add_argument("--bytes-per-token", type=int, default=46080)
+    parser.add_argument("--labels", nargs="*", default=[], help="more runs' labels (bench_chat_defaults.sh's SERVE_LABEL)")
     args = parser.parse_args()
     print("| rate | server | good / sent / offered | goodput | TTFT p50 | TTFT p99 | TPOT p99 | ITL p99 |")
     print("|---|---|---|---|---|---|---|---|")
     notes = []
     for rate in args.rates:
         reports = {}
-        for label in SERVERS:
+        for label in (*SERVERS, *args.labels):
             path = os.path.join(args.dir, f"{label}-{rate}.json")
             if os.path.exists(path):
                 reports[label] = json.load(open(path))
         best = max((reports[u]["goodput"] for u in ("unified", "unified-limits") if u in reports), default=0.0)
         for label, r in reports.items():
-            extra = f" ({r['goodput'] / best:.2f}x)" if label == "serve" and best else ""
+            extra = f" ({r['goodput'] / best:.2f}x)" if not label.startswith("unified") and best else ""
             print(row(rate, label, r, extra))
         if "serve" in reports and "unified" in reports:
             itl = reports["serve"]["itl"]["p99_ms"] / reports["unified"]["itl"]["p99_ms"]

@@ -97,7 +97,8 @@ class Router:
                            self.drain, self.metrics)
         await self.health.start()
         self.planner = RolePlanner(cfg.planning, self.pool, self.session, self.metrics.registry,
-                                   cfg.health_check_timeout_s, admin_key(), whole_local=cfg.policy is Policy.CACHE_AWARE)
+                                   cfg.health_check_timeout_s, admin_key(),
+                                   whole_local=cfg.policy is Policy.CACHE_AWARE)
         self.planner.start()
         if self.kv_index is not None:
             self.kv_events = KVEventSubscriber(self.kv_index, on_batch=self.metrics.kv_event_batches.inc)

@@ -142,12 +142,10 @@ class DecodePicker:
         self.local_servers = frozenset(load.server_id for load in loads if load.max_local_prefill_tokens > 0)
         return any(load.eligible and load.max_local_prefill_tokens > 0 for load in loads)
 
-    def pick(self, loads: Sequence[ServerLoad], text: Prompt, only_local: bool = False) -> tuple[int, bool] | None:
-        """(the decode's position, whether it prefills the request itself); None when none is eligible
-        (`only_local`: among the decodes that prefill locally)."""
+    def pick(self, loads: Sequence[ServerLoad], text: Prompt) -> tuple[int, bool] | None:
+        """(the decode's position, whether it prefills the request itself); None when none is eligible."""
         self.trees.keep_servers({load.server_id for load in loads})
-        candidates = [i for i, load in enumerate(loads) if load.eligible and (load.max_local_prefill_tokens > 0
-                                                                              or not only_local)]
+        candidates = [i for i, load in enumerate(loads) if load.eligible]
         if not candidates:
             return None
         groups = [[(loads[i].server_id, 0)] for i in candidates]
@@ -157,7 +155,6 @@ class DecodePicker:
         chosen = candidates[p.group]
         local = p.outcome is CacheOutcome.HIT and uncached <= loads[chosen].max_local_prefill_tokens
         return chosen, local
-
 
     def pick_whole(self, loads: Sequence[ServerLoad], text: Prompt) -> int | None:
         """No prefill serves: the decode (of those that prefill locally) with the least to do for this

@@ -26,7 +26,8 @@ SWITCH_TIMEOUT_S = 120.0  # a switch waits for its server's accepted work (its -
 def rejected_total(registry: CollectorRegistry) -> float:
     """The router's 429 answers so far (`smg_http_responses_total{status_code="429"}`: admission turned them away)."""
     return sum(sample.value for metric in registry.collect() if metric.name == "smg_http_responses"
-               for sample in metric.samples if sample.name.endswith("_total") and sample.labels.get("status_code") == "429")
+               for sample in metric.samples
+               if sample.name.endswith("_total") and sample.labels.get("status_code") == "429")
 
 
 class PlannerMetrics:
@@ -98,7 +99,8 @@ class RolePlanner:
             return None
         now = rejected_total(self._registry)
         rejected, self._rejected = now - self._rejected, now
-        decision = self.planner.decide(loads[Role.PREFILL], loads[Role.DECODE], self._decodes_prefill(), round(rejected))
+        decision = self.planner.decide(loads[Role.PREFILL], loads[Role.DECODE], self._decodes_prefill(),
+                                       round(rejected))
         self.metrics.record(decision)
         if decision.action is not Action.HOLD or decision != self.last:
             log.info("planner decision", action=decision.action.value, reason=decision.reason,

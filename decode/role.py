@@ -103,7 +103,7 @@ class DecodeRole(TransferRole):
         """Requests sent whole (no prefill serves) run under a unified server's limits; KV from a prefill
         (or a short rest beside it) under the decode's own, which keep its decoding requests' pace."""
         if limits != self._limits:
-            self.core.set_scheduler_limits(*limits)
+            self.core.set_scheduler_limits(max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1])
             self._limits = limits
             log.info("decode schedules", max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1],
                      sent_whole=limits == self._whole_limits and limits != self._own_limits)

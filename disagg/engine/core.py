@@ -93,11 +93,8 @@ class EngineCore:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def set_scheduler_limits(self, max_num_seqs: int, max_prefill_tokens_per_step: int) -> None:
-        """Requests running at once and prompt tokens a step, from the next step on (a decode that
-        schedules as a unified server while no prefill serves, and back)."""
-        self.scheduler.config = dataclasses.replace(self.scheduler.config, max_num_seqs=max_num_seqs,
-                                                    max_prefill_tokens_per_step=max_prefill_tokens_per_step)
+    def set_scheduler_limits(self, **limits: int) -> None:  # max_num_seqs, max_prefill_tokens_per_step; from the next step
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, **limits)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_blocks: bool = False,
                     resume_token_ids: list[int] | tuple[int, ...] = (), priority: int = 0) -> None:

@@ -111,7 +111,7 @@ def test_requests_sent_whole_run_under_a_unified_servers_limits(tiny_loaded):
     3 at once (--whole-max-num-seqs) with no per-step prompt cap; a request with a room restores 2 and 4;
     closing the role (a role switch) hands the engine on with its own limits."""
     core = engine(tiny_loaded, max_seqs=2)
-    core.set_scheduler_limits(2, 4)
+    core.set_scheduler_limits(max_num_seqs=2, max_prefill_tokens_per_step=4)
     role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", decode=DecodeConfig(
         max_local_prefill_tokens=16, whole_max_num_seqs=3)))
     limits = lambda: (core.scheduler.config.max_num_seqs, core.scheduler.config.max_prefill_tokens_per_step)  # noqa: E731

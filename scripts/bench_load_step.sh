@@ -9,13 +9,8 @@ set -u
 OUT=${OUT:-bench-out/step}
 mkdir -p "$OUT"
 log="$OUT/serve.log"
-setsid .venv/bin/disagg serve --port 0 --log-format json "$@" > "$log" 2>&1 &
-pid=$!
-url=""
-for _ in $(seq 240); do
-  sleep 1; url=$(grep -o "^ready: http://[0-9.:]*" "$log" | head -1 | cut -d' ' -f2); [ -n "$url" ] && break
-done
-[ -n "$url" ] || { echo "serve did not start" >&2; kill -TERM -- "-$pid"; exit 1; }
+. "$(dirname "$0")/serve_up.sh"
+start_serve "$log" "$@" || exit 1
 phase=0
 for spec in "0.5 12" "2 32" "0.5 12"; do
   set -- $spec

@@ -10,15 +10,9 @@ rate=$1
 OUT=${OUT:-bench-out/no-prefill}
 mkdir -p "$OUT"
 log="$OUT/no-prefill-$rate.log"
+. "$(dirname "$0")/serve_up.sh"
 # shellcheck disable=SC2086  # FLAGS are words
-setsid .venv/bin/disagg serve --port 0 --log-format json --planner auto --planner-interval-s 100000 ${FLAGS:-} \
-  > "$log" 2>&1 &
-pid=$!
-url=""
-for _ in $(seq 240); do
-  sleep 1; url=$(grep -o "^ready: http://[0-9.:]*" "$log" | head -1 | cut -d' ' -f2); [ -n "$url" ] && break
-done
-[ -n "$url" ] || { echo "serve did not start" >&2; kill -TERM -- "-$pid"; exit 1; }
+start_serve "$log" --planner auto --planner-interval-s 100000 ${FLAGS:-} || exit 1
 prefill=$(curl -s "$url/workers" | .venv/bin/python -c "import sys, json; print(json.load(sys.stdin)['prefill'][0]['url'])")
 curl -s -X POST "$prefill/pd_role_switch" -H 'Content-Type: application/json' -d '{"new_role": "decode"}'; echo
 sleep 3

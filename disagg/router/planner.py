@@ -16,13 +16,15 @@ is predicted to stay within its objective; else it holds. A proposal is confirme
 `confirm_intervals` times in a row (hysteresis); after a move the planner waits one interval.
 
 While the decodes prefill locally (`decodes_prefill`: our router sends them whole prompts when no
-prefill serves) the last prefill may leave its role too, as the load decides: the prompt tokens
+prefill serves) the last prefill may leave its role too. Before any prompt was seen (a cluster just
+started) it leaves at the first interval: below capacity every server serves best prefilling its own
+requests, and a load past capacity shows itself in 429s. Later the load decides: the prompt tokens
 computed per second, by every server, over what one prefill server computes per second of its steps
 (both over the intervals seen, older ones decaying: the load's sums by half an interval, the rate's
 by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running requests
 end to end), the one prefill becomes a decode and every server prefills its own requests; with no
 prefill, once requests are turned away (the router's 429s an interval, decaying as the load's sums,
-at least one) or past `heavy_load` a decode (the decodes' steps fill with prompts, and the decoding
+at least one; the one signal before a prefill's rate was measured) or past `heavy_load` a decode (the decodes' steps fill with prompts, and the decoding
 requests beside them slow), a decode becomes the prefill again: past capacity P/D keeps what it
 admits within the objectives. Each such return doubles the proposals in
 a row the next move to no prefill needs (up to 16 intervals; reset after 6 calm ones with no
@@ -178,6 +180,7 @@ class Planner:
         self._rate_sums = (0.0, 0.0)  # (prompt tokens, seconds) of the prefills' steps, decaying as the fits
         self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
         self._rejected_sum = 0.0  # the router's 429s an interval, decaying as the load's sums
+        self._prompt_seen = False  # a server computed a prompt token, or decoded, in some interval
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
         self.to_no_prefill_intervals = confirm_intervals  # proposals in a row a move to no prefill needs now
@@ -191,6 +194,8 @@ class Planner:
         self.decode_fit.add(decode.work, decode.step_s, decode.steps.num_steps)
         decay = self.prefill_fit.decay
         self._rejected_sum = LOAD_DECAY * self._rejected_sum + rejected  # one burst weighs on two or three intervals
+        self._prompt_seen = self._prompt_seen or any((prefill.steps.prefill_tokens, prefill.steps.waiting, rejected,
+                                                      decode.steps.prefill_tokens, decode.steps.decode_seqs))
         self._load_sums = (LOAD_DECAY * self._load_sums[0] + prefill.steps.prefill_tokens + decode.steps.prefill_tokens,
                            LOAD_DECAY * self._load_sums[1] + (prefill.interval_s or decode.interval_s))
         if prefill.steps.prefill_tokens > 0:
@@ -202,8 +207,9 @@ class Planner:
         action, reason, after = roles or self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
         self._streak = (action, count)
-        to_none = roles is not None and action is Action.PREFILL_TO_DECODE  # to no prefill: it may have to wait longer
-        needed = self.to_no_prefill_intervals if to_none else self.confirm_intervals
+        to_none = roles is not None and action is Action.PREFILL_TO_DECODE
+        # To no prefill it may have to wait longer; before any prompt it goes at once (nothing to confirm).
+        needed = (self.to_no_prefill_intervals if self._prompt_seen else 1) if to_none else self.confirm_intervals
         confirmed = action is not Action.HOLD and count >= needed and not self._cooling
         self._cooling = confirmed
         if confirmed:
@@ -261,17 +267,21 @@ class Planner:
                        rejected: int) -> tuple[Action, str, tuple[float, float]] | None:
         """The moves to and from no prefill at all (the decodes prefill locally); None: the usual rules."""
         p, d = prefill.num_servers, decode.num_servers
-        load = self.prompt_load()
-        if load is None or p > 1 or (p == 0 and d < 2) or (p == 1 and d < 1):
+        if p > 1 or (p == 0 and d < 2) or (p == 1 and d < 1):
             return None
-        said = f"prompt load {load:.2f} of one prefill server ({self.prefill_rate:.0f} tokens/s)"
-        if p == 1 and load <= self.light_load:
+        load = self.prompt_load()
+        said = ("its rate not measured yet" if load is None else
+                f"prompt load {load:.2f} of one prefill server ({self.prefill_rate:.0f} tokens/s)")
+        if p == 1 and not self._prompt_seen:
+            return Action.PREFILL_TO_DECODE, ("no prompt seen yet: the prefill becomes a decode, every server "
+                                              "prefills its own requests until 429s say otherwise"), (ttft, itl)
+        if p == 1 and load is not None and load <= self.light_load:
             return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
         if p == 0 and self._rejected_sum >= 1:
             return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({self._rejected_sum:.1f} an interval lately; "
                                               f"{said}): a decode becomes the prefill"), (ttft, itl)
-        if p == 0 and load > self.heavy_load * d:
+        if p == 0 and load is not None and load > self.heavy_load * d:
             return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g} a server: a decode becomes the "
                                               "prefill"), (ttft, itl)
         if p == 0:

@@ -86,6 +86,7 @@ class RolePlanner:
         self._task = self._switching = None
 
     async def _loop(self) -> None:
+        await self.run_once()  # the first reading now: the first decision comes one interval after start
         while True:
             await asyncio.sleep(self.config.planner_interval_s)
             await self.run_once()

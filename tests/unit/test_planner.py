@@ -163,3 +163,27 @@ def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twi
     assert calm == [Action.HOLD] * 6 and planner.to_no_prefill_intervals == 2
     once = [planner.decide(*none, decodes_prefill=True, rejected=r).action for r in (1, 0, 0)]
     assert once == [Action.DECODE_TO_PREFILL, Action.HOLD, Action.HOLD]  # 1, then 0.5: never twice in a row
+
+
+def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_bring_it_back():
+    """Before any prompt (a cluster just started) the one prefill becomes a decode at the first interval;
+    with no prefill and its rate never measured, only 429s bring it back (the next move to no prefill
+    then needs 4 light intervals); without decodes that prefill locally it stays."""
+    idle = (load(1, 0, 0.0), load(1, 0, 0.0))
+    assert Planner(1.5, 0.06).decide(*idle).action is Action.HOLD
+    planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
+    assert planner.decide(*idle, decodes_prefill=True) == Decision(
+        Action.PREFILL_TO_DECODE, "no prompt seen yet: the prefill becomes a decode, every server prefills its own "
+        "requests until 429s say otherwise", 0.0, 0.0, 0, 2, True, 0.0, 0.0)
+    busy = (load(0, 0, 0.0), load(2, 100, 4.0, prefill_tokens=3000, decode_seqs=300))
+    held = planner.decide(*busy, decodes_prefill=True)
+    assert (held.action, held.reason, planner.prefill_rate) == (
+        Action.HOLD, "its rate not measured yet, no prefill: every server prefills its own requests", None)
+    back = [planner.decide(*busy, decodes_prefill=True, rejected=r) for r in (2, 1)]
+    assert [(d.action, d.confirmed, d.num_prefill) for d in back] == [
+        (Action.DECODE_TO_PREFILL, False, 1), (Action.DECODE_TO_PREFILL, True, 1)]
+    assert back[0].reason == ("429s with no prefill (2.0 an interval lately; its rate not measured yet): a decode "
+                              "becomes the prefill")
+    assert planner.to_no_prefill_intervals == 4
+    # The prefill back and idle again: prompts were seen, so no move at once (its rate is still unknown).
+    assert planner.decide(*idle, decodes_prefill=True).action is Action.HOLD

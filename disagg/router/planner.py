@@ -85,6 +85,11 @@ def parse_step_sums(metrics_text: str) -> StepSums:
 LIGHT_LOAD = 1.0
 HEAVY_LOAD = 0.9  # a server: with no prefill, d decodes prefill up to d times one prefill's rate
 MAX_TO_NO_PREFILL_INTERVALS = 16  # a move to no prefill after repeated overloads waits at most this many intervals
+# With no prefill, the decodes' steps (a token for every decoding request, and the prompts they prefill)
+# past this many times the ITL objective bring the prefill back however few requests are turned away:
+# their prompts stall the requests decoding beside them. A 429 alone does not (unified serving with the
+# same admission limits turns as many away below capacity); a 429 with steps over the objective does.
+SLOW_PACE = 2.0
 CALM_INTERVALS = 6  # with no prefill and no move this long, the next move to no prefill needs confirm_intervals again
 LOAD_DECAY = 0.5  # the prompt load's sums an interval: a document's burst weighs on two or three intervals
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
@@ -273,20 +278,26 @@ class Planner:
         said = ("its rate not measured yet" if load is None else
                 f"prompt load {load:.2f} of one prefill server ({self.prefill_rate:.0f} tokens/s)")
         if p == 1 and not self._prompt_seen:
-            return Action.PREFILL_TO_DECODE, ("no prompt seen yet: the prefill becomes a decode, every server "
-                                              "prefills its own requests until 429s say otherwise"), (ttft, itl)
+            return Action.PREFILL_TO_DECODE, ("no prompt seen yet: the prefill becomes a decode, every server prefills "
+                                              "its own requests"), (ttft, itl)
         if p == 1 and load is not None and load <= self.light_load:
             return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
-        if p == 0 and self._rejected_sum >= 1:
-            return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({self._rejected_sum:.1f} an interval lately; "
-                                              f"{said}): a decode becomes the prefill"), (ttft, itl)
-        if p == 0 and load is not None and load > self.heavy_load * d:
+        if p != 0:
+            return None
+        pace = f"ITL {itl * 1e3:.0f} ms"
+        if self._rejected_sum >= 1 and itl > self.itl_slo_s:
+            return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({self._rejected_sum:.1f} an interval lately) and "
+                                              f"{pace} over its {self.itl_slo_s * 1e3:.0f} ms objective ({said}): a "
+                                              "decode becomes the prefill"), (ttft, itl)
+        if itl > SLOW_PACE * self.itl_slo_s:
+            return Action.DECODE_TO_PREFILL, (f"{pace}, over {SLOW_PACE:g} times its {self.itl_slo_s * 1e3:.0f} ms "
+                                              f"objective with no prefill ({said}): a decode becomes the prefill"), \
+                (ttft, itl)
+        if load is not None and load > self.heavy_load * d:
             return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g} a server: a decode becomes the "
                                               "prefill"), (ttft, itl)
-        if p == 0:
-            return Action.HOLD, f"{said}, no prefill: every server prefills its own requests", (ttft, itl)
-        return None
+        return Action.HOLD, f"{said}, {pace}, no prefill: every server prefills its own requests", (ttft, itl)
 
     def _propose(self, prefill: RoleLoad, decode: RoleLoad, ttft: float,
                  itl: float) -> tuple[Action, str, tuple[float, float]]:

@@ -121,8 +121,8 @@ async def test_auto_switches_one_prefill_to_decode_and_the_router_follows():
 async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_are_turned_away():
     """cache_aware with decodes that prefill locally: the one prefill steps half the time (a prompt load
     of 0.5, at most 1), so auto makes it a decode and requests go whole to the decodes
-    (disagg_prefill_here); once the decodes answer 429, the router's 429s bring back the prefill: the
-    server it made a decode, not the other."""
+    (disagg_prefill_here); once the decodes answer 429 and step slower than the ITL objective, the
+    router's 429s bring back the prefill: the server it made a decode, not the other."""
     prefill = SwitchableFake("prefill", 2, 0.05, tokens_per_step=100, local_limit=192)  # 0.1 s of each 0.2 s
     decode = SwitchableFake("decode", 20, 0.02, local_limit=192)
     for fake in (prefill, decode):
@@ -147,6 +147,7 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
             sent = prefill.generate_bodies + decode.generate_bodies
             assert [b.get("disagg_prefill_here") for b in sent] == [True]
             prefill.generate_status = decode.generate_status = 429
+            prefill.step_s = decode.step_s = 0.1  # and their steps slow past the 60 ms objective
             while len(prefill.switches) < 2:
                 assert loop.time() < deadline + 10, "no 429 brought the prefill back"
                 async with http.post(router.url + "/v1/completions", json=body) as r:
@@ -157,7 +158,7 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
                 metrics = await r.text()
             assert 'disagg_planner_decisions_total{action="decode_to_prefill",confirmed="true"} 1.0' in metrics
             reasons = [line for line in lines(metrics, "disagg_planner_last_decision{")]
-            assert len(reasons) == 1 and "429s with no prefill" in reasons[0]
+            assert len(reasons) == 1 and "429s with no prefill" in reasons[0] and "over its 60 ms objective" in reasons[0]
     finally:
         for fake in (prefill, decode):
             await fake.runner.cleanup()

@@ -112,8 +112,8 @@ def test_while_the_decodes_prefill_the_last_prefill_follows_the_prompt_load():
         (Action.DECODE_TO_PREFILL, False, 1, 1), (Action.DECODE_TO_PREFILL, True, 1, 1)]
     assert [d.reason.partition(" of")[0] for d in decisions] == [
         "prompt load 0.91", "prompt load 0.96", "prompt load 1.60", "prompt load 1.90", "prompt load 2.05"]
-    assert decisions[0].reason == ("prompt load 0.91 of one prefill server (400 tokens/s), no prefill: every "
-                                   "server prefills its own requests")
+    assert decisions[0].reason == ("prompt load 0.91 of one prefill server (400 tokens/s), ITL 45 ms, no prefill: "
+                                   "every server prefills its own requests")
     assert decisions[3].reason == ("prompt load 1.90 of one prefill server (400 tokens/s), over 0.9 a server: a decode "
                                    "becomes the prefill")
     assert planner.prefill_rate == 400  # an interval without prefill steps keeps the rate
@@ -134,13 +134,16 @@ def test_no_rate_no_move_to_or_from_no_prefill():
     assert (lone.action, lone.reason) == (Action.HOLD, "TTFT 0 ms and ITL 25 ms against 1500 and 60 ms: no move pays")
 
 
-def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
-    """With no prefill, 429s (admission turned requests away: past capacity; at least one an interval,
-    the counts halving) bring a prefill back however light the load; one 429 alone does not; the next move to no prefill then needs 4 proposals in a row,
-    then 8; 6 calm intervals with no prefill make it 2 again."""
+def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
+    """With no prefill, 429s (admission turned requests away: at least one an interval, the counts
+    halving) while the decodes' steps are over the ITL objective bring a prefill back however light
+    the load; 429s at a pace within it do not (unified serving with the same limits turns as many
+    away), nor does one 429 alone. The next move to no prefill then needs 4 proposals in a row, then 8;
+    6 calm intervals with no prefill make it 2 again."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
-    none = (load(0, 0, 0.0), load(2, 200, 9.0, prefill_tokens=400, decode_seqs=600))
+    none = (load(0, 0, 0.0), load(2, 200, 14.0, prefill_tokens=400, decode_seqs=600))  # steps of 70 ms
+    brisk = (load(0, 0, 0.0), load(2, 200, 9.0, prefill_tokens=400, decode_seqs=600))  # 45 ms
 
     def confirmed_after(loads, rejected: int = 0) -> int:
         for n in range(1, 20):
@@ -150,10 +153,14 @@ def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twi
         raise AssertionError("never confirmed")
 
     assert (confirmed_after(light), planner.to_no_prefill_intervals) == (2, 2)
+    held = [planner.decide(*brisk, decodes_prefill=True, rejected=3) for _ in range(3)]
+    assert [d.action for d in held] == [Action.HOLD] * 3
+    assert held[0].reason == ("prompt load 0.46 of one prefill server (400 tokens/s), ITL 45 ms, no prefill: every "
+                              "server prefills its own requests")
     back = planner.decide(*none, decodes_prefill=True, rejected=2)
     assert (back.action, back.confirmed, back.num_prefill, back.num_decode) == (Action.DECODE_TO_PREFILL, False, 1, 1)
-    assert back.reason == ("429s with no prefill (2.0 an interval lately; prompt load 0.46 of one prefill server "
-                           "(400 tokens/s)): a decode becomes the prefill")
+    assert back.reason == ("429s with no prefill (4.6 an interval lately) and ITL 70 ms over its 60 ms objective "
+                           "(prompt load 0.23 of one prefill server (400 tokens/s)): a decode becomes the prefill")
     assert planner.decide(*none, decodes_prefill=True, rejected=1).confirmed is True
     assert planner.to_no_prefill_intervals == 4
     assert confirmed_after(light) == 4  # 4 in a row (the first, right after the move, would not act anyway)
@@ -165,25 +172,28 @@ def test_requests_turned_away_bring_back_the_prefill_and_the_next_move_waits_twi
     assert once == [Action.DECODE_TO_PREFILL, Action.HOLD, Action.HOLD]  # 1, then 0.5: never twice in a row
 
 
-def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_bring_it_back():
+def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_a_slow_pace_brings_it_back():
     """Before any prompt (a cluster just started) the one prefill becomes a decode at the first interval;
-    with no prefill and its rate never measured, only 429s bring it back (the next move to no prefill
-    then needs 4 light intervals); without decodes that prefill locally it stays."""
+    with no prefill and its rate never measured, 429s at a pace within the ITL objective keep it so, and
+    steps past twice the objective bring it back (the next move to no prefill then needs 4 light
+    intervals); without decodes that prefill locally it stays."""
     idle = (load(1, 0, 0.0), load(1, 0, 0.0))
     assert Planner(1.5, 0.06).decide(*idle).action is Action.HOLD
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     assert planner.decide(*idle, decodes_prefill=True) == Decision(
         Action.PREFILL_TO_DECODE, "no prompt seen yet: the prefill becomes a decode, every server prefills its own "
-        "requests until 429s say otherwise", 0.0, 0.0, 0, 2, True, 0.0, 0.0)
-    busy = (load(0, 0, 0.0), load(2, 100, 4.0, prefill_tokens=3000, decode_seqs=300))
-    held = planner.decide(*busy, decodes_prefill=True)
-    assert (held.action, held.reason, planner.prefill_rate) == (
-        Action.HOLD, "its rate not measured yet, no prefill: every server prefills its own requests", None)
-    back = [planner.decide(*busy, decodes_prefill=True, rejected=r) for r in (2, 1)]
+        "requests", 0.0, 0.0, 0, 2, True, 0.0, 0.0)
+    busy = (load(0, 0, 0.0), load(2, 100, 4.0, prefill_tokens=3000, decode_seqs=300))  # steps of 40 ms
+    held = [planner.decide(*busy, decodes_prefill=True, rejected=r) for r in (2, 2, 0)]
+    assert [(d.action, d.reason) for d in held] == [
+        (Action.HOLD, "its rate not measured yet, ITL 40 ms, no prefill: every server prefills its own requests")] * 3
+    assert planner.prefill_rate is None
+    slow = (load(0, 0, 0.0), load(2, 100, 12.5, prefill_tokens=3000, decode_seqs=300))  # 125 ms
+    back = [planner.decide(*slow, decodes_prefill=True) for _ in range(2)]
     assert [(d.action, d.confirmed, d.num_prefill) for d in back] == [
         (Action.DECODE_TO_PREFILL, False, 1), (Action.DECODE_TO_PREFILL, True, 1)]
-    assert back[0].reason == ("429s with no prefill (2.0 an interval lately; its rate not measured yet): a decode "
-                              "becomes the prefill")
+    assert back[0].reason == ("ITL 125 ms, over 2 times its 60 ms objective with no prefill (its rate not measured "
+                              "yet): a decode becomes the prefill")
     assert planner.to_no_prefill_intervals == 4
     # The prefill back and idle again: prompts were seen, so no move at once (its rate is still unknown).
     assert planner.decide(*idle, decodes_prefill=True).action is Action.HOLD

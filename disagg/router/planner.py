@@ -18,17 +18,20 @@ is predicted to stay within its objective; else it holds. A proposal is confirme
 While the decodes prefill locally (`decodes_prefill`: our router sends them whole prompts when no
 prefill serves) the last prefill may leave its role too. Before any prompt was seen (a cluster just
 started) it leaves at the first interval: below capacity every server serves best prefilling its own
-requests, and a load past capacity shows itself in 429s. Later the load decides: the prompt tokens
-computed per second, by every server, over what one prefill server computes per second of its steps
-(both over the intervals seen, older ones decaying: the load's sums by half an interval, the rate's
-by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running requests
-end to end), the one prefill becomes a decode and every server prefills its own requests; with no
-prefill, once requests are turned away (the router's 429s an interval, decaying as the load's sums,
-at least one; the one signal before a prefill's rate was measured) or past `heavy_load` a decode (the decodes' steps fill with prompts, and the decoding
-requests beside them slow), a decode becomes the prefill again: past capacity P/D keeps what it
-admits within the objectives. Each such return doubles the proposals in
-a row the next move to no prefill needs (up to 16 intervals; reset after 6 calm ones with no
-prefill), so a load past capacity stays with P/D instead of flapping.
+requests, and a load past capacity shows itself in 429s at a slow pace. Later the load decides: the
+prompt tokens computed per second, by every server, over what one prefill server computes per second
+of its steps (both over the intervals seen, older ones decaying: the load's sums by half an interval,
+the rate's by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running
+requests end to end), the one prefill becomes a decode and every server prefills its own requests.
+With no prefill, a decode becomes the prefill again once the prompts the decodes prefill stall the
+requests decoding beside them: requests turned away (the router's 429s an interval, decaying as the
+load's sums, at least one) while the decodes' mean step is over the ITL objective (429s alone do not:
+unified serving with the same admission limits turns as many away below capacity; the mean step alone
+does not: one document prefilled in a step doubles an interval's mean at a load no-prefill serves
+best), or a prompt load past `heavy_load` a decode. Past capacity P/D keeps what it
+admits within the objectives. Each such return doubles the proposals in a row the next move to no
+prefill needs (up to 16 intervals; reset after 6 calm ones with no prefill), so a load past capacity
+stays with P/D instead of flapping.
 """
 
 from __future__ import annotations
@@ -85,11 +88,6 @@ def parse_step_sums(metrics_text: str) -> StepSums:
 LIGHT_LOAD = 1.0
 HEAVY_LOAD = 0.9  # a server: with no prefill, d decodes prefill up to d times one prefill's rate
 MAX_TO_NO_PREFILL_INTERVALS = 16  # a move to no prefill after repeated overloads waits at most this many intervals
-# With no prefill, the decodes' steps (a token for every decoding request, and the prompts they prefill)
-# past this many times the ITL objective bring the prefill back however few requests are turned away:
-# their prompts stall the requests decoding beside them. A 429 alone does not (unified serving with the
-# same admission limits turns as many away below capacity); a 429 with steps over the objective does.
-SLOW_PACE = 2.0
 CALM_INTERVALS = 6  # with no prefill and no move this long, the next move to no prefill needs confirm_intervals again
 LOAD_DECAY = 0.5  # the prompt load's sums an interval: a document's burst weighs on two or three intervals
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
@@ -290,10 +288,6 @@ class Planner:
             return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({self._rejected_sum:.1f} an interval lately) and "
                                               f"{pace} over its {self.itl_slo_s * 1e3:.0f} ms objective ({said}): a "
                                               "decode becomes the prefill"), (ttft, itl)
-        if itl > SLOW_PACE * self.itl_slo_s:
-            return Action.DECODE_TO_PREFILL, (f"{pace}, over {SLOW_PACE:g} times its {self.itl_slo_s * 1e3:.0f} ms "
-                                              f"objective with no prefill ({said}): a decode becomes the prefill"), \
-                (ttft, itl)
         if load is not None and load > self.heavy_load * d:
             return Action.DECODE_TO_PREFILL, (f"{said}, over {self.heavy_load:g} a server: a decode becomes the "
                                               "prefill"), (ttft, itl)

@@ -172,11 +172,11 @@ def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_ne
     assert once == [Action.DECODE_TO_PREFILL, Action.HOLD, Action.HOLD]  # 1, then 0.5: never twice in a row
 
 
-def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_a_slow_pace_brings_it_back():
+def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_at_a_slow_pace_bring_it_back():
     """Before any prompt (a cluster just started) the one prefill becomes a decode at the first interval;
-    with no prefill and its rate never measured, 429s at a pace within the ITL objective keep it so, and
-    steps past twice the objective bring it back (the next move to no prefill then needs 4 light
-    intervals); without decodes that prefill locally it stays."""
+    with no prefill and its rate never measured, neither 429s at a pace within the ITL objective nor a
+    slow pace alone bring it back; 429s at a slow pace do (the next move to no prefill then needs 4
+    light intervals); without decodes that prefill locally it stays."""
     idle = (load(1, 0, 0.0), load(1, 0, 0.0))
     assert Planner(1.5, 0.06).decide(*idle).action is Action.HOLD
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
@@ -184,16 +184,17 @@ def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_a_slo
         Action.PREFILL_TO_DECODE, "no prompt seen yet: the prefill becomes a decode, every server prefills its own "
         "requests", 0.0, 0.0, 0, 2, True, 0.0, 0.0)
     busy = (load(0, 0, 0.0), load(2, 100, 4.0, prefill_tokens=3000, decode_seqs=300))  # steps of 40 ms
-    held = [planner.decide(*busy, decodes_prefill=True, rejected=r) for r in (2, 2, 0)]
-    assert [(d.action, d.reason) for d in held] == [
-        (Action.HOLD, "its rate not measured yet, ITL 40 ms, no prefill: every server prefills its own requests")] * 3
+    slow = (load(0, 0, 0.0), load(2, 100, 25.0, prefill_tokens=3000, decode_seqs=300))  # 250 ms: a document's step
+    held = [planner.decide(*loads, decodes_prefill=True, rejected=r) for loads, r in ((busy, 2), (busy, 0), (slow, 0))]
+    assert [(d.action, d.reason.partition(", no prefill")[0]) for d in held] == [
+        (Action.HOLD, "its rate not measured yet, ITL 40 ms"), (Action.HOLD, "its rate not measured yet, ITL 40 ms"),
+        (Action.HOLD, "its rate not measured yet, ITL 250 ms")]
     assert planner.prefill_rate is None
-    slow = (load(0, 0, 0.0), load(2, 100, 12.5, prefill_tokens=3000, decode_seqs=300))  # 125 ms
-    back = [planner.decide(*slow, decodes_prefill=True) for _ in range(2)]
+    back = [planner.decide(*slow, decodes_prefill=True, rejected=r) for r in (2, 1)]
     assert [(d.action, d.confirmed, d.num_prefill) for d in back] == [
         (Action.DECODE_TO_PREFILL, False, 1), (Action.DECODE_TO_PREFILL, True, 1)]
-    assert back[0].reason == ("ITL 125 ms, over 2 times its 60 ms objective with no prefill (its rate not measured "
-                              "yet): a decode becomes the prefill")
+    assert back[0].reason == ("429s with no prefill (2.2 an interval lately) and ITL 250 ms over its 60 ms objective "
+                              "(its rate not measured yet): a decode becomes the prefill")
     assert planner.to_no_prefill_intervals == 4
     # The prefill back and idle again: prompts were seen, so no move at once (its rate is still unknown).
     assert planner.decide(*idle, decodes_prefill=True).action is Action.HOLD

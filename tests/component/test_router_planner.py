@@ -162,3 +162,33 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
     finally:
         for fake in (prefill, decode):
             await fake.runner.cleanup()
+
+
+async def test_auto_starts_a_cluster_that_saw_no_prompt_with_no_prefill_at_the_first_decision():
+    """cache_aware with decodes that prefill locally, nothing served yet: at its first decision the
+    planner makes the one prefill a decode, with no confirming interval."""
+    prefill = SwitchableFake("prefill", 0, 0.0, local_limit=192)
+    decode = SwitchableFake("decode", 0, 0.0, local_limit=192)
+    for fake in (prefill, decode):
+        await fake.start()
+    config = RouterConfig(host="127.0.0.1", port=0, policy="cache_aware", health_check_interval_s=0.2,
+                          role_poll_interval_s=0.1, prefill=(PrefillEndpoint(prefill.url, 8998),), decode=(decode.url,),
+                          planning=PlannerConfig(planner="auto", planner_interval_s=1.0))
+    try:
+        async with RouterServer(config) as router, aiohttp.ClientSession() as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while not prefill.switches:
+                assert loop.time() < deadline, "the planner moved nothing in 10 s"
+                await asyncio.sleep(0.05)
+            async with http.get(router.url + "/metrics") as r:
+                metrics = await r.text()
+    finally:
+        for fake in (prefill, decode):
+            await fake.runner.cleanup()
+    assert (prefill.switches, decode.switches) == ([{"new_role": "decode"}], [])
+    assert 'disagg_planner_decisions_total{action="prefill_to_decode",confirmed="true"} 1.0' in metrics
+    assert 'disagg_planner_decisions_total{action="prefill_to_decode",confirmed="false"}' not in metrics
+    reason = "no prompt seen yet: the prefill becomes a decode, every server prefills its own requests"
+    assert lines(metrics, "disagg_planner_last_decision{") == [
+        f'disagg_planner_last_decision{{action="prefill_to_decode",reason="{reason}"}} 1.0']

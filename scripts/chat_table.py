@@ -48,14 +48,15 @@ def main() -> None:
         for label, r in reports.items():
             extra = f" ({r['goodput'] / best:.2f}x)" if not label.startswith("unified") and best else ""
             print(row(rate, label, r, extra))
-        if "serve" in reports and "unified" in reports:
-            itl = reports["serve"]["itl"]["p99_ms"] / reports["unified"]["itl"]["p99_ms"]
+        base = next((u for u in ("unified", "unified-limits") if u in reports), None)
+        if "serve" in reports and base:
+            itl = reports["serve"]["itl"]["p99_ms"] / reports[base]["itl"]["p99_ms"]
             k = kv_per_turn(os.path.join(args.dir, f"serve-{rate}.log"), os.path.join(args.dir, f"serve-{rate}.json"),
                             args.bytes_per_token)
             kv = ("no later turn moved KV" if not k["moved"] else
                   f"KV moved / new tokens' KV {k['total_all']:.2f}x over every later turn, {k['total_moved']:.2f}x "
                   f"(median {k['median_moved']:.2f}x) over the {k['moved']} that moved KV")
-            notes.append(f"- {rate}/s: serve's ITL p99 {itl:.2f}x unified's; {k['later_turns']} later turns, "
+            notes.append(f"- {rate}/s: serve's ITL p99 {itl:.2f}x {base}'s; {k['later_turns']} later turns, "
                          f"{k['local']} prefilled by the decode; {kv}")
     print()
     print("\n".join(notes))

@@ -183,7 +183,7 @@ class Planner:
         self._rate_sums = (0.0, 0.0)  # (prompt tokens, seconds) of the prefills' steps, decaying as the fits
         self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
         self._rejected_sum = 0.0  # the router's 429s an interval, decaying as the load's sums
-        self._prompt_seen = False  # a server computed a prompt token, or decoded, in some interval
+        self._prompt_seen = False  # some interval had work: prompt tokens, decoding requests, a queue or a 429
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
         self.to_no_prefill_intervals = confirm_intervals  # proposals in a row a move to no prefill needs now

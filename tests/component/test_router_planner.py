@@ -96,6 +96,25 @@ def lines(metrics: str, prefix: str) -> list[str]:
     return sorted(line for line in metrics.splitlines() if line.startswith(prefix))
 
 
+async def whole_local_config(prefill: SwitchableFake, decode: SwitchableFake, interval_s: float) -> RouterConfig:
+    """Both fakes started; our router with cache_aware (whole requests to decodes that prefill locally)
+    and the planner in auto mode."""
+    for fake in (prefill, decode):
+        await fake.start()
+    return RouterConfig(host="127.0.0.1", port=0, policy="cache_aware", health_check_interval_s=0.2,
+                        role_poll_interval_s=0.1, prefill=(PrefillEndpoint(prefill.url, 8998),), decode=(decode.url,),
+                        planning=PlannerConfig(planner="auto", planner_interval_s=interval_s))
+
+
+async def first_switch(prefill: SwitchableFake) -> None:
+    """Until the planner switched the prefill (10 s at most)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not prefill.switches:
+        assert loop.time() < deadline, "the planner moved nothing in 10 s"
+        await asyncio.sleep(0.05)
+
+
 async def test_advisory_estimates_and_proposes_and_switches_nothing():
     prefills, decode, metrics, _ = await planned("advisory", 1.5)
     assert [p.switches for p in prefills] == [[], []]
@@ -125,19 +144,13 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
     router's 429s bring back the prefill: the server it made a decode, not the other."""
     prefill = SwitchableFake("prefill", 2, 0.05, tokens_per_step=100, local_limit=192)  # 0.1 s of each 0.2 s
     decode = SwitchableFake("decode", 20, 0.02, local_limit=192)
-    for fake in (prefill, decode):
-        await fake.start()
-    config = RouterConfig(host="127.0.0.1", port=0, policy="cache_aware", health_check_interval_s=0.2,
-                          role_poll_interval_s=0.1, prefill=(PrefillEndpoint(prefill.url, 8998),), decode=(decode.url,),
-                          planning=PlannerConfig(planner="auto", planner_interval_s=0.2))
+    config = await whole_local_config(prefill, decode, 0.2)
     body = {"model": "m", "prompt": "Hello there " * 100, "max_tokens": 4}
     try:
         async with RouterServer(config) as router, aiohttp.ClientSession() as http:
+            await first_switch(prefill)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
-            while not prefill.switches:
-                assert loop.time() < deadline, "the planner moved nothing in 10 s"
-                await asyncio.sleep(0.05)
             assert prefill.switches == [{"new_role": "decode"}]
             while prefill.url not in [w["url"] for w in (await (await http.get(router.url + "/workers")).json())["decode"]]:
                 assert loop.time() < deadline, "the router did not follow the switch"
@@ -169,18 +182,10 @@ async def test_auto_starts_a_cluster_that_saw_no_prompt_with_no_prefill_at_the_f
     planner makes the one prefill a decode, with no confirming interval."""
     prefill = SwitchableFake("prefill", 0, 0.0, local_limit=192)
     decode = SwitchableFake("decode", 0, 0.0, local_limit=192)
-    for fake in (prefill, decode):
-        await fake.start()
-    config = RouterConfig(host="127.0.0.1", port=0, policy="cache_aware", health_check_interval_s=0.2,
-                          role_poll_interval_s=0.1, prefill=(PrefillEndpoint(prefill.url, 8998),), decode=(decode.url,),
-                          planning=PlannerConfig(planner="auto", planner_interval_s=1.0))
+    config = await whole_local_config(prefill, decode, 1.0)
     try:
         async with RouterServer(config) as router, aiohttp.ClientSession() as http:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 10
-            while not prefill.switches:
-                assert loop.time() < deadline, "the planner moved nothing in 10 s"
-                await asyncio.sleep(0.05)
+            await first_switch(prefill)
             async with http.get(router.url + "/metrics") as r:
                 metrics = await r.text()
     finally:

@@ -15,7 +15,11 @@ log="$OUT/no-prefill-$rate.log"
 start_serve "$log" --planner auto --planner-interval-s 100000 ${FLAGS:-} || exit 1
 prefill=$(curl -s "$url/workers" | .venv/bin/python -c "import sys, json; print(json.load(sys.stdin)['prefill'][0]['url'])")
 curl -s -X POST "$prefill/pd_role_switch" -H 'Content-Type: application/json' -d '{"new_role": "decode"}'; echo
-sleep 3
+for _ in $(seq 30); do  # until the router lists it as a decode (30 s at most)
+  curl -s "$url/workers" | .venv/bin/python -c "import sys, json; sys.exit(bool(json.load(sys.stdin)['prefill']))" \
+    && break
+  sleep 1
+done
 n=$(.venv/bin/python -c "print(max(12, round(16 * $rate)))")
 .venv/bin/disagg bench serve --base-url "$url" --workload chat --num-conversations "$n" --turns-per-conversation 4 \
   --system-prompt-tokens 256 --user-tokens 32 128 --output-tokens 64 --think-time-s 1 --long-doc-prob 0.1 \

@@ -6,7 +6,8 @@
 #
 #     RATES="0.5 1 1.5 2" OUT=bench-out/defaults scripts/bench_chat_defaults.sh
 #
-# A rate R sends 16 x R conversations (at least 12) of 4 turns each. SERVERS picks rows (default:
+# A rate R sends 16 x R conversations (at least 12) of 4 turns each (CONVS_PER_RATE=48: 48 x R, a
+# run three times as long, where the load holds after the planner's first moves). SERVERS picks rows (default:
 # "unified unified-limits serve"); SERVE_FLAGS are added to `disagg serve`'s command, SERVE_LABEL names
 # its rows (default: serve), to measure a setting against the defaults in one run.
 set -u
@@ -15,6 +16,7 @@ OUT=${OUT:-bench-out/defaults}
 SERVERS=${SERVERS:-"unified unified-limits serve"}
 SERVE_FLAGS=${SERVE_FLAGS:-}
 SERVE_LABEL=${SERVE_LABEL:-serve}
+CONVS_PER_RATE=${CONVS_PER_RATE:-16}
 mkdir -p "$OUT"
 
 stop() {  # the process group of $1
@@ -29,7 +31,7 @@ run() {  # $1: label, $2: rate, $3: log file, rest: the server's command
   done
   if [ -z "$url" ]; then echo "$label at $rate: did not start" >&2; stop $pid; return; fi
   local n
-  n=$(.venv/bin/python -c "print(max(12, round(16 * $rate)))")
+  n=$(.venv/bin/python -c "print(max(12, round($CONVS_PER_RATE * $rate)))")
   .venv/bin/disagg bench serve --base-url "$url" --workload chat --num-conversations "$n" --turns-per-conversation 4 \
     --system-prompt-tokens 256 --user-tokens 32 128 --output-tokens 64 --think-time-s 1 --long-doc-prob 0.1 \
     --long-doc-tokens 1024 --request-rate "$rate" --seed 0 --goodput ttft:1500 tpot:60 \

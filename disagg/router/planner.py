@@ -20,12 +20,14 @@ prefill serves) the last prefill may leave its role too. Before any prompt was s
 started) it leaves at the first interval: below capacity every server serves best prefilling its own
 requests, and a load past capacity shows itself in 429s at a slow pace. Later the load decides: the
 prompt tokens computed per second, by every server, over what one prefill server computes per second
-of its steps (both over the intervals seen, older ones decaying: the load's sums by half an interval,
-the rate's by 0.8). At most `light_load` (the prefill is not saturated: its core serves more running
-requests end to end), the one prefill becomes a decode and every server prefills its own requests.
-With no prefill, a decode becomes the prefill again once the prompts the decodes prefill stall the
-requests decoding beside them: requests turned away (the router's 429s an interval, decaying as the
-load's sums, at least one) while the decodes' mean step is over the ITL objective (429s alone do not:
+of its steps (both over the intervals seen, older ones decaying: the load's sums by half every 5 s,
+whatever the interval, the rate's by 0.8 an interval). At most `light_load` (the prefill is not
+saturated: its core serves more running requests end to end) while no requests are turned away (a
+prefill whose cluster answers 429s is not idle for want of work), the one prefill becomes a decode and
+every server prefills its own requests. With no prefill, a decode becomes the prefill again once the
+prompts the decodes prefill stall the requests decoding beside them: requests turned away (the
+router's 429s a second over the load's seconds, at least MIN_REJECTED_PER_S: one in the last 10 s)
+while the decodes' mean step is over the ITL objective (429s alone do not:
 unified serving with the same admission limits turns as many away below capacity; the mean step alone
 does not: one document prefilled in a step doubles an interval's mean at a load no-prefill serves
 best), or a prompt load past `heavy_load` a decode. Past capacity P/D keeps what it
@@ -89,7 +91,8 @@ LIGHT_LOAD = 1.0
 HEAVY_LOAD = 0.9  # a server: with no prefill, d decodes prefill up to d times one prefill's rate
 MAX_TO_NO_PREFILL_INTERVALS = 16  # a move to no prefill after repeated overloads waits at most this many intervals
 CALM_INTERVALS = 6  # with no prefill and no move this long, the next move to no prefill needs confirm_intervals again
-LOAD_DECAY = 0.5  # the prompt load's sums an interval: a document's burst weighs on two or three intervals
+LOAD_HALF_LIFE_S = 5.0  # the prompt load's and the 429s' sums halve in this time: a document's burst weighs ~10 s
+MIN_REJECTED_PER_S = 0.1  # 429s a second lately (their sums over the seconds') that say the load is past capacity
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
 
 
@@ -182,7 +185,7 @@ class Planner:
         self.prefill_fit, self.decode_fit = StepFit(), StepFit()
         self._rate_sums = (0.0, 0.0)  # (prompt tokens, seconds) of the prefills' steps, decaying as the fits
         self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
-        self._rejected_sum = 0.0  # the router's 429s an interval, decaying as the load's sums
+        self._rejected_sum = 0.0  # the router's 429s, decaying as the load's sums (over their seconds: a rate)
         self._prompt_seen = False  # some interval had work: prompt tokens, decoding requests, a queue or a 429
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
@@ -195,12 +198,13 @@ class Planner:
         `rejected`: the requests the cluster answered 429 (admission) in the interval."""
         self.prefill_fit.add(prefill.work, prefill.step_s, prefill.steps.num_steps)
         self.decode_fit.add(decode.work, decode.step_s, decode.steps.num_steps)
-        decay = self.prefill_fit.decay
-        self._rejected_sum = LOAD_DECAY * self._rejected_sum + rejected  # one burst weighs on two or three intervals
+        decay, interval_s = self.prefill_fit.decay, prefill.interval_s or decode.interval_s
+        halving = 0.5 ** (interval_s / LOAD_HALF_LIFE_S)  # by time, so that any interval reads the same load
+        self._rejected_sum = halving * self._rejected_sum + rejected
         self._prompt_seen = self._prompt_seen or any((prefill.steps.prefill_tokens, prefill.steps.waiting, rejected,
                                                       decode.steps.prefill_tokens, decode.steps.decode_seqs))
-        self._load_sums = (LOAD_DECAY * self._load_sums[0] + prefill.steps.prefill_tokens + decode.steps.prefill_tokens,
-                           LOAD_DECAY * self._load_sums[1] + (prefill.interval_s or decode.interval_s))
+        self._load_sums = (halving * self._load_sums[0] + prefill.steps.prefill_tokens + decode.steps.prefill_tokens,
+                           halving * self._load_sums[1] + interval_s)
         if prefill.steps.prefill_tokens > 0:
             self._rate_sums = (decay * self._rate_sums[0] + prefill.steps.prefill_tokens,
                                decay * self._rate_sums[1] + prefill.steps.wall_s)
@@ -259,12 +263,17 @@ class Planner:
 
     def prompt_load(self) -> float | None:
         """Prompt tokens computed per second by every server over one prefill server's rate, over the
-        intervals seen (older ones decaying by LOAD_DECAY, so a document's burst weighs on two or three);
+        intervals seen (older ones halving every LOAD_HALF_LIFE_S, so a document's burst weighs ~10 s);
         None before a rate was measured."""
         tokens, seconds = self._load_sums
         if not self.prefill_rate or seconds <= 0:
             return None
         return tokens / seconds / self.prefill_rate
+
+    def rejected_per_s(self) -> float:
+        """The router's 429s a second over the intervals seen (older ones decaying as the load's sums)."""
+        seconds = self._load_sums[1]
+        return self._rejected_sum / seconds if seconds > 0 else 0.0
 
     def _propose_roles(self, prefill: RoleLoad, decode: RoleLoad, ttft: float, itl: float,
                        rejected: int) -> tuple[Action, str, tuple[float, float]] | None:
@@ -278,14 +287,14 @@ class Planner:
         if p == 1 and not self._prompt_seen:
             return Action.PREFILL_TO_DECODE, ("no prompt seen yet: the prefill becomes a decode, every server prefills "
                                               "its own requests"), (ttft, itl)
-        if p == 1 and load is not None and load <= self.light_load:
+        if p == 1 and load is not None and load <= self.light_load and self.rejected_per_s() < MIN_REJECTED_PER_S:
             return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
         if p != 0:
             return None
-        pace = f"ITL {itl * 1e3:.0f} ms"
-        if self._rejected_sum >= 1 and itl > self.itl_slo_s:
-            return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({self._rejected_sum:.1f} an interval lately) and "
+        pace, rejected_per_s = f"ITL {itl * 1e3:.0f} ms", self.rejected_per_s()
+        if rejected_per_s >= MIN_REJECTED_PER_S and itl > self.itl_slo_s:
+            return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({rejected_per_s:.2f} a second lately) and "
                                               f"{pace} over its {self.itl_slo_s * 1e3:.0f} ms objective ({said}): a "
                                               "decode becomes the prefill"), (ttft, itl)
         if load is not None and load > self.heavy_load * d:

@@ -135,11 +135,11 @@ def test_no_rate_no_move_to_or_from_no_prefill():
 
 
 def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
-    """With no prefill, 429s (admission turned requests away: at least one an interval, the counts
-    halving) while the decodes' steps are over the ITL objective bring a prefill back however light
+    """With no prefill, 429s (admission turned requests away: at least 0.1 a second, their sums halving
+    every 5 s) while the decodes' steps are over the ITL objective bring a prefill back however light
     the load; 429s at a pace within it do not (unified serving with the same limits turns as many
-    away), nor does one 429 alone. The next move to no prefill then needs 4 proposals in a row, then 8;
-    6 calm intervals with no prefill make it 2 again."""
+    away), nor does one 429 alone. The next move to no prefill waits until the 429s die down, then
+    needs 4 proposals in a row, then 8; 6 calm intervals with no prefill make it 2 again."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
     none = (load(0, 0, 0.0), load(2, 200, 14.0, prefill_tokens=400, decode_seqs=600))  # steps of 70 ms
@@ -159,11 +159,14 @@ def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_ne
                               "server prefills its own requests")
     back = planner.decide(*none, decodes_prefill=True, rejected=2)
     assert (back.action, back.confirmed, back.num_prefill, back.num_decode) == (Action.DECODE_TO_PREFILL, False, 1, 1)
-    assert back.reason == ("429s with no prefill (4.6 an interval lately) and ITL 70 ms over its 60 ms objective "
+    assert back.reason == ("429s with no prefill (0.47 a second lately) and ITL 70 ms over its 60 ms objective "
                            "(prompt load 0.23 of one prefill server (400 tokens/s)): a decode becomes the prefill")
     assert planner.decide(*none, decodes_prefill=True, rejected=1).confirmed is True
     assert planner.to_no_prefill_intervals == 4
-    assert confirmed_after(light) == 4  # 4 in a row (the first, right after the move, would not act anyway)
+    first = planner.decide(*light, decodes_prefill=True)  # 429s lately (0.166 a second): the prefill is not idle
+    assert (first.action, first.reason, round(planner.rejected_per_s(), 3)) == (
+        Action.HOLD, "TTFT 100 ms and ITL 40 ms against 1500 and 60 ms: no move pays", 0.166)
+    assert confirmed_after(light) == 4  # 4 in a row once the 429s have died down (0.08 a second)
     assert confirmed_after(none, rejected=1) == 2 and planner.to_no_prefill_intervals == 8
     assert confirmed_after(light) == 8
     calm = [planner.decide(*none, decodes_prefill=True).action for _ in range(6)]
@@ -193,8 +196,26 @@ def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_
     back = [planner.decide(*slow, decodes_prefill=True, rejected=r) for r in (2, 1)]
     assert [(d.action, d.confirmed, d.num_prefill) for d in back] == [
         (Action.DECODE_TO_PREFILL, False, 1), (Action.DECODE_TO_PREFILL, True, 1)]
-    assert back[0].reason == ("429s with no prefill (2.2 an interval lately) and ITL 250 ms over its 60 ms objective "
+    assert back[0].reason == ("429s with no prefill (0.23 a second lately) and ITL 250 ms over its 60 ms objective "
                               "(its rate not measured yet): a decode becomes the prefill")
     assert planner.to_no_prefill_intervals == 4
     # The prefill back and idle again: prompts were seen, so no move at once (its rate is still unknown).
     assert planner.decide(*idle, decodes_prefill=True).action is Action.HOLD
+
+
+def test_the_429s_read_as_a_rate_whatever_the_interval():
+    """One 429 every 5 s reads about 0.2 a second with 5 s intervals and with 2.5 s ones (the sums halve
+    every 5 s of time, not every interval), so with no prefill and slow steps the return is proposed at
+    every interval and confirmed at the second either way; a count an interval, halving an interval,
+    read 1, 0.5, 1.25 at 2.5 s and never proposed twice in a row."""
+    def slow(interval_s: float) -> tuple[RoleLoad, RoleLoad]:  # no prefill, decode steps of 100 ms
+        steps = StepSums(interval_s * 10, interval_s, 100 * interval_s, 20 * interval_s)
+        return RoleLoad(0, interval_s, StepSums()), RoleLoad(2, interval_s, steps)
+
+    for interval_s, rejected in ((5.0, (1, 1)), (2.5, (1, 0))):
+        planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
+        decisions = [planner.decide(*slow(interval_s), decodes_prefill=True, rejected=r) for r in rejected]
+        assert [(d.action, d.confirmed) for d in decisions] == [
+            (Action.DECODE_TO_PREFILL, False), (Action.DECODE_TO_PREFILL, True)], interval_s
+    assert decisions[1].reason == ("429s with no prefill (0.17 a second lately) and ITL 100 ms over its 60 ms "
+                                   "objective (its rate not measured yet): a decode becomes the prefill")

@@ -210,7 +210,7 @@ class Planner:
                                decay * self._rate_sums[1] + prefill.steps.wall_s)
         ttft = prefill.step_s * (1 + prefill.steps.waiting / max(prefill.num_servers, 1))
         itl = decode.step_s
-        roles = self._propose_roles(prefill, decode, ttft, itl, rejected) if decodes_prefill else None
+        roles = self._propose_roles(prefill, decode, ttft, itl) if decodes_prefill else None
         action, reason, after = roles or self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
         self._streak = (action, count)
@@ -275,8 +275,8 @@ class Planner:
         seconds = self._load_sums[1]
         return self._rejected_sum / seconds if seconds > 0 else 0.0
 
-    def _propose_roles(self, prefill: RoleLoad, decode: RoleLoad, ttft: float, itl: float,
-                       rejected: int) -> tuple[Action, str, tuple[float, float]] | None:
+    def _propose_roles(self, prefill: RoleLoad, decode: RoleLoad, ttft: float,
+                       itl: float) -> tuple[Action, str, tuple[float, float]] | None:
         """The moves to and from no prefill at all (the decodes prefill locally); None: the usual rules."""
         p, d = prefill.num_servers, decode.num_servers
         if p > 1 or (p == 0 and d < 2) or (p == 1 and d < 1):

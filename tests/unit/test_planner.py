@@ -204,10 +204,10 @@ def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_
 
 
 def test_the_429s_read_as_a_rate_whatever_the_interval():
-    """One 429 every 5 s reads about 0.2 a second with 5 s intervals and with 2.5 s ones (the sums halve
-    every 5 s of time, not every interval), so with no prefill and slow steps the return is proposed at
-    every interval and confirmed at the second either way; a count an interval, halving an interval,
-    read 1, 0.5, 1.25 at 2.5 s and never proposed twice in a row."""
+    """One 429 every 5 s reads 0.2 a second with 5 s intervals and 0.4 then 0.17 with 2.5 s ones (the
+    sums halve every 5 s of time, not every interval), so with no prefill and slow steps the return is
+    proposed at every interval and confirmed at the second either way; a count an interval, halving an
+    interval, read 1, 0.5, 1.25 at 2.5 s and never proposed twice in a row."""
     def slow(interval_s: float) -> tuple[RoleLoad, RoleLoad]:  # no prefill, decode steps of 100 ms
         steps = StepSums(interval_s * 10, interval_s, 100 * interval_s, 20 * interval_s)
         return RoleLoad(0, interval_s, StepSums()), RoleLoad(2, interval_s, steps)

@@ -26,7 +26,8 @@ saturated: its core serves more running requests end to end) while no requests a
 prefill whose cluster answers 429s is not idle for want of work), the one prefill becomes a decode and
 every server prefills its own requests. With no prefill, a decode becomes the prefill again once the
 prompts the decodes prefill stall the requests decoding beside them: requests turned away (the
-router's 429s a second over the load's seconds, at least MIN_REJECTED_PER_S: one in the last 10 s)
+router's 429s a second over the load's seconds, at least RETURN_REJECTED_PER_S: two in the last 10 s,
+twice the rate that stops a move to no prefill, so a load between the two stays where it is)
 while the decodes' mean step is over the ITL objective (429s alone do not:
 unified serving with the same admission limits turns as many away below capacity; the mean step alone
 does not: one document prefilled in a step doubles an interval's mean at a load no-prefill serves
@@ -92,7 +93,10 @@ HEAVY_LOAD = 0.9  # a server: with no prefill, d decodes prefill up to d times o
 MAX_TO_NO_PREFILL_INTERVALS = 16  # a move to no prefill after repeated overloads waits at most this many intervals
 CALM_INTERVALS = 6  # with no prefill and no move this long, the next move to no prefill needs confirm_intervals again
 LOAD_HALF_LIFE_S = 5.0  # the prompt load's and the 429s' sums halve in this time: a document's burst weighs ~10 s
-MIN_REJECTED_PER_S = 0.1  # 429s a second lately (their sums over the seconds') that say the load is past capacity
+# 429s a second lately (their sums over the seconds'): from LEAVE a prefill stays (its cluster turns requests away);
+# from RETURN (with slow steps) it comes back. The band between them keeps a load near capacity where it is.
+LEAVE_REJECTED_PER_S = 0.1
+RETURN_REJECTED_PER_S = 0.2
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
 
 
@@ -287,13 +291,13 @@ class Planner:
         if p == 1 and not self._prompt_seen:
             return Action.PREFILL_TO_DECODE, ("no prompt seen yet: the prefill becomes a decode, every server prefills "
                                               "its own requests"), (ttft, itl)
-        if p == 1 and load is not None and load <= self.light_load and self.rejected_per_s() < MIN_REJECTED_PER_S:
+        if p == 1 and load is not None and load <= self.light_load and self.rejected_per_s() < LEAVE_REJECTED_PER_S:
             return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
         if p != 0:
             return None
         pace, rejected_per_s = f"ITL {itl * 1e3:.0f} ms", self.rejected_per_s()
-        if rejected_per_s >= MIN_REJECTED_PER_S and itl > self.itl_slo_s:
+        if rejected_per_s >= RETURN_REJECTED_PER_S and itl > self.itl_slo_s:
             return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({rejected_per_s:.2f} a second lately) and "
                                               f"{pace} over its {self.itl_slo_s * 1e3:.0f} ms objective ({said}): a "
                                               "decode becomes the prefill"), (ttft, itl)

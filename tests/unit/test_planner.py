@@ -167,12 +167,16 @@ def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_ne
     assert (first.action, first.reason, round(planner.rejected_per_s(), 3)) == (
         Action.HOLD, "TTFT 100 ms and ITL 40 ms against 1500 and 60 ms: no move pays", 0.166)
     assert confirmed_after(light) == 4  # 4 in a row once the 429s have died down (0.08 a second)
-    assert confirmed_after(none, rejected=1) == 2 and planner.to_no_prefill_intervals == 8
-    assert confirmed_after(light) == 8
+    assert confirmed_after(none, rejected=3) == 2 and planner.to_no_prefill_intervals == 8
+    assert confirmed_after(light) == 10  # 2 intervals while the 429s die down (0.22, 0.11 a second), then 8
     calm = [planner.decide(*none, decodes_prefill=True).action for _ in range(6)]
     assert calm == [Action.HOLD] * 6 and planner.to_no_prefill_intervals == 2
-    once = [planner.decide(*none, decodes_prefill=True, rejected=r).action for r in (1, 0, 0)]
-    assert once == [Action.DECODE_TO_PREFILL, Action.HOLD, Action.HOLD]  # 1, then 0.5: never twice in a row
+    once, rates = [], []
+    for r in (1, 3, 0, 0):
+        once.append(planner.decide(*none, decodes_prefill=True, rejected=r).action)
+        rates.append(round(planner.rejected_per_s(), 3))
+    assert once == [Action.HOLD, Action.DECODE_TO_PREFILL, Action.HOLD, Action.HOLD]
+    assert rates == [0.1, 0.35, 0.175, 0.088]  # 0.2 a second reached once, then in the band: no return
 
 
 def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_at_a_slow_pace_bring_it_back():
@@ -204,18 +208,18 @@ def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_
 
 
 def test_the_429s_read_as_a_rate_whatever_the_interval():
-    """One 429 every 5 s reads 0.2 a second with 5 s intervals and 0.4 then 0.17 with 2.5 s ones (the
+    """Two 429s every 5 s read 0.4 a second with 5 s intervals and 0.8 then 0.33 with 2.5 s ones (the
     sums halve every 5 s of time, not every interval), so with no prefill and slow steps the return is
-    proposed at every interval and confirmed at the second either way; a count an interval, halving an
-    interval, read 1, 0.5, 1.25 at 2.5 s and never proposed twice in a row."""
+    proposed at every interval and confirmed at the second either way (a count an interval, halving an
+    interval, read a pace of one every 5 s as 1, 0.5, 1.25 at 2.5 s)."""
     def slow(interval_s: float) -> tuple[RoleLoad, RoleLoad]:  # no prefill, decode steps of 100 ms
         steps = StepSums(interval_s * 10, interval_s, 100 * interval_s, 20 * interval_s)
         return RoleLoad(0, interval_s, StepSums()), RoleLoad(2, interval_s, steps)
 
-    for interval_s, rejected in ((5.0, (1, 1)), (2.5, (1, 0))):
+    for interval_s, rejected in ((5.0, (2, 2)), (2.5, (2, 0))):
         planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
         decisions = [planner.decide(*slow(interval_s), decodes_prefill=True, rejected=r) for r in rejected]
         assert [(d.action, d.confirmed) for d in decisions] == [
             (Action.DECODE_TO_PREFILL, False), (Action.DECODE_TO_PREFILL, True)], interval_s
-    assert decisions[1].reason == ("429s with no prefill (0.17 a second lately) and ITL 100 ms over its 60 ms "
+    assert decisions[1].reason == ("429s with no prefill (0.33 a second lately) and ITL 100 ms over its 60 ms "
                                    "objective (its rate not measured yet): a decode becomes the prefill")

@@ -135,8 +135,8 @@ def test_no_rate_no_move_to_or_from_no_prefill():
 
 
 def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
-    """With no prefill, 429s (admission turned requests away: at least 0.1 a second, their sums halving
-    every 5 s) while the decodes' steps are over the ITL objective bring a prefill back however light
+    """With no prefill, 429s (admission turned requests away: at least 0.2 a second, twice the 0.1 under
+    which the prefill may leave; their sums halving every 5 s) while the decodes' steps are over the ITL objective bring a prefill back however light
     the load; 429s at a pace within it do not (unified serving with the same limits turns as many
     away), nor does one 429 alone. The next move to no prefill waits until the 429s die down, then
     needs 4 proposals in a row, then 8; 6 calm intervals with no prefill make it 2 again."""

@@ -4,9 +4,10 @@
 
 Per rate, one row per server (`unified`, `unified-limits`, `serve`, and any `--labels` more, e.g. a
 `SERVE_LABEL` run): good / sent / offered turns, goodput, TTFT p50 and p99, TPOT p99, ITL p99; the
-goodput of serve (and of those labels) against the better unified run, serve's
-ITL p99 against the plain unified run's (unified-limits' where the plain one did not run), and its KV moved per later turn (scripts/kv_per_turn.py, the
-model's KV at `--bytes-per-token`, SmolLM2-135M in float32 by default).
+goodput of serve (and of those labels) against the better unified run, serve's ITL p99 against the
+plain unified run's (unified-limits' where the plain one did not run), and its KV moved per later
+turn (scripts/kv_per_turn.py, the model's KV at `--bytes-per-token`, SmolLM2-135M in float32 by
+default).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 auto mode switches one prefill to decode once the same proposal came twice."""
 
 import asyncio
+import re
 
 import aiohttp
 import pytest
@@ -171,7 +172,10 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
                 metrics = await r.text()
             assert 'disagg_planner_decisions_total{action="decode_to_prefill",confirmed="true"} 1.0' in metrics
             reasons = [line for line in lines(metrics, "disagg_planner_last_decision{")]
-            assert len(reasons) == 1 and "429s with no prefill" in reasons[0] and "over its 60 ms objective" in reasons[0]
+            assert len(reasons) == 1 and re.fullmatch(
+                r'disagg_planner_last_decision\{action="decode_to_prefill",reason="429s with no prefill \(\d+\.\d\d a '
+                r'second lately\) and ITL \d+ ms over its 60 ms objective \(.*\): a decode becomes the prefill"\} 1\.0',
+                reasons[0]), reasons
     finally:
         for fake in (prefill, decode):
             await fake.runner.cleanup()

@@ -28,13 +28,15 @@ every server prefills its own requests. With no prefill, a decode becomes the pr
 prompts the decodes prefill stall the requests decoding beside them: requests turned away (the
 router's 429s a second over the load's seconds, at least RETURN_REJECTED_PER_S: two in the last 10 s,
 twice the rate that stops a move to no prefill, so a load between the two stays where it is)
-while the decodes' mean step is over the ITL objective (429s alone do not:
-unified serving with the same admission limits turns as many away below capacity; the mean step alone
-does not: one document prefilled in a step doubles an interval's mean at a load no-prefill serves
-best), or a prompt load past `heavy_load` a decode. Past capacity P/D keeps what it
-admits within the objectives. Each such return doubles the proposals in a row the next move to no
-prefill needs (up to 16 intervals; reset after 6 calm ones with no prefill), so a load past capacity
-stays with P/D instead of flapping.
+while the decodes' mean step is over the ITL objective (429s alone do not: unified serving with the
+same admission limits turns as many away below capacity); the decodes' mean step lately (each
+interval's since the prefill left, weighted by its seconds, halving as the load's sums) over RETURN_ITL_FACTOR times the ITL objective, most requests missing
+their TPOT objective (one interval's mean does not: one document prefilled in a step doubles it at
+a load no-prefill serves best); or a prompt load past `heavy_load` a decode. Past capacity P/D keeps
+what it admits within the objectives. Each such return doubles the proposals in a row the next move
+to no prefill needs (up to 16 intervals; reset after 6 calm ones with no prefill), and a return for
+slow steps lowers the load the prefill may leave at to LEAVE_LOAD_FRACTION of the load it came back
+at, so a load past capacity stays with P/D instead of flapping.
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ LOAD_HALF_LIFE_S = 5.0  # the prompt load's and the 429s' sums halve in this tim
 # from RETURN (with slow steps) it comes back. The band between them keeps a load near capacity where it is.
 LEAVE_REJECTED_PER_S = 0.1
 RETURN_REJECTED_PER_S = 0.2
+# With no prefill, the decodes' mean step lately (their steps' sums halving as the load's) past this many times
+# the ITL objective brings the prefill back on its own: most requests miss their TPOT objective then, while one
+# document's step lifts it for an interval only. After such a return the prefill leaves again only at
+# LEAVE_LOAD_FRACTION of the prompt load it came back at (a band between the two, sized by the machine itself).
+RETURN_ITL_FACTOR = 1.5
+LEAVE_LOAD_FRACTION = 0.7
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
 
 
@@ -190,6 +198,9 @@ class Planner:
         self._rate_sums = (0.0, 0.0)  # (prompt tokens, seconds) of the prefills' steps, decaying as the fits
         self._load_sums = (0.0, 0.0)  # (prompt tokens of every server, seconds of the intervals), decaying
         self._rejected_sum = 0.0  # the router's 429s, decaying as the load's sums (over their seconds: a rate)
+        self._itl_sums = (0.0, 0.0)  # (mean step x seconds, seconds) of the intervals with no prefill, decaying
+        self._return_load: float | None = None  # the prompt load at the last return for slow steps
+        self._slow_return = False  # this interval's proposal is a return for slow steps (RETURN_ITL_FACTOR)
         self._prompt_seen = False  # some interval had work: prompt tokens, decoding requests, a queue or a 429
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
@@ -209,11 +220,17 @@ class Planner:
                                                       decode.steps.prefill_tokens, decode.steps.decode_seqs))
         self._load_sums = (halving * self._load_sums[0] + prefill.steps.prefill_tokens + decode.steps.prefill_tokens,
                            halving * self._load_sums[1] + interval_s)
+        # With no prefill only (the decodes' steps beside a prefill say nothing of prefilling locally), each
+        # interval's mean step weighted by its seconds: a request decodes through time, not through steps.
+        stepped_s = interval_s if decode.steps.num_steps else 0.0
+        self._itl_sums = ((halving * self._itl_sums[0] + stepped_s * decode.step_s,
+                           halving * self._itl_sums[1] + stepped_s) if prefill.num_servers == 0 else (0.0, 0.0))
         if prefill.steps.prefill_tokens > 0:
             self._rate_sums = (decay * self._rate_sums[0] + prefill.steps.prefill_tokens,
                                decay * self._rate_sums[1] + prefill.steps.wall_s)
         ttft = prefill.step_s * (1 + prefill.steps.waiting / max(prefill.num_servers, 1))
         itl = decode.step_s
+        self._slow_return = False
         roles = self._propose_roles(prefill, decode, ttft, itl) if decodes_prefill else None
         action, reason, after = roles or self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
@@ -249,6 +266,8 @@ class Planner:
         to no prefill must be proposed in a row, up to MAX_TO_NO_PREFILL_INTERVALS, so a load past
         capacity does not flap between the two; CALM_INTERVALS with no prefill and no move reset them."""
         if by_roles and confirmed and action is Action.DECODE_TO_PREFILL:
+            if self._slow_return:
+                self._return_load = self.prompt_load()
             self.to_no_prefill_intervals = min(2 * self.to_no_prefill_intervals, MAX_TO_NO_PREFILL_INTERVALS)
             self._calm = 0
         elif num_prefill == 0 and action is Action.HOLD:
@@ -274,6 +293,20 @@ class Planner:
             return None
         return tokens / seconds / self.prefill_rate
 
+    def itl_lately(self) -> float | None:
+        """The decodes' mean step over the intervals since the last prefill left, each weighted by its
+        seconds (older ones halving as the load's sums); None while a prefill serves or before a decode
+        stepped."""
+        weighted_s, seconds = self._itl_sums
+        return weighted_s / seconds if seconds > 0 else None
+
+    def leave_load(self) -> float:
+        """The prompt load up to which the one prefill may leave: `light_load`, or after a return from no
+        prefill for slow steps LEAVE_LOAD_FRACTION of the load it came back at, if lower."""
+        if self._return_load is None:
+            return self.light_load
+        return min(self.light_load, LEAVE_LOAD_FRACTION * self._return_load)
+
     def rejected_per_s(self) -> float:
         """The router's 429s a second over the intervals seen (older ones decaying as the load's sums)."""
         seconds = self._load_sums[1]
@@ -291,12 +324,17 @@ class Planner:
         if p == 1 and not self._prompt_seen:
             return Action.PREFILL_TO_DECODE, ("no prompt seen yet: the prefill becomes a decode, every server prefills "
                                               "its own requests"), (ttft, itl)
-        if p == 1 and load is not None and load <= self.light_load and self.rejected_per_s() < LEAVE_REJECTED_PER_S:
-            return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.light_load:g}: the prefill becomes a decode, "
+        if p == 1 and load is not None and load <= self.leave_load() and self.rejected_per_s() < LEAVE_REJECTED_PER_S:
+            return Action.PREFILL_TO_DECODE, (f"{said}, at most {self.leave_load():.2g}: the prefill becomes a decode, "
                                               "every server prefills its own requests"), (ttft, itl)
         if p != 0:
             return None
-        pace, rejected_per_s = f"ITL {itl * 1e3:.0f} ms", self.rejected_per_s()
+        pace, rejected_per_s, lately = f"ITL {itl * 1e3:.0f} ms", self.rejected_per_s(), self.itl_lately()
+        self._slow_return = lately is not None and lately > RETURN_ITL_FACTOR * self.itl_slo_s
+        if self._slow_return:
+            return Action.DECODE_TO_PREFILL, (f"ITL {lately * 1e3:.0f} ms lately with no prefill, over "
+                                              f"{RETURN_ITL_FACTOR:g} times its {self.itl_slo_s * 1e3:.0f} ms objective "
+                                              f"({said}): a decode becomes the prefill"), (ttft, itl)
         if rejected_per_s >= RETURN_REJECTED_PER_S and itl > self.itl_slo_s:
             return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({rejected_per_s:.2f} a second lately) and "
                                               f"{pace} over its {self.itl_slo_s * 1e3:.0f} ms objective ({said}): a "

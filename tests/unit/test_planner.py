@@ -179,11 +179,12 @@ def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_ne
     assert rates == [0.1, 0.35, 0.175, 0.088]  # 0.2 a second reached once, then in the band: no return
 
 
-def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_at_a_slow_pace_bring_it_back():
+def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_slow_steps_lately_bring_it_back():
     """Before any prompt (a cluster just started) the one prefill becomes a decode at the first interval;
-    with no prefill and its rate never measured, neither 429s at a pace within the ITL objective nor a
-    slow pace alone bring it back; 429s at a slow pace do (the next move to no prefill then needs 4
-    light intervals); without decodes that prefill locally it stays."""
+    with no prefill and its rate never measured, neither 429s at a pace within the ITL objective nor
+    one document's step bring it back; steps over 1.5 times the ITL objective lately (the decodes' step
+    sums since the prefill left, halving every 5 s) do, with no 429 (the next move to no prefill then needs 4 light intervals);
+    without decodes that prefill locally it stays."""
     idle = (load(1, 0, 0.0), load(1, 0, 0.0))
     assert Planner(1.5, 0.06).decide(*idle).action is Action.HOLD
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
@@ -191,20 +192,56 @@ def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_429s_
         Action.PREFILL_TO_DECODE, "no prompt seen yet: the prefill becomes a decode, every server prefills its own "
         "requests", 0.0, 0.0, 0, 2, True, 0.0, 0.0)
     busy = (load(0, 0, 0.0), load(2, 100, 4.0, prefill_tokens=3000, decode_seqs=300))  # steps of 40 ms
-    slow = (load(0, 0, 0.0), load(2, 100, 25.0, prefill_tokens=3000, decode_seqs=300))  # 250 ms: a document's step
-    held = [planner.decide(*loads, decodes_prefill=True, rejected=r) for loads, r in ((busy, 2), (busy, 0), (slow, 0))]
+    # A document: one server stepped 2.5 s once beside 60 steps of 40 ms, the other 125 of 40 ms.
+    document = (load(0, 0, 0.0), load(2, 186, 9.9, prefill_tokens=3000, decode_seqs=300))
+    slow = (load(0, 0, 0.0), load(2, 100, 25.0, prefill_tokens=3000, decode_seqs=300))  # 250 ms, every step
+    held = [planner.decide(*loads, decodes_prefill=True, rejected=r)
+            for loads, r in ((busy, 2), (busy, 0), (document, 0))]
     assert [(d.action, d.reason.partition(", no prefill")[0]) for d in held] == [
         (Action.HOLD, "its rate not measured yet, ITL 40 ms"), (Action.HOLD, "its rate not measured yet, ITL 40 ms"),
-        (Action.HOLD, "its rate not measured yet, ITL 250 ms")]
-    assert planner.prefill_rate is None
-    back = [planner.decide(*slow, decodes_prefill=True, rejected=r) for r in (2, 1)]
+        (Action.HOLD, "its rate not measured yet, ITL 53 ms")]
+    assert (planner.prefill_rate, round(planner.itl_lately(), 4)) == (None, 0.0476)  # (40/4 + 40/2 + 53.2) / 1.75
+    back = [planner.decide(*slow, decodes_prefill=True) for _ in range(2)]
     assert [(d.action, d.confirmed, d.num_prefill) for d in back] == [
         (Action.DECODE_TO_PREFILL, False, 1), (Action.DECODE_TO_PREFILL, True, 1)]
-    assert back[0].reason == ("429s with no prefill (0.23 a second lately) and ITL 250 ms over its 60 ms objective "
-                              "(its rate not measured yet): a decode becomes the prefill")
-    assert planner.to_no_prefill_intervals == 4
+    assert back[0].reason == ("ITL 156 ms lately with no prefill, over 1.5 times its 60 ms objective (its rate not "
+                              "measured yet): a decode becomes the prefill")
+    assert (planner.to_no_prefill_intervals, planner.leave_load()) == (4, 1.0)  # no load measured: the usual limit
     # The prefill back and idle again: prompts were seen, so no move at once (its rate is still unknown).
     assert planner.decide(*idle, decodes_prefill=True).action is Action.HOLD
+
+
+def test_after_a_return_for_slow_steps_the_prefill_leaves_only_well_below_the_load_it_came_back_at():
+    """The prefill (400 tokens a second) leaves at a prompt load of 0.6; with no prefill the load grows
+    to 0.86 with steps of 80 ms, then 150 ms, and once the decodes' mean step since the prefill left
+    (each interval's weighted by its seconds) is over 90 ms (1.5 x 60) twice the prefill comes back. It then stays at a load of 0.8 (the usual limit
+    is 1) and leaves again only at 0.7 of the load it came back at (0.60), after 4 proposals in a row."""
+    planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
+    measured = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 3.0, decode_seqs=300))
+    assert [planner.decide(*measured, decodes_prefill=True).confirmed for _ in range(2)] == [False, True]
+    assert planner.itl_lately() is None  # a prefill served: its decodes' steps do not count
+    moderate = (load(0, 0, 0.0), load(2, 124, 9.9, prefill_tokens=1600, decode_seqs=700))
+    slow = (load(0, 0, 0.0), load(2, 66, 9.9, prefill_tokens=1800, decode_seqs=400))
+    back = [planner.decide(*loads, decodes_prefill=True) for loads in (moderate, slow, slow)]
+    assert [(d.action, d.confirmed) for d in back] == [
+        (Action.HOLD, False), (Action.DECODE_TO_PREFILL, False), (Action.DECODE_TO_PREFILL, True)]
+    assert back[0].reason == ("prompt load 0.71 of one prefill server (400 tokens/s), ITL 80 ms, no prefill: every "
+                              "server prefills its own requests")
+    assert back[1].reason == ("ITL 127 ms lately with no prefill, over 1.5 times its 60 ms objective (prompt "
+                              "load 0.81 of one prefill server (400 tokens/s)): a decode becomes the prefill")
+    assert round(planner.leave_load(), 4) == round(0.7 * 0.8580645, 4)  # the load at the return: 0.86
+
+    def pd(prompt_tokens: float) -> tuple[RoleLoad, RoleLoad]:  # the prefill computes them at 400 a second
+        return load(1, 40, prompt_tokens / 400, prefill_tokens=prompt_tokens), load(1, 150, 6.0, decode_seqs=1200)
+
+    stays = [planner.decide(*pd(1600), decodes_prefill=True) for _ in range(6)]
+    assert {d.reason for d in stays} == {"TTFT 100 ms and ITL 40 ms against 1500 and 60 ms: no move pays"}
+    assert round(planner.prompt_load(), 3) == 0.801
+    leaves = [planner.decide(*pd(1000), decodes_prefill=True) for _ in range(5)]
+    assert [(d.action, d.confirmed) for d in leaves] == [(Action.HOLD, False)] + [
+        (Action.PREFILL_TO_DECODE, False)] * 3 + [(Action.PREFILL_TO_DECODE, True)]
+    assert leaves[1].reason == ("prompt load 0.58 of one prefill server (400 tokens/s), at most 0.6: the prefill "
+                                "becomes a decode, every server prefills its own requests")
 
 
 def test_the_429s_read_as_a_rate_whatever_the_interval():
@@ -212,8 +249,8 @@ def test_the_429s_read_as_a_rate_whatever_the_interval():
     sums halve every 5 s of time, not every interval), so with no prefill and slow steps the return is
     proposed at every interval and confirmed at the second either way (a count an interval, halving an
     interval, read a pace of one every 5 s as 1, 0.5, 1.25 at 2.5 s)."""
-    def slow(interval_s: float) -> tuple[RoleLoad, RoleLoad]:  # no prefill, decode steps of 100 ms
-        steps = StepSums(interval_s * 10, interval_s, 100 * interval_s, 20 * interval_s)
+    def slow(interval_s: float) -> tuple[RoleLoad, RoleLoad]:  # no prefill, decode steps of 80 ms
+        steps = StepSums(interval_s * 12.5, interval_s, 100 * interval_s, 20 * interval_s)
         return RoleLoad(0, interval_s, StepSums()), RoleLoad(2, interval_s, steps)
 
     for interval_s, rejected in ((5.0, (2, 2)), (2.5, (2, 0))):
@@ -221,5 +258,5 @@ def test_the_429s_read_as_a_rate_whatever_the_interval():
         decisions = [planner.decide(*slow(interval_s), decodes_prefill=True, rejected=r) for r in rejected]
         assert [(d.action, d.confirmed) for d in decisions] == [
             (Action.DECODE_TO_PREFILL, False), (Action.DECODE_TO_PREFILL, True)], interval_s
-    assert decisions[1].reason == ("429s with no prefill (0.33 a second lately) and ITL 100 ms over its 60 ms "
+    assert decisions[1].reason == ("429s with no prefill (0.33 a second lately) and ITL 80 ms over its 60 ms "
                                    "objective (its rate not measured yet): a decode becomes the prefill")

@@ -180,11 +180,8 @@ def run_server(args: argparse.Namespace) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts; what the user
     left unset of disagg/sizing.py's settings is sized to the CPUs each role gets."""
-    from disagg.ops.cpu import cpu_features
-
     planned = plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
-    sized = size_to_machine(*planned, **{name: getattr(args, name) for name in SIZED_FLAGS},
-                            isa=cpu_features().isa.value)
+    sized = size_to_machine(*planned, **{name: getattr(args, name) for name in SIZED_FLAGS})
     for name in SIZED_FLAGS:
         setattr(args, name, getattr(sized, name))
     disagg = disagg_from_args(args, bootstrap_port=0)

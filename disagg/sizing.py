@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 MAX_DP_SIZE = 8  # past this a role's workers get several CPUs each (one model copy per worker)
 WAITING_PER_WORKER = 4  # a request queued past these on 2 cores misses a 1.5 s TTFT objective anyway
-# the decode's batch that keeps a step near the 60 ms ITL objective on one core: SmolLM2's matmuls at 8
-# rows take ~46 ms on an AVX2 core (csrc dequant_matmul), so AVX2 and lesser CPUs run half the batch
-DECODE_SEQS_PER_WORKER = {"avx512": 8, "avx2": 4, "base": 4}
+# the decode's batch that keeps a step within the 60 ms ITL objective on one core with the default engine
+# (gguf_float) on every CPU measured: at 8 the chat load's TPOT p50 was 92 ms on an AVX2 core and 65 ms on
+# an AVX-512 Xeon core, at 4 60 and 51 ms (docs/benchmarks.md, "Defaults that pay", "Slow steps lately")
+DECODE_SEQS_PER_WORKER = 4
 LOCAL_PREFILL_TOKENS = 192  # a chat turn's new tokens: the decode prefills it while the prefill is busy
 DECODE_PREFILL_TOKENS_PER_STEP = 24  # the decode's prompt chunk per step, beside every decoding request
 # with no prefill serving each server runs as `disagg unified --max-num-seqs 8`, which served the chat load best
@@ -44,10 +45,8 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
-                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
-                    isa: str = "avx512") -> Sized:
-    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (`isa`:
-    the csrc instruction set in force, disagg.ops.cpu)."""
+                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None) -> Sized:
+    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs."""
     notes: list[str] = []
     if dp_size is None:
         dp_size, decode_dp_size = role_dp_size(prefill_cpus), decode_dp_size or role_dp_size(decode_cpus)
@@ -66,9 +65,9 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         notes.append(f"--decode-max-prefill-tokens-per-step {DECODE_PREFILL_TOKENS_PER_STEP} (that prefill in "
                      "chunks, beside every decoding request's token)")
     if decode_max_num_seqs is None:
-        decode_max_num_seqs = DECODE_SEQS_PER_WORKER[isa]
-        notes.append(f"--decode-max-num-seqs {decode_max_num_seqs} (on {isa}: the rest wait for a slot; these keep "
-                     "their pace)")
+        decode_max_num_seqs = DECODE_SEQS_PER_WORKER
+        notes.append(f"--decode-max-num-seqs {decode_max_num_seqs} (the rest wait for a slot; these keep their pace "
+                     "within the ITL objective)")
     if whole_max_num_seqs is None:
         whole_max_num_seqs = WHOLE_SEQS_PER_WORKER
         notes.append(f"--whole-max-num-seqs {WHOLE_SEQS_PER_WORKER} (while no prefill serves, every server "

@@ -149,15 +149,10 @@ def test_every_serve_flag_is_a_field_of_a_config_it_passes_on():
 
 def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
     """On 2 CPUs: a worker a role, 4 waiting requests a worker, the decode prefilling a short rest
-    itself in 24-token chunks beside at most 8 decoding requests, 8 when no prefill serves, the planner
+    itself in 24-token chunks beside at most 4 decoding requests, 8 when no prefill serves, the planner
     switching roles (both servers switchable); every note on the ready line."""
-    from types import SimpleNamespace
-
-    from disagg.ops.cpu import Isa
-
     monkeypatch.setattr(cluster, "usable_cpus", lambda: frozenset({0, 1}))
     monkeypatch.setattr(cli, "usable_cpus", lambda: frozenset({0, 1}))
-    monkeypatch.setattr("disagg.ops.cpu.cpu_features", lambda: SimpleNamespace(isa=Isa.AVX512))
     seen = captured_run(monkeypatch, [])
     o = seen["options"]
     prefill, decode = cluster.server_configs(o)
@@ -166,14 +161,14 @@ def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
     assert (prefill.enable_pd_role_switch, decode.enable_pd_role_switch) == (True, True)
     assert (seen["disagg"].decode.max_local_prefill_tokens, seen["disagg"].decode.whole_max_num_seqs) == (192, 8)
     assert (seen["decode_engine"].scheduler.max_num_seqs, seen["decode_engine"].scheduler.max_prefill_tokens_per_step,
-            seen["engine"].scheduler.max_num_seqs, seen["engine"].scheduler.max_prefill_tokens_per_step) == (8, 24, 64, 0)
+            seen["engine"].scheduler.max_num_seqs, seen["engine"].scheduler.max_prefill_tokens_per_step) == (4, 24, 64, 0)
     assert o.planning == PlannerConfig(planner=PlannerMode.AUTO)
     assert o.sized == (
         "prefill dp 1 + decode dp 1 (a worker per CPU of each role)",
         "--max-waiting-requests 4 (4 a worker; past them 429 at once, not a queue that misses every SLO)",
         "--max-local-prefill-tokens 192 (the decode prefills a short rest itself while the prefill is busy)",
         "--decode-max-prefill-tokens-per-step 24 (that prefill in chunks, beside every decoding request's token)",
-        "--decode-max-num-seqs 8 (on avx512: the rest wait for a slot; these keep their pace)",
+        "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)",
         "--whole-max-num-seqs 8 (while no prefill serves, every server prefills its own requests as a unified one)")
 
 
@@ -206,6 +201,6 @@ def test_a_role_gets_at_most_eight_workers_each_on_its_share_of_the_cpus():
     sized = size_to_machine(None, None, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
                             decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64, whole_max_num_seqs=0)
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.notes) == (3, 3, 5, ())
-    assert [size_to_machine(None, None, isa=isa).decode_max_num_seqs for isa in ("avx512", "avx2", "base")] == [8, 4, 4]
-    assert size_to_machine(None, None, isa="avx2").notes[-2] == (
-        "--decode-max-num-seqs 4 (on avx2: the rest wait for a slot; these keep their pace)")
+    assert size_to_machine(None, None).decode_max_num_seqs == 4
+    assert size_to_machine(None, None).notes[-2] == (
+        "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)")

@@ -25,18 +25,18 @@ whatever the interval, the rate's by 0.8 an interval). At most `light_load` (the
 saturated: its core serves more running requests end to end) while no requests are turned away (a
 prefill whose cluster answers 429s is not idle for want of work), the one prefill becomes a decode and
 every server prefills its own requests. With no prefill, a decode becomes the prefill again once the
-prompts the decodes prefill stall the requests decoding beside them: requests turned away (the
-router's 429s a second over the load's seconds, at least RETURN_REJECTED_PER_S: two in the last 10 s,
-twice the rate that stops a move to no prefill, so a load between the two stays where it is)
-while the decodes' mean step is over the ITL objective (429s alone do not: unified serving with the
-same admission limits turns as many away below capacity); the decodes' mean step lately (each
-interval's since the prefill left, weighted by its seconds, halving as the load's sums) over RETURN_ITL_FACTOR times the ITL objective, most requests missing
-their TPOT objective (one interval's mean does not: one document prefilled in a step doubles it at
-a load no-prefill serves best); or a prompt load past `heavy_load` a decode. Past capacity P/D keeps
-what it admits within the objectives. Each such return doubles the proposals in a row the next move
-to no prefill needs (up to 16 intervals; reset after 6 calm ones with no prefill), and a return for
-slow steps lowers the load the prefill may leave at to LEAVE_LOAD_FRACTION of the load it came back
-at, so a load past capacity stays with P/D instead of flapping.
+prompts the decodes prefill stall the requests decoding beside them: requests turned away (the router's
+429s a second over the load's seconds, at least RETURN_REJECTED_PER_S: two in the last 10 s, twice the
+rate that stops a move to no prefill, so a load between the two stays where it is) while the decodes'
+mean step is over the ITL objective (429s alone do not: unified serving with the same admission limits
+turns as many away below capacity); the decodes' mean step lately (each interval's since the prefill
+left, weighted by its seconds, halving as the load's sums) over RETURN_ITL_FACTOR times the ITL
+objective, most requests missing their TPOT objective (one interval's mean does not: one document
+prefilled in a step doubles it at a load no-prefill serves best); or a prompt load past `heavy_load` a
+decode. Past capacity P/D keeps what it admits within the objectives. Each such return doubles the
+proposals in a row the next move to no prefill needs (up to 16 intervals; reset after 6 calm ones with
+no prefill), and a return for slow steps lowers the load the prefill may leave at to LEAVE_LOAD_FRACTION
+of the load it came back at, so a load past capacity stays with P/D instead of flapping.
 """
 
 from __future__ import annotations
@@ -99,10 +99,11 @@ LOAD_HALF_LIFE_S = 5.0  # the prompt load's and the 429s' sums halve in this tim
 # from RETURN (with slow steps) it comes back. The band between them keeps a load near capacity where it is.
 LEAVE_REJECTED_PER_S = 0.1
 RETURN_REJECTED_PER_S = 0.2
-# With no prefill, the decodes' mean step lately (their steps' sums halving as the load's) past this many times
-# the ITL objective brings the prefill back on its own: most requests miss their TPOT objective then, while one
-# document's step lifts it for an interval only. After such a return the prefill leaves again only at
-# LEAVE_LOAD_FRACTION of the prompt load it came back at (a band between the two, sized by the machine itself).
+# With no prefill, the decodes' mean step lately (itl_lately: each interval's weighted by its seconds) past
+# this many times the ITL objective brings the prefill back on its own: most requests miss their TPOT
+# objective then, while one document's step lifts it for an interval only. After such a return the prefill
+# leaves again only at LEAVE_LOAD_FRACTION of the prompt load it came back at (a band between the two, sized
+# by the machine itself).
 RETURN_ITL_FACTOR = 1.5
 LEAVE_LOAD_FRACTION = 0.7
 MIN_RATE_WALL_S = 0.1  # a prefill's rate is known once its steps ran this long (decaying sums)
@@ -333,8 +334,8 @@ class Planner:
         self._slow_return = lately is not None and lately > RETURN_ITL_FACTOR * self.itl_slo_s
         if self._slow_return:
             return Action.DECODE_TO_PREFILL, (f"ITL {lately * 1e3:.0f} ms lately with no prefill, over "
-                                              f"{RETURN_ITL_FACTOR:g} times its {self.itl_slo_s * 1e3:.0f} ms objective "
-                                              f"({said}): a decode becomes the prefill"), (ttft, itl)
+                                              f"{RETURN_ITL_FACTOR:g} times its {self.itl_slo_s * 1e3:.0f} ms "
+                                              f"objective ({said}): a decode becomes the prefill"), (ttft, itl)
         if rejected_per_s >= RETURN_REJECTED_PER_S and itl > self.itl_slo_s:
             return Action.DECODE_TO_PREFILL, (f"429s with no prefill ({rejected_per_s:.2f} a second lately) and "
                                               f"{pace} over its {self.itl_slo_s * 1e3:.0f} ms objective ({said}): a "

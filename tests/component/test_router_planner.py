@@ -138,11 +138,19 @@ async def test_auto_switches_one_prefill_to_decode_and_the_router_follows():
     assert 'disagg_planner_decisions_total{action="prefill_to_decode",confirmed="true"} 1.0' in metrics
 
 
-async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_are_turned_away():
+RETURN_FOR_429S = (429, 0.08, r'429s with no prefill \(\d+\.\d\d a second lately\) and ITL \d+ ms over its 60 ms '
+                   r'objective \(.*\): a decode becomes the prefill')
+RETURN_FOR_SLOW_STEPS = (200, 0.15, r'ITL \d+ ms lately with no prefill, over 1\.5 times its 60 ms objective \(.*\): '
+                         r'a decode becomes the prefill')
+
+
+@pytest.mark.parametrize("status, step_s, reason", [RETURN_FOR_429S, RETURN_FOR_SLOW_STEPS], ids=["429s", "slow"])
+async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_the_decodes_fall_behind(status, step_s, reason):
     """cache_aware with decodes that prefill locally: the one prefill steps half the time (a prompt load
     of 0.5, at most 1), so auto makes it a decode and requests go whole to the decodes
-    (disagg_prefill_here); once the decodes answer 429 and step slower than the ITL objective, the
-    router's 429s bring back the prefill: the server it made a decode, not the other."""
+    (disagg_prefill_here); the prefill comes back (the server it made a decode, not the other) once the
+    decodes answer 429 and step slower than the ITL objective (80 ms: under 1.5 times it, so the 429s
+    bring it), or with no 429 once their steps lately are over 1.5 times it (150 ms)."""
     prefill = SwitchableFake("prefill", 2, 0.05, tokens_per_step=100, local_limit=192)  # 0.1 s of each 0.2 s
     decode = SwitchableFake("decode", 20, 0.02, local_limit=192)
     config = await whole_local_config(prefill, decode, 0.2)
@@ -160,12 +168,12 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
                 assert (r.status, r.headers["X-Disagg-Path-Reason"]) == (200, "no_prefill_server")
             sent = prefill.generate_bodies + decode.generate_bodies
             assert [b.get("disagg_prefill_here") for b in sent] == [True]
-            prefill.generate_status = decode.generate_status = 429
-            prefill.step_s = decode.step_s = 0.1  # and their steps slow past the 60 ms objective
+            prefill.generate_status = decode.generate_status = status
+            prefill.step_s = decode.step_s = step_s  # their steps slow past the 60 ms objective
             while len(prefill.switches) < 2:
-                assert loop.time() < deadline + 10, "no 429 brought the prefill back"
+                assert loop.time() < deadline + 10, "nothing brought the prefill back"
                 async with http.post(router.url + "/v1/completions", json=body) as r:
-                    assert r.status == 429
+                    assert r.status == status
                 await asyncio.sleep(0.05)
             assert (prefill.switches, decode.switches) == ([{"new_role": "decode"}, {"new_role": "prefill"}], [])
             async with http.get(router.url + "/metrics") as r:
@@ -173,8 +181,7 @@ async def test_auto_moves_a_light_last_prefill_to_decode_and_back_when_requests_
             assert 'disagg_planner_decisions_total{action="decode_to_prefill",confirmed="true"} 1.0' in metrics
             reasons = [line for line in lines(metrics, "disagg_planner_last_decision{")]
             assert len(reasons) == 1 and re.fullmatch(
-                r'disagg_planner_last_decision\{action="decode_to_prefill",reason="429s with no prefill \(\d+\.\d\d a '
-                r'second lately\) and ITL \d+ ms over its 60 ms objective \(.*\): a decode becomes the prefill"\} 1\.0',
+                r'disagg_planner_last_decision\{action="decode_to_prefill",reason="' + reason + r'"\} 1\.0',
                 reasons[0]), reasons
     finally:
         for fake in (prefill, decode):

@@ -135,10 +135,10 @@ def test_no_rate_no_move_to_or_from_no_prefill():
 
 
 def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_next_move_waits_twice_as_long():
-    """With no prefill, 429s (admission turned requests away: at least 0.2 a second, twice the 0.1 under
-    which the prefill may leave; their sums halving every 5 s) while the decodes' steps are over the ITL objective bring a prefill back however light
-    the load; 429s at a pace within it do not (unified serving with the same limits turns as many
-    away), nor does one 429 alone. The next move to no prefill waits until the 429s die down, then
+    """With no prefill, 429s (admission turned requests away: at least 0.2 a second, twice the 0.1 under which the
+    prefill may leave; their sums halving every 5 s) while the decodes' steps are over the ITL objective bring a
+    prefill back however light the load; 429s at a pace within it do not (unified serving with the same limits
+    turns as many away), nor does one 429 alone. The next move to no prefill waits until the 429s die down, then
     needs 4 proposals in a row, then 8; 6 calm intervals with no prefill make it 2 again."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     light = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 4.0, prefill_tokens=400, decode_seqs=300))
@@ -180,11 +180,11 @@ def test_requests_turned_away_with_a_slow_pace_bring_back_the_prefill_and_the_ne
 
 
 def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_slow_steps_lately_bring_it_back():
-    """Before any prompt (a cluster just started) the one prefill becomes a decode at the first interval;
-    with no prefill and its rate never measured, neither 429s at a pace within the ITL objective nor
-    one document's step bring it back; steps over 1.5 times the ITL objective lately (the decodes' step
-    sums since the prefill left, halving every 5 s) do, with no 429 (the next move to no prefill then needs 4 light intervals);
-    without decodes that prefill locally it stays."""
+    """Before any prompt (a cluster just started) the one prefill becomes a decode at the first interval; with no
+    prefill and its rate never measured, neither 429s at a pace within the ITL objective nor one document's step
+    bring it back; steps over 1.5 times the ITL objective lately (the decodes' step sums since the prefill left,
+    halving every 5 s) do, with no 429 (the next move to no prefill then needs 4 light intervals); without
+    decodes that prefill locally it stays."""
     idle = (load(1, 0, 0.0), load(1, 0, 0.0))
     assert Planner(1.5, 0.06).decide(*idle).action is Action.HOLD
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
@@ -212,10 +212,11 @@ def test_a_cluster_that_saw_no_prompt_yet_goes_without_prefill_at_once_and_slow_
 
 
 def test_after_a_return_for_slow_steps_the_prefill_leaves_only_well_below_the_load_it_came_back_at():
-    """The prefill (400 tokens a second) leaves at a prompt load of 0.6; with no prefill the load grows
-    to 0.86 with steps of 80 ms, then 150 ms, and once the decodes' mean step since the prefill left
-    (each interval's weighted by its seconds) is over 90 ms (1.5 x 60) twice the prefill comes back. It then stays at a load of 0.8 (the usual limit
-    is 1) and leaves again only at 0.7 of the load it came back at (0.60), after 4 proposals in a row."""
+    """The prefill (400 tokens a second) leaves at a prompt load of 0.6; with no prefill the load grows to 0.86 with
+    steps of 80 ms, then 150 ms, and once the decodes' mean step since the prefill left (each interval's
+    weighted by its seconds) is over 90 ms (1.5 x 60) twice the prefill comes back. It then stays at a load of
+    0.8 (the usual limit is 1) and leaves again only at 0.7 of the load it came back at (0.60), after 4
+    proposals in a row."""
     planner = Planner(ttft_slo_s=1.5, itl_slo_s=0.06)
     measured = (load(1, 30, 3.0, prefill_tokens=1200), load(1, 100, 3.0, decode_seqs=300))
     assert [planner.decide(*measured, decodes_prefill=True).confirmed for _ in range(2)] == [False, True]

@@ -49,14 +49,23 @@ async def test_a_dead_prefill_worker_fails_waiting_decodes_with_lost_connection(
         before = await cluster.free_blocks()
         room = 2 * 777  # follow_bootstrap_room: prefill DP rank 0
         body = cluster.pd_body({"text": "q" * 30, "sampling_params": {"max_new_tokens": 4, **GREEDY}}, room)
-        # Warm the decode's control stream to prefill rank 0, then kill that worker and send only the decode leg.
+        # Warm the decode's control stream to prefill rank 0, send only the decode leg and, once it waits
+        # for its KV (its blocks reserved), kill that worker. (Killed first, the decode may see the stream
+        # close before the request comes: then the request is no waiting decode.)
         await cluster.post_both("/generate", body, body)
+        warm = await cluster.free_blocks()
+        waiting = cluster.pd_body(body, room + 2)  # a room of its own, on prefill rank 0 as well
+        leg = asyncio.create_task(cluster.post(cluster.decode_url + "/generate", waiting, None))
+        for _ in range(100):
+            if (await cluster.free_blocks())[1] != warm[1]:
+                break
+            await asyncio.sleep(0.02)
+        assert (await cluster.free_blocks())[1] != warm[1], "the decode leg never reserved its blocks"
         os.kill(cluster.prefill.controller.workers[0].process.pid, signal.SIGKILL)
         start = time.monotonic()
-        async with cluster.session.post(cluster.decode_url + "/generate", json=cluster.pd_body(body, room)) as r:
-            data = await r.json()
+        status, data, _ = await leg
         elapsed = time.monotonic() - start
-        assert r.status == 503, data
+        assert status == 503, data
         assert data["error"]["message"].startswith("lost connection to prefill 127.0.0.1:")
         assert elapsed < 10  # heartbeats: 3 misses at 1 s, not the 30 s waiting deadline
         # The lost prefill is cut off (tcp), then the quarantined blocks go back.

@@ -201,7 +201,6 @@ class Planner:
         self._rejected_sum = 0.0  # the router's 429s, decaying as the load's sums (over their seconds: a rate)
         self._itl_sums = (0.0, 0.0)  # (mean step x seconds, seconds) of the intervals with no prefill, decaying
         self._return_load: float | None = None  # the prompt load at the last return for slow steps
-        self._slow_return = False  # this interval's proposal is a return for slow steps (RETURN_ITL_FACTOR)
         self._prompt_seen = False  # some interval had work: prompt tokens, decoding requests, a queue or a 429
         self._streak: tuple[Action, int] = (Action.HOLD, 0)
         self._cooling = False
@@ -231,7 +230,6 @@ class Planner:
                                decay * self._rate_sums[1] + prefill.steps.wall_s)
         ttft = prefill.step_s * (1 + prefill.steps.waiting / max(prefill.num_servers, 1))
         itl = decode.step_s
-        self._slow_return = False
         roles = self._propose_roles(prefill, decode, ttft, itl) if decodes_prefill else None
         action, reason, after = roles or self._propose(prefill, decode, ttft, itl)
         count = self._streak[1] + 1 if action is self._streak[0] else 1
@@ -267,7 +265,7 @@ class Planner:
         to no prefill must be proposed in a row, up to MAX_TO_NO_PREFILL_INTERVALS, so a load past
         capacity does not flap between the two; CALM_INTERVALS with no prefill and no move reset them."""
         if by_roles and confirmed and action is Action.DECODE_TO_PREFILL:
-            if self._slow_return:
+            if self._steps_slow():  # the return was for slow steps: that rule comes first
                 self._return_load = self.prompt_load()
             self.to_no_prefill_intervals = min(2 * self.to_no_prefill_intervals, MAX_TO_NO_PREFILL_INTERVALS)
             self._calm = 0
@@ -301,6 +299,11 @@ class Planner:
         weighted_s, seconds = self._itl_sums
         return weighted_s / seconds if seconds > 0 else None
 
+    def _steps_slow(self) -> bool:
+        """With no prefill, the decodes' mean step lately is over RETURN_ITL_FACTOR times the ITL objective."""
+        lately = self.itl_lately()
+        return lately is not None and lately > RETURN_ITL_FACTOR * self.itl_slo_s
+
     def leave_load(self) -> float:
         """The prompt load up to which the one prefill may leave: `light_load`, or after a return from no
         prefill for slow steps LEAVE_LOAD_FRACTION of the load it came back at, if lower."""
@@ -330,10 +333,9 @@ class Planner:
                                               "every server prefills its own requests"), (ttft, itl)
         if p != 0:
             return None
-        pace, rejected_per_s, lately = f"ITL {itl * 1e3:.0f} ms", self.rejected_per_s(), self.itl_lately()
-        self._slow_return = lately is not None and lately > RETURN_ITL_FACTOR * self.itl_slo_s
-        if self._slow_return:
-            return Action.DECODE_TO_PREFILL, (f"ITL {lately * 1e3:.0f} ms lately with no prefill, over "
+        pace, rejected_per_s = f"ITL {itl * 1e3:.0f} ms", self.rejected_per_s()
+        if self._steps_slow():
+            return Action.DECODE_TO_PREFILL, (f"ITL {self.itl_lately() * 1e3:.0f} ms lately with no prefill, over "
                                               f"{RETURN_ITL_FACTOR:g} times its {self.itl_slo_s * 1e3:.0f} ms "
                                               f"objective ({said}): a decode becomes the prefill"), (ttft, itl)
         if rejected_per_s >= RETURN_REJECTED_PER_S and itl > self.itl_slo_s:

@@ -154,7 +154,7 @@ class ControlClient:
         registration; (what our proof bound, the first reply, the prefill's proof back)."""
         self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options(self.config))
         self._outbox = asyncio.Queue()  # a fresh request stream per attempt
-        await asyncio.wait_for(self._channel.channel_ready(), max(deadline - self._clock(), 1e-3))
+        await asyncio.wait_for(self._connected(), max(deadline - self._clock(), 1e-3))
         stub = pb_grpc.KVControlStub(self._channel)
         binding, metadata = None, None
         if self._cluster_secret is not None:
@@ -166,6 +166,20 @@ class ControlClient:
         first = await asyncio.wait_for(self._call.read(), max(deadline - self._clock(), 1e-3))
         reply = dict(await self._call.initial_metadata() or ()).get(CONTROL_AUTH_KEY)
         return binding, first, reply
+
+    async def _connected(self) -> None:
+        """Until the channel is connected; PeerUnavailable at once when its first connection fails
+        (refused: no worker listens at the address, e.g. a prefill worker that died, which its registry
+        entry still names until the restarted one refreshes it), not at the deadline: gRPC would retry
+        with backoff. A connection that hangs (nothing answers) still ends at the deadline."""
+        state = self._channel.get_state(try_to_connect=True)
+        while state is not grpc.ChannelConnectivity.READY:
+            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                await self.close()
+                raise PeerUnavailable(f"cannot reach prefill {self.address}: its connection failed (no worker "
+                                      "listens there)")
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=True)
 
     async def _drop_attempt(self) -> None:
         self._outbox.put_nowait(None)

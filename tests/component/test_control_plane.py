@@ -3,6 +3,7 @@
 import asyncio
 import importlib.util
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -331,12 +332,21 @@ async def test_unreachable_prefill_and_client_misuse():
     probe = ControlServer(PREFILL, FAST)
     port = await probe.start()
     await probe.close()
-    config = ControlConfig(connect_timeout_s=0.3)
-    start = time.monotonic()
+    # Refused (nothing listens: a dead worker's address): at once, not at the (hour-long) connect timeout.
     with pytest.raises(PeerUnavailable) as exc:
-        await ControlClient(f"127.0.0.1:{port}", DECODE, config).connect()
-    assert time.monotonic() - start < 2.0
-    assert str(exc.value) == f"cannot reach prefill 127.0.0.1:{port} within 0.3 s (timed out)"
+        patient = ControlClient(f"127.0.0.1:{port}", DECODE, ControlConfig(connect_timeout_s=3600))
+        await asyncio.wait_for(patient.connect(), 10)
+    assert str(exc.value) == f"cannot reach prefill 127.0.0.1:{port}: its connection failed (no worker listens there)"
+    # Accepted by the kernel but never answered (a hung peer): at the connect timeout.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        mute_port = mute.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable) as exc:
+            await ControlClient(f"127.0.0.1:{mute_port}", DECODE, ControlConfig(connect_timeout_s=0.3)).connect()
+        assert time.monotonic() - start < 2.0
+    assert str(exc.value) == f"cannot reach prefill 127.0.0.1:{mute_port} within 0.3 s (timed out)"
     async with ControlServer(PREFILL, FAST) as srv, ControlClient(f"127.0.0.1:{srv.port}", DECODE, FAST) as cli:
         cli.send_transfer(info(1))
         with pytest.raises(ControlError, match=r"^room 1 already has a transfer in flight to prefill "):

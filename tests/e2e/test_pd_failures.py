@@ -2,11 +2,13 @@
 
 import asyncio
 import os
+import re
 import signal
 import time
 
 import pytest
 
+from disagg.pd_config import ControlConfig
 from pd_cluster import start_pd
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
@@ -70,6 +72,37 @@ async def test_a_dead_prefill_worker_fails_waiting_decodes_with_lost_connection(
         assert elapsed < 10  # heartbeats: 3 misses at 1 s, not the 30 s waiting deadline
         # The lost prefill is cut off (tcp), then the quarantined blocks go back.
         for _ in range(40):
+            stats = await cluster.decode.controller.call_utility("stats")
+            if [w.num_free_blocks for w in stats] == before[1]:
+                break
+            await asyncio.sleep(0.05)
+        assert [(w.num_free_blocks, w.num_quarantined_blocks) for w in stats] == [(b, 0) for b in before[1]]
+    finally:
+        await cluster.close()
+
+
+async def test_a_decode_for_a_room_on_a_dead_prefill_worker_fails_at_once_not_at_the_connect_timeout():
+    # The registry holds the room on rank 0 (the prefill balances round robin: every room is registered)
+    # and, the worker staying dead (restart backoff 60 s), still names rank 0's address; the decode's
+    # stream to it closed before this request came. The connection is refused: 503 at once, not after
+    # the 30 s connect timeout.
+    control = ControlConfig(heartbeat_interval_s=0.2, heartbeat_max_misses=3, connect_timeout_s=30)
+    cluster = await start_pd("tcp", prefill_method="round_robin", disagg={"control": control},
+                             server={"worker_restart_backoff_s": 60, "worker_restart_max_backoff_s": 60})
+    try:
+        before = await cluster.free_blocks()
+        body = cluster.pd_body({"text": "r" * 30, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+        await cluster.post_both("/generate", dict(body, routed_dp_rank=0), body)  # the decode's stream to rank 0 opens
+        os.kill(cluster.prefill.controller.workers[0].process.pid, signal.SIGKILL)
+        await asyncio.sleep(1.0)  # the stream closes at once (at most 3 heartbeats of 0.2 s)
+        start = time.monotonic()
+        status, data, _ = await cluster.post(cluster.decode_url + "/generate", body, None)
+        elapsed = time.monotonic() - start
+        assert status == 503, data
+        assert re.fullmatch(r"PeerUnavailable: cannot reach prefill 127\.0\.0\.1:\d+: its connection failed "
+                            r"\(no worker listens there\)", data["error"]["message"]), data
+        assert elapsed < 15, elapsed  # at once: the connect timeout is 30 s
+        for _ in range(40):  # the decode's reserved blocks go back (nothing was written into them)
             stats = await cluster.decode.controller.call_utility("stats")
             if [w.num_free_blocks for w in stats] == before[1]:
                 break

@@ -17,6 +17,7 @@ SERVERS=${SERVERS:-"unified unified-limits serve"}
 SERVE_FLAGS=${SERVE_FLAGS:-}
 SERVE_LABEL=${SERVE_LABEL:-serve}
 CONVS_PER_RATE=${CONVS_PER_RATE:-16}
+WAITING=${WAITING:-4}  # unified-limits' --max-waiting-requests: serve's sized default on 2 cores
 mkdir -p "$OUT"
 
 stop() {  # the process group of $1
@@ -45,7 +46,7 @@ for rate in $RATES; do
     case $server in
       unified) run unified "$rate" "$OUT/unified-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2 ;;
       unified-limits) run unified-limits "$rate" "$OUT/unified-limits-$rate.log" .venv/bin/disagg unified --port 0 \
-        --dp-size 2 --max-waiting-requests 4 --max-num-seqs 8 ;;
+        --dp-size 2 --max-waiting-requests "$WAITING" --max-num-seqs 8 ;;
       # shellcheck disable=SC2086  # SERVE_FLAGS are words
       serve) run "$SERVE_LABEL" "$rate" "$OUT/$SERVE_LABEL-$rate.log" .venv/bin/disagg serve --port 0 --log-format json \
         $SERVE_FLAGS ;;

@@ -29,7 +29,7 @@ from disagg.engine.core import EngineCore
 from disagg.bench.hf_baseline import hf_model_from_loaded
 from disagg.engine.loader import load_model
 from disagg.ops import csrc_status
-from disagg.ops.cpu import cpu_features, read_flags
+from disagg.ops.cpu import TORCH_LEVEL_VARS, cpu_features, read_flags
 from disagg.types import SamplingParams
 
 
@@ -233,8 +233,10 @@ def machine_line() -> str:
     model, flags = _cpu_model(), read_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
     shown = " ".join(flag for flag in wanted if flag in flags) or "none of avx2/avx512/amx"
+    held = " ".join(f"{name}={os.environ[name]}" for name in TORCH_LEVEL_VARS if os.environ.get(name))
     return (f"CPU: {model}; flags: {shown}; runs as {cpu_features().describe()}; {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} torch threads; torch {torch.__version__}")
+            f"{torch.get_num_threads()} torch threads; torch {torch.__version__}"
+            + (f" (its libraries held: {held})" if held else ""))
 
 
 def _cpu_model() -> str:

@@ -5,9 +5,9 @@ reads it from here, so that no path is chosen that the CPU would refuse.
 `DISAGG_CPU_ISA=avx2` (or `base`; disagg.config.cpu_isa) caps every answer at that level on any CPU
 that has it: a machine with AVX-512 then runs the csrc kernels of the avx2 build and answers "no" for
 oneDNN's bfloat16 and native bfloat16, as an AVX2-only CPU would. torch's own libraries pick their code
-from the hardware; `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` hold them to the same level
-(`make test` sets all three for its second pass over the engine and ops tests, as printed by
-`python -m disagg.ops cpu lesser`; docs/engine.md).
+from the hardware; `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2` hold
+them to the same level (`make test` sets all four for its second pass over the engine and ops tests, as
+printed by `python -m disagg.ops cpu lesser`; docs/engine.md).
 """
 
 from __future__ import annotations
@@ -122,18 +122,21 @@ def cpu_features() -> CpuFeatures:
     return features_of(read_flags(), cpu_isa())
 
 
-# torch's own settings that hold ATen's vectorised code and oneDNN to a level (their names for it).
-TORCH_LEVELS = {Isa.AVX512: ("avx512", "AVX512_CORE"), Isa.AVX2: ("avx2", "AVX2"), Isa.BASE: ("default", "SSE41")}
+# torch's own settings that hold ATen's vectorised code, oneDNN and MKL (float32 matmul: HF's side of a
+# benchmark) to a level (their names for it). MKL held to AVX2 on an AVX-512 Xeon core: sgemm 114 GFLOP/s
+# against 184 (512 x 576 x 1536, one thread).
+TORCH_LEVELS = {Isa.AVX512: ("avx512", "AVX512_CORE", "AVX512"), Isa.AVX2: ("avx2", "AVX2", "AVX2"),
+                Isa.BASE: ("default", "SSE41", "SSE4_2")}
+TORCH_LEVEL_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def lesser_env(features: CpuFeatures) -> dict[str, str]:
     """The environment that runs this process's code as the level below `features.isa` (avx512 → avx2,
-    avx2 → base): DISAGG_CPU_ISA, ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA; empty at base."""
+    avx2 → base): DISAGG_CPU_ISA and TORCH_LEVEL_VARS; empty at base."""
     if features.isa is Isa.BASE:
         return {}
     lesser = list(Isa)[list(Isa).index(features.isa) + 1]
-    aten, onednn = TORCH_LEVELS[lesser]
-    return {"DISAGG_CPU_ISA": lesser.value, "ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn}
+    return {"DISAGG_CPU_ISA": lesser.value, **dict(zip(TORCH_LEVEL_VARS, TORCH_LEVELS[lesser]))}
 
 
 def main(argv: list[str]) -> int:

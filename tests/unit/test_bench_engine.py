@@ -77,6 +77,15 @@ def test_the_machine_line_names_the_flags_and_threads():
     assert "flags: " in line and f"; runs as {cpu_features().describe()}; " in line
 
 
+def test_the_machine_line_names_the_levels_torchs_libraries_are_held_to(monkeypatch):
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert machine_line().endswith(f"torch {torch.__version__} (its libraries held: MKL_ENABLE_INSTRUCTIONS=AVX2)")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    assert machine_line().endswith(f"torch {torch.__version__}")
+
+
 def test_the_table_gives_ratios_and_dashes_where_hf_did_not_run():
     nan = float("nan")
     results = [Result("float32", "csrc-avx512", "gguf", 16, 1744.0, 509.3, 872.0, 166.0, kv_cache_dtype="bfloat16"),

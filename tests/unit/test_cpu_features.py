@@ -69,7 +69,9 @@ def test_flags_are_read_from_cpuinfo(tmp_path):
 
 def test_the_lesser_level_sets_torchs_own_limits_too():
     assert lesser_env(features_of(SAPPHIRE)) == {
-        "DISAGG_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        "DISAGG_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert lesser_env(features_of(AVX2)) == {
-        "DISAGG_CPU_ISA": "base", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+        "DISAGG_CPU_ISA": "base", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
     assert lesser_env(features_of(SAPPHIRE, "base")) == {}

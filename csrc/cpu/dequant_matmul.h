@@ -134,36 +134,42 @@ void dequantize_pair(float* buf, const uint8_t* w, const float* ws, int64_t t, i
   }
 }
 
-// R rows times the 32 columns of a dequantized pair: V vectors a row in registers, one load of each
-// buffer vector per column for all R rows.
-template <int R>
-void pair_rows(float* out, int64_t out_stride, int64_t cols, const float* x, int64_t k, const float* buf) {
+// R rows times V vectors of columns of a dequantized pair, from column c0 (V * kLanesPerPass of its 32):
+// the sums in registers, one load of each buffer vector per column for all R rows.
+template <int R, int V>
+void pair_rows(float* out, int64_t out_stride, int64_t cols, const float* x, int64_t k, const float* buf,
+               int64_t c0) {
   using F = typename Lanes<kLanesPerPass>::f32;
-  constexpr int V = 2 * kTileRows / kLanesPerPass;
   F acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = F{};
   for (int64_t kk = 0; kk < k; ++kk) {
     F wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = load_lanes<F>(buf + kk * 2 * kTileRows + v * kLanesPerPass);
+    for (int v = 0; v < V; ++v) wv[v] = load_lanes<F>(buf + kk * 2 * kTileRows + c0 + v * kLanesPerPass);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const F xr = splat_lanes<F>(x[r * k + kk]);
       for (int v = 0; v < V; ++v) acc[r][v] = fma_lanes(xr, wv[v], acc[r][v]);
     }
   }
+  const int64_t n = cols - c0 < V * kLanesPerPass ? cols - c0 : V * kLanesPerPass;
   for (int r = 0; r < R; ++r) {
-    float row[2 * kTileRows];
+    float row[V * kLanesPerPass];
     __builtin_memcpy(row, acc[r], sizeof row);
-    for (int64_t j = 0; j < cols; ++j) out[r * out_stride + j] = row[j];
+    for (int64_t j = 0; j < n; ++j) out[r * out_stride + c0 + j] = row[j];
   }
 }
 
+// A pass's rows and vectors of columns: the sums, the column's vectors and a row's broadcast fill the
+// registers (32 zmm; 16 ymm, where 3 rows x 4 vectors spilled: 6 x 2, BLIS's AVX2 shape, runs SmolLM2's
+// matmuls at 256 rows at 196-210 GFLOP/s on an AVX-512 Xeon core held to avx2, against 138-145; the base
+// build 38 -> 49).
 #if defined(DISAGG_VNNI)
-constexpr int kPairRows = 12;  // 12 rows x 2 zmm: 24 accumulators
+constexpr int kPairRows = 12, kPairVecs = 2;  // 12 rows x 2 zmm (the pair's 32 columns): 24 accumulators
 #else
-constexpr int kPairRows = 3;   // 3 rows x 4 ymm
+constexpr int kPairRows = 6, kPairVecs = 2;   // 6 rows x 2 ymm (half the pair's columns): 12 accumulators
 #endif
+constexpr int kPairCols = kPairVecs * kLanesPerPass;
 constexpr int64_t kManyRows = 32;  // from this many rows a pair's dequantizing pays for its buffer
 
 template <int Bits>
@@ -178,8 +184,11 @@ void dequant_matmul_many(float* out, const float* x, const uint8_t* w, const flo
       dequantize_pair<Bits>(buf, w, ws, 2 * p, tiles, k);
       const int64_t c0 = p * 2 * kTileRows, cols = n - c0 < 2 * kTileRows ? n - c0 : 2 * kTileRows;
       int64_t r0 = 0;
-      for (; r0 + kPairRows <= rows; r0 += kPairRows) pair_rows<kPairRows>(out + r0 * n + c0, n, cols, x + r0 * k, k, buf);
-      for (; r0 < rows; ++r0) pair_rows<1>(out + r0 * n + c0, n, cols, x + r0 * k, k, buf);
+      for (; r0 + kPairRows <= rows; r0 += kPairRows)
+        for (int64_t part = 0; part < cols; part += kPairCols)
+          pair_rows<kPairRows, kPairVecs>(out + r0 * n + c0, n, cols, x + r0 * k, k, buf, part);
+      for (; r0 < rows; ++r0)
+        pair_rows<1, 2 * kTileRows / kLanesPerPass>(out + r0 * n + c0, n, cols, x + r0 * k, k, buf, 0);
     }
     delete[] buf;
   }

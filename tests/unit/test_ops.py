@@ -385,12 +385,13 @@ def test_dequant_matmul_dequantizes_as_dequantize_does_to_the_bit(csrc, kind, n,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["int4", "q8_0"])
 @pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (2, 45, 96), (5, 129, 64), (7, 31, 96), (9, 9, 160),
-                                      (17, 77, 576), (31, 40, 64), (37, 264, 288), (64, 16, 96)])
+                                      (17, 77, 576), (31, 40, 64), (37, 264, 288), (64, 16, 96), (45, 57, 96)])
 def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtype, kind, rows, n, k):
     """Float32 activations times the dequantized weight: under 32 rows in passes of 1-16 (a remainder
     of each size on VNNI's passes of 16 and others' of 8; 4 chains a row under 4), from 32 rows over
-    pairs of tiles dequantized once (passes of 12 or 3 and single rows; a lone last tile; threaded),
-    partial last tiles and half tiles: the twin's float32 matmul within float32 summation order, in
+    pairs of tiles dequantized once (passes of 12 rows over the pair's 32 columns or 6 over each half of
+    them, and single rows; a lone last tile; a last pair of 25 columns; threaded), partial last tiles and
+    half tiles: the twin's float32 matmul within float32 summation order, in
     x's dtype."""
     from disagg.ops.quant import pack_blocks
 

@@ -6,10 +6,12 @@
 // buffer each thread reuses for the pass), exactly as disagg.ops.quant.dequantize computes it
 // (one float32 rounding per operation): 4 bits d * q + m, 8 bits d * (q - 128), the stored byte less
 // its offset. The activations stay float32: each column is multiplied into the rows' sums with fused
-// multiply-adds, columns in order (in 4 interleaved chains under 4 rows). So a GGUF's blocks give the numbers of the dense weight they
-// encode (`--quantization none`), summed in another order, while the weights a decode step reads
-// from memory stay 4 or 8 bits. (quant_matmul rounds the activations to int8 as llama.cpp does:
-// faster on a prompt, further from the dense numbers.)
+// multiply-adds, columns in order (in 4 interleaved chains under 4 rows). So a GGUF's blocks give the
+// numbers of the dense weight they encode (`--quantization none`), summed in another order, while the
+// weights a decode step reads from memory stay 4 or 8 bits. One or two rows (a decode step's few) take
+// each block's scales out of its sum instead (dequant_tile_few: d * sum(q x) + m * sum(x), the same sum
+// grouped by block, one fused multiply-add a column). (quant_matmul rounds the activations to int8 as
+// llama.cpp does: faster on a prompt, further from the dense numbers.)
 
 #if defined(DISAGG_VNNI)
 constexpr int kDequantRows = 16;  // rows per pass: R accumulators, the column and its scales
@@ -90,6 +92,65 @@ void dequant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const
   }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = from_f32<T>(acc[r][0][j]);
+}
+
+// dequant_tile for 1 or 2 rows (a decode step's few), with each block's scales taken out of its sum:
+// out[r, j] = sum over blocks of d_j * (sum_i q_ij x_ri) + m_j * (sum_i x_ri), the inner sums in 4 chains of
+// fused multiply-adds over the block's integers, so a column costs its extraction, a conversion and one
+// fused multiply-add (dequant_tile's also scale it, and 8 bits subtract the offset). `xs`: each row's block
+// sums of x (row r's at xs + r * blocks), for 4 bits. Fed the rows of the identity it gives d * q + m with
+// the roundings of disagg.ops.quant.dequantize still (one sum holds one integer).
+template <typename T, int R, int Bits, int L>
+void dequant_tile_few(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* x, const float* xs,
+                      int64_t k, const uint8_t* w, const float* ws) {
+  using I = typename Lanes<L>::i32;
+  using U = typename Lanes<L>::u32;
+  using F = typename Lanes<L>::f32;
+  constexpr int64_t kBlockBytes = kTileRows * kQ8Block * Bits / 8;
+  constexpr int C = 4;
+  const int64_t blocks = k / kQ8Block;
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * kBlockBytes + 4 * lane0;
+    const F dw = load_lanes<F>(ws + b * 2 * kTileRows + lane0);
+    const float* xb = x + b * kQ8Block;
+    F sums[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sums[r][c] = F{};
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 4; ++c) {  // chunk c: columns 8c .. 8c + 3 in the low nibbles, 8c + 4 .. in the high
+        const U v = load_lanes<U>(wb + 64 * c);
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j) {
+            const I q = reinterpret_cast<I>((v >> (8 * j + 4 * h)) & 0x0Fu);
+            add_column<R, C>(sums, j, __builtin_convertvector(q, F), xb + 8 * c + 4 * h + j, k);
+          }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {  // chunk c: columns 4c .. 4c + 3, each the value plus 128
+        const I v = reinterpret_cast<I>(load_lanes<U>(wb + 64 * c) ^ 0x80808080u);  // each byte the value, signed
+        for (int j = 0; j < 4; ++j)
+          add_column<R, C>(sums, j, __builtin_convertvector((v << (24 - 8 * j)) >> 24, F), xb + 4 * c + j, k);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const F block = (sums[r][0] + sums[r][1]) + (sums[r][2] + sums[r][3]);
+      if constexpr (Bits == 4) {
+        const F mw = load_lanes<F>(ws + b * 2 * kTileRows + kTileRows + lane0);
+        acc[r] = acc[r] + (dw * block + mw * splat_lanes<F>(xs[r * blocks + b]));
+      } else {
+        acc[r] = acc[r] + dw * block;
+      }
+    }
+  }
+  const int64_t n = cols - lane0 < L ? cols - lane0 : L;
+  if (n == L) {
+    for (int r = 0; r < R; ++r) store_lanes<T, L>(out + r * out_stride + lane0, acc[r]);
+    return;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = from_f32<T>(acc[r][j]);
 }
 
 // ---- many rows (a prompt): two tiles dequantized once into a buffer, then rows x 32 columns ----
@@ -209,6 +270,24 @@ void dequant_matmul_t(float* out, const float* x, const uint8_t* w, const float*
   static_assert(kDequantRows <= 16, "kTiles holds passes of up to 16 rows");
   if (rows >= kManyRows) return dequant_matmul_many<Bits>(out, x, w, ws, rows, n, k);
   const int64_t blocks = k / kQ8Block, tile_bytes = blocks * kTileRows * kQ8Block * Bits / 8;
+  if (rows <= 2) {  // a decode step's few rows: the blocks' scales out of their sums
+    float* xs = new float[rows * blocks];
+    for (int64_t i = 0; i < rows * blocks; ++i) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < kQ8Block; ++j) s += x[i * kQ8Block + j];
+      xs[i] = s;
+    }
+    using Few = void (*)(float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t, const uint8_t*,
+                         const float*);
+    constexpr Few kFew[3] = {nullptr, dequant_tile_few<float, 1, Bits, kLanesPerPass>,
+                             dequant_tile_few<float, 2, Bits, kLanesPerPass>};
+    each_tile_pass(rows, n, k, 2, [&](int64_t t, int64_t r0, int64_t nr, int64_t cols, int64_t lane0) {
+      kFew[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, xs + r0 * blocks, k, w + t * tile_bytes,
+               ws + t * blocks * 2 * kTileRows);
+    });
+    delete[] xs;
+    return;
+  }
   each_tile_pass(rows, n, k, kDequantRows, [&](int64_t t, int64_t r0, int64_t nr, int64_t cols, int64_t lane0) {
     kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, k, w + t * tile_bytes,
                ws + t * blocks * 2 * kTileRows);

@@ -8,9 +8,10 @@
 // its offset. The activations stay float32: each column is multiplied into the rows' sums with fused
 // multiply-adds, columns in order (in 4 interleaved chains under 4 rows). So a GGUF's blocks give the
 // numbers of the dense weight they encode (`--quantization none`), summed in another order, while the
-// weights a decode step reads from memory stay 4 or 8 bits. One or two rows (a decode step's few) take
-// each block's scales out of its sum instead (dequant_tile_few: d * sum(q x) + m * sum(x), the same sum
-// grouped by block, one fused multiply-add a column). (quant_matmul rounds the activations to int8 as
+// weights a decode step reads from memory stay 4 or 8 bits. A decode step's passes (1 or 2 rows on avx512,
+// every pass under 32 rows on AVX2 and base) take each block's scales out of its sum instead
+// (dequant_tile_few: d * sum(q x) + m * sum(x), the same sum grouped by block, one fused multiply-add a
+// column). (quant_matmul rounds the activations to int8 as
 // llama.cpp does: faster on a prompt, further from the dense numbers.)
 
 #if defined(DISAGG_VNNI)
@@ -46,8 +47,8 @@ inline void add_column(F (*acc)[Chains], int chain, F column, const float* x, in
 // R activation rows times lanes [lane0, lane0 + L) of one tile: out[r, j] for the tile's columns j
 // in that range below `cols` (<= 16).
 template <typename T, int R, int Bits, int L>
-void dequant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* x, int64_t k,
-                  const uint8_t* w, const float* ws) {
+void dequant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* x, const float* /*xs*/,
+                  int64_t k, const uint8_t* w, const float* ws) {
   using I = typename Lanes<L>::i32;
   using U = typename Lanes<L>::u32;
   using F = typename Lanes<L>::f32;
@@ -94,12 +95,13 @@ void dequant_tile(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const
     for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = from_f32<T>(acc[r][0][j]);
 }
 
-// dequant_tile for 1 or 2 rows (a decode step's few), with each block's scales taken out of its sum:
-// out[r, j] = sum over blocks of d_j * (sum_i q_ij x_ri) + m_j * (sum_i x_ri), the inner sums in 4 chains of
-// fused multiply-adds over the block's integers, so a column costs its extraction, a conversion and one
-// fused multiply-add (dequant_tile's also scale it, and 8 bits subtract the offset). `xs`: each row's block
-// sums of x (row r's at xs + r * blocks), for 4 bits. Fed the rows of the identity it gives d * q + m with
-// the roundings of disagg.ops.quant.dequantize still (one sum holds one integer).
+// dequant_tile with each block's scales taken out of its sum (passes of up to kFewRows rows, below):
+// out[r, j] = sum over blocks of d_j * (sum_i q_ij x_ri) + m_j * (sum_i x_ri), the inner sums in chains of
+// fused multiply-adds over the block's integers (4 a row at 1 or 2 rows, 2 at 3 or 4, else 1), so a column
+// costs its extraction, a conversion and one fused multiply-add (dequant_tile's also scale it, and 8 bits
+// subtract the offset). `xs`: each row's block sums of x (row r's at xs + r * blocks), for 4 bits. Fed the
+// rows of the identity it gives d * q + m with the roundings of disagg.ops.quant.dequantize still (one sum
+// holds one integer).
 template <typename T, int R, int Bits, int L>
 void dequant_tile_few(T* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* x, const float* xs,
                       int64_t k, const uint8_t* w, const float* ws) {
@@ -107,7 +109,7 @@ void dequant_tile_few(T* out, int64_t out_stride, int64_t cols, int64_t lane0, c
   using U = typename Lanes<L>::u32;
   using F = typename Lanes<L>::f32;
   constexpr int64_t kBlockBytes = kTileRows * kQ8Block * Bits / 8;
-  constexpr int C = 4;
+  constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // chains a row: enough fused multiply-adds in flight
   const int64_t blocks = k / kQ8Block;
   F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = F{};
@@ -124,18 +126,19 @@ void dequant_tile_few(T* out, int64_t out_stride, int64_t cols, int64_t lane0, c
         for (int h = 0; h < 2; ++h)
           for (int j = 0; j < 4; ++j) {
             const I q = reinterpret_cast<I>((v >> (8 * j + 4 * h)) & 0x0Fu);
-            add_column<R, C>(sums, j, __builtin_convertvector(q, F), xb + 8 * c + 4 * h + j, k);
+            add_column<R, C>(sums, j % C, __builtin_convertvector(q, F), xb + 8 * c + 4 * h + j, k);
           }
       }
     } else {
       for (int c = 0; c < 8; ++c) {  // chunk c: columns 4c .. 4c + 3, each the value plus 128
         const I v = reinterpret_cast<I>(load_lanes<U>(wb + 64 * c) ^ 0x80808080u);  // each byte the value, signed
         for (int j = 0; j < 4; ++j)
-          add_column<R, C>(sums, j, __builtin_convertvector((v << (24 - 8 * j)) >> 24, F), xb + 4 * c + j, k);
+          add_column<R, C>(sums, j % C, __builtin_convertvector((v << (24 - 8 * j)) >> 24, F), xb + 4 * c + j, k);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const F block = (sums[r][0] + sums[r][1]) + (sums[r][2] + sums[r][3]);
+      F block = sums[r][0];
+      for (int c = 1; c < C; ++c) block += sums[r][c];
       if constexpr (Bits == 4) {
         const F mw = load_lanes<F>(ws + b * 2 * kTileRows + kTileRows + lane0);
         acc[r] = acc[r] + (dw * block + mw * splat_lanes<F>(xs[r * blocks + b]));
@@ -255,12 +258,23 @@ void dequant_matmul_many(float* out, const float* x, const uint8_t* w, const flo
   }
 }
 
-#define DISAGG_DEQUANT_TILE(R) dequant_tile<float, R, Bits, kLanesPerPass>
+// Passes of up to kFewRows rows take the blocks' scales out of their sums (dequant_tile_few). On AVX2 and base
+// that pays at every size (SmolLM2's four layer matmuls, one thread, held to avx2: 1 row 155 -> 115 us at 4
+// bits; 4 rows 345 -> 278 us at 4 bits, 284 -> 245 at 8; 8 rows 484 -> 462, 449 -> 417); on avx512 only at 1
+// and 2 (1 row 128 -> 96 us; 4 rows took 191-210 us against dequant_tile's 181-191 at 4 bits).
+#if defined(DISAGG_VNNI)
+constexpr int kFewRows = 2;
+#else
+constexpr int kFewRows = 16;
+#endif
+#define DISAGG_DEQUANT_TILE(R) \
+  (R <= kFewRows ? dequant_tile_few<float, R, Bits, kLanesPerPass> : dequant_tile<float, R, Bits, kLanesPerPass>)
 
 template <int Bits>
 void dequant_matmul_t(float* out, const float* x, const uint8_t* w, const float* ws, int64_t rows, int64_t n,
                       int64_t k) {
-  using Tile = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const uint8_t*, const float*);
+  using Tile = void (*)(float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t, const uint8_t*,
+                        const float*);
   static constexpr Tile kTiles[17] = {
       nullptr,                 DISAGG_DEQUANT_TILE(1),  DISAGG_DEQUANT_TILE(2),  DISAGG_DEQUANT_TILE(3),
       DISAGG_DEQUANT_TILE(4),  DISAGG_DEQUANT_TILE(5),  DISAGG_DEQUANT_TILE(6),  DISAGG_DEQUANT_TILE(7),
@@ -270,28 +284,20 @@ void dequant_matmul_t(float* out, const float* x, const uint8_t* w, const float*
   static_assert(kDequantRows <= 16, "kTiles holds passes of up to 16 rows");
   if (rows >= kManyRows) return dequant_matmul_many<Bits>(out, x, w, ws, rows, n, k);
   const int64_t blocks = k / kQ8Block, tile_bytes = blocks * kTileRows * kQ8Block * Bits / 8;
-  if (rows <= 2) {  // a decode step's few rows: the blocks' scales out of their sums
-    float* xs = new float[rows * blocks];
+  float* xs = nullptr;  // each row's block sums of x, for dequant_tile_few's 4-bit mins
+  if constexpr (Bits == 4) {
+    xs = new float[rows * blocks];
     for (int64_t i = 0; i < rows * blocks; ++i) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < kQ8Block; ++j) s += x[i * kQ8Block + j];
-      xs[i] = s;
+      float part[8] = {};  // 8 sums in lanes (a chain of 32 additions would be bound by their latency)
+      for (int64_t j = 0; j < kQ8Block; ++j) part[j % 8] += x[i * kQ8Block + j];
+      xs[i] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     }
-    using Few = void (*)(float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t, const uint8_t*,
-                         const float*);
-    constexpr Few kFew[3] = {nullptr, dequant_tile_few<float, 1, Bits, kLanesPerPass>,
-                             dequant_tile_few<float, 2, Bits, kLanesPerPass>};
-    each_tile_pass(rows, n, k, 2, [&](int64_t t, int64_t r0, int64_t nr, int64_t cols, int64_t lane0) {
-      kFew[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, xs + r0 * blocks, k, w + t * tile_bytes,
-               ws + t * blocks * 2 * kTileRows);
-    });
-    delete[] xs;
-    return;
   }
   each_tile_pass(rows, n, k, kDequantRows, [&](int64_t t, int64_t r0, int64_t nr, int64_t cols, int64_t lane0) {
-    kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, k, w + t * tile_bytes,
-               ws + t * blocks * 2 * kTileRows);
+    kTiles[nr](out + r0 * n + t * kTileRows, n, cols, lane0, x + r0 * k, xs ? xs + r0 * blocks : nullptr, k,
+               w + t * tile_bytes, ws + t * blocks * 2 * kTileRows);
   });
+  delete[] xs;  // (nullptr: nothing)
 }
 
 #undef DISAGG_DEQUANT_TILE

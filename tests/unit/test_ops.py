@@ -371,8 +371,8 @@ def _packed_weight(kind: str, n: int, k: int, gen: torch.Generator):
 def test_dequant_matmul_dequantizes_as_dequantize_does_to_the_bit(csrc, kind, n, k):
     """Rows of the identity pick the weight's columns out one at a time: each output is 1 x w + 0 x the
     rest, so the kernel's dequantized weight itself comes back, equal to quant.dequantize's: all k rows
-    at once (the path for many rows, its dequantized buffer), 8 at a time (a decode's rows), 2 and 1 at a
-    time (a decode step's few: the blocks' scales applied to their sums)."""
+    at once (the path for many rows, its dequantized buffer), 8, 2 and 1 at a time (a decode step's passes:
+    the blocks' scales applied to their sums, at 1 and 2 rows on avx512, at every size on avx2 and base)."""
     from disagg.ops.quant import dequantize, pack_blocks
 
     w = _packed_weight(kind, n, k, torch.Generator().manual_seed(n + k))
@@ -389,8 +389,8 @@ def test_dequant_matmul_dequantizes_as_dequantize_does_to_the_bit(csrc, kind, n,
 @pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (2, 45, 96), (5, 129, 64), (7, 31, 96), (9, 9, 160),
                                       (17, 77, 576), (31, 40, 64), (37, 264, 288), (64, 16, 96), (45, 57, 96)])
 def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtype, kind, rows, n, k):
-    """Float32 activations times the dequantized weight: 1 or 2 rows with each block's scales applied to
-    its sum, under 32 rows in passes of 1-16 (a remainder of each size on VNNI's passes of 16 and others'
+    """Float32 activations times the dequantized weight: each block's scales applied to its sum (1 or 2 rows on
+    avx512, every pass on avx2 and base), under 32 rows in passes of 1-16 (a remainder of each size on VNNI's passes of 16 and others'
     of 8; 4 chains a row under 4), from 32 rows over
     pairs of tiles dequantized once (passes of 12 rows over the pair's 32 columns or 6 over each half of
     them, and single rows; a lone last tile; a last pair of 25 columns; threaded), partial last tiles and

@@ -40,6 +40,17 @@ constexpr int kDenseLanesPerPass = 8;
 constexpr int kDenseRowsPerPass = 4;
 #endif
 
+// From this many rows to kDenseRowsPerPass, AVX-512 splits the rows in two passes (with one pass over
+// a tile there is no second to fetch the next tile behind): SmolLM2's 30 layers' matmuls at 8 rows
+// 21.8-23.0 -> 18.9-20.5 ms, at 4 rows (2 + 2) 19.3-19.8 -> 18.0-18.6 (3 rows: 17.1 -> 17.5, left
+// whole). On AVX2 a pass of 3 rows or more has two halves of a tile already (8 rows in 4 + 4 there:
+// 20.6-21.1 -> 21.1-21.7).
+#if defined(DISAGG_AVX512)
+constexpr int64_t kDenseSplitRows = 4;
+#else
+constexpr int64_t kDenseSplitRows = kDenseRowsPerPass + 1;
+#endif
+
 // Lanes of a pass over R rows. One or two rows (a decode step of one or two sequences) read the
 // whole tile in one pass where the registers hold it (AVX2: 4 ymm of weights, 8 of sums), so the
 // weights stream from memory front to back once instead of in two interleaved halves. SmolLM2's 121
@@ -79,11 +90,12 @@ inline dense_vec dense_load(const bf16* w) {
 }
 
 // R activation rows (xt: [k, R], the pass's rows transposed) times lanes [lane0, lane0 + P) of one
-// tile: out[r, j] for the tile's columns j in that range below `cols` (<= 32). With `ahead`, column
-// i also fetches the line at ahead + i lines into L2 (a share of the next tile).
+// tile: out[r, j] for the tile's columns j in that range below `cols` (<= 32). With `ahead`, the pass
+// also fetches `ahead_lines` (<= k) lines from `ahead` on into L2 (its share of the next tile), evenly
+// over its columns.
 template <typename W, int R>
 void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* xt, int64_t k,
-                const W* tile, const char* ahead) {
+                const W* tile, const char* ahead, int64_t ahead_lines) {
   constexpr int P = dense_lanes_per_pass(R);
   constexpr int V = P / kDenseWidth;
   constexpr int64_t kLineWeights = kDenseLine / sizeof(W);
@@ -93,11 +105,17 @@ void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, con
   dense_vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = dense_vec{};
+  int64_t due = 0;  // ahead_lines per k columns, as a line drawn between them: one more line each k
   for (int64_t i = 0; i < k; ++i) {
     const W* wi = w + i * kDenseTile;
     for (int line = 0; line < P; line += kLineWeights)
       __builtin_prefetch(wi + kPrefetchColumns * kDenseTile + line);
-    if (ahead) __builtin_prefetch(ahead + i * kDenseLine, 0, 2);  // to L2: read after this tile
+    due += ahead_lines;
+    if (due >= k) {  // to L2: read after this tile
+      due -= k;
+      __builtin_prefetch(ahead, 0, 2);
+      ahead += kDenseLine;
+    }
     dense_vec wv[V];
     for (int v = 0; v < V; ++v) wv[v] = dense_load(wi + v * kDenseWidth);
 #pragma GCC unroll 8
@@ -118,20 +136,22 @@ void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, con
 
 template <typename W>
 void dense_matmul_block(float* out, const float* x, const W* w, float* xt, int64_t rows, int64_t n, int64_t k) {
-  using Pass = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const W*, const char*);
+  using Pass = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const W*, const char*, int64_t);
   static constexpr Pass kPasses[9] = {nullptr, dense_pass<W, 1>, dense_pass<W, 2>, dense_pass<W, 3>, dense_pass<W, 4>,
                                       dense_pass<W, 5>, dense_pass<W, 6>, dense_pass<W, 7>, dense_pass<W, 8>};
-  // A tile's lines, fetched ahead by its first passes a line per column each: 2 passes for float, 1 for bf16.
-  constexpr int64_t kAheadPasses = kDenseTile * sizeof(W) / kDenseLine;
   static_assert(kDenseRowsPerPass <= 8, "kPasses holds passes of up to 8 rows");
   constexpr int64_t R = kDenseRowsPerPass;
-  const int64_t tiles = (n + kDenseTile - 1) / kDenseTile, passes = (rows + R - 1) / R;
+  const int64_t tiles = (n + kDenseTile - 1) / kDenseTile;
+  const bool split = rows >= kDenseSplitRows && rows <= R;
+  const int64_t passes = split ? 2 : (rows + R - 1) / R;
+  auto first_row = [rows, split](int64_t p) { return split ? rows * p / 2 : (p * R < rows ? p * R : rows); };
+  const int64_t tile_lines = k * kDenseTile * static_cast<int64_t>(sizeof(W)) / kDenseLine;
   const bool threaded = rows * n * k >= 8 * kParallelElems;  // from one row of a 576 x 576 weight, as quant_matmul
 #pragma omp parallel if (threaded)
   {
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < passes; ++p) {  // each pass's rows transposed: xt + p R k is [k, its rows]
-      const int64_t r0 = p * R, nr = rows - r0 < R ? rows - r0 : R;
+      const int64_t r0 = first_row(p), nr = first_row(p + 1) - r0;
       for (int64_t i = 0; i < k; ++i)
         for (int64_t r = 0; r < nr; ++r) xt[r0 * k + i * nr + r] = x[(r0 + r) * k + i];
     }
@@ -142,17 +162,27 @@ void dense_matmul_block(float* out, const float* x, const W* w, float* xt, int64
     const int64_t first = me * share + (me < extra ? me : extra), end = first + share + (me < extra ? 1 : 0);
     for (int64_t t = first; t < end; ++t) {
       const int64_t cols = n - t * kDenseTile < kDenseTile ? n - t * kDenseTile : kDenseTile;
-      // With two passes or more, the first (two) also fetch the thread's next tile into L2, a line per
-      // column each, so that memory streams while the passes compute (with one pass there is no
-      // second to hide it behind). SmolLM2's 121 matmuls at 16 rows: 27.6 -> 24.8 ms (medians of 5).
-      const char* next =
-          passes > 1 && t + 1 < end ? reinterpret_cast<const char*>(w + (t + 1) * k * kDenseTile) : nullptr;
+      // With two passes or more over a tile, they share the fetch of the thread's next tile into L2,
+      // each its even part at an even pace, so that memory streams while they compute (with one pass
+      // there is no second to hide it behind). Before, the first two passes fetched it alone, a line
+      // a column: SmolLM2's 30 layers' matmuls at 16 rows as avx2 (six passes a tile) 29.2-29.4 ->
+      // 24.8-25.8 ms, on both threads; avx512 (two) 21.3-21.6 -> 20.8-21.8.
+      int64_t count = 0;
       for (int64_t p = 0; p < passes; ++p) {
-        const int64_t r0 = p * R, nr = rows - r0 < R ? rows - r0 : R;
-        const char* ahead = next && p < kAheadPasses ? next + p * kDenseLine * k : nullptr;
-        for (int64_t lane0 = 0; lane0 < cols; lane0 += dense_lanes_per_pass(static_cast<int>(nr)))
+        const int64_t nr = first_row(p + 1) - first_row(p);
+        const int64_t lanes = dense_lanes_per_pass(static_cast<int>(nr));
+        count += (cols + lanes - 1) / lanes;
+      }
+      const char* next =
+          count > 1 && t + 1 < end ? reinterpret_cast<const char*>(w + (t + 1) * k * kDenseTile) : nullptr;
+      int64_t q = 0;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t r0 = first_row(p), nr = first_row(p + 1) - r0;
+        for (int64_t lane0 = 0; lane0 < cols; lane0 += dense_lanes_per_pass(static_cast<int>(nr)), ++q) {
+          const int64_t from = tile_lines * q / count, to = tile_lines * (q + 1) / count;
           kPasses[nr](out + r0 * n + t * kDenseTile, n, cols, lane0, xt + r0 * k, k, w + t * k * kDenseTile,
-                      lane0 == 0 ? ahead : nullptr);
+                      next ? next + from * kDenseLine : nullptr, next ? to - from : 0);
+        }
       }
     }
   }

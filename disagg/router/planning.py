@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from disagg.router.config import PlannerConfig, PlannerMode
 from disagg.router.planner import Action, Decision, Planner, RoleLoad, StepSums, parse_step_sums
-from disagg.router.workers import Role, WorkerPool
+from disagg.router.workers import Role, WorkerInfo, WorkerPool
 
 log = structlog.get_logger("disagg.router")
 SWITCH_TIMEOUT_S = 120.0  # a switch waits for its server's accepted work (its --pd-role-switch-timeout-s)
@@ -28,6 +28,15 @@ def rejected_total(registry: CollectorRegistry) -> float:
     return sum(sample.value for metric in registry.collect() if metric.name == "smg_http_responses"
                for sample in metric.samples
                if sample.name.endswith("_total") and sample.labels.get("status_code") == "429")
+
+
+def _said(load: RoleLoad, infos: list[WorkerInfo]) -> dict:
+    """A role's interval as the decision's log line gives it, and the requests in flight on its servers now."""
+    steps = load.steps
+    return {"servers": load.num_servers, "in_flight": sum(info.in_flight for info in infos),
+            "steps": round(steps.num_steps), "step_ms": round(load.step_s * 1e3, 1),
+            "prompt_tokens": round(steps.prefill_tokens),
+            "decode_seqs_a_step": round(load.work, 2) if steps.decode_seqs else 0.0, "waiting": round(steps.waiting)}
 
 
 class PlannerMetrics:
@@ -105,7 +114,8 @@ class RolePlanner:
         self.metrics.record(decision)
         if decision.action is not Action.HOLD or decision != self.last:
             log.info("planner decision", action=decision.action.value, reason=decision.reason,
-                     confirmed=decision.confirmed, mode=self.config.planner.value)
+                     confirmed=decision.confirmed, mode=self.config.planner.value, rejected=round(rejected),
+                     **{role.value: _said(loads[role], self._pool.infos(role)) for role in Role})
         self.last = decision
         if decision.confirmed and self.config.planner is PlannerMode.AUTO:
             self._switch(decision.action)

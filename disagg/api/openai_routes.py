@@ -109,6 +109,9 @@ def note_unknown(state: ApiState, raw: bytes, struct: type, refused) -> None:
 def _common_checks(state: ApiState, body: OpenAIBody) -> StreamOptions:
     check_model(body.model, state.engine.model.name)
     check_stream_options(body.stream, body.stream_options)
+    if body.stream and body.prompt_logprobs is not None and (body.prompt_logprobs > 0 or body.prompt_logprobs == -1):
+        # vLLM's rule and words: a stream has no place for them (0 asks for none beyond the token's own: taken)
+        raise BadRequest("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     return body.stream_options or StreamOptions()
 
 

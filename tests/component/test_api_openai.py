@@ -87,6 +87,10 @@ async def test_completion_prompt_forms(prompt, field, value):
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),
     ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"prompt": "a", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs",
+     "`prompt_logprobs` are not available when `stream=True`."),
+    ({"prompt": "a", "stream": True, "prompt_logprobs": -1}, "prompt_logprobs",
+     "`prompt_logprobs` are not available when `stream=True`."),
     ({"prompt": "a", "max_tokens": "abc"}, "max_tokens",
      "invalid request body: Expected `int | null`, got `str` - at `$.max_tokens`"),
 ])
@@ -184,6 +188,8 @@ async def test_chat_max_tokens_defaults_to_the_rest_of_the_context():
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
      "top_logprobs requires logprobs to be true"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n", "n must be between 1 and 64, got 0"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 2}, "prompt_logprobs",
+     "`prompt_logprobs` are not available when `stream=True`."),
 ])
 async def test_chat_bad_input_is_400(body, param, message):
     async with api_client(FakeEngine()) as client:

@@ -3,6 +3,8 @@ model, greedy): `prompt_logprobs` (computed by the prefill, equal to unified's),
 with `truncation_side`, `return_token_ids`, `return_tokens_as_token_ids`; answers that did not ask
 carry `prompt_logprobs: null`, as vLLM's do."""
 
+import json
+
 import pytest
 
 
@@ -32,6 +34,11 @@ async def test_prompt_logprobs_through_pd_equal_unifieds(cluster, unified_url, r
                        for e in unified[1:])
         plain = where(await answer(cluster, router_url, path, {**GREEDY, **body}))
         assert plain["prompt_logprobs"] is None  # the field is there, null, when not asked
+        for url in (unified_url, router_url):  # a stream has no place for them: refused as vLLM refuses them
+            status, text, _ = await cluster.post(url + path, {**request, "stream": True}, None)
+            data = json.loads(text)  # a 400, not a stream
+            assert (status, data["error"]["param"], data["error"]["message"]) == (
+                400, "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
 
 
 async def test_truncation_and_token_ids(cluster, unified_url, router_url):

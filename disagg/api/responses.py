@@ -1,7 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`, as vLLM serves it), on the chat machinery: the
 request's `instructions`, the stored turns of `previous_response_id` and its `input` become chat
 messages, `tools` and `tool_choice` the chat's (function tools), `text.format` the chat's
-`response_format`, `max_output_tokens` its `max_tokens`. The answer is a Response object (output
+`response_format`, `max_output_tokens` its `max_tokens`; vLLM's extra sampling fields (`top_k`, `stop`,
+`logit_bias`, `structured_outputs`, ...) go to the chat as they are, and the fields of vLLM's request
+this server does not build are refused unless neutral (upstream_fields.py). The answer is a Response object (output
 items: the assistant's message, or its function calls), streamed as Response events
 (`response.created` ... `response.output_text.delta` ... `response.completed`).
 
@@ -19,7 +21,7 @@ from collections import OrderedDict
 import msgspec
 from aiohttp import web
 
-from disagg.api.bodies import ChatBody, Int64, decode_body
+from disagg.api.bodies import ChatBody, Int64, RoutedBody, decode_body
 from disagg.api.generation import Totals
 from disagg.api.openai_routes import chat_generate_msg
 from disagg.api.requests import check_model, choose_request_id, read_body
@@ -27,6 +29,7 @@ from disagg.api.routing import read_routing
 from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import state_of
 from disagg.api.tool_calls import whole_message
+from disagg.api.upstream_fields import PD_FIELDS, RESPONSES_IGNORED, RESPONSES_REFUSED, check_upstream, unknown_fields
 from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
@@ -55,7 +58,22 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     metadata: dict | None = None
     user: str | None = None
     request_id: str | None = None
+    # vLLM's extra sampling fields on this route, handed to the chat body as they are
+    top_k: Int64 | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    structured_outputs: object = None
+    priority: Int64 | None = None
+    chat_template_kwargs: dict[str, object] | None = None
     disagg_conversation: list[dict] | None = None  # our router's: the stored turns of previous_response_id (P/D)
+
+
+PASSED_TO_CHAT = ("top_k", "repetition_penalty", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
+                  "include_stop_str_in_output", "structured_outputs", "priority", "chat_template_kwargs")
 
 
 class ResponseStore:
@@ -142,7 +160,10 @@ def chat_fields(body: ResponsesBody) -> dict:
         out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     elif choice is not None:
         out["tool_choice"] = choice
+    out.update({name: getattr(body, name) for name in PASSED_TO_CHAT if getattr(body, name) is not None})
     fmt = (body.text or {}).get("format")
+    if body.structured_outputs is not None and isinstance(fmt, dict) and fmt.get("type") != "text":
+        raise BadRequest("Cannot specify both structured_outputs and text.format", "structured_outputs")  # vLLM's words
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"),
                                                                          "schema": fmt.get("schema")}}
@@ -246,6 +267,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     raw = await read_body(request)
     body = decode_body(raw, ResponsesBody)
+    check_upstream(raw, RESPONSES_REFUSED, ResponsesBody)
+    for name in unknown_fields(raw, ResponsesBody, RESPONSES_REFUSED, RESPONSES_IGNORED, PD_FIELDS,
+                               RoutedBody.__struct_fields__):
+        state.warn_once(f"unknown field {name}", f"request field {name!r} is not known to this server and is "
+                                                 "ignored, as vLLM ignores unknown fields")
     check_model(body.model, state.engine.model.name)
     store = request.app[STORE]
     history: list[dict] = []

@@ -43,6 +43,18 @@ TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # chat
 CHAT_REFUSED: Mapping[str, Neutral] = {**{k: v for k, v in OPENAI_REFUSED.items() if k not in TOOL_FIELDS},
                                        "echo": _OFF}  # vLLM's chat echo (prepend the last message)
 
+# vLLM's ResponsesRequest (POST /v1/responses, top level). `include` asks for hosted tools' outputs,
+# logprobs or encrypted reasoning; `reasoning` for a reasoning model's effort; `truncation` "auto" for
+# dropping the start of a conversation; `prompt` for a stored prompt template; `background` for a run
+# polled later: none is built here.
+RESPONSES_REFUSED: Mapping[str, Neutral] = {
+    "background": _OFF, "include": _EMPTY, "max_tool_calls": _NONE, "prompt": _EMPTY, "reasoning": _EMPTY,
+    "service_tier": (None, "auto", "default"), "top_logprobs": (None, 0), "truncation": (None, "disabled"),
+    "media_io_kwargs": _EMPTY, "mm_processor_kwargs": _EMPTY, "enable_response_messages": _OFF,
+    "previous_input_messages": _EMPTY, "vllm_xargs": _EMPTY,
+}
+RESPONSES_IGNORED = frozenset({"prompt_cache_key", "cache_salt", "safety_identifier"})  # as OPENAI_IGNORED
+
 # vLLM SamplingParams (the `sampling_params` of /inference/v1/generate).
 VLLM_SAMPLING_REFUSED: Mapping[str, Neutral] = {
     "prompt_logprob_token_ids": _EMPTY, "prompt_logprob_start": _NONE, "logprob_token_ids": _EMPTY,

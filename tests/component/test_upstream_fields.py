@@ -6,8 +6,9 @@ The field lists are copied from upstream's source: vLLM's ChatCompletionRequest
 (vllm/entrypoints/openai/completion/protocol.py), GenerateRequest
 (vllm/entrypoints/serve/disagg/protocol.py) and SamplingParams (vllm/sampling_params.py); SGLang's
 GenerateReqInput (python/sglang/srt/managers/io_struct.py) and SamplingParams
-(python/sglang/srt/sampling/sampling_params.py). A field upstream adds later fails this test until
-it is classified.
+(python/sglang/srt/sampling/sampling_params.py); vLLM's ResponsesRequest
+(vllm/entrypoints/openai/responses/protocol.py). A field upstream adds later fails this test until it
+is classified.
 """
 
 import pytest
@@ -15,6 +16,7 @@ from fake_engine import FakeEngine, api_client
 
 from disagg.api import upstream_fields as uf
 from disagg.api.bodies import ChatBody, CompletionBody, RoutedBody, SGLangBody, SGLangSampling, TokensBody, TokensSampling
+from disagg.api.responses import ResponsesBody
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,6 +56,12 @@ SGLANG_SAMPLING = """max_new_tokens stop stop_token_ids stop_regex temperature t
 presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos skip_special_tokens
 spaces_between_special_tokens no_stop_trim custom_params stream_interval logit_bias sampling_seed""".split()
 
+VLLM_RESPONSES = """background include input instructions max_output_tokens max_tool_calls metadata model logit_bias
+parallel_tool_calls previous_response_id prompt reasoning service_tier store stream temperature text tool_choice tools
+top_logprobs top_p top_k truncation user skip_special_tokens include_stop_str_in_output prompt_cache_key request_id
+media_io_kwargs mm_processor_kwargs priority cache_salt kv_transfer_params enable_response_messages chat_template_kwargs
+previous_input_messages structured_outputs repetition_penalty seed stop ignore_eos vllm_xargs""".split()
+
 CHAT_BASE = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
 ROUTED = set(RoutedBody.__struct_fields__)
 
@@ -69,6 +77,8 @@ SURFACES = [
      "/inference/v1/generate", lambda f, v: {"token_ids": [1], "sampling_params": {"max_tokens": 2, f: v}}),
     ("generate", SGLANG_GENERATE, SGLangBody, uf.SGLANG_REFUSED, uf.SGLANG_IGNORED, "/generate",
      lambda f, v: {"text": "a", f: v}),
+    ("responses", VLLM_RESPONSES, ResponsesBody, uf.RESPONSES_REFUSED, uf.RESPONSES_IGNORED, "/v1/responses",
+     lambda f, v: {"input": "a", "max_output_tokens": 2, f: v}),
     ("generate.sampling_params", SGLANG_SAMPLING, SGLangSampling, uf.SGLANG_SAMPLING_REFUSED, uf.SGLANG_SAMPLING_IGNORED,
      "/generate", lambda f, v: {"text": "a", "sampling_params": {"max_new_tokens": 2, f: v}}),
 ]
@@ -114,3 +124,25 @@ def test_unknown_fields_are_exactly_those_no_table_names():
     body = b'{"prompt": "a", "zz": 1e999, "bootstrap_room": 3, "user": "u", "use_beam_search": false, "q": {}}'
     assert uf.unknown_fields(body, CompletionBody, *known) == ["zz", "q"]
     assert uf.unknown_fields(b'[1, 2]', CompletionBody, *known) == []
+
+
+async def test_vllms_sampling_fields_on_responses_reach_the_engine_as_on_chat():
+    """vLLM's extra sampling fields of /v1/responses are the chat's: the same SamplingParams as the chat request
+    with the same fields; structured_outputs beside a text.format is refused in vLLM's words."""
+    extra = {"top_k": 7, "repetition_penalty": 1.2, "stop": ["zz"], "ignore_eos": True, "logit_bias": {"5": 1.0},
+             "skip_special_tokens": False, "include_stop_str_in_output": True, "priority": 0,
+             "structured_outputs": {"choice": ["yes", "no"]}}
+    engine = FakeEngine()
+    async with api_client(engine) as client:
+        resp = await client.post("/v1/responses", json={"input": "a", "max_output_tokens": 2, "temperature": 0, **extra})
+        assert resp.status == 200, await resp.text()
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BASE, "temperature": 0, **extra})
+        assert resp.status == 200, await resp.text()
+        resp = await client.post("/v1/responses", json={"input": "a", "structured_outputs": {"choice": ["y"]},
+                                                        "text": {"format": {"type": "json_object"}}})
+        got = await resp.json()
+    (responses, _), (chat, _) = engine.requests
+    assert responses.sampling == chat.sampling
+    assert (responses.sampling.top_k, responses.sampling.stop, responses.sampling.ignore_eos) == (7, ("zz",), True)
+    assert (resp.status, got["error"]["param"], got["error"]["message"]) == (
+        400, "structured_outputs", "Cannot specify both structured_outputs and text.format")

@@ -4,9 +4,11 @@ Each scenario asserts what the client gets, what our servers answered the router
 `disagg_requests_total` by status), and that nothing leaked. 3 s deadlines, 8 s pull leases,
 heartbeats every 0.2 s."""
 
+import json
 import re
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -55,6 +57,16 @@ def errors_since(server, before: dict[str, float]) -> float:
     return sum(v - before.get(s, 0) for s, v in answered(server).items() if s != "200")
 
 
+def until_running(server, timeout_s: float = 10.0) -> None:
+    """Until the server holds a request (its /load, counted as it arrives), then 0.3 s for its worker to
+    take it (its slowed steps keep it there)."""
+    deadline = time.monotonic() + timeout_s
+    while json.loads(urllib.request.urlopen(server.url + "/load", timeout=5).read())["server_load"] < 1:
+        assert time.monotonic() < deadline, f"no request reached {server.url} within {timeout_s:g} s"
+        time.sleep(0.02)
+    time.sleep(0.3)
+
+
 def text(cluster) -> str:
     return cluster.reference("/v1/completions", BODY)["choices"][0]["text"]
 
@@ -65,7 +77,7 @@ def test_a_prefill_worker_dies_mid_request(setup):
     for rank in (0, 1):
         cluster.prefill.faults.slow_steps(rank, 1500)  # the request is still on its prefill worker when it dies
     thread, results = in_background(url)
-    time.sleep(0.7)
+    until_running(cluster.prefill)  # not a fixed wait: a loaded host may take longer to route it there
     for rank in (0, 1):
         cluster.prefill.faults.kill(rank)
     thread.join()

@@ -150,7 +150,7 @@ void dense_matmul_block(float* out, const float* x, const W* w, float* xt, int64
 #pragma omp parallel if (threaded)
   {
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < passes; ++p) {  // each pass's rows transposed: xt + p R k is [k, its rows]
+    for (int64_t p = 0; p < passes; ++p) {  // each pass's rows transposed: xt + r0 k is [k, its rows]
       const int64_t r0 = first_row(p), nr = first_row(p + 1) - r0;
       for (int64_t i = 0; i < k; ++i)
         for (int64_t r = 0; r < nr; ++r) xt[r0 * k + i * nr + r] = x[(r0 + r) * k + i];

@@ -162,7 +162,7 @@ def chat_fields(body: ResponsesBody) -> dict:
         out["tool_choice"] = choice
     out.update({name: getattr(body, name) for name in PASSED_TO_CHAT if getattr(body, name) is not None})
     fmt = (body.text or {}).get("format")
-    if body.structured_outputs is not None and isinstance(fmt, dict) and fmt.get("type") != "text":
+    if body.structured_outputs is not None and isinstance(fmt, dict):
         raise BadRequest("Cannot specify both structured_outputs and text.format", "structured_outputs")  # vLLM's words
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"),

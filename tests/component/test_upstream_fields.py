@@ -134,7 +134,8 @@ async def test_vllms_sampling_fields_on_responses_reach_the_engine_as_on_chat():
              "structured_outputs": {"choice": ["yes", "no"]}}
     engine = FakeEngine()
     async with api_client(engine) as client:
-        resp = await client.post("/v1/responses", json={"input": "a", "max_output_tokens": 2, "temperature": 0, **extra})
+        body = {"input": "a", "max_output_tokens": 2, "temperature": 0, **extra}
+        resp = await client.post("/v1/responses", json=body)
         assert resp.status == 200, await resp.text()
         resp = await client.post("/v1/chat/completions", json={**CHAT_BASE, "temperature": 0, **extra})
         assert resp.status == 200, await resp.text()

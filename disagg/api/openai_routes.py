@@ -99,9 +99,9 @@ def _content_text(content: object, i: int) -> str:
     return "\n".join(texts)
 
 
-def note_unknown(state: ApiState, raw: bytes, struct: type, refused) -> None:
+def note_unknown(state: ApiState, raw: bytes, struct: type, refused, ignored: frozenset[str] = OPENAI_IGNORED) -> None:
     """Log, once per field and server, a field no API we follow has: it is ignored (vLLM's extra="allow")."""
-    for name in unknown_fields(raw, struct, refused, OPENAI_IGNORED, PD_FIELDS, RoutedBody.__struct_fields__):
+    for name in unknown_fields(raw, struct, refused, ignored, PD_FIELDS, RoutedBody.__struct_fields__):
         state.warn_once(f"unknown field {name}", f"request field {name!r} is not known to this server and is "
                                                  "ignored, as vLLM ignores unknown fields")
 

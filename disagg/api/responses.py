@@ -21,15 +21,15 @@ from collections import OrderedDict
 import msgspec
 from aiohttp import web
 
-from disagg.api.bodies import ChatBody, Int64, RoutedBody, decode_body
+from disagg.api.bodies import ChatBody, Int64, decode_body
 from disagg.api.generation import Totals
-from disagg.api.openai_routes import chat_generate_msg
+from disagg.api.openai_routes import chat_generate_msg, note_unknown
 from disagg.api.requests import check_model, choose_request_id, read_body
 from disagg.api.routing import read_routing
 from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import state_of
 from disagg.api.tool_calls import whole_message
-from disagg.api.upstream_fields import PD_FIELDS, RESPONSES_IGNORED, RESPONSES_REFUSED, check_upstream, unknown_fields
+from disagg.api.upstream_fields import RESPONSES_IGNORED, RESPONSES_REFUSED, check_upstream
 from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
@@ -268,10 +268,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = decode_body(raw, ResponsesBody)
     check_upstream(raw, RESPONSES_REFUSED, ResponsesBody)
-    for name in unknown_fields(raw, ResponsesBody, RESPONSES_REFUSED, RESPONSES_IGNORED, PD_FIELDS,
-                               RoutedBody.__struct_fields__):
-        state.warn_once(f"unknown field {name}", f"request field {name!r} is not known to this server and is "
-                                                 "ignored, as vLLM ignores unknown fields")
+    note_unknown(state, raw, ResponsesBody, RESPONSES_REFUSED, RESPONSES_IGNORED)
     check_model(body.model, state.engine.model.name)
     store = request.app[STORE]
     history: list[dict] = []

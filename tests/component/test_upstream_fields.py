@@ -13,6 +13,7 @@ is classified.
 
 import pytest
 from fake_engine import FakeEngine, api_client
+from structlog.testing import capture_logs
 
 from disagg.api import upstream_fields as uf
 from disagg.api.bodies import ChatBody, CompletionBody, RoutedBody, SGLangBody, SGLangSampling, TokensBody, TokensSampling
@@ -147,3 +148,17 @@ async def test_vllms_sampling_fields_on_responses_reach_the_engine_as_on_chat():
     assert (responses.sampling.top_k, responses.sampling.stop, responses.sampling.ignore_eos) == (7, ("zz",), True)
     assert (resp.status, got["error"]["param"], got["error"]["message"]) == (
         400, "structured_outputs", "Cannot specify both structured_outputs and text.format")
+
+
+async def test_unknown_fields_are_served_and_logged_once_per_server():
+    """A field no API we follow names (`zz`) is accepted and logged once per server and field, on chat and on
+    /v1/responses alike; an ignored one (`cache_salt`), and Responses' `background` at its neutral false, are not."""
+    with capture_logs() as logs:
+        async with api_client(FakeEngine()) as client:
+            for _ in range(2):
+                for path, body in (("/v1/chat/completions", CHAT_BASE),
+                                   ("/v1/responses", {"input": "a", "background": False})):
+                    resp = await client.post(path, json={**body, "zz": 1, "cache_salt": "s"})
+                    assert resp.status == 200, await resp.text()
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "request field 'zz' is not known to this server and is ignored, as vLLM ignores unknown fields"]

@@ -26,21 +26,34 @@ class ChecksumMismatch(KVTransferError):
     """The blocks that landed do not digest to what the sender wrote (or it sent no digest)."""
 
 
+class KVDigest:
+    """The digest of blocks added a few at a time, in order: equal to kv_digest of them all at once. The
+    prefill of the push flow adds each write's blocks as it posts the write, so it digests while they
+    move rather than after."""
+
+    def __init__(self, layout: KVLayout):
+        if not str(layout.device).startswith("cpu"):
+            raise ValueError(f"the KV checksum reads CPU memory, not {layout.device}")
+        self.layout, self._digest = layout, xxhash.xxh3_64()
+        size = layout.block_size_bytes
+        self._region = None if layout.tp_size == 1 else np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (layout.tp_size * layout.num_blocks * size)).from_address(layout.base_address))
+
+    def update(self, block_ids: Sequence[int]) -> KVDigest:
+        size = self.layout.block_size_bytes
+        for block_id in block_ids:
+            self._digest.update((ctypes.c_char * size).from_address(self.layout.base_address + block_id * size)
+                                if self._region is None else _as_one_rank(self.layout, self._region, block_id))
+        return self
+
+    def value(self) -> int:
+        """The digest so far (never 0: 0 means "none sent")."""
+        return self._digest.intdigest() or 1
+
+
 def kv_digest(layout: KVLayout, block_ids: Sequence[int]) -> int:
     """The digest of `block_ids` in the region `layout` describes (never 0: 0 means "none sent")."""
-    if not str(layout.device).startswith("cpu"):
-        raise ValueError(f"the KV checksum reads CPU memory, not {layout.device}")
-    digest = xxhash.xxh3_64()
-    size = layout.block_size_bytes
-    if layout.tp_size == 1:
-        for block_id in block_ids:
-            digest.update((ctypes.c_char * size).from_address(layout.base_address + block_id * size))
-        return digest.intdigest() or 1
-    region = np.ctypeslib.as_array((ctypes.c_uint8 * (layout.tp_size * layout.num_blocks * size))
-                                   .from_address(layout.base_address))
-    for block_id in block_ids:
-        digest.update(_as_one_rank(layout, region, block_id))
-    return digest.intdigest() or 1
+    return KVDigest(layout).update(block_ids).value()
 
 
 def _as_one_rank(layout: KVLayout, region: np.ndarray, block_id: int) -> np.ndarray:

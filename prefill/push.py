@@ -25,7 +25,7 @@ from disagg.types import FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
-from kvtransfer.checksum import kv_digest
+from kvtransfer.checksum import KVDigest
 from kvtransfer.control.server import ControlServer
 from prefill.rooms import RUNNING, PrefillRoom, RoomBook, RoomState, Settling
 
@@ -274,6 +274,9 @@ class PushRooms:
             first = state.num_sent_blocks
             handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(dst[first - skip:ready - skip]),
                                         f"room:{state.room}:{ready}".encode())
+            if self.config.kv_checksum:  # while the write moves them, not after it landed
+                state.digest = state.digest or KVDigest(self.backend.registered_layout)
+                state.digest.update(progress.block_ids[first:ready])
             state.handles.append(handle)
             state.num_bytes += handle.num_bytes
             state.num_sent_blocks = ready
@@ -295,11 +298,10 @@ class PushRooms:
 
     def _digest(self, state: PrefillRoom) -> int:
         """With --kv-checksum, the digest of the blocks this room wrote (those after the decode's own
-        prefix, in order; kvtransfer/checksum.py); else 0."""
+        prefix, in order; kvtransfer/checksum.py), taken as each write was posted; else 0."""
         if not self.config.kv_checksum:
             return 0
-        sent = self.core.request_progress(state.request_id).block_ids[state.num_skipped_blocks:state.num_sent_blocks]
-        return kv_digest(self.backend.registered_layout, sent)
+        return (state.digest or KVDigest(self.backend.registered_layout)).value()
 
     def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
         """End a room: no write is posted for it any more, the client hears at once. The decode's

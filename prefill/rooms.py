@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from disagg.wire.control_msgs import TransferInfoMsg
 from disagg.wire.engine_msgs import KVStatsMsg, OutputMsg
 from kvtransfer import TransferHandle
+from kvtransfer.checksum import KVDigest
 
 
 class RoomState(enum.Enum):
@@ -67,6 +68,7 @@ class PrefillRoom:
     info_at: float | None = None
     computed_at: float | None = None
     error: str | None = None  # the engine failed the request: fail the room on the next poll
+    digest: KVDigest | None = None  # --kv-checksum: the blocks written so far, digested as each write is posted
 
     def stats(self, now: float) -> KVStatsMsg:
         """Time split of a delivered room. `transfer_s` is what the transfer adds after both the

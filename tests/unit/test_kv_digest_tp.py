@@ -5,7 +5,7 @@ import numpy as np
 import xxhash
 
 from kvtransfer.base import KVLayout
-from kvtransfer.checksum import flip_byte, kv_digest
+from kvtransfer.checksum import KVDigest, flip_byte, kv_digest
 
 LAYERS, TOKENS, HEADS, DIM, BLOCKS = 2, 4, 4, 8, 3
 ROWS = LAYERS * 2 * TOKENS
@@ -38,6 +38,18 @@ def test_every_tp_size_digests_the_same_kv_alike():
         region = split(kv, tp_size)
         assert kv_digest(layout(region, tp_size), [2, 0]) == want
     assert kv_digest(layout(one, 1), [0, 2]) != want
+
+
+def test_blocks_digested_a_write_at_a_time_equal_them_all_at_once():
+    """The push flow's prefill adds each write's blocks as it posts the write: the same value as one digest of
+    them all, on a TP-1 side and a TP group; nothing added is the digest of nothing."""
+    kv = logical_kv()
+    one = np.ascontiguousarray(kv)
+    want = xxhash.xxh3_64(one[2].tobytes() + one[0].tobytes() + one[1].tobytes()).intdigest()
+    for region, tp_size in ((one, 1), (split(kv, 2), 2), (split(kv, 4), 4)):
+        assert KVDigest(layout(region, tp_size)).update([2]).update([0, 1]).value() == want
+        assert kv_digest(layout(region, tp_size), [2, 0, 1]) == want
+    assert KVDigest(layout(one, 1)).value() == (xxhash.xxh3_64(b"").intdigest() or 1)
 
 
 def test_a_flipped_byte_on_any_rank_changes_the_digest():

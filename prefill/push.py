@@ -117,6 +117,7 @@ class PushRooms:
             state.prompt_logprobs = tuple(
                 tuple(logprob_pairs(top, token_id, out.num_prompt_logprobs or 0, out.logprob_token_ids))
                 for top, token_id in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:]) if top is not None)
+            state.prompt_ranks = tuple(rank for rank in (out.prompt_ranks or [])[1:] if rank is not None)
         if out.finished:
             state.final = msg
             state.computed_at = time.monotonic()
@@ -286,7 +287,8 @@ class PushRooms:
         self.control.send_status(TransferStatusMsg(
             room=state.room, state=TransferState.SUCCESS, first_token_id=token_id, num_bytes=state.num_bytes,
             first_token_logprob=top[0][1] if top else None, first_token_top_logprobs=top,
-            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.final.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs, prompt_ranks=state.prompt_ranks,
+            num_cached_tokens=state.final.num_cached_tokens,
             kv_digest=self._digest(state)))
         stats = state.stats(time.monotonic())
         log.info("kv transferred", bootstrap_room=state.room, request_id=state.request_id, kv_bytes=stats.kv_bytes,

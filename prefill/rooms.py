@@ -65,6 +65,7 @@ class PrefillRoom:
     final: OutputMsg | None = None  # the engine's answer, held until the KV landed
     first_token: tuple[int, tuple[tuple[int, float], ...]] | None = None  # token id, its top logprobs
     prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # from the second prompt token on, if asked
+    prompt_ranks: tuple[int, ...] = ()  # with them: each actual prompt token's rank
     info_at: float | None = None
     computed_at: float | None = None
     error: str | None = None  # the engine failed the request: fail the room on the next poll

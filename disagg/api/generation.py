@@ -38,6 +38,7 @@ class Totals:
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each actual prompt token's rank, beside prompt_logprobs
     prompt_token_ids: list[int] | None = None  # when the request asked for its prompt back
     prompt_text: str | None = None
     token_texts: dict[int, str] = field(default_factory=dict)  # id -> text, when the request asked for them
@@ -79,7 +80,7 @@ class Totals:
             self.logprobs = (self.logprobs or [])
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_logprobs, self.prompt_ranks = out.prompt_logprobs, out.prompt_ranks
         if out.prompt_token_ids is not None:
             self.prompt_token_ids, self.prompt_text = out.prompt_token_ids, out.prompt_text
         if out.token_texts:

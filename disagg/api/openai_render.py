@@ -58,13 +58,21 @@ class VllmExtras:
     token_ids: bool = False  # `return_token_ids`: `prompt_token_ids` and each choice's `token_ids`
 
 
-def vllm_prompt_logprobs(totals: Totals) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token null (the first) or `{"<id>": {"logprob", "decoded_token"}}`,
-    the actual token first, then the top-n."""
+def ranked_prompt_logprobs(totals: Totals, decoded: bool = True) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or `{"<id>": {"logprob", "rank",
+    "decoded_token"}}`, the actual token first (its rank: the tokens at least as likely, itself included),
+    then the top-n ranked 1 to n; the actual token among them keeps its place and takes their rank, as in
+    vLLM. `decoded=False` leaves out `decoded_token` (the tokens route's answer)."""
     if totals.prompt_logprobs is None:
         return None
-    return [None if e is None else {str(t): {"logprob": lp, "decoded_token": token_label(t, totals.token_texts)}
-                                    for t, lp in e} for e in totals.prompt_logprobs]
+    ranks = totals.prompt_ranks or [None] * len(totals.prompt_logprobs)
+
+    def entry(j: int, t: int, lp: float, rank: int | None) -> dict:
+        out = {"logprob": lp, "rank": rank if j == 0 else j}
+        return {**out, "decoded_token": token_label(t, totals.token_texts)} if decoded else out
+
+    return [None if e is None else {str(t): entry(j, t, lp, rank) for j, (t, lp) in enumerate(e)}
+            for e, rank in zip(totals.prompt_logprobs, ranks)]
 
 
 def chat_logprobs(entries: list[TokenLogprobs], texts: dict[int, str] | None = None) -> dict:
@@ -158,7 +166,7 @@ class CompletionRenderer(_OpenAIRenderer):
         if self.echo:
             logprobs = self._with_prompt_logprobs(totals, logprobs)
         choice = self.choice(text, logprobs, totals.finish_reason, totals.stop_reason)
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(totals) if self.extras.prompt_logprobs else None
+        choice["prompt_logprobs"] = ranked_prompt_logprobs(totals) if self.extras.prompt_logprobs else None
         if self.extras.token_ids:
             choice.update(prompt_token_ids=totals.prompt_token_ids, token_ids=list(totals.token_ids))
         return choice
@@ -278,7 +286,7 @@ class ChatRenderer(_OpenAIRenderer):
             choice["token_ids"] = list(totals.token_ids)
             ids = {"prompt_token_ids": totals.prompt_token_ids}
         return {**self._envelope(totals, self.object_name, [choice]), "usage": totals.usage(),
-                "prompt_logprobs": vllm_prompt_logprobs(totals) if self.extras.prompt_logprobs else None, **ids,
+                "prompt_logprobs": ranked_prompt_logprobs(totals) if self.extras.prompt_logprobs else None, **ids,
                 "kv_transfer_params": totals.kv_transfer_params}
 
     @staticmethod

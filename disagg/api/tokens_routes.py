@@ -12,8 +12,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from disagg.api.bodies import StreamOptions, TokensBody, TokensSampling, decode_body
-from disagg.api.generation import TokenLogprobs, Totals
-from disagg.api.openai_render import chat_logprobs
+from disagg.api.generation import Totals
+from disagg.api.openai_render import chat_logprobs, ranked_prompt_logprobs
 from disagg.api.requests import (
     build_generate_msg, check_model, check_stream_options, check_token_ids, choose_request_id, logprobs_count,
     read_body, sampling_from_fields,
@@ -39,13 +39,6 @@ def tokens_sampling(sp: TokensSampling) -> SamplingParams:
         logprobs=logprobs_count(sp.logprobs, "logprobs"),
         prompt_logprobs=logprobs_count(sp.prompt_logprobs, "prompt_logprobs"),
     )
-
-
-def prompt_logprobs_body(prompt: list[TokenLogprobs | None] | None) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token None or `{"<token id>": {"logprob": ...}}`."""
-    if prompt is None:
-        return None
-    return [None if e is None else {str(t): {"logprob": lp} for t, lp in e} for e in prompt]
 
 
 class TokensRenderer:
@@ -76,7 +69,7 @@ class TokensRenderer:
                   "stop_reason": totals.stop_reason,
                   "logprobs": chat_logprobs(totals.logprobs) if totals.logprobs is not None else None}
         return {"request_id": totals.request_id, "choices": [choice],
-                "prompt_logprobs": prompt_logprobs_body(totals.prompt_logprobs),
+                "prompt_logprobs": ranked_prompt_logprobs(totals, decoded=False),
                 "usage": totals.usage(), "dp_rank": totals.dp_rank}
 
 

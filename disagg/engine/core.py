@@ -217,13 +217,13 @@ class EngineCore:
 
     def admit_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None,
                         prompt_logprobs: list[dict[int, float] | None] | None = None,
-                        num_cached_tokens: int | None = None) -> bool:
+                        num_cached_tokens: int | None = None, prompt_ranks: list[int | None] | None = None) -> bool:
         """The prompt's KV landed in the reserved blocks; continue from the first token, with the
-        prompt logprobs the remote engine computed (first entry None) and, as this request's cached
-        tokens, those it found in its prefix cache. False when the request no longer waits for KV
+        prompt logprobs the remote engine computed (first entry None, as for their ranks) and, as this
+        request's cached tokens, those it found in its prefix cache. False when the request no longer waits for KV
         (it was aborted or failed meanwhile)."""
         first = SampledToken(first_token_id, first_logprobs)
-        request = self.scheduler.admit_remote_kv(request_id, first, prompt_logprobs)
+        request = self.scheduler.admit_remote_kv(request_id, first, prompt_logprobs, prompt_ranks)
         if request is None:
             return False
         if num_cached_tokens is not None:
@@ -296,10 +296,13 @@ class EngineCore:
             self.fail(request_id, f"engine step failed for request {request_id}: {reason}")
         for request_id, logprobs in result.prompt_logprobs.items():
             request = self.scheduler.requests.get(request_id)
-            if request is not None and not request.prompt_logprobs:
+            if request is None:
+                continue
+            if not request.prompt_logprobs:
                 request.prompt_logprobs.append(None)  # the first prompt token has none
-            if request is not None:
-                request.prompt_logprobs.extend(logprobs)
+                request.prompt_ranks.append(None)
+            request.prompt_logprobs.extend(logprobs)
+            request.prompt_ranks.extend(result.prompt_ranks[request_id])
 
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs queued outside a step (aborts, remote admissions), without stepping."""

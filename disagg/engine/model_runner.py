@@ -19,11 +19,13 @@ from disagg.types import TopLogprobs
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
+    prompt_ranks: dict[str, list[int]] = field(default_factory=dict)  # each actual prompt token's rank
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its part of the step raised
 
     def merge(self, other: RunnerOutput) -> RunnerOutput:
         self.sampled.update(other.sampled)
         self.prompt_logprobs.update(other.prompt_logprobs)
+        self.prompt_ranks.update(other.prompt_ranks)
         self.failed.update(other.failed)
         return self
 
@@ -115,7 +117,8 @@ class ModelRunner:
                     out.failed[seq.request_id] = token
         for seq, first, last in prompt_rows:
             try:
-                out.prompt_logprobs[seq.request_id] = self._prompt_logprobs(seq, logits[first:last])
+                out.prompt_logprobs[seq.request_id], out.prompt_ranks[seq.request_id] = self._prompt_logprobs(
+                    seq, logits[first:last])
             except Exception as exc:  # noqa: BLE001 - this request only (sampling already happened)
                 out.failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
         return out
@@ -163,9 +166,13 @@ class ModelRunner:
         lengths = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
         return DecodeGroup(len(decodes), torch.tensor(table, device=dev), lengths)
 
-    def _prompt_logprobs(self, seq: ScheduledSeq, logits: torch.Tensor) -> list[TopLogprobs]:
+    def _prompt_logprobs(self, seq: ScheduledSeq, logits: torch.Tensor) -> tuple[list[TopLogprobs], list[int]]:
+        """Per row, the top-n and the actual next prompt token's logprob; and that token's rank as vLLM
+        counts it: the tokens at least as likely, itself included (1: none is likelier)."""
         logprobs = torch.log_softmax(logits, dim=-1)
         num = seq.sampling_params.prompt_logprobs or 0
         actual = (seq.token_ids[1:] + [seq.next_token_id])[: logits.shape[0]]
         extra = seq.sampling_params.logprob_token_ids
-        return [top_logprobs(logprobs[i], num, tok, extra) for i, tok in enumerate(actual)]
+        tops = [top_logprobs(logprobs[i], num, tok, extra) for i, tok in enumerate(actual)]
+        chosen = logprobs.gather(1, torch.tensor(actual, dtype=torch.long, device=logprobs.device).unsqueeze(1))
+        return tops, (logprobs >= chosen).sum(dim=-1).tolist()

@@ -88,6 +88,7 @@ class OutputProcessor:
             new_token_ids=new_token_ids,
             new_text=new_text,
             prompt_logprobs=list(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
+            prompt_ranks=list(request.prompt_ranks) if request.wants_prompt_logprobs else None,
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             num_logprobs=request.sampling_params.logprobs,

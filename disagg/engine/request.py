@@ -46,6 +46,7 @@ class Request:
     stop_reason: str | int | None = None
     logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each actual prompt token's rank (first: None)
     num_preemptions: int = 0
     error: str | None = None  # why the engine failed this request (it ends with ABORT)
     quarantined: bool = False  # ended while a remote engine may still write its blocks: kept until release()

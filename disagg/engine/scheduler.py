@@ -104,10 +104,11 @@ class Scheduler:
         return True
 
     def admit_remote_kv(self, request_id: str, first: SampledToken,
-                        prompt_logprobs: list[TopLogprobs | None] | None = None) -> Request | None:
+                        prompt_logprobs: list[TopLogprobs | None] | None = None,
+                        prompt_ranks: list[int | None] | None = None) -> Request | None:
         """The prompt's KV is in the reserved blocks: run the request from its first token on (a
-        prompt-only request ends there, without it). `prompt_logprobs` are those the remote engine
-        computed. None when the request no longer waits for KV (aborted or failed meanwhile)."""
+        prompt-only request ends there, without it). `prompt_logprobs` and `prompt_ranks` are those the
+        remote engine computed. None when the request no longer waits for KV (aborted or failed meanwhile)."""
         request = self.remote.pop(request_id, None)
         if request is None:
             return None
@@ -118,6 +119,7 @@ class Scheduler:
         self.running.append(request)
         if request.wants_prompt_logprobs and prompt_logprobs is not None:
             request.prompt_logprobs = list(prompt_logprobs)
+            request.prompt_ranks = list(prompt_ranks) if prompt_ranks is not None else [None] * len(prompt_logprobs)
         if request.sampling_params.prompt_only:
             self.finish(request, FinishReason.LENGTH)
         else:

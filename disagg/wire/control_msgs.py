@@ -79,6 +79,7 @@ class TransferStatusMsg(msgspec.Struct, frozen=True, kw_only=True):
     # With SUCCESS, when asked for: per prompt token from the second on, its (token id, logprob)
     # pairs (the actual token's and the top-n); the first prompt token has none.
     prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    prompt_ranks: tuple[int, ...] = ()  # with them: each actual prompt token's rank, from the second on
     num_cached_tokens: int = 0  # with SUCCESS: the prompt tokens the prefill found in its prefix cache
     kv_digest: int = 0  # with SUCCESS and --kv-checksum: the digest of the blocks written (0: none)
     # Set by the decode's control client, never sent: the stream to the prefill broke, so the room
@@ -181,7 +182,7 @@ def status_to_pb(status: TransferStatusMsg) -> pb.TransferStatus:
     """TransferStatusMsg -> protobuf (unset optional fields stay unset)."""
     msg = pb.TransferStatus(
         room=status.room, state=_STATE_TO_PB[status.state], reason=status.reason, num_bytes=status.num_bytes,
-        num_cached_tokens=status.num_cached_tokens, kv_digest=status.kv_digest,
+        num_cached_tokens=status.num_cached_tokens, kv_digest=status.kv_digest, prompt_ranks=status.prompt_ranks,
     )
     if status.first_token_id is not None:
         msg.first_token_id = status.first_token_id
@@ -205,7 +206,7 @@ def status_from_pb(msg: pb.TransferStatus) -> TransferStatusMsg:
         num_bytes=msg.num_bytes,
         first_token_top_logprobs=tuple((x.token_id, x.logprob) for x in msg.first_token_top_logprobs),
         prompt_logprobs=tuple(tuple((x.token_id, x.logprob) for x in entry.entries) for entry in msg.prompt_logprobs),
-        num_cached_tokens=msg.num_cached_tokens, kv_digest=msg.kv_digest,
+        num_cached_tokens=msg.num_cached_tokens, kv_digest=msg.kv_digest, prompt_ranks=tuple(msg.prompt_ranks),
     )
 
 

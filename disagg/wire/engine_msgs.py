@@ -157,6 +157,7 @@ class OutputMsg(msgspec.Struct, frozen=True, tag="output", omit_defaults=True):
     # per new token: (id, logprob), sampled first, then the top-n, then SamplingParams.logprob_token_ids
     logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # on the first message only
+    prompt_ranks: list[int | None] | None = None  # with them: each actual prompt token's rank (vLLM's `rank`)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kv_control.proto\x12\x14\x64isagg.kv_control.v1\"\x12\n\x10\x43hallengeRequest\".\n\x0e\x43hallengeReply\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\xaf\x01\n\x08KVLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x62lock_size_bytes\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\"\xa1\x01\n\x08PeerInfo\x12\x11\n\tpeer_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x18\n\x10transfer_backend\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.disagg.kv_control.v1.KVLayout\x12\x0f\n\x07\x64p_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\"<\n\x0cRegisterPeer\x12,\n\x04peer\x18\x01 \x01(\x0b\x32\x1e.disagg.kv_control.v1.PeerInfo\"]\n\x0bRegisterAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12,\n\x04peer\x18\x03 \x01(\x0b\x32\x1e.disagg.kv_control.v1.PeerInfo\"\xd4\x01\n\x0cTransferInfo\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x11\n\tpeer_name\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x03\x12\x13\n\x0b\x64st_dp_rank\x18\x04 \x01(\r\x12\x18\n\x10\x66irst_token_slot\x18\x05 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\x97\x03\n\x0eTransferStatus\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.disagg.kv_control.v1.TransferState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12 \n\x13\x66irst_token_logprob\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\tnum_bytes\x18\x06 \x01(\x04\x12\x44\n\x18\x66irst_token_top_logprobs\x18\x07 \x03(\x0b\x32\".disagg.kv_control.v1.TokenLogprob\x12\x42\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32).disagg.kv_control.v1.PromptTokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x11\n\tkv_digest\x18\n \x01(\x04\x42\x11\n\x0f_first_token_idB\x16\n\x14_first_token_logprob\"J\n\x13PromptTokenLogprobs\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".disagg.kv_control.v1.TokenLogprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"%\n\x05\x41\x62ort\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\x05\x43laim\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"d\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1a\n\x12\x64igest_first_block\x18\x03 \x01(\r\x12\x19\n\x11\x64igest_num_blocks\x18\x04 \x01(\r\"u\n\x0bLeaseStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x10\n\x08released\x18\x05 \x01(\x08\x12\x11\n\tkv_digest\x18\x06 \x01(\x04\"\x18\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\xd4\x02\n\tDecodeMsg\x12;\n\rregister_peer\x18\x01 \x01(\x0b\x32\".disagg.kv_control.v1.RegisterPeerH\x00\x12;\n\rtransfer_info\x18\x02 \x01(\x0b\x32\".disagg.kv_control.v1.TransferInfoH\x00\x12,\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1b.disagg.kv_control.v1.AbortH\x00\x12\x34\n\theartbeat\x18\x04 \x01(\x0b\x32\x1f.disagg.kv_control.v1.HeartbeatH\x00\x12,\n\x05\x63laim\x18\x05 \x01(\x0b\x32\x1b.disagg.kv_control.v1.ClaimH\x00\x12\x30\n\x07release\x18\x06 \x01(\x0b\x32\x1d.disagg.kv_control.v1.ReleaseH\x00\x42\t\n\x07payload\"\x82\x02\n\nPrefillMsg\x12\x39\n\x0cregister_ack\x18\x01 \x01(\x0b\x32!.disagg.kv_control.v1.RegisterAckH\x00\x12\x36\n\x06status\x18\x02 \x01(\x0b\x32$.disagg.kv_control.v1.TransferStatusH\x00\x12;\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\".disagg.kv_control.v1.HeartbeatAckH\x00\x12\x39\n\x0clease_status\x18\x04 \x01(\x0b\x32!.disagg.kv_control.v1.LeaseStatusH\x00\x42\t\n\x07payload*\xcf\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cTRANSFER_STATE_BOOTSTRAPPING\x10\x01\x12$\n TRANSFER_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x03\x12\x1a\n\x16TRANSFER_STATE_SUCCESS\x10\x04\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x05\x32\xb8\x01\n\tKVControl\x12Y\n\tChallenge\x12&.disagg.kv_control.v1.ChallengeRequest\x1a$.disagg.kv_control.v1.ChallengeReply\x12P\n\x07\x43onnect\x12\x1f.disagg.kv_control.v1.DecodeMsg\x1a .disagg.kv_control.v1.PrefillMsg(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kv_control.proto\x12\x14\x64isagg.kv_control.v1\"\x12\n\x10\x43hallengeRequest\".\n\x0e\x43hallengeReply\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\xaf\x01\n\x08KVLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x62lock_size_bytes\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\"\xa1\x01\n\x08PeerInfo\x12\x11\n\tpeer_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x18\n\x10transfer_backend\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.disagg.kv_control.v1.KVLayout\x12\x0f\n\x07\x64p_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\"<\n\x0cRegisterPeer\x12,\n\x04peer\x18\x01 \x01(\x0b\x32\x1e.disagg.kv_control.v1.PeerInfo\"]\n\x0bRegisterAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12,\n\x04peer\x18\x03 \x01(\x0b\x32\x1e.disagg.kv_control.v1.PeerInfo\"\xd4\x01\n\x0cTransferInfo\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x11\n\tpeer_name\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x03\x12\x13\n\x0b\x64st_dp_rank\x18\x04 \x01(\r\x12\x18\n\x10\x66irst_token_slot\x18\x05 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\xad\x03\n\x0eTransferStatus\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.disagg.kv_control.v1.TransferState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12 \n\x13\x66irst_token_logprob\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\tnum_bytes\x18\x06 \x01(\x04\x12\x44\n\x18\x66irst_token_top_logprobs\x18\x07 \x03(\x0b\x32\".disagg.kv_control.v1.TokenLogprob\x12\x42\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32).disagg.kv_control.v1.PromptTokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x11\n\tkv_digest\x18\n \x01(\x04\x12\x14\n\x0cprompt_ranks\x18\x0b \x03(\rB\x11\n\x0f_first_token_idB\x16\n\x14_first_token_logprob\"J\n\x13PromptTokenLogprobs\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".disagg.kv_control.v1.TokenLogprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"%\n\x05\x41\x62ort\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\x05\x43laim\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"d\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1a\n\x12\x64igest_first_block\x18\x03 \x01(\r\x12\x19\n\x11\x64igest_num_blocks\x18\x04 \x01(\r\"u\n\x0bLeaseStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x10\n\x08released\x18\x05 \x01(\x08\x12\x11\n\tkv_digest\x18\x06 \x01(\x04\"\x18\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\xd4\x02\n\tDecodeMsg\x12;\n\rregister_peer\x18\x01 \x01(\x0b\x32\".disagg.kv_control.v1.RegisterPeerH\x00\x12;\n\rtransfer_info\x18\x02 \x01(\x0b\x32\".disagg.kv_control.v1.TransferInfoH\x00\x12,\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1b.disagg.kv_control.v1.AbortH\x00\x12\x34\n\theartbeat\x18\x04 \x01(\x0b\x32\x1f.disagg.kv_control.v1.HeartbeatH\x00\x12,\n\x05\x63laim\x18\x05 \x01(\x0b\x32\x1b.disagg.kv_control.v1.ClaimH\x00\x12\x30\n\x07release\x18\x06 \x01(\x0b\x32\x1d.disagg.kv_control.v1.ReleaseH\x00\x42\t\n\x07payload\"\x82\x02\n\nPrefillMsg\x12\x39\n\x0cregister_ack\x18\x01 \x01(\x0b\x32!.disagg.kv_control.v1.RegisterAckH\x00\x12\x36\n\x06status\x18\x02 \x01(\x0b\x32$.disagg.kv_control.v1.TransferStatusH\x00\x12;\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\".disagg.kv_control.v1.HeartbeatAckH\x00\x12\x39\n\x0clease_status\x18\x04 \x01(\x0b\x32!.disagg.kv_control.v1.LeaseStatusH\x00\x42\t\n\x07payload*\xcf\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cTRANSFER_STATE_BOOTSTRAPPING\x10\x01\x12$\n TRANSFER_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x03\x12\x1a\n\x16TRANSFER_STATE_SUCCESS\x10\x04\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x05\x32\xb8\x01\n\tKVControl\x12Y\n\tChallenge\x12&.disagg.kv_control.v1.ChallengeRequest\x1a$.disagg.kv_control.v1.ChallengeReply\x12P\n\x07\x43onnect\x12\x1f.disagg.kv_control.v1.DecodeMsg\x1a .disagg.kv_control.v1.PrefillMsg(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=2310
-  _globals['_TRANSFERSTATE']._serialized_end=2517
+  _globals['_TRANSFERSTATE']._serialized_start=2332
+  _globals['_TRANSFERSTATE']._serialized_end=2539
   _globals['_CHALLENGEREQUEST']._serialized_start=42
   _globals['_CHALLENGEREQUEST']._serialized_end=60
   _globals['_CHALLENGEREPLY']._serialized_start=62
@@ -49,27 +49,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERINFO']._serialized_start=610
   _globals['_TRANSFERINFO']._serialized_end=822
   _globals['_TRANSFERSTATUS']._serialized_start=825
-  _globals['_TRANSFERSTATUS']._serialized_end=1232
-  _globals['_PROMPTTOKENLOGPROBS']._serialized_start=1234
-  _globals['_PROMPTTOKENLOGPROBS']._serialized_end=1308
-  _globals['_TOKENLOGPROB']._serialized_start=1310
-  _globals['_TOKENLOGPROB']._serialized_end=1359
-  _globals['_ABORT']._serialized_start=1361
-  _globals['_ABORT']._serialized_end=1398
-  _globals['_CLAIM']._serialized_start=1400
-  _globals['_CLAIM']._serialized_end=1427
-  _globals['_RELEASE']._serialized_start=1429
-  _globals['_RELEASE']._serialized_end=1529
-  _globals['_LEASESTATUS']._serialized_start=1531
-  _globals['_LEASESTATUS']._serialized_end=1648
-  _globals['_HEARTBEAT']._serialized_start=1650
-  _globals['_HEARTBEAT']._serialized_end=1674
-  _globals['_HEARTBEATACK']._serialized_start=1676
-  _globals['_HEARTBEATACK']._serialized_end=1703
-  _globals['_DECODEMSG']._serialized_start=1706
-  _globals['_DECODEMSG']._serialized_end=2046
-  _globals['_PREFILLMSG']._serialized_start=2049
-  _globals['_PREFILLMSG']._serialized_end=2307
-  _globals['_KVCONTROL']._serialized_start=2520
-  _globals['_KVCONTROL']._serialized_end=2704
+  _globals['_TRANSFERSTATUS']._serialized_end=1254
+  _globals['_PROMPTTOKENLOGPROBS']._serialized_start=1256
+  _globals['_PROMPTTOKENLOGPROBS']._serialized_end=1330
+  _globals['_TOKENLOGPROB']._serialized_start=1332
+  _globals['_TOKENLOGPROB']._serialized_end=1381
+  _globals['_ABORT']._serialized_start=1383
+  _globals['_ABORT']._serialized_end=1420
+  _globals['_CLAIM']._serialized_start=1422
+  _globals['_CLAIM']._serialized_end=1449
+  _globals['_RELEASE']._serialized_start=1451
+  _globals['_RELEASE']._serialized_end=1551
+  _globals['_LEASESTATUS']._serialized_start=1553
+  _globals['_LEASESTATUS']._serialized_end=1670
+  _globals['_HEARTBEAT']._serialized_start=1672
+  _globals['_HEARTBEAT']._serialized_end=1696
+  _globals['_HEARTBEATACK']._serialized_start=1698
+  _globals['_HEARTBEATACK']._serialized_end=1725
+  _globals['_DECODEMSG']._serialized_start=1728
+  _globals['_DECODEMSG']._serialized_end=2068
+  _globals['_PREFILLMSG']._serialized_start=2071
+  _globals['_PREFILLMSG']._serialized_end=2329
+  _globals['_KVCONTROL']._serialized_start=2542
+  _globals['_KVCONTROL']._serialized_end=2726
 # @@protoc_insertion_point(module_scope)

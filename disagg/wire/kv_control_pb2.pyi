@@ -110,7 +110,7 @@ class TransferInfo(_message.Message):
     def __init__(self, room: _Optional[int] = ..., peer_name: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_dp_rank: _Optional[int] = ..., first_token_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs", "prompt_logprobs", "num_cached_tokens", "kv_digest")
+    __slots__ = ("room", "state", "reason", "first_token_id", "first_token_logprob", "num_bytes", "first_token_top_logprobs", "prompt_logprobs", "num_cached_tokens", "kv_digest", "prompt_ranks")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class TransferStatus(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_RANKS_FIELD_NUMBER: _ClassVar[int]
     room: int
     state: TransferState
     reason: str
@@ -131,7 +132,8 @@ class TransferStatus(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprobs]
     num_cached_tokens: int
     kv_digest: int
-    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[TransferState, str]] = ..., reason: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., kv_digest: _Optional[int] = ...) -> None: ...
+    prompt_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[TransferState, str]] = ..., reason: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., kv_digest: _Optional[int] = ..., prompt_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptTokenLogprobs(_message.Message):
     __slots__ = ("entries",)

@@ -40,16 +40,18 @@ def to_output_msg(out: RequestOutput, first: bool) -> OutputMsg:
     if out.outputs.logprobs is not None and new:
         tops = out.outputs.logprobs[len(out.outputs.logprobs) - len(new) :]
         logprobs = [logprob_pairs(top, tok, out.num_logprobs or 0, out.logprob_token_ids) for top, tok in zip(tops, new)]
-    prompt_logprobs = None
+    prompt_logprobs = prompt_ranks = None
     if first and out.prompt_logprobs is not None:
         prompt_logprobs = [
             None if top is None else logprob_pairs(top, tok, out.num_prompt_logprobs or 0, out.logprob_token_ids)
             for top, tok in zip(out.prompt_logprobs, out.prompt_token_ids)
         ]
+        prompt_ranks = out.prompt_ranks
     return OutputMsg(
         request_id=out.request_id, new_token_ids=list(new), new_text=out.new_text,
         finish_reason=out.outputs.finish_reason, stop_reason=out.outputs.stop_reason,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(out.prompt_token_ids),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, prompt_ranks=prompt_ranks,
+        num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens, num_output_tokens=len(out.outputs.token_ids),
         **({"queued_s": out.queued_s, "num_preemptions": out.num_preemptions} if out.finished else {}),
     )

@@ -139,6 +139,7 @@ class FakeEngine:
         limit = self._max_tokens(sp, num_prompt)
         if limit == 0:  # prompt only (scoring): its logprobs, no token
             yield OutputMsg(rid, finish_reason=FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(msg),
+                            prompt_ranks=self._prompt_ranks(msg),
                             num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens,
                             **prompt_fields(msg))
             return
@@ -160,6 +161,7 @@ class FakeEngine:
                 logprobs=[fake_logprobs(token_id, sp.logprobs, extra_ids=sp.logprob_token_ids)]
                 if sp.logprobs is not None else None,
                 prompt_logprobs=self._prompt_logprobs(msg) if i == 0 else None,
+                prompt_ranks=self._prompt_ranks(msg) if i == 0 else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=self.num_cached_tokens, num_output_tokens=i + 1,
                 **(prompt_fields(msg) if i == 0 else {}),
                 **({"queued_s": self.queued_s, "num_preemptions": 1} if finish is not None and self.queued_s else {}),
@@ -207,6 +209,11 @@ class FakeEngine:
             return None
         ids = msg.prompt_token_ids or [7] * prompt_length(msg)
         return [None] + [fake_logprobs(t, n, -1.0, msg.sampling.logprob_token_ids) for t in ids[1:]]
+
+    @staticmethod
+    def _prompt_ranks(msg: GenerateMsg) -> list[int | None] | None:
+        """Each prompt token is its own top-1 in `_prompt_logprobs`: rank 1."""
+        return None if msg.sampling.prompt_logprobs is None else [None] + [1] * (prompt_length(msg) - 1)
 
     async def abort(self, request_id: str) -> bool:
         flag = self._abort_flags.get(request_id)

@@ -41,6 +41,17 @@ async def test_completion_non_stream_exact_body_and_headers():
     assert (msg.prompt, msg.prompt_token_ids, msg.messages, rank) == ("hello world", None, None, 0)
 
 
+async def test_completion_prompt_logprobs_in_vllms_shape_with_ranks():
+    """Each prompt token from the second on: the token itself first, then the top-n ranked 1 to n (the
+    fake engine makes each prompt token its own top-1, `id + k` the k-th next at -1 - k)."""
+    async with api_client(FakeEngine()) as client:
+        resp, body = await post(client, "/v1/completions", {"prompt": [5, 6, 9], "max_tokens": 1, "prompt_logprobs": 2})
+    assert resp.status == 200
+    assert body["choices"][0]["prompt_logprobs"] == [None] + [
+        {str(t): {"logprob": -1.0, "rank": 1, "decoded_token": f" w{t}"},
+         str(t + 1): {"logprob": -2.0, "rank": 2, "decoded_token": f" w{t + 1}"}} for t in (6, 9)]
+
+
 async def test_completion_sampling_fields_reach_the_engine():
     engine = FakeEngine()
     body = {"prompt": [5, 6], "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 3,

@@ -60,7 +60,8 @@ async def test_tokens_prompt_logprobs_all_means_the_cap():
                                                                                "logprobs": 0}})
     assert engine.requests[0][0].sampling.prompt_logprobs == 20
     assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"][1]) == 20  # the prompt token is in its top-20
-    assert body["prompt_logprobs"][1]["5"] == {"logprob": -1.0}
+    assert body["prompt_logprobs"][1]["5"] == {"logprob": -1.0, "rank": 1}
+    assert body["prompt_logprobs"][1]["6"] == {"logprob": -2.0, "rank": 2}
     assert body["choices"][0]["logprobs"] == {"content": [
         {"token": "token_id:100", "logprob": -0.5, "bytes": list(b"token_id:100"), "top_logprobs": []}]}
 

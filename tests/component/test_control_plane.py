@@ -515,9 +515,10 @@ def test_status_translation_keeps_unset_first_token_unset():
     assert status_from_pb(status_to_pb(full)) == full
     scored = TransferStatusMsg(room=1, state=TransferState.SUCCESS, first_token_id=7, first_token_logprob=-0.5,
                                first_token_top_logprobs=((7, -0.5),),
-                               prompt_logprobs=(((5, -1.25), (9, -0.75)), ((6, -2.5),)))
+                               prompt_logprobs=(((5, -1.25), (9, -0.75)), ((6, -2.5),)), prompt_ranks=(2, 1))
     assert status_from_pb(status_to_pb(scored)) == scored
     assert [len(e.entries) for e in status_to_pb(scored).prompt_logprobs] == [2, 1]
+    assert list(status_to_pb(scored).prompt_ranks) == [2, 1]
     assert status_from_pb(pb.TransferStatus(room=3, state=99)) == failed(3, "unknown transfer state 99")
 
 

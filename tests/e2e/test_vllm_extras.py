@@ -30,8 +30,11 @@ async def test_prompt_logprobs_through_pd_equal_unifieds(cluster, unified_url, r
         assert pd == unified and unified[0] is None
         if path == "/v1/completions":  # each entry: the prompt's own next token first, then the top-1
             assert [next(iter(e)) for e in unified[1:]] == [str(t) for t in ids[1:]]
-            assert all(1 <= len(e) <= 2 and all(set(v) == {"logprob", "decoded_token"} for v in e.values())
+            assert all(1 <= len(e) <= 2 and all(list(v) == ["logprob", "rank", "decoded_token"] for v in e.values())
                        for e in unified[1:])
+            # the top-1 is rank 1; the prompt's token, where it is not the top-1, ranks below it
+            assert [sorted(v["rank"] for v in e.values())[0] for e in unified[1:]] == [1] * (len(ids) - 1)
+            assert all(len(e) == 1 or e[str(t)]["rank"] > 1 for e, t in zip(unified[1:], ids[1:]))
         plain = where(await answer(cluster, router_url, path, {**GREEDY, **body}))
         assert plain["prompt_logprobs"] is None  # the field is there, null, when not asked
         for url in (unified_url, router_url):  # a stream has no place for them: refused as vLLM refuses them

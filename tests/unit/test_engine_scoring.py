@@ -67,10 +67,12 @@ def test_remote_kv_admission_of_a_prompt_only_request_ends_it_with_the_remote_pr
     ids = prefill.tokenizer.encode(PROMPTS[1])
     [computed] = run(prefill, [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
     assert decode.reserve_for_remote_kv("d", ids, SCORE) is not None
-    assert decode.admit_remote_kv("d", computed.outputs.token_ids[0], None, computed.prompt_logprobs)
+    assert decode.admit_remote_kv("d", computed.outputs.token_ids[0], None, computed.prompt_logprobs,
+                                  prompt_ranks=computed.prompt_ranks)
     [out] = decode.step()
     assert (out.outputs.token_ids, out.outputs.finish_reason) == ([], FinishReason.LENGTH)
     assert out.prompt_logprobs == computed.prompt_logprobs
+    assert out.prompt_ranks == computed.prompt_ranks and len(out.prompt_ranks) == len(ids)
     assert decode.kv.num_free_blocks == 256 and not decode.has_unfinished()
 
 

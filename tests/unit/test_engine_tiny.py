@@ -175,6 +175,22 @@ def test_prompt_logprobs_match_hf_logits(tiny_loaded, hf_tiny):
     ours = torch.tensor([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
     theirs = torch.tensor([ref[i - 1, ids[i]].item() for i in range(1, len(ids))])
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    # Each prompt token's rank as vLLM counts it (the tokens at least as likely, itself included): within
+    # what HF's logits allow at that 1e-4 (the random model's logits tie closely), ...
+    for i in range(1, len(ids)):
+        above, tied = ((ref[i - 1] > theirs[i - 1] + 1e-4).sum().item(), (ref[i - 1] >= theirs[i - 1] - 1e-4).sum().item())
+        assert above + 1 <= out.prompt_ranks[i] <= tied, (i, above, tied, out.prompt_ranks[i])
+    # ... and exact against the engine's own top 20: where the token is among them, the count of those at
+    # least as likely; elsewhere over 20.
+    [top] = run(core, [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20))
+    for i in range(1, len(ids)):
+        entries, actual = top.prompt_logprobs[i], top.prompt_logprobs[i][ids[i]]
+        if len(entries) == 20:  # the actual token was one of the top 20 (else it is a 21st entry)
+            assert top.prompt_ranks[i] == sum(lp >= actual for lp in entries.values())
+        else:
+            assert top.prompt_ranks[i] > 20
+    assert top.prompt_ranks[0] is None and top.prompt_ranks[1:] == out.prompt_ranks[1:]
+    assert top.prompt_ranks[1:] != [1] * (len(ids) - 1)  # not every prompt token is the model's likeliest
 
 
 def test_prefix_cache_hits_and_same_output(tiny_loaded):

@@ -7,6 +7,7 @@ this server does not build are refused unless neutral (upstream_fields.py). The 
 items: the assistant's message, or its function calls), streamed as Response events
 (`response.created` ... `response.output_text.delta` ... `response.completed`).
 
+`background: true` answers at once with the Response `queued` and runs on (api/responses_background.py).
 Answers are kept (unless `store: false`) in a bounded store of this server, by id, with the turns
 that led to them, so a next request may name one as its `previous_response_id`. On P/D the decode
 keeps them (a prefill's answer is one token); our router fetches the conversation from the decode
@@ -22,11 +23,13 @@ import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import ChatBody, Int64, decode_body
-from disagg.api.generation import Totals
+from disagg.api.generation import Generation, Totals
+from disagg.api.logging import bind_request
 from disagg.api.openai_routes import chat_generate_msg, note_unknown
 from disagg.api.requests import check_model, choose_request_id, read_body
+from disagg.api.responses_background import ENDED, BackgroundRuns, check_background, run_in_background
 from disagg.api.routing import read_routing
-from disagg.api.serving import json_response, serve_generation
+from disagg.api.serving import admit, json_response, serve_generation
 from disagg.api.state import state_of
 from disagg.api.tool_calls import whole_message
 from disagg.api.upstream_fields import RESPONSES_IGNORED, RESPONSES_REFUSED, check_upstream
@@ -34,6 +37,7 @@ from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
+from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 
 MAX_STORED_RESPONSES = 1024  # per server; the oldest goes first
 
@@ -55,6 +59,7 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     text: dict | None = None
     store: bool | None = None
+    background: bool | None = None  # run on after the answer, polled (api/responses_background.py)
     metadata: dict | None = None
     user: str | None = None
     request_id: str | None = None
@@ -77,16 +82,30 @@ PASSED_TO_CHAT = ("top_k", "repetition_penalty", "stop", "ignore_eos", "logit_bi
 
 
 class ResponseStore:
-    """Stored answers: id -> the chat messages of its conversation (its answer last) and the Response object."""
+    """Stored answers: id -> the chat messages of its conversation (its answer last; None while a background
+    run has not ended) and the Response object; and the background runs."""
 
     def __init__(self, max_size: int = MAX_STORED_RESPONSES):
         self.max_size = max_size
-        self._turns: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._turns: OrderedDict[str, tuple[list[dict] | None, dict]] = OrderedDict()
+        self.runs = BackgroundRuns()
 
-    def put(self, response_id: str, messages: list[dict], response: dict) -> None:
+    def put(self, response_id: str, messages: list[dict] | None, response: dict) -> None:
+        if messages is not None and self._status(response_id) == "cancelled":
+            return  # a cancelled run that ended anyway stays cancelled
         self._turns[response_id] = messages, response
         while len(self._turns) > self.max_size:
             self._turns.popitem(last=False)
+
+    def _status(self, response_id: str) -> str | None:
+        return self._turns[response_id][1]["status"] if response_id in self._turns else None
+
+    def set_status(self, response_id: str, status: str, error: dict | None = None) -> None:
+        """A background run's Response moves on (one that ended, or was forgotten, stays as it is)."""
+        if self._status(response_id) in (None, *ENDED):
+            return
+        messages, response = self._turns[response_id]
+        self._turns[response_id] = messages, {**response, "status": status, "error": error}
 
     def get(self, response_id: str) -> list[dict]:
         """The conversation of a stored answer (400 naming `previous_response_id` when it is not stored)."""
@@ -94,7 +113,11 @@ class ResponseStore:
             raise BadRequest(f"previous_response_id {response_id!r} is not stored on this server (unknown, "
                              f"forgotten after {self.max_size} answers, or sent with store: false)",
                              "previous_response_id")
-        return list(self._turns[response_id][0])
+        messages, response = self._turns[response_id]
+        if messages is None:
+            raise BadRequest(f"previous_response_id {response_id!r} has no answer to follow: its background "
+                             f"run is {response['status']}", "previous_response_id")
+        return list(messages)
 
     def response(self, response_id: str) -> dict:
         """The stored Response object; 404 when it is not stored."""
@@ -105,6 +128,17 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         if self._turns.pop(response_id, None) is None:
             raise not_found(response_id)
+
+    async def cancel(self, response_id: str) -> dict:
+        """Stop a background run that has not ended; its Response, `cancelled` (404 unknown, 400 otherwise)."""
+        status = self._status(response_id)
+        if status is None:
+            raise not_found(response_id)
+        if status in ENDED or response_id not in self.runs:
+            raise BadRequest("Cannot cancel a synchronous response.", "response_id")  # vLLM's words
+        self.set_status(response_id, "cancelled")
+        await self.runs.cancel(response_id)
+        return self.response(response_id)
 
 
 def not_found(response_id: str) -> HttpError:
@@ -231,7 +265,7 @@ class ResponsesRenderer:
                   for call in calls]
         if content or not calls:
             output.insert(0, self._message(content or "", "completed"))
-        status = "incomplete" if totals.finish_reason is FinishReason.LENGTH else "completed"
+        status = "incomplete" if totals.finish_reason == FinishReason.LENGTH else "completed"
         whole = {**self.response(totals, status, output), "usage": {
             "input_tokens": totals.num_prompt_tokens, "input_tokens_details": {"cached_tokens": totals.num_cached_tokens},
             "output_tokens": totals.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -251,7 +285,7 @@ class ResponsesRenderer:
                 "max_output_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
                 "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": b.tool_choice or "auto",
                 "tools": b.tools or [], "text": b.text or {"format": {"type": "text"}}, "metadata": b.metadata or {},
-                "store": b.store is not False, "dp_rank": totals.dp_rank}
+                "store": b.store is not False, "background": b.background is True, "dp_rank": totals.dp_rank}
 
     def _message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "role": "assistant", "status": status,
@@ -270,6 +304,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     check_upstream(raw, RESPONSES_REFUSED, ResponsesBody)
     note_unknown(state, raw, ResponsesBody, RESPONSES_REFUSED, RESPONSES_IGNORED)
     check_model(body.model, state.engine.model.name)
+    background = check_background(body.background, body.store, body.stream)
     store = request.app[STORE]
     history: list[dict] = []
     if body.previous_response_id is not None and body.disagg_conversation is not None:
@@ -290,7 +325,32 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     msg, tools = chat_generate_msg(state, chat, response_id, routing)
     keeps = state.engine.mode is not DisaggregationMode.PREFILL  # a prefill's answer is its one token: not a turn
     renderer = ResponsesRenderer(state.engine.model.name, response_id, body, messages, tools, store if keeps else None)
+    if background and keeps:  # a prefill serves its leg as usual: the decode runs in the background
+        return _start_in_background(request, msg, routing.routed_dp_rank, renderer, store)
     return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
+
+
+def _start_in_background(request: web.Request, msg, routed_dp_rank: int | None, renderer: ResponsesRenderer,
+                         store: ResponseStore) -> web.Response:
+    """Admit the request as any (429, 503 and a duplicate id answered now), store it `queued`, run it."""
+    state = state_of(request)
+    bind_request(msg.request_id)
+    if msg.request_id in store.runs:  # its Generation is not yet in flight: the check Generation makes, early
+        raise BadRequest(f"request id {msg.request_id!r} is already in use", "request_id")
+    admit(state, request.headers)
+    dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
+    state.metrics.vllm.observe_n(dp_rank, 1)
+    generation = Generation(state, msg, dp_rank)
+    queued = renderer.response(generation.totals, "queued", [])
+    store.put(msg.request_id, None, queued)
+
+    async def run() -> None:
+        with state.drain.track():
+            await run_in_background(generation, lambda status, error: store.set_status(msg.request_id, status, error),
+                                    renderer.full)
+
+    store.runs.start(msg.request_id, run())
+    return json_response(queued, headers={DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id})
 
 
 async def conversation(request: web.Request) -> web.Response:
@@ -307,6 +367,11 @@ async def retrieve(request: web.Request) -> web.Response:
     return json_response(request.app[STORE].response(request.match_info["response_id"]))
 
 
+async def cancel(request: web.Request) -> web.Response:
+    """POST /v1/responses/{response_id}/cancel (the openai SDK's `responses.cancel`): stop a background run."""
+    return json_response(await request.app[STORE].cancel(request.match_info["response_id"]))
+
+
 async def delete(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{response_id}: forget a stored answer (a follow-up may no longer name it)."""
     response_id = request.match_info["response_id"]
@@ -317,7 +382,9 @@ async def delete(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     """Register POST /v1/responses, its retrieve and delete, our conversation route and the store on `app`."""
     app[STORE] = ResponseStore()
+    app.on_cleanup.append(app[STORE].runs.close)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_get("/v1/responses/{response_id}/conversation", conversation)

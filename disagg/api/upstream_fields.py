@@ -45,10 +45,9 @@ CHAT_REFUSED: Mapping[str, Neutral] = {**{k: v for k, v in OPENAI_REFUSED.items(
 
 # vLLM's ResponsesRequest (POST /v1/responses, top level). `include` asks for hosted tools' outputs,
 # logprobs or encrypted reasoning; `reasoning` for a reasoning model's effort; `truncation` "auto" for
-# dropping the start of a conversation; `prompt` for a stored prompt template; `background` for a run
-# polled later: none is built here.
+# dropping the start of a conversation; `prompt` for a stored prompt template: none is built here.
 RESPONSES_REFUSED: Mapping[str, Neutral] = {
-    "background": _OFF, "include": _EMPTY, "max_tool_calls": _NONE, "prompt": _EMPTY, "reasoning": _EMPTY,
+    "include": _EMPTY, "max_tool_calls": _NONE, "prompt": _EMPTY, "reasoning": _EMPTY,
     "service_tier": (None, "auto", "default"), "top_logprobs": (None, 0), "truncation": (None, "disabled"),
     "media_io_kwargs": _EMPTY, "mm_processor_kwargs": _EMPTY, "enable_response_messages": _OFF,
     "previous_input_messages": _EMPTY, "vllm_xargs": _EMPTY,

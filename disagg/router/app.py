@@ -7,7 +7,8 @@ Routes:
   503 `draining` once the router shuts down: new generate requests get the same)
 - `GET /health_generate`: every eligible server's `/health_generate` must answer 2xx
 - `GET /server_info`, `/get_server_info`, `/workers`: the servers, their health, load and dp_size
-- `GET` and `DELETE /v1/responses/{id}`: a stored Response, from the decode that stored it
+- `GET` and `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: a stored Response (or a background
+  run), from the decode that stored it
 - `GET /metrics`: the router's Prometheus metrics, and its servers' engine families added up
 Every error is OpenAI-shaped JSON; unknown routes are 404. With `api_key`, every route but `/health`
 and `/metrics` needs `Authorization: Bearer <key>` (401 otherwise).
@@ -180,10 +181,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def stored_response(request: web.Request) -> web.Response:
-    """GET or DELETE /v1/responses/{id}: the decode that stored the answer answers it."""
+    """GET or DELETE /v1/responses/{id}, POST its /cancel: the decode that stored the answer answers it."""
     router = _router(request)
+    suffix = "/cancel" if request.method == "POST" else ""
     status, body = await conversations.stored_response(
-        router.session, request.method, request.match_info["response_id"],
+        router.session, request.method, request.match_info["response_id"], suffix,
         [info.url for info in router.pool.infos(Role.DECODE)], router.config.health_check_timeout_s,
         passthrough.authorization(request))
     return web.Response(body=body, status=status, content_type="application/json")
@@ -297,6 +299,7 @@ def create_app(router: Router) -> web.Application:
     app.router.add_post("/invocations", invocations)
     app.router.add_get(RESPONSES_PATH + "/{response_id}", stored_response)
     app.router.add_delete(RESPONSES_PATH + "/{response_id}", stored_response)
+    app.router.add_post(RESPONSES_PATH + "/{response_id}/cancel", stored_response)
     app.router.add_get("/load", load)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -35,18 +35,24 @@ async def with_conversation(session: aiohttp.ClientSession, raw: bytes, decode_u
     raise BadRequest(f"previous_response_id {previous!r} is not stored on any decode server", "previous_response_id")
 
 
-async def stored_response(session: aiohttp.ClientSession, method: str, response_id: str, decode_urls: list[str],
-                          timeout_s: float, headers: dict[str, str]) -> tuple[int, bytes]:
-    """GET (retrieve) or DELETE a stored Response: the answer of the decode that holds it, else a 404
-    in OpenAI's shape."""
+async def stored_response(session: aiohttp.ClientSession, method: str, response_id: str, suffix: str,
+                          decode_urls: list[str], timeout_s: float, headers: dict[str, str]) -> tuple[int, bytes]:
+    """GET (retrieve) or DELETE a stored Response, or POST its `/cancel` (`suffix`: a background run): the
+    answer of the decode that holds it (200), else the first answer that was not a 404 (a cancel refused),
+    else a 404 in OpenAI's shape."""
+    refused: tuple[int, bytes] | None = None
     for url in decode_urls:
         try:
-            async with session.request(method, f"{url}{RESPONSES_PATH}/{response_id}", headers=headers,
+            async with session.request(method, f"{url}{RESPONSES_PATH}/{response_id}{suffix}", headers=headers,
                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if r.status == 200:
                     return 200, await r.read()
+                if r.status != 404 and refused is None:
+                    refused = r.status, await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
+    if refused is not None:
+        return refused
     error = {"message": f"Response with id {response_id!r} not found on any decode server.", "type": "NotFoundError",
              "param": None, "code": "response_not_found"}
     return 404, msgspec.json.encode({"error": error})

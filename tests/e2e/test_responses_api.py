@@ -1,8 +1,9 @@
 """The Responses API with the openai SDK's `responses.create` (tiny model, greedy): plain, streamed,
 with a function tool, with `text.format`, with `previous_response_id` on a unified server and through
 our router on P/D, each equal to the chat completion of the same messages; `responses.retrieve` and
-`responses.delete` of stored answers."""
+`responses.delete` of stored answers; background runs polled and cancelled."""
 
+import asyncio
 import json
 
 import openai
@@ -111,3 +112,38 @@ async def test_retrieve_and_delete_a_stored_response(unified_url, router_url):
         with pytest.raises(openai.NotFoundError) as caught:
             await client(url).responses.retrieve(unkept.id)
         assert caught.value.body["code"] == "response_not_found"
+
+
+async def ended(url: str, response_id: str, timeout_s: float = 30.0):
+    """The Response of a background run once it ended (polled with `responses.retrieve`)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (got := await client(url).responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert asyncio.get_running_loop().time() < deadline, got.status
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def test_background_runs_poll_to_the_same_answer_and_a_cancel_frees_every_block(unified_url, router_url,
+                                                                                       cluster):
+    want = await chat_text(unified_url, [{"role": "user", "content": "Hello there"}])
+    for url in (unified_url, router_url):  # through the router the decode runs it; the prefill leg is as usual
+        queued = await client(url).responses.create(model="tiny", input="Hello there", background=True, **GREEDY)
+        assert (queued.status, queued.output, queued.background) == ("queued", [], True)
+        done = await ended(url, queued.id)
+        assert (done.status, done.output_text, done.usage.output_tokens, done.background) == (
+            "incomplete", want, 6, True)
+        follow = await client(url).responses.create(model="tiny", previous_response_id=queued.id, input="And then?",
+                                                    **GREEDY)
+        assert follow.output_text == await chat_text(unified_url, [
+            {"role": "user", "content": "Hello there"}, {"role": "assistant", "content": want},
+            {"role": "user", "content": "And then?"}])
+        running = await client(url).responses.create(model="tiny", input="Go on", background=True, temperature=0,
+                                                     max_output_tokens=400, extra_body={"ignore_eos": True})
+        cancelled = await client(url).responses.cancel(running.id)
+        assert (cancelled.id, cancelled.status) == (running.id, "cancelled")
+        assert (await client(url).responses.retrieve(running.id)).status == "cancelled"
+        with pytest.raises(openai.BadRequestError, match=r"Cannot cancel a synchronous response\."):
+            await client(url).responses.cancel(running.id)
+        with pytest.raises(openai.BadRequestError, match=r"background can only be used when `store` is true"):
+            await client(url).responses.create(model="tiny", input="x", background=True, store=False)
+    assert await cluster.settled(([96, 96], [96, 96])) == ([96, 96], [96, 96])

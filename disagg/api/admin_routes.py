@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import uuid
 
 import msgspec
@@ -12,6 +13,7 @@ from aiohttp import web
 from disagg import __version__
 from disagg.api.bodies import decode_body
 from disagg.api.errors import API_EDGE, draining_error
+from disagg.api.generation import hand_back_unanswered
 from disagg.api.serving import json_response
 from disagg.api.state import ApiState, state_of
 from disagg.config import DisaggregationMode
@@ -184,7 +186,8 @@ async def pd_role_switch(request: web.Request) -> web.Response:
     timeout_s = state.config.pd_role_switch_timeout_s
     # Counted from admission on: a request admitted but not yet sent to a worker is waited for too.
     switched = await state.engine.switch_role(DisaggregationMode(body.new_role), timeout_s,
-                                              lambda: state.drain.num_in_flight)
+                                              lambda: state.drain.num_in_flight,
+                                              functools.partial(hand_back_unanswered, state))
     return json_response({"success": True, "switched": switched, "disaggregation_mode": state.engine.mode,
                           "pd_role_epoch": state.engine.pd_roles.epoch})
 

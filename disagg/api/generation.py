@@ -114,29 +114,47 @@ class Generation:
         traceparent = current_traceparent()  # a decode sends it on to its prefill (--otlp-traces-endpoint)
         self._msg = msgspec.structs.replace(msg, traceparent=traceparent) if traceparent else msg
         self.totals = Totals(msg.request_id, dp_rank, int(time.time()))
+        self._handed_back: HttpError | None = None
+
+    def hand_back(self, error: HttpError) -> bool:
+        """End the request with `error` rather than its answer (the caller aborts it on its worker); only
+        while nothing was yielded, so the client got no byte and a router may send it elsewhere."""
+        if self._msg.request_id not in self._state.handbacks:
+            return False
+        self._state.handbacks.pop(self._msg.request_id)
+        self._handed_back = error
+        return True
 
     async def outputs(self) -> AsyncIterator[OutputMsg]:
-        """The engine's outputs, folded into `totals` before each is yielded; a failed request raises."""
+        """The engine's outputs, folded into `totals` before each is yielded; a failed request raises
+        (as does one handed back: its error)."""
         rid, dp_rank = self._msg.request_id, self.totals.dp_rank
         self._state.inflight[rid] = dp_rank
+        self._state.handbacks[rid] = self.hand_back
         stream = self._state.engine.generate(self._msg, dp_rank)
         done = False
         try:
             async for out in stream:
+                if self._handed_back is not None:
+                    raise self._handed_back
                 if out.error is not None:
                     done = True  # the worker already dropped the request
                     if out.error_code is ErrorCode.KV_CHECKSUM_MISMATCH:
                         self._state.metrics.transfer_failed("checksum")
                     raise engine_error(out.error, out.error_status, out.error_param, out.error_code)
                 self.totals.add(out)
+                self._state.handbacks.pop(rid, None)  # from its first output on the client may have bytes
                 yield out
                 if out.finish_reason is not None:
                     done = True
                     break
+            if self._handed_back is not None:
+                raise self._handed_back
             if not done:
                 raise HttpError(500, f"the engine ended request {rid} without a finish reason")
         finally:
             self._state.inflight.pop(rid, None)
+            self._state.handbacks.pop(rid, None)
             await self._close(stream, done)
             self._report(done)
 
@@ -185,3 +203,14 @@ class Generation:
         log.info("request finished", dp_rank=t.dp_rank, finish_reason=t.finish_reason,
                  prompt_tokens=t.num_prompt_tokens, completion_tokens=t.num_output_tokens,
                  e2e_latency_s=round(e2e_s, 6))
+
+
+async def hand_back_unanswered(state: ApiState, error: HttpError) -> int:
+    """End every running request that has sent its client nothing with `error` (a role switch's 503, which
+    our router answers by sending the request to another server), aborting it on its worker; how many."""
+    handed = [rid for rid, hand_back in list(state.handbacks.items()) if hand_back(error)]
+    for rid in handed:
+        await state.engine.abort(rid)
+    if handed:
+        log.info("requests handed back", num_requests=len(handed), status=error.status, error=error.message)
+    return len(handed)

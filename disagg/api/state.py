@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -12,6 +13,7 @@ from disagg.api.metrics import ApiMetrics
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
 from disagg.drain import Drain
+from disagg.http_edge import HttpError
 from disagg.tracing import Tracing
 
 log = structlog.get_logger("disagg.api")
@@ -20,12 +22,15 @@ log = structlog.get_logger("disagg.api")
 @dataclass
 class ApiState:
     """Per-app state. `inflight` maps a running request id to its DP rank (for `abort_all`); `drain`
-    refuses new generate requests and turns health red once the server shuts down."""
+    refuses new generate requests and turns health red once the server shuts down; `handbacks` holds, for
+    each running request that has sent its client nothing yet, how to end it with an error instead (a role
+    switch hands such requests back to our router: api/generation.py)."""
 
     config: ServerConfig
     engine: EngineClient
     metrics: ApiMetrics
     inflight: dict[str, int] = field(default_factory=dict)
+    handbacks: dict[str, Callable[[HttpError], bool]] = field(default_factory=dict)
     drain: Drain = field(default_factory=Drain)
     tracing: Tracing | None = None  # --otlp-traces-endpoint (disagg/tracing.py)
     started_at: int = field(default_factory=lambda: int(time.time()))

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import msgspec
@@ -35,6 +35,7 @@ from disagg.dp.role_switch import PdRoles, RoleSwitchError, switch_role
 from disagg.dp.worker_handle import SentRequest, WorkerHandle
 from disagg.worker.process import WorkerSpec, run_worker, worker_context
 from disagg.worker.roles import RoleSpec
+from disagg.http_edge import HttpError
 from disagg.types import FaultKind, FinishReason, InvalidRequest
 from disagg.wire.engine_msgs import (
     UTILITY_RESULTS, AbortMsg, GenerateMsg, OutputMsg, ReadyMsg, ShutdownMsg, StatsMsg, StepsMsg, Utility, UtilityMsg,
@@ -372,15 +373,17 @@ class DPController:
         return self.mode is not DisaggregationMode.PREFILL
 
     async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float,
-                          in_flight: Callable[[], int] | None = None) -> bool:
+                          in_flight: Callable[[], int] | None = None,
+                          hand_back: Callable[[HttpError], Awaitable[int]] | None = None) -> bool:
         """`POST /pd_role_switch`: the whole server to `new_mode` (disagg/dp/role_switch.py); False when
         it runs it already. Then the DP pick is that mode's, and a restarted worker starts in it.
         `in_flight` counts the requests the server accepted (the front's, from admission on; default:
-        those sent to a worker)."""
+        those sent to a worker); `hand_back` ends those that sent nothing yet (role_switch.switch_role)."""
         if self.pd_roles is None:
             raise RoleSwitchError("this server runs without --enable-pd-role-switch", 400)
         switched = await switch_role(self.pd_roles, new_mode, timeout_s=timeout_s,
-                                     in_flight=in_flight or (lambda: len(self._streams)), call=self.call_utility)
+                                     in_flight=in_flight or (lambda: len(self._streams)), call=self.call_utility,
+                                     hand_back=hand_back)
         if switched:
             self.role, self.load_balance_method = self.pd_roles.spec, self.pd_roles.methods[new_mode]
             self.dispatcher = Dispatcher(self.load_balance_method, self.dp_size)

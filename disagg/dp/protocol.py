@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -12,6 +12,7 @@ from disagg.wire.engine_msgs import GenerateMsg, OutputMsg, PdStatsMsg, StepsMsg
 
 if TYPE_CHECKING:
     from disagg.dp.role_switch import PdRoles
+    from disagg.http_edge import HttpError
 
 
 class WorkerUnavailable(RuntimeError):
@@ -106,9 +107,11 @@ class EngineClient(Protocol):
         """A fault on one worker, on purpose (--enable-fault-injection; disagg/dp/faults.py)."""
 
     async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float,
-                          in_flight: Callable[[], int] | None = None) -> bool:
+                          in_flight: Callable[[], int] | None = None,
+                          hand_back: Callable[[HttpError], Awaitable[int]] | None = None) -> bool:
         """Switch the whole server to `new_mode` once `in_flight` reads 0 and no worker holds anything
-        (RoleSwitchError when it cannot); False when it runs it already."""
+        (RoleSwitchError when it cannot); False when it runs it already. Leaving the decode role, the
+        requests that sent nothing yet are first handed back (`hand_back`: ended with the switch's 503)."""
 
     def take_step_reports(self) -> list[StepsMsg]:
         """The workers' per-step engine metrics since the last call (for /metrics)."""

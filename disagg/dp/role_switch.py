@@ -96,9 +96,13 @@ class PdRoles:
 
 
 async def switch_role(roles: PdRoles, new_mode: DisaggregationMode, *, timeout_s: float,
-                      in_flight: Callable[[], int], call: Callable[..., Awaitable[list]]) -> bool:
+                      in_flight: Callable[[], int], call: Callable[..., Awaitable[list]],
+                      hand_back: Callable[[HttpError], Awaitable[int]] | None = None) -> bool:
     """Switch the server to `new_mode`; False when it already runs it. `in_flight` counts the requests
-    the front still serves; `call(method, *args, timeout_s=)` runs a utility on every worker.
+    the front still serves; `call(method, *args, timeout_s=)` runs a utility on every worker. Leaving the
+    decode role, `hand_back(error)` first ends the requests that sent their client nothing yet with the
+    switch's 503 (a router sends them to another server): the switch then waits only for those that
+    stream, not for a queue behind them.
     RoleSwitchError (409) when another switch runs or the server failed one, (503) when the accepted
     work did not end within `timeout_s` (the server goes on as it was)."""
     if roles.state is not SwitchState.SERVING:
@@ -109,6 +113,8 @@ async def switch_role(roles: PdRoles, new_mode: DisaggregationMode, *, timeout_s
     log.info("role switch started", mode=roles.mode.value, new_mode=new_mode.value, epoch=roles.epoch)
     deadline = time.monotonic() + timeout_s
     try:
+        if hand_back is not None and roles.mode is DisaggregationMode.DECODE:
+            await hand_back(roles.refusal_error())
         await _until_nothing_held(in_flight, call, deadline, timeout_s)
     except BaseException:
         roles.state, roles.target = SwitchState.SERVING, None

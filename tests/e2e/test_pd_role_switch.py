@@ -144,6 +144,31 @@ async def test_the_work_in_flight_finishes_and_new_requests_get_a_503_meanwhile(
     assert await settled(servers) == {"A": [NUM_BLOCKS] * 2, "B": [NUM_BLOCKS], "D": [NUM_BLOCKS]}
 
 
+async def test_a_decode_leaving_its_role_hands_back_what_sent_nothing_yet(servers, unified_url):
+    """D's request still waiting for its KV (B prefills slowly) has sent nothing: the switch ends it at once
+    with the switch's 503, which a router sends elsewhere; the one already decoding finishes; no block is lost."""
+    waiting, decoding = prompt_of("handed-back"), prompt_of("decoding")
+    expected = await reference(servers, unified_url, decoding, 24)
+    slow = {"fault": "slow_steps", "dp_rank": 0}
+    assert (await post(servers["session"], url(servers["D"]) + "/faults", {**slow, "ms": 40}))[0] == 200
+    streaming = asyncio.create_task(pd(servers, "A", "D", decoding, 24))
+    await asyncio.sleep(0.3)  # decoding on D, a token every 40 ms or more
+    assert (await post(servers["session"], url(servers["B"]) + "/faults", {**slow, "ms": 1500}))[0] == 200
+    handed = asyncio.create_task(pd(servers, "B", "D", waiting, 24))
+    await asyncio.sleep(0.3)  # its KV is being computed on B
+    switched = await switch(servers, "D", "prefill")
+    answer, status = await handed
+    assert (status, answer["error"]["code"], answer["error"]["message"]) == (
+        503, "role_switching", "this server is switching its role to prefill: send the request to another server")
+    assert await streaming == (expected, 200)
+    assert (switched[0], switched[1]["disaggregation_mode"]) == (200, "prefill")
+    for name in ("B", "D"):
+        assert (await post(servers["session"], url(servers[name]) + "/faults", {**slow, "ms": 0}))[0] == 200
+    assert (await switch(servers, "D", "decode"))[0] == 200
+    assert await pd(servers, "B", "D", waiting) == (await reference(servers, unified_url, waiting), 200)
+    assert await settled(servers) == {"A": [NUM_BLOCKS] * 2, "B": [NUM_BLOCKS], "D": [NUM_BLOCKS]}
+
+
 async def test_what_a_switch_refuses(servers):
     status, answer = await switch(servers, "B", "prefill")  # already one: nothing happens
     assert (status, answer["switched"], answer["pd_role_epoch"]) == (200, False, 0)

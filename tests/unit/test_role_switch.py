@@ -102,3 +102,23 @@ async def test_a_switch_that_fails_halfway_leaves_the_server_failed():
     with pytest.raises(RoleSwitchError) as again:
         await switch_role(r, DECODE, timeout_s=5, in_flight=lambda: 0, call=workers.call)
     assert again.value.status == 409
+
+
+@pytest.mark.asyncio
+async def test_leaving_the_decode_role_hands_back_what_sent_nothing_first():
+    """`hand_back` gets the switch's own 503 once, before the wait, when the server leaves the decode role;
+    a prefill's switch hands nothing back (its requests end with their one token soon)."""
+    handed: list[tuple] = []
+
+    async def hand_back(error) -> int:
+        handed.append((error.status, error.code, error.message))
+        return 2
+
+    r = roles()
+    assert await switch_role(r, DECODE, timeout_s=5, in_flight=lambda: 0, call=Workers([]).call,
+                             hand_back=hand_back) is True
+    assert handed == []
+    assert await switch_role(r, PREFILL, timeout_s=5, in_flight=lambda: 0, call=Workers([]).call,
+                             hand_back=hand_back) is True
+    assert handed == [(503, "role_switching",
+                       "this server is switching its role to prefill: send the request to another server")]

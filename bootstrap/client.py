@@ -208,7 +208,9 @@ class BootstrapClient:
                 call, status, payload = await asyncio.wait_for(
                     self._attempt(method, path, body, params, write), min(self.config.request_timeout_s, remaining))
             except asyncio.TimeoutError:
-                reached, last = True, "request timed out"
+                # Cut by our own deadline, not the request timeout: what the server said before says more.
+                cut = remaining < self.config.request_timeout_s and attempt > 0
+                reached, last = True, last if cut else "request timed out"
             except (aiohttp.ClientError, OSError) as exc:
                 last = _transport_failure(exc)
             else:

@@ -183,7 +183,10 @@ async def foreign():
     answers = {}
 
     async def route(request):
+        answers["calls"] = answers.get("calls", 0) + 1
         status, body, content_type = answers["route"]
+        if answers.get("hang_after") is not None and answers["calls"] > answers["hang_after"]:
+            await asyncio.sleep(1.0)  # no answer within the client's deadline
         return web.Response(status=status, text=body, content_type=content_type)
 
     app = web.Application()
@@ -225,6 +228,18 @@ async def test_a_non_registry_200_or_503_never_echoes_the_body(foreign):
         with pytest.raises(BootstrapTimeout) as info:
             await client.get_topology(deadline_s=0.2)
     assert str(info.value).endswith(" attempts; last: HTTP 503)") and INTERNAL not in str(info.value)
+
+
+async def test_an_attempt_cut_by_the_deadline_leaves_the_last_answer_in_the_error(foreign):
+    """A 503, then no answer: the second attempt is cut by the call's 0.3 s deadline (its request timeout is
+    2 s), so the error names what the server said last, not the cut."""
+    port, answers = foreign
+    answers.update(route=(503, INTERNAL, "text/plain"), hang_after=1)
+    async with BootstrapClient("127.0.0.1", port, FAST) as client:
+        with pytest.raises(BootstrapTimeout) as info:
+            await client.get_topology(deadline_s=0.3)
+    assert answers["calls"] == 2
+    assert str(info.value).endswith(" 2 attempts; last: HTTP 503)") and INTERNAL not in str(info.value)
 
 
 async def test_a_non_http_banner_never_reaches_the_error():

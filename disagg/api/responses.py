@@ -23,13 +23,14 @@ import msgspec
 from aiohttp import web
 
 from disagg.api.bodies import ChatBody, Int64, decode_body
-from disagg.api.generation import Generation, Totals
-from disagg.api.logging import bind_request
+from disagg.api.generation import Totals
 from disagg.api.openai_routes import chat_generate_msg, note_unknown
 from disagg.api.requests import check_model, choose_request_id, read_body
-from disagg.api.responses_background import ENDED, BackgroundRuns, check_background, run_in_background
+from disagg.api.responses_background import (
+    ENDED, BackgroundRuns, EventLog, check_background, follow_events, start_in_background,
+)
 from disagg.api.routing import read_routing
-from disagg.api.serving import admit, json_response, serve_generation
+from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import state_of
 from disagg.api.tool_calls import whole_message
 from disagg.api.upstream_fields import RESPONSES_IGNORED, RESPONSES_REFUSED, check_upstream
@@ -37,7 +38,6 @@ from disagg.config import DisaggregationMode
 from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
-from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 
 MAX_STORED_RESPONSES = 1024  # per server; the oldest goes first
 
@@ -89,13 +89,14 @@ class ResponseStore:
         self.max_size = max_size
         self._turns: OrderedDict[str, tuple[list[dict] | None, dict]] = OrderedDict()
         self.runs = BackgroundRuns()
+        self.logs: dict[str, EventLog] = {}  # the events of streamed background runs, while their answer is kept
 
     def put(self, response_id: str, messages: list[dict] | None, response: dict) -> None:
         if messages is not None and self._status(response_id) == "cancelled":
             return  # a cancelled run that ended anyway stays cancelled
         self._turns[response_id] = messages, response
         while len(self._turns) > self.max_size:
-            self._turns.popitem(last=False)
+            self.logs.pop(self._turns.popitem(last=False)[0], None)
 
     def _status(self, response_id: str) -> str | None:
         return self._turns[response_id][1]["status"] if response_id in self._turns else None
@@ -128,6 +129,16 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         if self._turns.pop(response_id, None) is None:
             raise not_found(response_id)
+        self.logs.pop(response_id, None)
+
+    def events(self, response_id: str) -> EventLog:
+        """The events of a streamed background run (404 unknown id; 400 an answer that was not one)."""
+        if self._status(response_id) is None:
+            raise not_found(response_id)
+        if response_id not in self.logs:
+            raise BadRequest(f"response {response_id!r} was not run in the background with stream: true; "
+                             "retrieve it without stream", "stream")
+        return self.logs[response_id]
 
     async def cancel(self, response_id: str) -> dict:
         """Stop a background run that has not ended; its Response, `cancelled` (404 unknown, 400 otherwise)."""
@@ -215,7 +226,8 @@ class ResponsesRenderer:
         self.message_id = "msg_" + secrets.token_hex(12)
         self._seq, self._started = 0, False
 
-    def _event(self, kind: str, **fields) -> dict:
+    def event(self, kind: str, **fields) -> dict:
+        """One Response stream event of `kind`, numbered."""
         self._seq += 1
         return {"type": kind, "sequence_number": self._seq - 1, **fields}
 
@@ -227,14 +239,14 @@ class ResponsesRenderer:
         if not self._started:
             self._started = True
             snapshot = self.response(totals, "in_progress", [])
-            events += [self._event("response.created", response=snapshot),
-                       self._event("response.in_progress", response=snapshot)]
+            events += [self.event("response.created", response=snapshot),
+                       self.event("response.in_progress", response=snapshot)]
             if self._streams_text():
-                events += [self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
-                           self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+                events += [self.event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
+                           self.event("response.content_part.added", item_id=self.message_id, output_index=0,
                                        content_index=0, part=_text_part(""))]
         if out.new_text and self._streams_text():
-            events.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
+            events.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
                                       content_index=0, delta=out.new_text, logprobs=[]))
         if out.finish_reason is not None:
             events += self._finish(totals)
@@ -244,16 +256,16 @@ class ResponsesRenderer:
         whole = self.full(totals)
         events = []
         if self._streams_text():
-            events += [self._event("response.output_text.done", item_id=self.message_id, output_index=0,
+            events += [self.event("response.output_text.done", item_id=self.message_id, output_index=0,
                                    content_index=0, text=totals.text, logprobs=[]),
-                       self._event("response.content_part.done", item_id=self.message_id, output_index=0,
+                       self.event("response.content_part.done", item_id=self.message_id, output_index=0,
                                    content_index=0, part=_text_part(totals.text)),
-                       self._event("response.output_item.done", output_index=0, item=whole["output"][0])]
+                       self.event("response.output_item.done", output_index=0, item=whole["output"][0])]
         else:
             for i, item in enumerate(whole["output"]):
-                events += [self._event("response.output_item.added", output_index=i, item=item),
-                           self._event("response.output_item.done", output_index=i, item=item)]
-        return events + [self._event("response.completed", response=whole)]
+                events += [self.event("response.output_item.added", output_index=i, item=item),
+                           self.event("response.output_item.done", output_index=i, item=item)]
+        return events + [self.event("response.completed", response=whole)]
 
     def tail(self, totals: Totals) -> list[object]:
         return []
@@ -304,7 +316,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     check_upstream(raw, RESPONSES_REFUSED, ResponsesBody)
     note_unknown(state, raw, ResponsesBody, RESPONSES_REFUSED, RESPONSES_IGNORED)
     check_model(body.model, state.engine.model.name)
-    background = check_background(body.background, body.store, body.stream)
+    background = check_background(body.background, body.store)
     store = request.app[STORE]
     history: list[dict] = []
     if body.previous_response_id is not None and body.disagg_conversation is not None:
@@ -326,31 +338,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     keeps = state.engine.mode is not DisaggregationMode.PREFILL  # a prefill's answer is its one token: not a turn
     renderer = ResponsesRenderer(state.engine.model.name, response_id, body, messages, tools, store if keeps else None)
     if background and keeps:  # a prefill serves its leg as usual: the decode runs in the background
-        return _start_in_background(request, msg, routing.routed_dp_rank, renderer, store)
+        return await start_in_background(request, msg, routing.routed_dp_rank, renderer, store, bool(body.stream))
     return await serve_generation(request, msg, routing.routed_dp_rank, renderer, stream=bool(body.stream))
-
-
-def _start_in_background(request: web.Request, msg, routed_dp_rank: int | None, renderer: ResponsesRenderer,
-                         store: ResponseStore) -> web.Response:
-    """Admit the request as any (429, 503 and a duplicate id answered now), store it `queued`, run it."""
-    state = state_of(request)
-    bind_request(msg.request_id)
-    if msg.request_id in store.runs:  # its Generation is not yet in flight: the check Generation makes, early
-        raise BadRequest(f"request id {msg.request_id!r} is already in use", "request_id")
-    admit(state, request.headers)
-    dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
-    state.metrics.vllm.observe_n(dp_rank, 1)
-    generation = Generation(state, msg, dp_rank)
-    queued = renderer.response(generation.totals, "queued", [])
-    store.put(msg.request_id, None, queued)
-
-    async def run() -> None:
-        with state.drain.track():
-            await run_in_background(generation, lambda status, error: store.set_status(msg.request_id, status, error),
-                                    renderer.full)
-
-    store.runs.start(msg.request_id, run())
-    return json_response(queued, headers={DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id})
 
 
 async def conversation(request: web.Request) -> web.Response:
@@ -362,9 +351,13 @@ async def conversation(request: web.Request) -> web.Response:
         raise HttpError(404, exc.message, code="response_not_found") from None
 
 
-async def retrieve(request: web.Request) -> web.Response:
-    """GET /v1/responses/{response_id} (the openai SDK's `responses.retrieve`): the stored Response."""
-    return json_response(request.app[STORE].response(request.match_info["response_id"]))
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """GET /v1/responses/{response_id} (the openai SDK's `responses.retrieve`): the stored Response; with
+    `?stream=true` (and `starting_after`) a streamed background run's events, followed to its end."""
+    response_id, store = request.match_info["response_id"], request.app[STORE]
+    if request.query.get("stream", "false").lower() != "true":
+        return json_response(store.response(response_id))
+    return await follow_events(request, store.events(response_id), request.query.get("starting_after"))
 
 
 async def cancel(request: web.Request) -> web.Response:

@@ -5,37 +5,46 @@ its conversation kept for a `previous_response_id`), `failed` (with `error`) or 
 `GET /v1/responses/{id}` reads it; `POST /v1/responses/{id}/cancel` stops a run that has not ended (its
 request aborted, its blocks freed as any abort frees them) and answers the Response as `cancelled`.
 
-A background run needs `store` (vLLM's rule and words) and is not streamed here (a 400 says to poll). On
-P/D the decode runs it; the prefill leg of the same body is served as usual (the router waits for it, so
-the `queued` answer comes once the prompt's KV went out).
+A background run needs `store` (vLLM's rule and words). With `stream: true` the answer is the run's event
+stream instead; the events are kept beside the Response, so a client that left follows the run again with
+`GET /v1/responses/{id}?stream=true&starting_after=N`; leaving never stops the run. On P/D the decode runs
+it; the prefill leg of the same body is served as usual (the router waits for it, so the `queued` answer
+comes once the prompt's KV went out).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
 from disagg.api.errors import to_api_error
 from disagg.api.generation import Generation, Totals
+from disagg.api.logging import bind_request
+from disagg.api.serving import admit, json_response
+from disagg.api.sse import ClientGone, SSEWriter
+from disagg.api.state import state_of
 from disagg.http_edge import BadRequest, HttpError
+from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
+from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
+
+if TYPE_CHECKING:
+    from disagg.api.responses import ResponsesRenderer, ResponseStore
 
 log = structlog.get_logger("disagg.api")
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
 
-def check_background(background: bool | None, store: bool | None, stream: bool | None) -> bool:
-    """Whether the request runs in the background; 400 for what cannot (store false, a stream)."""
+def check_background(background: bool | None, store: bool | None) -> bool:
+    """Whether the request runs in the background; 400 for what cannot (store false)."""
     if not background:
         return False
     if store is False:
         raise BadRequest("background can only be used when `store` is true", "background")
-    if stream:
-        raise BadRequest("background responses are not streamed by this server: send stream false and poll "
-                         "GET /v1/responses/{id}", "stream")
     return True
 
 
@@ -72,18 +81,117 @@ class BackgroundRuns:
             await self.cancel(response_id)
 
 
+class EventLog:
+    """A streamed background run's events as they come (each one's `sequence_number` is its place)."""
+
+    def __init__(self):
+        self.events: list = []
+        self.ended = False
+        self._grown = asyncio.Event()
+
+    def extend(self, events: list) -> None:
+        self.events.extend(events)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._grown.set()
+        self._grown = asyncio.Event()
+
+    async def follow(self, starting_after: int) -> AsyncIterator[list]:
+        """The events after sequence number `starting_after` (-1: all), then each new batch, to the end."""
+        at = starting_after + 1
+        while True:
+            grown = self._grown
+            if at < len(self.events):
+                batch, at = self.events[at:], len(self.events)
+                yield batch
+            elif self.ended:
+                return
+            else:
+                await grown.wait()
+
+
+async def follow_events(request: web.Request, events: EventLog, starting_after: str | None,
+                        headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """An SSE answer following `events` from after `starting_after` to the run's end; a client that leaves
+    stops only its own stream."""
+    try:
+        after = -1 if starting_after is None else int(starting_after)
+    except ValueError:
+        raise BadRequest(f"starting_after must be an integer, got {starting_after!r}", "starting_after") from None
+    if after < -1:
+        raise BadRequest(f"starting_after must be at least -1, got {after}", "starting_after")
+    sse = SSEWriter(headers or {})
+    try:
+        await sse.start(request)
+        async for batch in events.follow(after):
+            await sse.send_all(batch)
+        await sse.done()
+    except ClientGone:
+        log.info("a client stopped following a background response; the run goes on")
+    return sse.response
+
+
+async def start_in_background(request: web.Request, msg: GenerateMsg, routed_dp_rank: int | None,
+                              renderer: ResponsesRenderer, store: ResponseStore, stream: bool) -> web.StreamResponse:
+    """Admit the request as any (429, 503 and a duplicate id answered now), store it `queued`, run it;
+    the answer is the `queued` Response, or with `stream` the run's events as they come."""
+    state, rid = state_of(request), msg.request_id
+    bind_request(rid)
+    if rid in store.runs:  # its Generation is not yet in flight: the check Generation makes, early
+        raise BadRequest(f"request id {rid!r} is already in use", "request_id")
+    admit(state, request.headers)
+    dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
+    state.metrics.vllm.observe_n(dp_rank, 1)
+    generation = Generation(state, msg, dp_rank)
+    queued = renderer.response(generation.totals, "queued", [])
+    store.put(rid, None, queued)
+    events = store.logs[rid] = EventLog() if stream else None
+
+    def set_status(status: str, error: dict | None) -> None:
+        store.set_status(rid, status, error)
+        if events is not None and status == "failed":
+            events.extend([renderer.event("response.failed", response=store.response(rid))])
+
+    def on_output(out: OutputMsg, totals: Totals) -> None:
+        events.extend(renderer.chunks(out, totals))  # its last stores the whole Response, as a stream's does
+
+    async def run() -> None:
+        with state.drain.track():
+            try:
+                await run_in_background(generation, set_status, renderer.full if events is None else None,
+                                        None if events is None else on_output)
+            finally:
+                if events is not None:
+                    events.end()
+
+    store.runs.start(rid, run())
+    headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: rid}
+    return json_response(queued, headers=headers) if events is None else await follow_events(request, events, None,
+                                                                                               headers)
+
+
 async def run_in_background(generation: Generation, set_status: Callable[[str, dict | None], None],
-                            finish: Callable[[Totals], object]) -> None:
-    """Drive `generation` to its end: `in_progress` at its first output, then `finish(totals)` stores the
-    whole Response; a failure stores `failed` with its error. A cancellation (the cancel route, the server
-    stopping) aborts the request on its way out of `outputs()`."""
+                            finish: Callable[[Totals], object] | None,
+                            on_output: Callable[[OutputMsg, Totals], None] | None = None) -> None:
+    """Drive `generation` to its end: `in_progress` at its first output, each output to `on_output`, then
+    `finish(totals)` stores the whole Response; a failure stores `failed` with its error. A cancellation
+    (the cancel route, the server stopping) aborts the request on its way out of `outputs()`."""
     try:
         async with aclosing(generation.outputs()) as outputs:
-            if await anext(outputs, None) is not None:
-                set_status("in_progress", None)
-            async for _ in outputs:
-                pass
-        finish(generation.totals)
+            started = False
+            async for out in outputs:
+                if not started:
+                    set_status("in_progress", None)
+                    started = True
+                if on_output is not None:
+                    on_output(out, generation.totals)
+        if finish is not None:
+            finish(generation.totals)
     except asyncio.CancelledError:
         set_status("cancelled", None)
         raise

@@ -180,9 +180,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await generate(request, raw=raw)
 
 
-async def stored_response(request: web.Request) -> web.Response:
-    """GET or DELETE /v1/responses/{id}, POST its /cancel: the decode that stored the answer answers it."""
+async def stored_response(request: web.Request) -> web.StreamResponse:
+    """GET or DELETE /v1/responses/{id}, POST its /cancel: the decode that stored the answer answers it (a
+    streamed background run's events, `?stream=true`, relayed as they come)."""
     router = _router(request)
+    if request.method == "GET" and request.query.get("stream", "false").lower() == "true":
+        return await conversations.follow_stored(
+            request, router.session, request.match_info["response_id"],
+            [info.url for info in router.pool.infos(Role.DECODE)], router.config.health_check_timeout_s,
+            passthrough.authorization(request))
     suffix = "/cancel" if request.method == "POST" else ""
     status, body = await conversations.stored_response(
         router.session, request.method, request.match_info["response_id"], suffix,

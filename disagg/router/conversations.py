@@ -11,6 +11,7 @@ import asyncio
 
 import aiohttp
 import msgspec
+from aiohttp import web
 
 from disagg.http_edge import BadRequest
 
@@ -51,11 +52,13 @@ async def stored_response(session: aiohttp.ClientSession, method: str, response_
                     refused = r.status, await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
-    if refused is not None:
-        return refused
+    return refused or (404, _not_found(response_id))
+
+
+def _not_found(response_id: str) -> bytes:
     error = {"message": f"Response with id {response_id!r} not found on any decode server.", "type": "NotFoundError",
              "param": None, "code": "response_not_found"}
-    return 404, msgspec.json.encode({"error": error})
+    return msgspec.json.encode({"error": error})
 
 
 async def _conversation(session: aiohttp.ClientSession, url: str, response_id: str, timeout_s: float,
@@ -66,3 +69,28 @@ async def _conversation(session: aiohttp.ClientSession, url: str, response_id: s
             return (await r.json())["messages"] if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
         return None
+
+
+async def follow_stored(request: web.Request, session: aiohttp.ClientSession, response_id: str,
+                        decode_urls: list[str], timeout_s: float, headers: dict[str, str]) -> web.StreamResponse:
+    """`GET /v1/responses/{id}?stream=true` (a streamed background run's events): relayed as they come from
+    the decode that holds it; else the first refusal, else a 404 in OpenAI's shape."""
+    refused: tuple[int, bytes] | None = None
+    for url in decode_urls:
+        try:
+            async with session.get(f"{url}{RESPONSES_PATH}/{response_id}", params=request.query, headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)) as r:
+                if r.status == 200:
+                    out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get(
+                        "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                    await out.prepare(request)
+                    async for chunk in r.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                    return out
+                if r.status != 404 and refused is None:
+                    refused = r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            continue
+    status, body = refused or (404, _not_found(response_id))
+    return web.Response(body=body, status=status, content_type="application/json")

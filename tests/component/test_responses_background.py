@@ -3,6 +3,7 @@ at once is `queued`, polling sees `in_progress` and the whole Response; cancel, 
 run, and a server that stops cancels what still runs."""
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -81,17 +82,72 @@ async def test_cancel_stops_a_run_and_its_refusals():
         assert (status, body["error"]["param"], body["error"]["message"]) == want
 
 
-@pytest.mark.parametrize("extra, param, message", [
-    ({"store": False}, "background", "background can only be used when `store` is true"),
-    ({"stream": True}, "stream", "background responses are not streamed by this server: send stream false and "
-                                 "poll GET /v1/responses/{id}"),
-])
-async def test_what_cannot_run_in_the_background_is_a_400(extra, param, message):
+async def test_a_background_run_without_store_is_a_400():
     engine = FakeEngine()
     async with api_client(engine) as client:
-        status, body = await post(client, "/v1/responses", {"input": "a", "background": True, **extra})
-    assert (status, body["error"]["param"], body["error"]["message"]) == (400, param, message)
+        status, body = await post(client, "/v1/responses", {"input": "a", "background": True, "store": False})
+    assert (status, body["error"]["param"], body["error"]["message"]) == (
+        400, "background", "background can only be used when `store` is true")
     assert engine.requests == []
+
+
+async def events_of(resp, count: int | None = None) -> list:
+    """The `data:` payloads of an SSE answer (the first `count` of them, then it is closed)."""
+    out = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            out.append(line[6:].strip().decode())
+            if count is not None and len(out) == count:
+                resp.close()
+                break
+    return [e if e == "[DONE]" else json.loads(e) for e in out]
+
+
+async def test_a_streamed_run_goes_on_without_its_client_and_is_followed_again():
+    engine = FakeEngine(token_delay_s=0.2)
+    async with api_client(engine) as client:
+        resp = await client.post("/v1/responses", json={"input": "hello world", "max_output_tokens": 3,
+                                                        "background": True, "stream": True, "request_id": "bg5"})
+        assert (resp.status, resp.headers["Content-Type"]) == (200, "text/event-stream")
+        first = await events_of(resp, 2)  # then the client leaves
+        again = await client.get("/v1/responses/bg5", params={"stream": "true", "starting_after": "1"})
+        rest = await events_of(again)
+        whole = await (await client.get("/v1/responses/bg5")).json()
+        replay = await events_of(await client.get("/v1/responses/bg5?stream=true"))
+        refused = [await post_get(client, path) for path in (
+            "/v1/responses/bg5?stream=true&starting_after=x", "/v1/responses/nope?stream=true")]
+        await post(client, "/v1/responses", {"input": "d", "max_output_tokens": 1, "request_id": "plain"})
+        refused.append(await post_get(client, "/v1/responses/plain?stream=true"))
+    assert [e["type"] for e in first] == ["response.created", "response.in_progress"]
+    assert [e["type"] for e in rest[:-1]] == [
+        "response.output_item.added", "response.content_part.added"] + ["response.output_text.delta"] * 3 + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in first + rest[:-1]] == list(range(11)) and rest[-1] == "[DONE]"
+    assert "".join(e["delta"] for e in rest if e != "[DONE]" and e["type"] == "response.output_text.delta") == TEXT
+    assert rest[-2]["response"] == whole and whole["status"] == "incomplete" and replay[:-1] == first + rest[:-1]
+    assert engine.aborted == []
+    assert refused == [(400, "starting_after", "starting_after must be an integer, got 'x'"),
+                       (404, None, "Response with id 'nope' not found."),
+                       (400, "stream", "response 'plain' was not run in the background with stream: true; "
+                                       "retrieve it without stream")]
+
+
+async def post_get(client, path: str) -> tuple[int, str | None, str]:
+    resp = await client.get(path)
+    body = await resp.json()
+    return resp.status, body["error"]["param"], body["error"]["message"]
+
+
+async def test_a_streamed_run_that_fails_ends_with_response_failed():
+    engine = FakeEngine()
+    engine.script.error_after = 1
+    async with api_client(engine) as client:
+        resp = await client.post("/v1/responses", json={"input": "a", "max_output_tokens": 4, "background": True,
+                                                        "stream": True, "request_id": "bg6"})
+        events = await events_of(resp)
+    assert [e["type"] for e in events[:-1]][-1] == "response.failed" and events[-1] == "[DONE]"
+    assert (events[-2]["response"]["status"], events[-2]["response"]["error"]) == (
+        "failed", {"code": "server_error", "message": "worker failed"})
 
 
 async def test_a_failed_run_says_why_and_the_server_goes_on():

@@ -147,3 +147,25 @@ async def test_background_runs_poll_to_the_same_answer_and_a_cancel_frees_every_
         with pytest.raises(openai.BadRequestError, match=r"background can only be used when `store` is true"):
             await client(url).responses.create(model="tiny", input="x", background=True, store=False)
     assert await cluster.settled(([96, 96], [96, 96])) == ([96, 96], [96, 96])
+
+
+async def test_a_streamed_background_run_is_followed_again_after_its_client_left(unified_url, router_url, cluster):
+    want = await chat_text(unified_url, [{"role": "user", "content": "Hello there"}])
+    for url in (unified_url, router_url):
+        stream = await client(url).responses.create(model="tiny", input="Hello there", background=True, stream=True,
+                                                    **GREEDY)
+        first = []
+        async for event in stream:
+            first.append(event)
+            if len(first) == 2:
+                break
+        await stream.close()  # the client leaves; the run goes on
+        rest = [e async for e in await client(url).responses.retrieve(first[0].response.id, stream=True,
+                                                                     starting_after=1)]
+        assert [e.type for e in first] == ["response.created", "response.in_progress"]
+        assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+        assert "".join(e.delta for e in rest if e.type == "response.output_text.delta") == want
+        assert (rest[-1].type, rest[-1].response.output_text) == ("response.completed", want)
+        stored = await client(url).responses.retrieve(first[0].response.id)
+        assert (stored.status, stored.output_text, stored.background) == ("incomplete", want, True)
+    assert await cluster.settled(([96, 96], [96, 96])) == ([96, 96], [96, 96])

@@ -141,10 +141,12 @@ class ModelRunner:
             if len(seq.token_ids) > 1:
                 segments.append(PrefillSegment(row, len(token_ids), seq.start_pos, torch.tensor(seq.block_ids, device=dev)))
             if seq.prompt_logprobs:
-                # Row p predicts token p + 1; only predictions of prompt tokens are prompt logprobs.
+                # Row p predicts token p + 1; only predictions of prompt tokens are prompt logprobs, and
+                # only those not recorded yet (a recompute's chunk may start before where they stop).
                 last_row = row + min(len(seq.token_ids), seq.num_prompt_tokens - 1 - seq.start_pos)
-                prompt_rows.append((seq, len(logit_rows), len(logit_rows) + max(last_row - row, 0)))
-                logit_rows += range(row, last_row)
+                first_row = min(row + seq.prompt_logprobs_from, last_row)
+                prompt_rows.append((seq, len(logit_rows), len(logit_rows) + max(last_row - first_row, 0)))
+                logit_rows += range(first_row, last_row)
             if seq.sample:
                 sample_rows.append(len(logit_rows))
                 logit_rows.append(len(token_ids) - 1)
@@ -171,7 +173,7 @@ class ModelRunner:
         counts it: the tokens at least as likely, itself included (1: none is likelier)."""
         logprobs = torch.log_softmax(logits, dim=-1)
         num = seq.sampling_params.prompt_logprobs or 0
-        actual = (seq.token_ids[1:] + [seq.next_token_id])[: logits.shape[0]]
+        actual = (seq.token_ids[1 + seq.prompt_logprobs_from:] + [seq.next_token_id])[: logits.shape[0]]
         extra = seq.sampling_params.logprob_token_ids
         tops = [top_logprobs(logprobs[i], num, tok, extra) for i, tok in enumerate(actual)]
         chosen = logprobs.gather(1, torch.tensor(actual, dtype=torch.long, device=logprobs.device).unsqueeze(1))

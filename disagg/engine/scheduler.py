@@ -39,6 +39,9 @@ class ScheduledSeq:
     # sampling has none, so other requests copy nothing.
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    # Rows of this chunk whose prompt logprobs are already recorded (a recompute after a preemption
+    # whose chunks straddle where the first run stopped): the runner skips them.
+    prompt_logprobs_from: int = 0
 
 
 @dataclass
@@ -259,16 +262,18 @@ class Scheduler:
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
+        # Row p predicts prompt token p + 1; the recorded ones (entry 0 is None) end at row `recorded`.
+        # After a preemption the recompute's chunks may straddle it: only the rest of such a chunk is new.
+        recorded = max(len(request.prompt_logprobs) - 1, 0)
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
             block_ids=list(request.block_ids),
             sample=end == request.num_tokens and not request.sampling_params.prompt_only,
-            # Not again after a preemption: those prompt logprobs are already recorded.
-            prompt_logprobs=request.wants_prompt_logprobs
-            and start < request.num_prompt_tokens
-            and max(len(request.prompt_logprobs) - 1, 0) <= start,
+            prompt_logprobs=request.wants_prompt_logprobs and start < request.num_prompt_tokens
+            and start <= recorded < end,
+            prompt_logprobs_from=max(recorded - start, 0),
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,

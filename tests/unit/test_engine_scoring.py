@@ -1,5 +1,7 @@
 """Prompt-only requests (max_tokens 0, for scoring) and batches on the tiny random model, against HF."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,3 +98,24 @@ def test_logprob_token_ids_are_returned_beside_the_top_n_and_equal_hf(tiny_loade
         torch.testing.assert_close(torch.tensor([top[7], top[300]]), ref[len(ids) - 1 + k, [7, 300]], atol=1e-4, rtol=0)
     with pytest.raises(InvalidRequest, match=r"^token id 320 in token_ids_logprob is out of vocabulary \(vocab_size=320\)$"):
         core.add_request("bad", ids, SamplingParams(logprobs=0, logprob_token_ids=(320,)))
+
+
+def test_prompt_logprobs_keep_their_places_when_a_preempted_prompt_is_recomputed_in_other_chunks(tiny_loaded):
+    """Chunks of 5 record the prompt logprobs of tokens 1 to 10; preempted, the prompt is recomputed in chunks
+    of 3 ([9, 12) straddles token 10): each later entry is computed once, in its place, so the answer is the
+    first run's for tokens 1 to 10 and a chunks-of-3 run's from 11 on, logprobs and ranks alike."""
+    ids = list(range(100, 123))
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    [by5], [by3] = run(engine(tiny_loaded, budget=5), [ids], params), run(engine(tiny_loaded, budget=3), [ids], params)
+    core = engine(tiny_loaded, budget=5)
+    core.add_request("p", ids, params)
+    core.step(), core.step()
+    request = core.scheduler.requests["p"]
+    assert len(request.prompt_logprobs) == 11
+    core.scheduler._preempt(request)
+    core.scheduler.config = dataclasses.replace(core.scheduler.config, max_num_batched_tokens=3)
+    out = finish(core)["p"]
+    assert out.num_preemptions == 1
+    assert out.prompt_logprobs == by5.prompt_logprobs[:11] + by3.prompt_logprobs[11:]
+    assert out.prompt_ranks == by5.prompt_ranks[:11] + by3.prompt_ranks[11:]
+    assert len(out.prompt_ranks) == len(ids) and all(ids[i] in out.prompt_logprobs[i] for i in range(1, len(ids)))

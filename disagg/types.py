@@ -26,6 +26,7 @@ class ErrorCode(str, enum.Enum):
     STALE_ROLE_EPOCH = "stale_role_epoch"  # a 503: the request was routed for a role this server no longer has
     INCOMPATIBLE_PEER = "incompatible_peer"  # a 503: the prefill refused this decode (its KV layout, backend)
     KV_CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # a 503: the KV that landed is not what the prefill wrote
+    ABORTED_BY_DECODE = "aborted_by_decode"  # a prefill leg its decode gave up: the decode's answer says why
 
 
 class FaultKind(str, enum.Enum):

@@ -21,7 +21,7 @@ import structlog
 from disagg.pd_config import DisaggConfig
 from disagg.worker.outputs import error_output, logprob_pairs
 from disagg.engine.core import EngineCore
-from disagg.types import FinishReason, InvalidRequest, RequestOutput
+from disagg.types import ErrorCode, FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
@@ -114,10 +114,13 @@ class PushRooms:
                 logprobs[len(logprobs) - len(out.new_token_ids)], token_id, out.num_logprobs or 0, out.logprob_token_ids)
             state.first_token = (token_id, tuple(top))
         if out.prompt_logprobs is not None and not state.prompt_logprobs:  # the decode answers with them
-            state.prompt_logprobs = tuple(
-                tuple(logprob_pairs(top, token_id, out.num_prompt_logprobs or 0, out.logprob_token_ids))
-                for top, token_id in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:]) if top is not None)
-            state.prompt_ranks = tuple(rank for rank in (out.prompt_ranks or [])[1:] if rank is not None)
+            ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
+            entries = [(tuple(logprob_pairs(top, token_id, out.num_prompt_logprobs or 0, out.logprob_token_ids)), rank)
+                       for top, token_id, rank in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:], ranks[1:])
+                       if top is not None]
+            state.prompt_logprobs = tuple(pairs for pairs, _ in entries)
+            # every rank or none (the decode then gives none: vLLM's `rank` is null where unknown)
+            state.prompt_ranks = () if any(r is None for _, r in entries) else tuple(r for _, r in entries)
         if out.finished:
             state.final = msg
             state.computed_at = time.monotonic()
@@ -181,7 +184,7 @@ class PushRooms:
         reason = f"aborted by decode: {reason}"
         state = self.book.running.get(room)
         if state is not None:
-            return self._fail(state, reason, status=499)
+            return self._fail(state, reason, status=499, code=ErrorCode.ABORTED_BY_DECODE)
         if self.book.state_of(room) is RoomState.EARLY:
             self.book.forget(room)
         if not any(entry.room == room for entry in self.settling):  # else settle() answers, once settled
@@ -305,7 +308,8 @@ class PushRooms:
             return 0
         return (state.digest or KVDigest(self.backend.registered_layout)).value()
 
-    def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True) -> list[OutputMsg]:
+    def _fail(self, state: PrefillRoom, reason: str, status: int = 500, tell_decode: bool = True,
+              code: ErrorCode | None = None) -> list[OutputMsg]:
         """End a room: no write is posted for it any more, the client hears at once. The decode's
         FAILED status waits until every posted write settled (it is the decode's fence)."""
         log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
@@ -324,7 +328,8 @@ class PushRooms:
                 self.backend.release(handle)
             if tell_decode:
                 self._status(state.room, TransferState.FAILED, reason)
-        return [OutputMsg(state.request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=status)]
+        return [OutputMsg(state.request_id, finish_reason=FinishReason.ABORT, error=reason, error_status=status,
+                          error_code=code)]
 
     def _settle(self, now: float) -> None:
         """Send a failed room's final status once its posted writes all ended; a transport stuck past

@@ -107,7 +107,10 @@ class Totals:
 class Generation:
     """Runs `msg` on DP worker `dp_rank`; iterate `outputs()` (inside `aclosing`) or await `collect()`."""
 
-    def __init__(self, state: ApiState, msg: GenerateMsg, dp_rank: int):
+    def __init__(self, state: ApiState, msg: GenerateMsg, dp_rank: int, can_hand_back: bool = False):
+        """`can_hand_back`: this request is its HTTP answer's only one and answers nothing before its first
+        output, so a role switch may end it with its 503 until then (one of n, of a batch, or a background run
+        may not: its answer is under way, or already given)."""
         if msg.request_id in state.inflight:
             raise BadRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         self._state = state
@@ -115,6 +118,7 @@ class Generation:
         self._msg = msgspec.structs.replace(msg, traceparent=traceparent) if traceparent else msg
         self.totals = Totals(msg.request_id, dp_rank, int(time.time()))
         self._handed_back: HttpError | None = None
+        self._can_hand_back = can_hand_back
 
     def hand_back(self, error: HttpError) -> bool:
         """End the request with `error` rather than its answer (the caller aborts it on its worker); only
@@ -130,7 +134,8 @@ class Generation:
         (as does one handed back: its error)."""
         rid, dp_rank = self._msg.request_id, self.totals.dp_rank
         self._state.inflight[rid] = dp_rank
-        self._state.handbacks[rid] = self.hand_back
+        if self._can_hand_back:
+            self._state.handbacks[rid] = self.hand_back
         stream = self._state.engine.generate(self._msg, dp_rank)
         done = False
         try:
@@ -208,7 +213,8 @@ class Generation:
 async def hand_back_unanswered(state: ApiState, error: HttpError) -> int:
     """End every running request that has sent its client nothing with `error` (a role switch's 503, which
     our router answers by sending the request to another server), aborting it on its worker; how many."""
-    handed = [rid for rid, hand_back in list(state.handbacks.items()) if hand_back(error)]
+    handed = [rid for rid, hand_back in list(state.handbacks.items())
+              if hand_back(HttpError(error.status, error.message, param=error.param, code=error.code))]
     for rid in handed:
         await state.engine.abort(rid)
     if handed:

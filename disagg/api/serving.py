@@ -63,7 +63,7 @@ async def serve_generation(request: web.Request, msg: GenerateMsg, routed_dp_ran
         dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
         structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
         state.metrics.vllm.observe_n(dp_rank, 1)
-        generation = Generation(state, msg, dp_rank)
+        generation = Generation(state, msg, dp_rank, can_hand_back=True)
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
         if stream:
             return await _stream(request, generation, renderer, headers, state.drain)

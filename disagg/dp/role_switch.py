@@ -3,7 +3,8 @@
 `PdRoles` is what the front knows: the mode it serves now, its epoch (one more per switch), the worker
 role and DP load-balance method of each mode, and whether it is serving, switching or failed.
 `switch_role` moves a whole server, every DP worker, without restarting a worker or reloading a
-weight: new generate requests are refused (503, `role_switching`) while the accepted ones finish;
+weight: new generate requests are refused (503, `role_switching`) while the accepted ones finish (a
+decode first hands back those that sent their client nothing yet, with the same 503);
 once every worker holds nothing (no request, room, lease or fenced block) each swaps its role on
 the same engine, so its prefix cache stays. A switch that cannot start in time leaves the server
 as it was; one that fails halfway leaves it FAILED: /health answers 503 rather than serve

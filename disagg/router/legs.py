@@ -19,6 +19,7 @@ import msgspec
 from disagg.http_edge import refusal_code
 from disagg.router.errors import ServerDraining, ServerError, ServerTimeout, ServerUnreachable
 from disagg.router.workers import Role
+from disagg.types import ErrorCode
 from disagg.wire.headers import PASSED_HEADERS
 
 
@@ -128,11 +129,22 @@ async def cancel_all(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def for_its_decode(exc: BaseException | None) -> bool:
+    """A prefill leg failed because its decode gave the request up (`aborted_by_decode`): the decode's
+    own answer says why (a role switch's 503 a retry acts on), so it is the one to wait for."""
+    if not isinstance(exc, ServerError) or exc.role != str(Role.PREFILL):
+        return False
+    body = json_or_none(exc.raw)
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == ErrorCode.ABORTED_BY_DECODE.value
+
+
 async def both_or_first_error(prefill: asyncio.Task, decode: asyncio.Task) -> tuple:
     """Both results; the first leg to fail cancels the other and its error is raised.
 
-    If both have failed by the time we look, the prefill's error wins: it is usually the cause.
-    Cancelling the caller cancels both legs.
+    If both have failed by the time we look, the prefill's error wins: it is usually the cause. A prefill
+    its decode gave up (`for_its_decode`) waits for the decode's answer instead, and raises only if the
+    decode answered. Cancelling the caller cancels both legs.
     """
     tasks = [prefill, decode]
     try:
@@ -141,6 +153,9 @@ async def both_or_first_error(prefill: asyncio.Task, decode: asyncio.Task) -> tu
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in tasks:
                 if task in done and task.exception() is not None:
+                    if task is prefill and for_its_decode(task.exception()) and (
+                            decode in pending or decode.exception() is not None):
+                        continue  # the decode's error (now, or when it comes) is the one to raise
                     raise task.exception()
         return prefill.result(), decode.result()
     finally:
@@ -156,7 +171,7 @@ async def await_unless_other_fails(wanted: asyncio.Task, other: asyncio.Task):
         pending = {wanted, other}
         while wanted in pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if other in done and other.exception() is not None:
+            if other in done and other.exception() is not None and not for_its_decode(other.exception()):
                 raise other.exception()
         return wanted.result()
     finally:

@@ -209,8 +209,8 @@ class BootstrapClient:
                     self._attempt(method, path, body, params, write), min(self.config.request_timeout_s, remaining))
             except asyncio.TimeoutError:
                 # Cut by our own deadline, not the request timeout: what the server said before says more.
-                cut = remaining < self.config.request_timeout_s and attempt > 0
-                reached, last = True, last if cut else "request timed out"
+                if remaining >= self.config.request_timeout_s or attempt == 0:
+                    reached, last = True, "request timed out"
             except (aiohttp.ClientError, OSError) as exc:
                 last = _transport_failure(exc)
             else:

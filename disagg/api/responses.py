@@ -27,7 +27,7 @@ from disagg.api.generation import Totals
 from disagg.api.openai_routes import chat_generate_msg, note_unknown
 from disagg.api.requests import check_model, choose_request_id, read_body
 from disagg.api.responses_background import (
-    ENDED, BackgroundRuns, EventLog, check_background, follow_events, start_in_background,
+    ENDED, BackgroundRuns, EventLog, RunStatus, check_background, follow_events, start_in_background,
 )
 from disagg.api.routing import read_routing
 from disagg.api.serving import json_response, serve_generation
@@ -92,21 +92,25 @@ class ResponseStore:
         self.logs: dict[str, EventLog] = {}  # the events of streamed background runs, while their answer is kept
 
     def put(self, response_id: str, messages: list[dict] | None, response: dict) -> None:
-        if messages is not None and self._status(response_id) == "cancelled":
+        if messages is not None and self._status(response_id) == RunStatus.CANCELLED:
             return  # a cancelled run that ended anyway stays cancelled
         self._turns[response_id] = messages, response
         while len(self._turns) > self.max_size:
-            self.logs.pop(self._turns.popitem(last=False)[0], None)
+            oldest = next((rid for rid in self._turns if rid not in self.runs), None)
+            if oldest is None:
+                return  # every answer kept is a background run still going: none is forgotten mid-run
+            del self._turns[oldest]
+            self.logs.pop(oldest, None)
 
     def _status(self, response_id: str) -> str | None:
         return self._turns[response_id][1]["status"] if response_id in self._turns else None
 
-    def set_status(self, response_id: str, status: str, error: dict | None = None) -> None:
+    def set_status(self, response_id: str, status: RunStatus, error: dict | None = None) -> None:
         """A background run's Response moves on (one that ended, or was forgotten, stays as it is)."""
         if self._status(response_id) in (None, *ENDED):
             return
         messages, response = self._turns[response_id]
-        self._turns[response_id] = messages, {**response, "status": status, "error": error}
+        self._turns[response_id] = messages, {**response, "status": status.value, "error": error}
 
     def get(self, response_id: str) -> list[dict]:
         """The conversation of a stored answer (400 naming `previous_response_id` when it is not stored)."""
@@ -126,19 +130,25 @@ class ResponseStore:
             raise not_found(response_id)
         return self._turns[response_id][1]
 
-    def delete(self, response_id: str) -> None:
-        if self._turns.pop(response_id, None) is None:
+    async def delete(self, response_id: str) -> None:
+        """Forget an answer; a background run still going is cancelled first (404 unknown id)."""
+        if response_id not in self._turns:
             raise not_found(response_id)
+        if response_id in self.runs:
+            self.set_status(response_id, RunStatus.CANCELLED)
+            await self.runs.cancel(response_id)
+        self._turns.pop(response_id, None)
         self.logs.pop(response_id, None)
 
     def events(self, response_id: str) -> EventLog:
         """The events of a streamed background run (404 unknown id; 400 an answer that was not one)."""
         if self._status(response_id) is None:
             raise not_found(response_id)
-        if response_id not in self.logs:
+        events = self.logs.get(response_id)
+        if events is None:
             raise BadRequest(f"response {response_id!r} was not run in the background with stream: true; "
                              "retrieve it without stream", "stream")
-        return self.logs[response_id]
+        return events
 
     async def cancel(self, response_id: str) -> dict:
         """Stop a background run that has not ended; its Response, `cancelled` (404 unknown, 400 otherwise)."""
@@ -147,7 +157,7 @@ class ResponseStore:
             raise not_found(response_id)
         if status in ENDED or response_id not in self.runs:
             raise BadRequest("Cannot cancel a synchronous response.", "response_id")  # vLLM's words
-        self.set_status(response_id, "cancelled")
+        self.set_status(response_id, RunStatus.CANCELLED)
         await self.runs.cancel(response_id)
         return self.response(response_id)
 
@@ -368,7 +378,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{response_id}: forget a stored answer (a follow-up may no longer name it)."""
     response_id = request.match_info["response_id"]
-    request.app[STORE].delete(response_id)
+    await request.app[STORE].delete(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -15,6 +15,7 @@ comes once the prompt's KV went out).
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -36,7 +37,21 @@ if TYPE_CHECKING:
     from disagg.api.responses import ResponsesRenderer, ResponseStore
 
 log = structlog.get_logger("disagg.api")
-ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+
+class RunStatus(str, enum.Enum):
+    """A background run's Response `status`, as OpenAI names them."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# A tuple, not a set: the Responses keep their status as its plain string, and an Enum member hashes by its name.
+ENDED = (RunStatus.COMPLETED, RunStatus.INCOMPLETE, RunStatus.FAILED, RunStatus.CANCELLED)
 
 
 def check_background(background: bool | None, store: bool | None) -> bool:
@@ -50,7 +65,8 @@ def check_background(background: bool | None, store: bool | None) -> bool:
 
 def error_object(err: HttpError) -> dict:
     """A failed run's `error`, in the Response object's shape (`code`, `message`)."""
-    return {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
+    code = "server_error" if err.status >= 500 else "rate_limit_exceeded" if err.status == 429 else "invalid_prompt"
+    return {"code": code, "message": err.message}
 
 
 class BackgroundRuns:
@@ -62,10 +78,16 @@ class BackgroundRuns:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._tasks
 
-    def start(self, response_id: str, run: Awaitable[None]) -> None:
+    def start(self, response_id: str, run: Awaitable[None], on_done: Callable[[], None] | None = None) -> None:
+        """Run `run` as the response's task; `on_done` once it ended, however (even cancelled before it began)."""
         task = asyncio.create_task(run, name=f"background-{response_id}")
         self._tasks[response_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+
+        def ended(_: asyncio.Task) -> None:
+            self._tasks.pop(response_id, None)
+            if on_done is not None:
+                on_done()
+        task.add_done_callback(ended)
 
     async def cancel(self, response_id: str) -> None:
         """Stop a run and wait until its request was aborted."""
@@ -148,13 +170,15 @@ async def start_in_background(request: web.Request, msg: GenerateMsg, routed_dp_
     dp_rank = state.engine.pick_rank(routed_dp_rank, msg.bootstrap_room, msg)
     state.metrics.vllm.observe_n(dp_rank, 1)
     generation = Generation(state, msg, dp_rank)
-    queued = renderer.response(generation.totals, "queued", [])
+    queued = renderer.response(generation.totals, RunStatus.QUEUED.value, [])
     store.put(rid, None, queued)
-    events = store.logs[rid] = EventLog() if stream else None
+    events = EventLog() if stream else None
+    if events is not None:
+        store.logs[rid] = events
 
-    def set_status(status: str, error: dict | None) -> None:
+    def set_status(status: RunStatus, error: dict | None) -> None:
         store.set_status(rid, status, error)
-        if events is not None and status == "failed":
+        if events is not None and status is RunStatus.FAILED:
             events.extend([renderer.event("response.failed", response=store.response(rid))])
 
     def on_output(out: OutputMsg, totals: Totals) -> None:
@@ -162,20 +186,16 @@ async def start_in_background(request: web.Request, msg: GenerateMsg, routed_dp_
 
     async def run() -> None:
         with state.drain.track():
-            try:
-                await run_in_background(generation, set_status, renderer.full if events is None else None,
-                                        None if events is None else on_output)
-            finally:
-                if events is not None:
-                    events.end()
+            await run_in_background(generation, set_status, renderer.full if events is None else None,
+                                    None if events is None else on_output)
 
-    store.runs.start(rid, run())
+    store.runs.start(rid, run(), None if events is None else events.end)
     headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: rid}
     return json_response(queued, headers=headers) if events is None else await follow_events(request, events, None,
                                                                                                headers)
 
 
-async def run_in_background(generation: Generation, set_status: Callable[[str, dict | None], None],
+async def run_in_background(generation: Generation, set_status: Callable[[RunStatus, dict | None], None],
                             finish: Callable[[Totals], object] | None,
                             on_output: Callable[[OutputMsg, Totals], None] | None = None) -> None:
     """Drive `generation` to its end: `in_progress` at its first output, each output to `on_output`, then
@@ -186,17 +206,17 @@ async def run_in_background(generation: Generation, set_status: Callable[[str, d
             started = False
             async for out in outputs:
                 if not started:
-                    set_status("in_progress", None)
+                    set_status(RunStatus.IN_PROGRESS, None)
                     started = True
                 if on_output is not None:
                     on_output(out, generation.totals)
         if finish is not None:
             finish(generation.totals)
     except asyncio.CancelledError:
-        set_status("cancelled", None)
+        set_status(RunStatus.CANCELLED, None)
         raise
     except Exception as exc:  # noqa: BLE001 - this run fails alone; its Response says why
         err = to_api_error(exc)
         log.warning("background response failed", request_id=generation.totals.request_id, status=err.status,
                     error=err.message)
-        set_status("failed", error_object(err))
+        set_status(RunStatus.FAILED, error_object(err))

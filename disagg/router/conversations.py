@@ -78,19 +78,29 @@ async def follow_stored(request: web.Request, session: aiohttp.ClientSession, re
     refused: tuple[int, bytes] | None = None
     for url in decode_urls:
         try:
-            async with session.get(f"{url}{RESPONSES_PATH}/{response_id}", params=request.query, headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)) as r:
-                if r.status == 200:
-                    out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get(
-                        "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
-                    await out.prepare(request)
-                    async for chunk in r.content.iter_any():
-                        await out.write(chunk)
-                    await out.write_eof()
-                    return out
-                if r.status != 404 and refused is None:
-                    refused = r.status, await r.read()
+            r = await session.get(f"{url}{RESPONSES_PATH}/{response_id}", params=request.query, headers=headers,
+                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s))
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
+        async with r:
+            if r.status == 200:
+                return await _relay(request, r)
+            if r.status != 404 and refused is None:
+                refused = r.status, await r.read()
     status, body = refused or (404, _not_found(response_id))
     return web.Response(body=body, status=status, content_type="application/json")
+
+
+async def _relay(request: web.Request, r: aiohttp.ClientResponse) -> web.StreamResponse:
+    """A decode's event stream as it comes; once begun, a decode that breaks off (or a client that left)
+    only ends it."""
+    out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"),
+                                                  "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    try:
+        async for chunk in r.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+        pass  # the decode broke off or the client left: the stream ends where it is
+    return out

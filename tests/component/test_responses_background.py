@@ -9,6 +9,13 @@ import time
 import pytest
 from fake_engine import FakeEngine, api_client
 
+from disagg.api.generation import hand_back_unanswered
+from disagg.api.responses import STORE
+from disagg.api.responses_background import BackgroundRuns
+from disagg.api.state import STATE
+from disagg.http_edge import HttpError
+from disagg.types import ErrorCode
+
 pytestmark = pytest.mark.timeout(30)
 TEXT = " w100 w101 w102"
 
@@ -171,3 +178,41 @@ async def test_a_server_that_stops_cancels_its_runs():
         assert status == 200
         await asyncio.sleep(0.3)
     assert engine.aborted == ["bg4"]
+
+
+async def test_a_run_is_not_handed_back_by_a_role_switch_nor_forgotten_nor_left_running_once_deleted():
+    """A background run already answered its client (`queued`): a role switch's hand-back leaves it to run; the
+    store's bound forgets older answers first, never a run still going; DELETE cancels a run before forgetting
+    it, and it does not come back when it would have ended."""
+    engine = FakeEngine(token_delay_s=0.2)
+    async with api_client(engine) as client:
+        state, store = client.server.app[STATE], client.server.app[STORE]
+        store.max_size = 2
+        await post(client, "/v1/responses", {"input": "a", "max_output_tokens": 20, "background": True,
+                                             "request_id": "run"})
+        error = HttpError(503, "switching", code=ErrorCode.ROLE_SWITCHING)
+        assert await hand_back_unanswered(state, error) == 0
+        for rid in ("old1", "old2"):
+            await post(client, "/v1/responses", {"input": "b", "max_output_tokens": 1, "request_id": rid})
+        kept = [(await client.get(f"/v1/responses/{rid}")).status for rid in ("run", "old1", "old2")]
+        streamed = await post_get(client, "/v1/responses/run?stream=true")
+        await post(client, "/v1/responses", {"input": "a", "max_output_tokens": 50, "background": True,
+                                             "request_id": "gone"})
+        deleted = await client.delete("/v1/responses/gone")
+        await asyncio.sleep(0.5)
+        after = (await client.get("/v1/responses/gone")).status
+    assert kept == [200, 404, 200]  # the oldest answer went, not the run
+    assert streamed == (400, "stream", "response 'run' was not run in the background with stream: true; "
+                                       "retrieve it without stream")
+    assert (deleted.status, after, engine.aborted) == (200, 404, ["gone", "run"])  # "run": the server stopped
+
+
+async def test_a_run_cancelled_before_it_began_still_ends_its_events():
+    runs, ended = BackgroundRuns(), []
+
+    async def never() -> None:
+        raise AssertionError("cancelled before its first step")
+
+    runs.start("early", never(), lambda: ended.append("early"))
+    await runs.cancel("early")
+    assert ended == ["early"] and "early" not in runs

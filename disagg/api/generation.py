@@ -214,7 +214,8 @@ async def hand_back_unanswered(state: ApiState, error: HttpError) -> int:
     """End every running request that has sent its client nothing with `error` (a role switch's 503, which
     our router answers by sending the request to another server), aborting it on its worker; how many."""
     handed = [rid for rid, hand_back in list(state.handbacks.items())
-              if hand_back(HttpError(error.status, error.message, param=error.param, code=error.code))]
+              if hand_back(HttpError(error.status, error.message, param=error.param, code=error.code,
+                                     error_type=error.error_type, headers=dict(error.headers)))]
     for rid in handed:
         await state.engine.abort(rid)
     if handed:

@@ -40,6 +40,7 @@ from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
 MAX_STORED_RESPONSES = 1024  # per server; the oldest goes first
+MAX_EVENT_LOGS = 64  # streamed background runs whose events are kept to be followed again, per server
 
 
 class ResponsesBody(msgspec.Struct, kw_only=True):
@@ -89,25 +90,34 @@ class ResponseStore:
         self.max_size = max_size
         self._turns: OrderedDict[str, tuple[list[dict] | None, dict]] = OrderedDict()
         self.runs = BackgroundRuns()
-        self.logs: dict[str, EventLog] = {}  # the events of streamed background runs, while their answer is kept
+        # The events of streamed background runs (the last MAX_EVENT_LOGS of them, runs still going always).
+        self.logs: OrderedDict[str, EventLog] = OrderedDict()
+
+    def keep_events(self, response_id: str, events: EventLog) -> None:
+        """Keep a streamed run's events to be followed again; the oldest ended ones go past the bound."""
+        self.logs[response_id] = events
+        ended = [rid for rid, log in self.logs.items() if log.ended]
+        for rid in ended[:max(len(self.logs) - MAX_EVENT_LOGS, 0)]:
+            del self.logs[rid]
 
     def put(self, response_id: str, messages: list[dict] | None, response: dict) -> None:
-        if messages is not None and self._status(response_id) == RunStatus.CANCELLED:
+        if messages is not None and self.status(response_id) == RunStatus.CANCELLED:
             return  # a cancelled run that ended anyway stays cancelled
         self._turns[response_id] = messages, response
         while len(self._turns) > self.max_size:
-            oldest = next((rid for rid in self._turns if rid not in self.runs), None)
+            oldest = next((rid for rid in self._turns if rid not in self.runs and rid != response_id), None)
             if oldest is None:
                 return  # every answer kept is a background run still going: none is forgotten mid-run
             del self._turns[oldest]
             self.logs.pop(oldest, None)
 
-    def _status(self, response_id: str) -> str | None:
+    def status(self, response_id: str) -> str | None:
+        """The stored Response's status; None when it is not stored."""
         return self._turns[response_id][1]["status"] if response_id in self._turns else None
 
     def set_status(self, response_id: str, status: RunStatus, error: dict | None = None) -> None:
         """A background run's Response moves on (one that ended, or was forgotten, stays as it is)."""
-        if self._status(response_id) in (None, *ENDED):
+        if self.status(response_id) in (None, *ENDED):
             return
         messages, response = self._turns[response_id]
         self._turns[response_id] = messages, {**response, "status": status.value, "error": error}
@@ -142,17 +152,18 @@ class ResponseStore:
 
     def events(self, response_id: str) -> EventLog:
         """The events of a streamed background run (404 unknown id; 400 an answer that was not one)."""
-        if self._status(response_id) is None:
+        if self.status(response_id) is None:
             raise not_found(response_id)
         events = self.logs.get(response_id)
         if events is None:
-            raise BadRequest(f"response {response_id!r} was not run in the background with stream: true; "
-                             "retrieve it without stream", "stream")
+            raise BadRequest(f"response {response_id!r} was not run in the background with stream: true (or its "
+                             f"events are no longer kept: the last {MAX_EVENT_LOGS} are); retrieve it without stream",
+                             "stream")
         return events
 
     async def cancel(self, response_id: str) -> dict:
         """Stop a background run that has not ended; its Response, `cancelled` (404 unknown, 400 otherwise)."""
-        status = self._status(response_id)
+        status = self.status(response_id)
         if status is None:
             raise not_found(response_id)
         if status in ENDED or response_id not in self.runs:

@@ -6,8 +6,9 @@ its conversation kept for a `previous_response_id`), `failed` (with `error`) or 
 request aborted, its blocks freed as any abort frees them) and answers the Response as `cancelled`.
 
 A background run needs `store` (vLLM's rule and words). With `stream: true` the answer is the run's event
-stream instead; the events are kept beside the Response, so a client that left follows the run again with
-`GET /v1/responses/{id}?stream=true&starting_after=N`; leaving never stops the run. On P/D the decode runs
+stream instead; the events are kept beside the Response (those of the last runs), so a client that left
+follows the run again with `GET /v1/responses/{id}?stream=true&starting_after=N`; leaving never stops the
+run. A run that fails ends its events with `response.failed`; a cancelled one's simply end. On P/D the decode runs
 it; the prefill leg of the same body is served as usual (the router waits for it, so the `queued` answer
 comes once the prompt's KV went out).
 """
@@ -50,7 +51,6 @@ class RunStatus(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-# A tuple, not a set: the Responses keep their status as its plain string, and an Enum member hashes by its name.
 ENDED = (RunStatus.COMPLETED, RunStatus.INCOMPLETE, RunStatus.FAILED, RunStatus.CANCELLED)
 
 
@@ -174,11 +174,11 @@ async def start_in_background(request: web.Request, msg: GenerateMsg, routed_dp_
     store.put(rid, None, queued)
     events = EventLog() if stream else None
     if events is not None:
-        store.logs[rid] = events
+        store.keep_events(rid, events)
 
     def set_status(status: RunStatus, error: dict | None) -> None:
         store.set_status(rid, status, error)
-        if events is not None and status is RunStatus.FAILED:
+        if events is not None and status is RunStatus.FAILED and store.status(rid) == RunStatus.FAILED:
             events.extend([renderer.event("response.failed", response=store.response(rid))])
 
     def on_output(out: OutputMsg, totals: Totals) -> None:

@@ -8,12 +8,14 @@ Responses request that names one, the router asks the decodes for it (`GET
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from disagg.http_edge import BadRequest
+from disagg.http_edge import BadRequest, HttpError
+from disagg.router.errors import sse_error_event
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -77,30 +79,41 @@ async def follow_stored(request: web.Request, session: aiohttp.ClientSession, re
     the decode that holds it; else the first refusal, else a 404 in OpenAI's shape."""
     refused: tuple[int, bytes] | None = None
     for url in decode_urls:
-        try:
-            r = await session.get(f"{url}{RESPONSES_PATH}/{response_id}", params=request.query, headers=headers,
-                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s))
+        try:  # the answer's head within the timeout; its events may take as long as the run
+            r = await asyncio.wait_for(session.get(
+                f"{url}{RESPONSES_PATH}/{response_id}", params=request.query, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)), timeout_s)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
         async with r:
             if r.status == 200:
                 return await _relay(request, r)
+            try:
+                body = await asyncio.wait_for(r.read(), timeout_s)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
             if r.status != 404 and refused is None:
-                refused = r.status, await r.read()
+                refused = r.status, body
     status, body = refused or (404, _not_found(response_id))
     return web.Response(body=body, status=status, content_type="application/json")
 
 
 async def _relay(request: web.Request, r: aiohttp.ClientResponse) -> web.StreamResponse:
-    """A decode's event stream as it comes; once begun, a decode that breaks off (or a client that left)
-    only ends it."""
-    out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"),
-                                                  "Cache-Control": "no-cache"})
+    """A decode's event stream as it comes. Once begun, a decode that breaks off ends it with an error event
+    (502); a client that left only ends it."""
+    out = web.StreamResponse(status=200, headers={
+        "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no"})
     await out.prepare(request)
     try:
         async for chunk in r.content.iter_any():
             await out.write(chunk)
+    except aiohttp.ClientPayloadError as exc:  # the decode broke off
+        with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+            await out.write(sse_error_event(HttpError(502, f"decode server {r.url.origin()} broke off the stream: "
+                                                           f"{exc}", code="upstream_unreachable")))
+    except (ConnectionError, aiohttp.ClientError):
+        return out  # the client left
+    with contextlib.suppress(ConnectionError, aiohttp.ClientError):
         await out.write_eof()
-    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
-        pass  # the decode broke off or the client left: the stream ends where it is
     return out

@@ -165,7 +165,9 @@ async def both_or_first_error(prefill: asyncio.Task, decode: asyncio.Task) -> tu
 async def await_unless_other_fails(wanted: asyncio.Task, other: asyncio.Task):
     """`wanted`'s result; raises `other`'s error if it fails first (then `wanted` is cancelled).
 
-    `other` succeeding first does not stop the wait.
+    `other` succeeding first does not stop the wait, nor does a prefill (`other`) its decode gave up
+    (`for_its_decode`): `wanted`, the decode's stream, then says how it went. (both_or_first_error, where
+    both answers are read whole, raises that prefill's error if the decode answered 200 anyway.)
     """
     try:
         pending = {wanted, other}

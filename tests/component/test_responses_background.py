@@ -135,8 +135,8 @@ async def test_a_streamed_run_goes_on_without_its_client_and_is_followed_again()
     assert engine.aborted == []
     assert refused == [(400, "starting_after", "starting_after must be an integer, got 'x'"),
                        (404, None, "Response with id 'nope' not found."),
-                       (400, "stream", "response 'plain' was not run in the background with stream: true; "
-                                       "retrieve it without stream")]
+                       (400, "stream", "response 'plain' was not run in the background with stream: true (or its "
+                                       "events are no longer kept: the last 64 are); retrieve it without stream")]
 
 
 async def post_get(client, path: str) -> tuple[int, str | None, str]:
@@ -202,8 +202,8 @@ async def test_a_run_is_not_handed_back_by_a_role_switch_nor_forgotten_nor_left_
         await asyncio.sleep(0.5)
         after = (await client.get("/v1/responses/gone")).status
     assert kept == [200, 404, 200]  # the oldest answer went, not the run
-    assert streamed == (400, "stream", "response 'run' was not run in the background with stream: true; "
-                                       "retrieve it without stream")
+    assert streamed == (400, "stream", "response 'run' was not run in the background with stream: true (or its "
+                                       "events are no longer kept: the last 64 are); retrieve it without stream")
     assert (deleted.status, after, engine.aborted) == (200, 404, ["gone", "run"])  # "run": the server stopped
 
 
@@ -216,3 +216,17 @@ async def test_a_run_cancelled_before_it_began_still_ends_its_events():
     runs.start("early", never(), lambda: ended.append("early"))
     await runs.cancel("early")
     assert ended == ["early"] and "early" not in runs
+
+
+def test_the_store_keeps_the_events_of_the_last_streamed_runs_and_of_every_run_still_going(monkeypatch):
+    import disagg.api.responses as responses
+    from disagg.api.responses_background import EventLog
+
+    monkeypatch.setattr(responses, "MAX_EVENT_LOGS", 2)
+    store, logs = responses.ResponseStore(), {}
+    for rid in ("a", "b", "c", "d"):
+        logs[rid] = EventLog()
+        if rid in ("a", "c", "d"):
+            logs[rid].end()  # "b" still runs
+        store.keep_events(rid, logs[rid])
+    assert list(store.logs) == ["b", "d"]  # the ended "a", then "c", went past the bound; "b" runs on

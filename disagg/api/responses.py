@@ -8,7 +8,7 @@ items: the assistant's message, or its function calls), streamed as Response eve
 (`response.created` ... `response.output_text.delta` ... `response.completed`).
 
 `background: true` answers at once with the Response `queued` and runs on (api/responses_background.py).
-Answers are kept (unless `store: false`) in a bounded store of this server, by id, with the turns
+Answers are kept (unless `store: false`) in a bounded store of this server (responses_store.py), by id, with the turns
 that led to them, so a next request may name one as its `previous_response_id`. On P/D the decode
 keeps them (a prefill's answer is one token); our router fetches the conversation from the decode
 (`GET /v1/responses/{id}/conversation`) and sends it to both legs (`disagg_conversation`).
@@ -17,7 +17,6 @@ keeps them (a prefill's answer is one token); our router fetches the conversatio
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 
 import msgspec
 from aiohttp import web
@@ -26,9 +25,8 @@ from disagg.api.bodies import ChatBody, Int64, decode_body
 from disagg.api.generation import Totals
 from disagg.api.openai_routes import chat_generate_msg, note_unknown
 from disagg.api.requests import check_model, choose_request_id, read_body
-from disagg.api.responses_background import (
-    ENDED, BackgroundRuns, EventLog, RunStatus, check_background, follow_events, start_in_background,
-)
+from disagg.api.responses_background import check_background, follow_events, start_in_background
+from disagg.api.responses_store import STORE, ResponseStore
 from disagg.api.routing import read_routing
 from disagg.api.serving import json_response, serve_generation
 from disagg.api.state import state_of
@@ -39,8 +37,6 @@ from disagg.http_edge import BadRequest, HttpError
 from disagg.types import FinishReason
 from disagg.wire.engine_msgs import OutputMsg
 
-MAX_STORED_RESPONSES = 1024  # per server; the oldest goes first
-MAX_EVENT_LOGS = 64  # streamed background runs whose events are kept to be followed again, per server
 
 
 class ResponsesBody(msgspec.Struct, kw_only=True):
@@ -80,104 +76,6 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
 
 PASSED_TO_CHAT = ("top_k", "repetition_penalty", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
                   "include_stop_str_in_output", "structured_outputs", "priority", "chat_template_kwargs")
-
-
-class ResponseStore:
-    """Stored answers: id -> the chat messages of its conversation (its answer last; None while a background
-    run has not ended) and the Response object; and the background runs."""
-
-    def __init__(self, max_size: int = MAX_STORED_RESPONSES):
-        self.max_size = max_size
-        self._turns: OrderedDict[str, tuple[list[dict] | None, dict]] = OrderedDict()
-        self.runs = BackgroundRuns()
-        # The events of streamed background runs (the last MAX_EVENT_LOGS of them, runs still going always).
-        self.logs: OrderedDict[str, EventLog] = OrderedDict()
-
-    def keep_events(self, response_id: str, events: EventLog) -> None:
-        """Keep a streamed run's events to be followed again; the oldest ended ones go past the bound."""
-        self.logs[response_id] = events
-        ended = [rid for rid, log in self.logs.items() if log.ended]
-        for rid in ended[:max(len(self.logs) - MAX_EVENT_LOGS, 0)]:
-            del self.logs[rid]
-
-    def put(self, response_id: str, messages: list[dict] | None, response: dict) -> None:
-        if messages is not None and self.status(response_id) == RunStatus.CANCELLED:
-            return  # a cancelled run that ended anyway stays cancelled
-        self._turns[response_id] = messages, response
-        while len(self._turns) > self.max_size:
-            oldest = next((rid for rid in self._turns if rid not in self.runs and rid != response_id), None)
-            if oldest is None:
-                return  # every answer kept is a background run still going: none is forgotten mid-run
-            del self._turns[oldest]
-            self.logs.pop(oldest, None)
-
-    def status(self, response_id: str) -> str | None:
-        """The stored Response's status; None when it is not stored."""
-        return self._turns[response_id][1]["status"] if response_id in self._turns else None
-
-    def set_status(self, response_id: str, status: RunStatus, error: dict | None = None) -> None:
-        """A background run's Response moves on (one that ended, or was forgotten, stays as it is)."""
-        if self.status(response_id) in (None, *ENDED):
-            return
-        messages, response = self._turns[response_id]
-        self._turns[response_id] = messages, {**response, "status": status.value, "error": error}
-
-    def get(self, response_id: str) -> list[dict]:
-        """The conversation of a stored answer (400 naming `previous_response_id` when it is not stored)."""
-        if response_id not in self._turns:
-            raise BadRequest(f"previous_response_id {response_id!r} is not stored on this server (unknown, "
-                             f"forgotten after {self.max_size} answers, or sent with store: false)",
-                             "previous_response_id")
-        messages, response = self._turns[response_id]
-        if messages is None:
-            raise BadRequest(f"previous_response_id {response_id!r} has no answer to follow: its background "
-                             f"run is {response['status']}", "previous_response_id")
-        return list(messages)
-
-    def response(self, response_id: str) -> dict:
-        """The stored Response object; 404 when it is not stored."""
-        if response_id not in self._turns:
-            raise not_found(response_id)
-        return self._turns[response_id][1]
-
-    async def delete(self, response_id: str) -> None:
-        """Forget an answer; a background run still going is cancelled first (404 unknown id)."""
-        if response_id not in self._turns:
-            raise not_found(response_id)
-        if response_id in self.runs:
-            self.set_status(response_id, RunStatus.CANCELLED)
-            await self.runs.cancel(response_id)
-        self._turns.pop(response_id, None)
-        self.logs.pop(response_id, None)
-
-    def events(self, response_id: str) -> EventLog:
-        """The events of a streamed background run (404 unknown id; 400 an answer that was not one)."""
-        if self.status(response_id) is None:
-            raise not_found(response_id)
-        events = self.logs.get(response_id)
-        if events is None:
-            raise BadRequest(f"response {response_id!r} was not run in the background with stream: true (or its "
-                             f"events are no longer kept: the last {MAX_EVENT_LOGS} are); retrieve it without stream",
-                             "stream")
-        return events
-
-    async def cancel(self, response_id: str) -> dict:
-        """Stop a background run that has not ended; its Response, `cancelled` (404 unknown, 400 otherwise)."""
-        status = self.status(response_id)
-        if status is None:
-            raise not_found(response_id)
-        if status in ENDED or response_id not in self.runs:
-            raise BadRequest("Cannot cancel a synchronous response.", "response_id")  # vLLM's words
-        self.set_status(response_id, RunStatus.CANCELLED)
-        await self.runs.cancel(response_id)
-        return self.response(response_id)
-
-
-def not_found(response_id: str) -> HttpError:
-    return HttpError(404, f"Response with id {response_id!r} not found.", code="response_not_found")
-
-
-STORE = web.AppKey("disagg_responses", ResponseStore)
 
 
 def input_messages(value: object) -> list[dict]:

@@ -35,7 +35,8 @@ from disagg.wire.engine_msgs import GenerateMsg, OutputMsg
 from disagg.wire.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 
 if TYPE_CHECKING:
-    from disagg.api.responses import ResponsesRenderer, ResponseStore
+    from disagg.api.responses import ResponsesRenderer
+    from disagg.api.responses_store import ResponseStore
 
 log = structlog.get_logger("disagg.api")
 

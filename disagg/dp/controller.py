@@ -372,8 +372,7 @@ class DPController:
         prefill: a room's KV lives on the rank that computed it (a dead rank's request fails, 503)."""
         return self.mode is not DisaggregationMode.PREFILL
 
-    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float,
-                          in_flight: Callable[[], int] | None = None,
+    async def switch_role(self, new_mode: DisaggregationMode, timeout_s: float, in_flight: Callable[[], int] | None = None,
                           hand_back: Callable[[HttpError], Awaitable[int]] | None = None) -> bool:
         """`POST /pd_role_switch`: the whole server to `new_mode` (disagg/dp/role_switch.py); False when
         it runs it already. Then the DP pick is that mode's, and a restarted worker starts in it.

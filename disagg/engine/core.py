@@ -295,14 +295,10 @@ class EngineCore:
         for request_id, reason in result.failed.items():
             self.fail(request_id, f"engine step failed for request {request_id}: {reason}")
         for request_id, logprobs in result.prompt_logprobs.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is None:
-                continue
-            if not request.prompt_logprobs:
-                request.prompt_logprobs.append(None)  # the first prompt token has none
-                request.prompt_ranks.append(None)
-            request.prompt_logprobs.extend(logprobs)
-            request.prompt_ranks.extend(result.prompt_ranks[request_id])
+            if (request := self.scheduler.requests.get(request_id)) is not None:
+                first = [] if request.prompt_logprobs else [None]  # the first prompt token has none
+                request.prompt_logprobs.extend(first + logprobs)
+                request.prompt_ranks.extend(first + result.prompt_ranks[request_id])
 
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs queued outside a step (aborts, remote admissions), without stepping."""

@@ -39,9 +39,7 @@ class ScheduledSeq:
     # sampling has none, so other requests copy nothing.
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
-    # Rows of this chunk whose prompt logprobs are already recorded (a recompute after a preemption
-    # whose chunks straddle where the first run stopped): the runner skips them.
-    prompt_logprobs_from: int = 0
+    prompt_logprobs_from: int = 0  # rows already recorded (a recompute's chunk straddling them): skipped
 
 
 @dataclass
@@ -112,8 +110,7 @@ class Scheduler:
         """The prompt's KV is in the reserved blocks: run the request from its first token on (a
         prompt-only request ends there, without it). `prompt_logprobs` and `prompt_ranks` are those the
         remote engine computed. None when the request no longer waits for KV (aborted or failed meanwhile)."""
-        request = self.remote.pop(request_id, None)
-        if request is None:
+        if (request := self.remote.pop(request_id, None)) is None:
             return None
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
@@ -122,7 +119,7 @@ class Scheduler:
         self.running.append(request)
         if request.wants_prompt_logprobs and prompt_logprobs is not None:
             request.prompt_logprobs = list(prompt_logprobs)
-            request.prompt_ranks = list(prompt_ranks) if prompt_ranks is not None else [None] * len(prompt_logprobs)
+            request.prompt_ranks = list(prompt_ranks or [None] * len(prompt_logprobs))
         if request.sampling_params.prompt_only:
             self.finish(request, FinishReason.LENGTH)
         else:
@@ -260,19 +257,15 @@ class Scheduler:
         self._enqueue(request, preempted=True)
 
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
-        start = request.num_computed_tokens
-        end = start + num_new
-        # Row p predicts prompt token p + 1; the recorded ones (entry 0 is None) end at row `recorded`.
-        # After a preemption the recompute's chunks may straddle it: only the rest of such a chunk is new.
-        recorded = max(len(request.prompt_logprobs) - 1, 0)
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        recorded = max(len(request.prompt_logprobs) - 1, 0)  # row p predicts token p + 1; entry 0 is None
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
             block_ids=list(request.block_ids),
             sample=end == request.num_tokens and not request.sampling_params.prompt_only,
-            prompt_logprobs=request.wants_prompt_logprobs and start < request.num_prompt_tokens
-            and start <= recorded < end,
+            prompt_logprobs=request.wants_prompt_logprobs and start <= recorded < min(end, request.num_prompt_tokens),
             prompt_logprobs_from=max(recorded - start, 0),
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),

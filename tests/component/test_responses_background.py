@@ -10,7 +10,7 @@ import pytest
 from fake_engine import FakeEngine, api_client
 
 from disagg.api.generation import hand_back_unanswered
-from disagg.api.responses import STORE
+from disagg.api.responses_store import STORE
 from disagg.api.responses_background import BackgroundRuns
 from disagg.api.state import STATE
 from disagg.http_edge import HttpError
@@ -219,7 +219,7 @@ async def test_a_run_cancelled_before_it_began_still_ends_its_events():
 
 
 def test_the_store_keeps_the_events_of_the_last_streamed_runs_and_of_every_run_still_going(monkeypatch):
-    import disagg.api.responses as responses
+    import disagg.api.responses_store as responses
     from disagg.api.responses_background import EventLog
 
     monkeypatch.setattr(responses, "MAX_EVENT_LOGS", 2)

@@ -184,17 +184,9 @@ async def stored_response(request: web.Request) -> web.StreamResponse:
     """GET or DELETE /v1/responses/{id}, POST its /cancel: the decode that stored the answer answers it (a
     streamed background run's events, `?stream=true`, relayed as they come)."""
     router = _router(request)
-    if request.method == "GET" and request.query.get("stream", "false").lower() == "true":
-        return await conversations.follow_stored(
-            request, router.session, request.match_info["response_id"],
-            [info.url for info in router.pool.infos(Role.DECODE)], router.config.health_check_timeout_s,
-            passthrough.authorization(request))
-    suffix = "/cancel" if request.method == "POST" else ""
-    status, body = await conversations.stored_response(
-        router.session, request.method, request.match_info["response_id"], suffix,
-        [info.url for info in router.pool.infos(Role.DECODE)], router.config.health_check_timeout_s,
-        passthrough.authorization(request))
-    return web.Response(body=body, status=status, content_type="application/json")
+    decodes = [info.url for info in router.pool.infos(Role.DECODE)]
+    return await conversations.from_holder(request, router.session, decodes, router.config.health_check_timeout_s,
+                                           passthrough.authorization(request))
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:

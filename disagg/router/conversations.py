@@ -38,25 +38,6 @@ async def with_conversation(session: aiohttp.ClientSession, raw: bytes, decode_u
     raise BadRequest(f"previous_response_id {previous!r} is not stored on any decode server", "previous_response_id")
 
 
-async def stored_response(session: aiohttp.ClientSession, method: str, response_id: str, suffix: str,
-                          decode_urls: list[str], timeout_s: float, headers: dict[str, str]) -> tuple[int, bytes]:
-    """GET (retrieve) or DELETE a stored Response, or POST its `/cancel` (`suffix`: a background run): the
-    answer of the decode that holds it (200), else the first answer that was not a 404 (a cancel refused),
-    else a 404 in OpenAI's shape."""
-    refused: tuple[int, bytes] | None = None
-    for url in decode_urls:
-        try:
-            async with session.request(method, f"{url}{RESPONSES_PATH}/{response_id}{suffix}", headers=headers,
-                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status == 200:
-                    return 200, await r.read()
-                if r.status != 404 and refused is None:
-                    refused = r.status, await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            continue
-    return refused or (404, _not_found(response_id))
-
-
 def _not_found(response_id: str) -> bytes:
     error = {"message": f"Response with id {response_id!r} not found on any decode server.", "type": "NotFoundError",
              "param": None, "code": "response_not_found"}
@@ -73,28 +54,32 @@ async def _conversation(session: aiohttp.ClientSession, url: str, response_id: s
         return None
 
 
-async def follow_stored(request: web.Request, session: aiohttp.ClientSession, response_id: str,
-                        decode_urls: list[str], timeout_s: float, headers: dict[str, str]) -> web.StreamResponse:
-    """`GET /v1/responses/{id}?stream=true` (a streamed background run's events): relayed as they come from
-    the decode that holds it; else the first refusal, else a 404 in OpenAI's shape."""
+async def from_holder(request: web.Request, session: aiohttp.ClientSession, decode_urls: list[str],
+                      timeout_s: float, headers: dict[str, str]) -> web.StreamResponse:
+    """GET (retrieve; with `?stream=true` a streamed background run's events, relayed as they come) or
+    DELETE a stored Response, or POST its `/cancel`: the answer of the decode that holds it (200), else the
+    first answer that was not a 404 (a cancel refused), else a 404 in OpenAI's shape."""
+    follow = request.method == "GET" and request.query.get("stream", "false").lower() == "true"
     refused: tuple[int, bytes] | None = None
     for url in decode_urls:
-        try:  # the answer's head within the timeout; its events may take as long as the run
-            r = await asyncio.wait_for(session.get(
-                f"{url}{RESPONSES_PATH}/{response_id}", params=request.query, headers=headers,
+        try:  # the answer's head within the timeout; a followed run's events may take as long as the run
+            r = await asyncio.wait_for(session.request(
+                request.method, url + request.path, params=request.query, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)), timeout_s)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             continue
         async with r:
-            if r.status == 200:
+            if r.status == 200 and follow:
                 return await _relay(request, r)
             try:
                 body = await asyncio.wait_for(r.read(), timeout_s)
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
+            if r.status == 200:
+                return web.Response(body=body, status=200, content_type="application/json")
             if r.status != 404 and refused is None:
                 refused = r.status, body
-    status, body = refused or (404, _not_found(response_id))
+    status, body = refused or (404, _not_found(request.match_info["response_id"]))
     return web.Response(body=body, status=status, content_type="application/json")
 
 

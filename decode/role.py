@@ -31,7 +31,7 @@ from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg, PdStatsMsg, StatsMsg
 from kvtransfer.base import IncompatiblePeer, PeerUnavailable
-from kvtransfer.checksum import ChecksumMismatch, flip_byte, kv_digest
+from kvtransfer.checksum import ChecksumMismatch, LandedDigest, flip_byte, kv_digest
 from kvtransfer.control.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
@@ -221,10 +221,15 @@ class DecodeRole(TransferRole):
         return f"{quarantined} quarantined KV blocks" if quarantined else None
 
     def idle_wait_s(self, default_s: float) -> float:
-        return 0.002 if self.requests.count(DecodeState.QUEUED) else default_s
+        if self.requests.count(DecodeState.QUEUED):
+            return 0.002
+        # --kv-checksum: the pieces that land are digested as they come, not all after SUCCESS
+        return 0.002 if self.config.kv_checksum and self.requests.count(DecodeState.FETCHING) else default_s
 
     async def poll(self) -> list[OutputMsg]:
-        self.backend.notifications()  # write tags: SUCCESS on the control stream is what counts
+        notes = self.backend.notifications()  # write tags: SUCCESS on the control stream is what counts
+        if self.config.kv_checksum and notes:
+            self._digest_landed(notes)
         out = self._reserve_queued()
         for request_id in self.fences.take():
             self.requests.drop(request_id, fenced=True)
@@ -246,19 +251,42 @@ class DecodeRole(TransferRole):
         # decode step's token: the client sees it as soon as it reached us.
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
 
+    def _digest_landed(self, notes) -> None:
+        """Digest the pieces whose tags (`room:R:start:end`, offsets into the blocks we gave) say they landed."""
+        rooms = {r.pending.room: r.pending for r in self.requests.in_state(DecodeState.FETCHING)
+                 if r.pending.ticket is None and r.pending.dst_block_ids}
+        for note in notes:
+            parts = note.tag.split(b":")
+            if len(parts) != 4 or parts[0] != b"room" or not all(p.isdigit() for p in parts[1:]):
+                continue  # not a piece's tag (a peer's own notification)
+            if (pending := rooms.get(int(parts[1]))) is not None:
+                self._landed(pending).landed(int(parts[2]), int(parts[3]))
+
+    def _landed(self, pending: PendingKV) -> LandedDigest:
+        """The request's digest of what landed, begun before its first byte is read (where the
+        corrupt_transfers fault flips one)."""
+        if pending.landed is None or pending.landed.block_ids != pending.dst_block_ids:
+            layout = self.backend.registered_layout
+            if getattr(self.backend, "take_corruption", lambda: False)():
+                flip_byte(layout, pending.dst_block_ids[0])
+            pending.landed = LandedDigest(layout, pending.dst_block_ids)
+        return pending.landed
+
     def _checksum(self, request: DecodeRequest, status: TransferStatusMsg) -> ChecksumMismatch | None:
         """With --kv-checksum: what landed (push) or what we read (pull) against the prefill's digest
-        of the same blocks (TP sizes may differ: the digest reads blocks as a TP-1 cache holds them)."""
+        of the same blocks (TP sizes may differ: the digest reads blocks as a TP-1 cache holds them).
+        Pieces digested as they landed count; a mismatch is read again whole before it fails the request
+        (a piece written twice)."""
         pending = request.pending
         if not self.config.kv_checksum or not pending.dst_block_ids:
             return None
-        layout = self.backend.registered_layout
-        if getattr(self.backend, "take_corruption", lambda: False)():
-            flip_byte(layout, pending.dst_block_ids[0])
+        digest = self._landed(pending)
         what = f"bootstrap_room {pending.room}" if pending.ticket is None else f"the KV of {pending.ticket.request_id}"
         if not status.kv_digest:
             return ChecksumMismatch(f"{what}: the prefill sent no KV checksum (start it with --kv-checksum too)")
-        landed = kv_digest(layout, pending.dst_block_ids)
+        early, landed = digest.num_digested, digest.value()
+        if landed != status.kv_digest and early:
+            landed = kv_digest(self.backend.registered_layout, pending.dst_block_ids)
         if landed == status.kv_digest:
             return None
         return ChecksumMismatch(f"KV checksum mismatch for {what}: the prefill wrote {status.kv_digest:016x}, the "

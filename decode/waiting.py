@@ -12,6 +12,7 @@ from disagg.wire.engine_msgs import GenerateMsg
 
 if TYPE_CHECKING:
     from decode.pull import Ticket
+    from kvtransfer.checksum import LandedDigest
 
 
 @dataclass
@@ -22,6 +23,7 @@ class PendingKV:
     task: asyncio.Task | None = None  # the flow's fetch, while it runs
     client: object = None  # push flow: the ControlClient once the TransferInfo went out
     dst_block_ids: tuple[int, ...] = ()  # push flow: where the prefill writes (the KV checksum reads them)
+    landed: LandedDigest | None = None  # --kv-checksum: what landed so far, digested piece by piece
     read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
     read_peer: str = ""  # ... and the backend peer it reads from
     read_s: float = 0.0  # ... and how long it took, once done

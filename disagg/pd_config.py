@@ -24,6 +24,16 @@ class TransferBackend(Choice):
     TCP = "tcp"  # plain sockets and threads, always available
 
 
+# --kv-checksum's pieces on tcp: each digested from cache right after it is sent, and by the decode as it
+# lands; 2 MiB kept both digests within 1-8% of a whole unchecked write (docs/benchmarks.md).
+TCP_CHECKSUM_PIECE_BYTES = 2 << 20
+
+
+def default_checksum_piece_bytes(backend: str) -> int:
+    """--kv-checksum-piece-bytes unset: 2 MiB on tcp, whole writes (0) elsewhere."""
+    return TCP_CHECKSUM_PIECE_BYTES if backend == TransferBackend.TCP else 0
+
+
 def check_positive(config: object, *names: str) -> None:
     for name in names:
         if getattr(config, name) <= 0:
@@ -123,13 +133,27 @@ class DisaggConfig:
     kv_checksum: bool = field(default=False, metadata={"help": (
         "both sides: the prefill digests the KV blocks it writes (xxh3), the decode digests what landed "
         "before the request's first token; a mismatch fails the request (503 kv_checksum_mismatch) and "
-        "frees its blocks on both sides (push flow, equal TP sizes, CPU memory; docs/transfer.md)")})
+        "frees its blocks on both sides (push and pull flows, any TP sizes, CPU memory; docs/transfer.md)")})
+    kv_checksum_piece_bytes: int | None = field(default=None, metadata={"help": (
+        "with --kv-checksum (prefill): a write goes in pieces of about this many bytes (whole blocks), each "
+        "digested while the next moves, by the prefill once posted and by the decode once landed; 0: whole "
+        "writes (default: 2 MiB on tcp; whole on nixl, where a write costs ~0.1 ms of its own on a CPU)")})
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
         TransferBackend.coerce_field(self, "transfer_backend")
         check_secret("cluster_secret", self.cluster_secret)
+        if self.kv_checksum_piece_bytes is not None and self.kv_checksum_piece_bytes < 0:
+            raise ConfigError("kv_checksum_piece_bytes must be >= 0 (0: whole writes), "
+                              f"got {self.kv_checksum_piece_bytes}")
+
+    @property
+    def checksum_piece_bytes(self) -> int:
+        """--kv-checksum's piece size on this backend (0: whole writes; docs/transfer.md)."""
+        if self.kv_checksum_piece_bytes is not None:
+            return self.kv_checksum_piece_bytes
+        return default_checksum_piece_bytes(self.transfer_backend)
 
 
 def check_cluster_secret(server: ServerConfig, disagg: DisaggConfig) -> None:

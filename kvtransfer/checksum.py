@@ -8,12 +8,17 @@ back to back (rank r's block i at `base_address + (r * num_blocks + i) * block_s
 blocks are gathered into that order first; a TP-1 side digests its blocks as they lie. So a prefill
 and a decode of different TP sizes digest the same KV alike. CPU memory only (a CUDA region would be
 read through the host first).
+
+Neither digest needs to be a pass of its own after the transfer: the sender may write a room's blocks
+in pieces (`pieces`; the sizes: disagg/pd_config.py) and digest each as soon as it posted it (the bytes
+the copy just read, still in cache), and the receiver digest each once its notification says it landed
+(`LandedDigest`), while the next pieces move. What is left at the end is the last piece.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -49,6 +54,43 @@ class KVDigest:
     def value(self) -> int:
         """The digest so far (never 0: 0 means "none sent")."""
         return self._digest.intdigest() or 1
+
+
+def pieces(start: int, end: int, layout: KVLayout, piece_bytes: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of a write's blocks in runs of about `piece_bytes` (at least one block each; 0: one run)."""
+    step = max(1, piece_bytes // (layout.block_size_bytes * layout.tp_size)) if piece_bytes > 0 else max(end - start, 1)
+    for first in range(start, end, step):
+        yield first, min(first + step, end)
+
+
+class LandedDigest:
+    """The receiver's digest of blocks that land in pieces, in any order: each piece is digested once
+    the pieces before it are (a digest reads blocks in order), so most of the work is done by the time
+    the last piece lands. `value()` digests whatever was not reported and gives the whole digest."""
+
+    def __init__(self, layout: KVLayout, block_ids: Sequence[int]):
+        self.block_ids = tuple(block_ids)
+        self._digest, self._next, self._landed = KVDigest(layout), 0, {}  # start -> end of reported pieces
+
+    def landed(self, start: int, end: int) -> None:
+        """Blocks `block_ids[start:end]` landed (a piece's notification)."""
+        if not 0 <= start < end <= len(self.block_ids) or start < self._next:
+            return  # not a piece of ours, or one already digested: the final digest reads what is there
+        self._landed[start] = max(end, self._landed.get(start, end))
+        while self._next in self._landed:
+            end = self._landed.pop(self._next)
+            self._digest.update(self.block_ids[self._next:end])
+            self._next = end
+
+    @property
+    def num_digested(self) -> int:
+        return self._next
+
+    def value(self) -> int:
+        if self._next < len(self.block_ids):
+            self._digest.update(self.block_ids[self._next:])
+            self._next = len(self.block_ids)
+        return self._digest.value()
 
 
 def kv_digest(layout: KVLayout, block_ids: Sequence[int]) -> int:

@@ -25,7 +25,7 @@ from disagg.types import ErrorCode, FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
-from kvtransfer.checksum import KVDigest
+from kvtransfer.checksum import KVDigest, pieces
 from kvtransfer.control.server import ControlServer
 from prefill.rooms import RUNNING, PrefillRoom, RoomBook, RoomState, Settling
 
@@ -274,16 +274,22 @@ class PushRooms:
         skip, dst = state.num_skipped_blocks, state.info.dst_block_ids
         ready = state.blocks_ready(progress.block_ids, progress.num_computed_tokens, progress.finished)
         ready = min(ready, skip + len(dst))
-        if ready > state.num_sent_blocks:
-            first = state.num_sent_blocks
-            handle = self.backend.write(state.peer, progress.block_ids[first:ready], list(dst[first - skip:ready - skip]),
-                                        f"room:{state.room}:{ready}".encode())
-            if self.config.kv_checksum:  # while the write moves them, not after it landed
+        if ready <= state.num_sent_blocks:
+            return
+        # With the checksum, in pieces (on tcp): each is digested here just after it is posted (the bytes
+        # the send read), and by the decode once its tag says it landed, while the next pieces move.
+        piece_bytes = self.config.checksum_piece_bytes if self.config.kv_checksum else 0
+        runs = ([(state.num_sent_blocks, ready)] if not piece_bytes
+                else pieces(state.num_sent_blocks, ready, self.backend.registered_layout, piece_bytes))
+        for first, end in runs:
+            handle = self.backend.write(state.peer, progress.block_ids[first:end], list(dst[first - skip:end - skip]),
+                                        f"room:{state.room}:{first - skip}:{end - skip}".encode())
+            if self.config.kv_checksum:
                 state.digest = state.digest or KVDigest(self.backend.registered_layout)
-                state.digest.update(progress.block_ids[first:ready])
+                state.digest.update(progress.block_ids[first:end])
             state.handles.append(handle)
             state.num_bytes += handle.num_bytes
-            state.num_sent_blocks = ready
+            state.num_sent_blocks = end
 
     def _succeed(self, state: PrefillRoom) -> list[OutputMsg]:
         token_id, top = state.first_token  # top: (id, logprob) pairs, the sampled token first

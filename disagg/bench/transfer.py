@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 import msgspec
 import numpy as np
 
-from kvtransfer.base import KVLayout, KVTransferBackend, TransferState, wait
-from kvtransfer.checksum import kv_digest
+from kvtransfer.base import KVLayout, KVTransferBackend, TransferState, wait, wait_all
+from disagg.pd_config import default_checksum_piece_bytes
+from kvtransfer.checksum import KVDigest, LandedDigest, kv_digest, pieces
 from kvtransfer.factory import available_backends, create_backend
 
 SMOLLM2_KV = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size_tokens": 16}
@@ -53,6 +54,8 @@ class Row:
     rounds: int
     tp: str = "1:1"  # source:destination TP sizes
     checksum_share: float = 0.0  # --kv-checksum: both sides' digests (2 x one, median) over the median transfer
+    checked_cost: float = 0.0  # --kv-checksum as the product runs it: pieces digested while the next move, end to end
+    pieces_cost: float = 0.0  # ... of which the pieces alone (no digest) against one write
 
 
 @dataclass
@@ -103,7 +106,7 @@ def timed(fns: list[Callable[[], None]], min_time_s: float, min_rounds: int = 3,
 
 
 def serve_peer(backend_name: str, dtype: str, num_blocks: int, tp: int = 1) -> int:
-    """Own a cache and a backend, print the metadata, drain notifications until stdin says exit."""
+    """Own a cache and a backend, print the metadata, answer stdin's commands until it says exit."""
     control = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # library noise must not corrupt the control channel
     quiet_nixl()
@@ -113,15 +116,42 @@ def serve_peer(backend_name: str, dtype: str, num_blocks: int, tp: int = 1) -> i
     with create_backend(backend_name) as backend:
         backend.register(cache_layout(memory.ctypes.data, num_blocks, dtype, tp))
         control.write(msgspec.json.encode({"metadata": backend.peer_metadata().hex()}) + b"\n")
-        while True:
-            received += len(backend.notifications())
-            if select.select([sys.stdin], [], [], 0.01)[0]:
-                line = sys.stdin.buffer.readline().split()
-                if not line or line[0] == b"exit":
-                    break
-                received += drain_until(backend, int(line[1]) - received, deadline_s=10.0)
-                control.write(msgspec.json.encode({"notifications": received}) + b"\n")
+        while True:  # notifications are drained only for a command: a round's pieces are its own
+            line = sys.stdin.buffer.readline().split()
+            if not line or line[0] == b"exit":
+                break
+            if line[0] == b"pieces":  # pieces COUNT BLOCKS CHECKED: a round of the checked transfer
+                digest, others = receive_pieces(backend, int(line[1]), int(line[2]), line[3] == b"1", 10.0)
+                received += others
+                control.write(msgspec.json.encode({"digest": digest}) + b"\n")
+                continue
+            received += drain_until(backend, int(line[1]) - received, deadline_s=10.0)
+            control.write(msgspec.json.encode({"notifications": received}) + b"\n")
     return 0
+
+
+def receive_pieces(backend: KVTransferBackend, count: int, num_blocks: int, checked: bool,
+                   deadline_s: float) -> tuple[int, int]:
+    """Wait for `count` pieces of a write of blocks 0..num_blocks-1 (tags `p:start:end`), digesting each
+    as it lands when `checked`, as a decode with --kv-checksum does: (the digest, 0 unchecked; how many
+    other notifications arrived meanwhile)."""
+    landed = LandedDigest(backend.registered_layout, range(num_blocks)) if checked else None
+    arrived, others, deadline = 0, 0, time.monotonic() + deadline_s
+    while arrived < count and time.monotonic() < deadline:
+        notes = backend.notifications()
+        if not notes:
+            time.sleep(0.0002)  # not a spin: the backend's own threads need the GIL (tcp receives in one)
+        for note in notes:
+            if not note.tag.startswith(b"p:"):
+                others += 1
+                continue
+            arrived += 1
+            if landed is not None:
+                _, start, end = note.tag.split(b":")
+                landed.landed(int(start), int(end))
+    if arrived < count:
+        raise TimeoutError(f"{arrived} of {count} pieces arrived within {deadline_s} s")
+    return 0 if landed is None else landed.value(), others
 
 
 def drain_until(backend: KVTransferBackend, count: int, deadline_s: float) -> int:
@@ -147,6 +177,15 @@ class PeerProcess:
         self._proc.stdin.write(b"count %d\n" % expected)
         self._proc.stdin.flush()
         return self._reply(20.0)["notifications"]
+
+    def expect_pieces(self, count: int, num_blocks: int, checked: bool) -> None:
+        """Tell the peer a round of `count` pieces comes (before posting them: it digests as they land)."""
+        self._proc.stdin.write(b"pieces %d %d %d\n" % (count, num_blocks, checked))
+        self._proc.stdin.flush()
+
+    def digest(self) -> int:
+        """The peer's answer to expect_pieces: its digest of what landed (0 unchecked)."""
+        return self._reply(20.0)["digest"]
 
     def _reply(self, timeout_s: float) -> dict:
         if not select.select([self._proc.stdout], [], [], timeout_s)[0]:
@@ -178,6 +217,30 @@ def transfer_once(backend: KVTransferBackend, peer: str, block_ids: list[int]) -
         raise RuntimeError(f"bench transfer failed: {status.reason}")
 
 
+def piece_round(backend: KVTransferBackend, peer: str, peer_process: PeerProcess, block_ids: list[int],
+                checked: bool, whole: bool, piece_bytes: int) -> None:
+    """One write of `block_ids` as a prefill with --kv-checksum posts it (in pieces, each digested
+    right after it is posted) and the peer digests it (each piece as it lands), ended when the peer
+    answers; `checked=False` the same pieces undigested, `whole` one write: the three cost apart."""
+    layout = backend.registered_layout
+    runs = [(0, len(block_ids))] if whole else list(pieces(0, len(block_ids), layout, piece_bytes))
+    peer_process.expect_pieces(len(runs), len(block_ids), checked)
+    digest = KVDigest(layout) if checked else None
+    handles = []
+    for start, end in runs:
+        handles.append(backend.write(peer, block_ids[start:end], block_ids[start:end], b"p:%d:%d" % (start, end)))
+        if digest is not None:
+            digest.update(block_ids[start:end])
+    statuses = wait_all(backend, handles, TRANSFER_TIMEOUT_S)
+    for handle in handles:
+        backend.release(handle)
+    if any(s.state is not TransferState.SUCCESS for s in statuses):
+        raise RuntimeError(f"bench transfer failed: {[s.reason for s in statuses]}")
+    landed = peer_process.digest()
+    if digest is not None and landed != digest.value():
+        raise RuntimeError(f"the peer's digest {landed:016x} is not the sender's {digest.value():016x}")
+
+
 def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: list[int],
                src: np.ndarray, dst: np.ndarray, tp: tuple[int, int] = (1, 1)) -> tuple[list[Row], Latency]:
     num_blocks = num_blocks_for(max(tokens))
@@ -197,6 +260,11 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
                                                    lambda: kv_digest(layout, block_ids)], args.min_time_s)
                 share = 2 * statistics.median(digest_s) / statistics.median(seconds)
                 rows.append(make_row(backend_name, dtype, count, size, seconds, copy_s, f"{tp[0]}:{tp[1]}", share))
+                if args.checked:
+                    piece_bytes = (default_checksum_piece_bytes(backend_name) if args.piece_kib is None
+                                   else args.piece_kib << 10)
+                    rows[-1].pieces_cost, rows[-1].checked_cost = checked_costs(
+                        backend, peer, peer_process, block_ids, args.min_time_s, piece_bytes)
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
             small = list(range(num_blocks_for(128)))
             samples = timed([lambda: transfer_once(backend, peer, small)], 0.0, args.latency_iters, args.latency_iters)[0]
@@ -212,6 +280,18 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
     return rows, latency
 
 
+def checked_costs(backend: KVTransferBackend, peer: str, peer_process: PeerProcess, block_ids: list[int],
+                  min_time_s: float, piece_bytes: int) -> tuple[float, float]:
+    """(pieces, checked): the median end-to-end round of pieces undigested and of pieces digested on
+    both sides, each over one whole write's, in alternating rounds."""
+    rounds = [lambda checked=checked, whole=whole: piece_round(backend, peer, peer_process, block_ids, checked, whole,
+                                                               piece_bytes)
+              for checked, whole in ((False, True), (False, False), (True, False))]
+    rounds[2]()  # warm-up
+    whole_s, pieces_s, checked_s = (statistics.median(s) for s in timed(rounds, min_time_s))
+    return pieces_s / whole_s - 1, checked_s / whole_s - 1
+
+
 def make_row(backend: str, dtype: str, tokens: int, size: int, seconds: list[float], copy_s: list[float],
              tp: str = "1:1", checksum_share: float = 0.0) -> Row:
     median, median_copy = size / statistics.median(seconds) / 1e9, size / statistics.median(copy_s) / 1e9
@@ -223,14 +303,17 @@ def make_row(backend: str, dtype: str, tokens: int, size: int, seconds: list[flo
 def format_row(row: Row) -> str:
     return (f"| {row.backend} | {row.tp} | {row.dtype} | {row.tokens} | {row.size_bytes / 2**20:.1f} | "
             f"{row.transfer_gbps:.2f} | {row.memcpy_gbps:.2f} | {row.ratio:.0%} | {row.best_transfer_gbps:.2f} | "
-            f"{row.checksum_share:.1%} |")
+            f"{row.checksum_share:.1%} |" + (f" {row.pieces_cost:+.1%} | {row.checked_cost:+.1%} |"
+                                            if row.checked_cost or row.pieces_cost else ""))
 
 
 def format_report(rows: list[Row], latencies: list[Latency]) -> str:
+    checked = any(r.checked_cost or r.pieces_cost for r in rows)
     lines = [
         "| backend | TP src:dst | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s | "
-        "--kv-checksum (both digests) / transfer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "--kv-checksum (both digests) / transfer |" + (" in pieces, no digest | --kv-checksum, digests overlapped |"
+                                                       if checked else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if checked else ""),
         *map(format_row, rows),
         "",
         "| backend | TP src:dst | dtype | latency of one 128-token transfer, median | p90 | samples |",
@@ -277,6 +360,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-iters", type=int, default=50, help="128-token transfers for the latency median")
     parser.add_argument("--tp-sizes", default="1:1", help="source:destination TP sizes, comma-separated (SmolLM2's 3 KV "
                         "heads split over 1 or 3 ranks, or replicated over 6)")
+    parser.add_argument("--checked", action="store_true", help="also time --kv-checksum as the product runs it: the "
+                        "write in pieces, each digested by the sender once posted and by the peer once landed, end "
+                        "to end against one undigested write")
+    parser.add_argument("--piece-kib", type=int, default=None, help="with --checked: the pieces' size, 0 whole writes "
+                        "(default: --kv-checksum-piece-bytes' per backend)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--serve-peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)

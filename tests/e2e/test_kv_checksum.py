@@ -22,10 +22,13 @@ async def metric(session: aiohttp.ClientSession, url: str, line_start: str) -> f
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
-async def test_a_corrupted_transfer_is_refused_before_the_first_token(backend):
-    cluster = await start_pd(backend, disagg={"kv_checksum": True}, server={"enable_fault_injection": True},
-                             dp_size=1)
+@pytest.mark.parametrize("backend,piece_bytes", [("tcp", None), ("nixl", None), ("tcp", 1), ("nixl", 1)])
+async def test_a_corrupted_transfer_is_refused_before_the_first_token(backend, piece_bytes):
+    """piece_bytes 1: every block its own write, digested by the decode as it lands (the first
+    corrupted before it is read); the default: the tiny model's prompt in one piece (tcp: 2 MiB
+    pieces) or one write (nixl)."""
+    cluster = await start_pd(backend, disagg={"kv_checksum": True, "kv_checksum_piece_bytes": piece_bytes},
+                             server={"enable_fault_injection": True}, dp_size=1)
     unified = await start_unified(TINY)
     try:
         async with cluster.session.post(f"http://127.0.0.1:{unified.port}/generate", json=BODY) as r:

@@ -2,10 +2,11 @@
 sides of different TP sizes holding the same KV digest alike: exact values over hand-built regions."""
 
 import numpy as np
+import pytest
 import xxhash
 
 from kvtransfer.base import KVLayout
-from kvtransfer.checksum import KVDigest, flip_byte, kv_digest
+from kvtransfer.checksum import KVDigest, LandedDigest, flip_byte, kv_digest, pieces
 
 LAYERS, TOKENS, HEADS, DIM, BLOCKS = 2, 4, 4, 8, 3
 ROWS = LAYERS * 2 * TOKENS
@@ -78,3 +79,56 @@ def test_replicated_heads_are_read_from_their_first_rank():
     assert kv_digest(lay, [0]) == want
     region[2, 0, 0, 0, 0] = 7.0  # head 1's first holder
     assert kv_digest(lay, [0]) != want
+
+
+def test_pieces_that_land_in_any_order_digest_as_the_whole():
+    """The decode digests each piece once its notification says it landed, in block order whatever
+    the order of the notifications: the same value as one digest of every block."""
+    one = np.ascontiguousarray(logical_kv())
+    lay = layout(one, 1)
+    want = kv_digest(lay, [2, 0, 1])
+    landed = LandedDigest(lay, [2, 0, 1])
+    landed.landed(1, 2)  # block 0 first: it waits for block 2
+    assert landed.num_digested == 0
+    landed.landed(0, 1)
+    assert landed.num_digested == 2
+    landed.landed(0, 1)  # a piece reported twice, and tags outside the blocks, are ignored
+    landed.landed(2, 9)
+    landed.landed(3, 4)
+    assert landed.num_digested == 2
+    assert landed.value() == want  # the rest (block 1, never reported) read at the end
+    assert LandedDigest(lay, [2, 0, 1]).value() == want  # nothing reported: one whole digest
+
+
+def test_a_byte_changed_before_its_piece_is_digested_changes_the_digest():
+    one = np.ascontiguousarray(logical_kv())
+    lay = layout(one, 1)
+    want = kv_digest(lay, [0, 1, 2])
+    landed = LandedDigest(lay, [0, 1, 2])
+    landed.landed(0, 1)
+    one[1, 3, 2, 1] += 1.0  # lands wrong in a piece not yet digested
+    landed.landed(1, 3)
+    assert landed.value() != want
+
+
+def test_a_write_goes_in_pieces_of_whole_blocks_of_about_piece_bytes():
+    one = np.ascontiguousarray(logical_kv())
+    lay = layout(one, 1)  # 2 KiB blocks: 2 MiB (tcp's default) is 1024 of them
+    assert list(pieces(5, 2056, lay, 2 << 20)) == [(5, 1029), (1029, 2053), (2053, 2056)]
+    assert list(pieces(4, 4, lay, 2 << 20)) == []
+    big = KVLayout(base_address=4096, num_blocks=2, block_size_bytes=3 << 20, block_size_tokens=TOKENS,
+                   dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, tp_size=2)
+    assert list(pieces(0, 3, big, 2 << 20)) == [(0, 1), (1, 2), (2, 3)]  # a block larger than a piece: one a piece
+    assert list(pieces(0, 5, lay, piece_bytes=3 * lay.block_size_bytes)) == [(0, 3), (3, 5)]
+    assert list(pieces(2, 7000, lay, piece_bytes=0)) == [(2, 7000)]  # 0: the write whole
+
+
+def test_piece_size_defaults_by_backend_and_refuses_a_negative_one():
+    from disagg.config import ConfigError
+    from disagg.pd_config import DisaggConfig
+
+    assert DisaggConfig(transfer_backend="tcp").checksum_piece_bytes == 2 << 20
+    assert DisaggConfig(transfer_backend="nixl").checksum_piece_bytes == 0  # whole writes
+    assert DisaggConfig(transfer_backend="nixl", kv_checksum_piece_bytes=4096).checksum_piece_bytes == 4096
+    with pytest.raises(ConfigError, match=r"^kv_checksum_piece_bytes must be >= 0 \(0: whole writes\), got -1$"):
+        DisaggConfig(kv_checksum_piece_bytes=-1)

@@ -17,6 +17,7 @@ import time
 import msgspec
 import structlog
 
+from decode.pace import StepPace
 from decode.peers import PrefillPeers
 from decode.pull import PullFetch, carries_ticket, ticket_of
 from decode.push import PushFetch
@@ -49,6 +50,9 @@ class DecodeRole(TransferRole):
         self._own_limits = (limits.max_num_seqs, limits.max_prefill_tokens_per_step)
         self._whole_limits = (config.decode.whole_max_num_seqs or limits.max_num_seqs, 0)
         self._limits = self._own_limits
+        objective_ms = config.decode.itl_objective_ms
+        self.pace = StepPace(objective_ms / 1e3) if objective_ms else None  # decode/pace.py
+        self._steps_seen, self._pace_cap = 0, limits.max_num_seqs  # steps the pace saw; the cap last logged
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -240,6 +244,8 @@ class DecodeRole(TransferRole):
         for request in self.requests.in_state(DecodeState.LANDED):
             status = request.verdict
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
+                if self._at_pace():
+                    continue  # its KV stays in its blocks; it starts once a running request ends
                 mismatch = self._checksum(request, status)
                 if mismatch is None:
                     self._admit(request, status)
@@ -308,7 +314,24 @@ class DecodeRole(TransferRole):
         return progress is None or progress.finished
 
     def step(self) -> list[OutputMsg]:
-        return [self._with_kv_stats(msg) for msg in super().step()]
+        out = [self._with_kv_stats(msg) for msg in super().step()]
+        steps = self.core.steps
+        if self.pace is not None and steps.num_added != self._steps_seen:
+            self._steps_seen = steps.num_added
+            self.pace.add(steps.last)
+            cap = self.pace.cap(self._own_limits[0])
+            if cap != self._pace_cap:
+                fit = self.pace.fit() or (0.0, 0.0, 0.0)
+                log.info("decode pace", requests=cap, step_ms=round(fit[0] * 1e3, 1), request_ms=round(fit[1] * 1e3, 1),
+                         prompt_token_ms=round(fit[2] * 1e3, 2), objective_ms=self.config.decode.itl_objective_ms)
+                self._pace_cap = cap
+        return out
+
+    def _at_pace(self) -> bool:
+        """--itl-objective-ms: as many requests run as the measured steps keep within the objective."""
+        if self.pace is None or self._limits != self._own_limits:
+            return False
+        return len(self.core.scheduler.running) >= self.pace.cap(self._own_limits[0])
 
     def _with_kv_stats(self, msg: OutputMsg) -> OutputMsg:
         """An admitted request's first output carries its KV figures; then the role forgets it."""

@@ -94,8 +94,16 @@ class DecodeConfig:
                                      "at once and no --max-prefill-tokens-per-step; a request with KV from a prefill "
                                      "restores its own limits (0: its --max-num-seqs)"})
 
+    itl_objective_ms: float = field(
+        default=0.0, metadata={"help": "decode: keep each step within this many ms: a request whose KV landed starts "
+                                       "(and sends its first token) only while fewer run than the engine's own steps "
+                                       "predict within it (at most --max-num-seqs; 0: off; disagg serve: its "
+                                       "--itl-slo-ms)"})
+
     def __post_init__(self) -> None:
         check_positive(self, "waiting_timeout_s", "abort_ack_timeout_s")
+        if self.itl_objective_ms < 0:
+            raise ConfigError(f"itl_objective_ms must be >= 0 (0: off), got {self.itl_objective_ms}")
         if self.max_bootstrap_clients < 1:
             raise ConfigError(f"max_bootstrap_clients must be at least 1, got {self.max_bootstrap_clients}")
         if self.max_local_prefill_tokens < 0:

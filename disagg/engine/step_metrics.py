@@ -41,9 +41,12 @@ class StepLog:
 
     def __init__(self, max_kept: int = MAX_KEPT_STEPS):
         self._steps: deque[StepMetrics] = deque(maxlen=max_kept)
+        self.last: StepMetrics | None = None  # the latest step, taken or not
+        self.num_added = 0  # steps added so far: a reader of `last` tells a new one by it
 
     def add(self, step: StepMetrics) -> None:
         self._steps.append(step)
+        self.last, self.num_added = step, self.num_added + 1
 
     def take(self) -> list[StepMetrics]:
         """Every kept step, oldest first; the log is empty after."""

@@ -4,7 +4,9 @@ keep the inter-token objective, learnt from the steps this engine ran. Pure.
 A step's wall time is fitted online to its work, `fixed + per_seq * decoding requests + per_token *
 prompt tokens` (least squares, each step's weight decaying by DECAY a step, so the fit follows the
 contexts as they grow and the host as its load changes). The pace is the most decoding requests whose
-step the fit puts within the objective, at least 1 and at most the decode's --max-num-seqs. A decode
+step the fit puts within the objective, at least 1 and at most the decode's --max-num-seqs (while the
+batch size has not varied enough to fit, it explores: one more request while the steps keep the
+objective, one fewer while they do not). A decode
 admits a request whose KV landed only while fewer run (decode/role.py): the rest keep their KV and
 wait for a slot before their first token, instead of slowing every running request's next one.
 """
@@ -37,25 +39,34 @@ class StepPace:
         self.num_steps += 1
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(fixed, per_seq, per_token) seconds, or None before MIN_STEPS. Where the batch size barely
-        varied, a step's time is put all on its requests (fixed 0): the pace that follows is the
-        cautious one, and a smaller batch then shows what a request costs."""
-        if self.num_steps < MIN_STEPS:
+        """(fixed, per_seq, per_token) seconds, or None before MIN_STEPS and while the batch size has
+        barely varied (a fixed cost and a request's cost cannot be told apart then)."""
+        if self.num_steps < MIN_STEPS or self._spread() < MIN_SPREAD:
             return None
-        weight, seqs = self._xx[0, 0], self._xx[0, 1]
-        spread = self._xx[1, 1] / weight - (seqs / weight) ** 2
-        if spread < MIN_SPREAD:  # no intercept: wall ~ per_seq * seqs + per_token * tokens
-            sub = self._xx[1:, 1:] + np.diag([0.0, 1e-9 * max(self._xx[2, 2], 1.0)])
-            per_seq, per_token = np.linalg.solve(sub, self._xy[1:])
-            return 0.0, float(per_seq), float(per_token)
         ridge = np.diag([0.0, 0.0, 1e-9 * max(self._xx[2, 2], 1.0)])  # prompt tokens may never have run
-        fixed, per_seq, per_token = np.linalg.solve(self._xx + ridge, self._xy)
+        try:
+            fixed, per_seq, per_token = np.linalg.solve(self._xx + ridge, self._xy)
+        except np.linalg.LinAlgError:
+            return None
         return float(fixed), float(per_seq), float(per_token)
 
     def cap(self, limit: int) -> int:
-        """How many requests may decode together now: the fit's most within the objective, in [1, limit]."""
-        fit = self.fit()
-        if fit is None or fit[1] <= 0:
+        """How many requests may decode together now, in [1, limit]: the fit's most within the
+        objective; while the batch size has barely varied, one more than it while its steps keep the
+        objective (so that the pace finds out what a request costs) and it less one while they do not."""
+        if self.num_steps < MIN_STEPS:
             return limit
+        fit = self.fit()
+        if fit is None:
+            weight = self._xx[0, 0]
+            batch, wall = round(self._xx[0, 1] / weight), self._xy[0] / weight
+            return max(1, min(limit, batch + 1 if wall <= self.objective_s else batch - 1))
         fixed, per_seq, _ = fit
-        return max(1, min(limit, int((self.objective_s - fixed) / per_seq)))
+        if not per_seq > 0:
+            return limit
+        return max(1, min(limit, int((self.objective_s - fixed) / per_seq + 1e-9)))
+
+    def _spread(self) -> float:
+        """The decoding requests' variance over the weighted steps."""
+        weight = self._xx[0, 0]
+        return self._xx[1, 1] / weight - (self._xx[0, 1] / weight) ** 2

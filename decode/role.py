@@ -17,6 +17,7 @@ import time
 import msgspec
 import structlog
 
+from decode.landed import KVChecks
 from decode.pace import StepPace
 from decode.peers import PrefillPeers
 from decode.pull import PullFetch, carries_ticket, ticket_of
@@ -32,7 +33,7 @@ from disagg.types import ErrorCode, FinishReason, InvalidRequest
 from disagg.wire.control_msgs import TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import GenerateMsg, KVStatsMsg, OutputMsg, PdStatsMsg, StatsMsg
 from kvtransfer.base import IncompatiblePeer, PeerUnavailable
-from kvtransfer.checksum import ChecksumMismatch, LandedDigest, flip_byte, kv_digest
+from kvtransfer.checksum import ChecksumMismatch
 from kvtransfer.control.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
@@ -63,6 +64,7 @@ class DecodeRole(TransferRole):
         self.peers = PrefillPeers(local, self.config.control, secret, self.config.decode.max_bootstrap_clients)
         self.push = PushFetch(self.core, self.dp_rank, self.config, self.backend, self.peers, self.fences)
         self.pull = PullFetch(self.core, self.config, self.backend, self.peers, self.fences)
+        self.checks = KVChecks(self.backend)  # --kv-checksum
 
     async def close(self) -> None:
         self._schedule_as(self._own_limits)  # a role switch hands the engine on as it came
@@ -228,12 +230,14 @@ class DecodeRole(TransferRole):
         if self.requests.count(DecodeState.QUEUED):
             return 0.002
         # --kv-checksum: the pieces that land are digested as they come, not all after SUCCESS
-        return 0.002 if self.config.kv_checksum and self.requests.count(DecodeState.FETCHING) else default_s
+        moving = self.config.kv_checksum and any(r.pending.ticket is None and r.pending.dst_block_ids
+                                                 for r in self.requests.in_state(DecodeState.FETCHING))
+        return 0.002 if moving else default_s
 
     async def poll(self) -> list[OutputMsg]:
         notes = self.backend.notifications()  # write tags: SUCCESS on the control stream is what counts
         if self.config.kv_checksum and notes:
-            self._digest_landed(notes)
+            self.checks.digest_landed(notes, (r.pending for r in self.requests.in_state(DecodeState.FETCHING)))
         out = self._reserve_queued()
         for request_id in self.fences.take():
             self.requests.drop(request_id, fenced=True)
@@ -244,59 +248,25 @@ class DecodeRole(TransferRole):
         for request in self.requests.in_state(DecodeState.LANDED):
             status = request.verdict
             if isinstance(status, TransferStatusMsg) and status.state is TransferState.SUCCESS:
-                if self._at_pace():
-                    continue  # its KV stays in its blocks; it starts once a running request ends
                 mismatch = self._checksum(request, status)
-                if mismatch is None:
-                    self._admit(request, status)
-                else:
+                if mismatch is not None:
                     out += self._fail(request, mismatch)
+                elif self._at_pace():  # its KV stays in its blocks; it starts once a running request ends
+                    request.pending.checked = True
+                else:
+                    self._admit(request, status)
             else:
                 out += self._fail(request, status)
         # An admitted request's first token (it came with the KV) goes out now, not with the next
         # decode step's token: the client sees it as soon as it reached us.
         return out + [self._with_kv_stats(msg) for msg in self._convert(self.core.take_outputs())]
 
-    def _digest_landed(self, notes) -> None:
-        """Digest the pieces whose tags (`room:R:start:end`, offsets into the blocks we gave) say they landed."""
-        rooms = {r.pending.room: r.pending for r in self.requests.in_state(DecodeState.FETCHING)
-                 if r.pending.ticket is None and r.pending.dst_block_ids}
-        for note in notes:
-            parts = note.tag.split(b":")
-            if len(parts) != 4 or parts[0] != b"room" or not all(p.isdigit() for p in parts[1:]):
-                continue  # not a piece's tag (a peer's own notification)
-            if (pending := rooms.get(int(parts[1]))) is not None:
-                self._landed(pending).landed(int(parts[2]), int(parts[3]))
-
-    def _landed(self, pending: PendingKV) -> LandedDigest:
-        """The request's digest of what landed, begun before its first byte is read (where the
-        corrupt_transfers fault flips one)."""
-        if pending.landed is None or pending.landed.block_ids != pending.dst_block_ids:
-            layout = self.backend.registered_layout
-            if getattr(self.backend, "take_corruption", lambda: False)():
-                flip_byte(layout, pending.dst_block_ids[0])
-            pending.landed = LandedDigest(layout, pending.dst_block_ids)
-        return pending.landed
-
     def _checksum(self, request: DecodeRequest, status: TransferStatusMsg) -> ChecksumMismatch | None:
-        """With --kv-checksum: what landed (push) or what we read (pull) against the prefill's digest
-        of the same blocks (TP sizes may differ: the digest reads blocks as a TP-1 cache holds them).
-        Pieces digested as they landed count; a mismatch is read again whole before it fails the request
-        (a piece written twice)."""
+        """With --kv-checksum, why what landed (or what we read) is not what the prefill wrote, if it is not."""
         pending = request.pending
-        if not self.config.kv_checksum or not pending.dst_block_ids:
+        if not self.config.kv_checksum or not pending.dst_block_ids or pending.checked:
             return None
-        digest = self._landed(pending)
-        what = f"bootstrap_room {pending.room}" if pending.ticket is None else f"the KV of {pending.ticket.request_id}"
-        if not status.kv_digest:
-            return ChecksumMismatch(f"{what}: the prefill sent no KV checksum (start it with --kv-checksum too)")
-        early, landed = digest.num_digested, digest.value()
-        if landed != status.kv_digest and early:
-            landed = kv_digest(self.backend.registered_layout, pending.dst_block_ids)
-        if landed == status.kv_digest:
-            return None
-        return ChecksumMismatch(f"KV checksum mismatch for {what}: the prefill wrote {status.kv_digest:016x}, the "
-                                f"{len(pending.dst_block_ids)} blocks that landed digest to {landed:016x}")
+        return self.checks.check(pending, status)
 
     def _admit(self, request: DecodeRequest, status: TransferStatusMsg) -> None:
         request_id, pending = request.request_id, request.pending

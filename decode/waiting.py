@@ -24,6 +24,7 @@ class PendingKV:
     client: object = None  # push flow: the ControlClient once the TransferInfo went out
     dst_block_ids: tuple[int, ...] = ()  # push flow: where the prefill writes (the KV checksum reads them)
     landed: LandedDigest | None = None  # --kv-checksum: what landed so far, digested piece by piece
+    checked: bool = False  # its KV passed the checksum (or needs none) and waits for a slot (the decode's pace)
     read: object = None  # pull flow: our READ of the prefill's blocks, while it runs
     read_peer: str = ""  # ... and the backend peer it reads from
     read_s: float = 0.0  # ... and how long it took, once done

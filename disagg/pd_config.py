@@ -25,7 +25,8 @@ class TransferBackend(Choice):
 
 
 # --kv-checksum's pieces on tcp: each digested from cache right after it is sent, and by the decode as it
-# lands; 2 MiB kept both digests within 1-8% of a whole unchecked write (docs/benchmarks.md).
+# lands; with 2 MiB both digests cost about 10% of a whole unchecked write, against 24-35% one after the
+# other (docs/benchmarks.md, "Digests while the pieces move").
 TCP_CHECKSUM_PIECE_BYTES = 2 << 20
 
 
@@ -97,8 +98,8 @@ class DecodeConfig:
     itl_objective_ms: float = field(
         default=0.0, metadata={"help": "decode: keep each step within this many ms: a request whose KV landed starts "
                                        "(and sends its first token) only while fewer run than the engine's own steps "
-                                       "predict within it (at most --max-num-seqs; 0: off; disagg serve: its "
-                                       "--itl-slo-ms)"})
+                                       "predict within it (at most --max-num-seqs; 0: off, the default; "
+                                       "docs/protocol.md)"})
 
     def __post_init__(self) -> None:
         check_positive(self, "waiting_timeout_s", "abort_ack_timeout_s")

@@ -33,7 +33,6 @@ class Sized:
     decode_max_prefill_tokens_per_step: int
     decode_max_num_seqs: int
     whole_max_num_seqs: int
-    itl_objective_ms: float
     notes: tuple[str, ...]
 
 
@@ -46,10 +45,8 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
-                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
-                    itl_objective_ms: float | None = None, itl_slo_ms: float = 60.0) -> Sized:
-    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (the
-    decode's pace to the planner's ITL objective, `itl_slo_ms`)."""
+                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None) -> Sized:
+    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs."""
     notes: list[str] = []
     if dp_size is None:
         dp_size, decode_dp_size = role_dp_size(prefill_cpus), decode_dp_size or role_dp_size(decode_cpus)
@@ -75,10 +72,5 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         whole_max_num_seqs = WHOLE_SEQS_PER_WORKER
         notes.append(f"--whole-max-num-seqs {WHOLE_SEQS_PER_WORKER} (while no prefill serves, every server "
                      "prefills its own requests as a unified one)")
-    if itl_objective_ms is None:
-        itl_objective_ms = itl_slo_ms
-        notes.append(f"--itl-objective-ms {itl_slo_ms:g} (a decode starts a request whose KV landed only while its "
-                     "own steps' times say one more keeps the ITL objective; the rest wait for a slot)")
     return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
-                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, itl_objective_ms,
-                 tuple(notes))
+                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, tuple(notes))

@@ -18,7 +18,7 @@ the copy just read, still in cache), and the receiver digest each once its notif
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -68,9 +68,10 @@ class LandedDigest:
     the pieces before it are (a digest reads blocks in order), so most of the work is done by the time
     the last piece lands. `value()` digests whatever was not reported and gives the whole digest."""
 
-    def __init__(self, layout: KVLayout, block_ids: Sequence[int]):
+    def __init__(self, layout: KVLayout, block_ids: Sequence[int], before_first: Callable[[], None] | None = None):
         self.block_ids = tuple(block_ids)
         self._digest, self._next, self._landed = KVDigest(layout), 0, {}  # start -> end of reported pieces
+        self._before_first = before_first  # run once, just before the first block is read (a fault's flip)
 
     def landed(self, start: int, end: int) -> None:
         """Blocks `block_ids[start:end]` landed (a piece's notification)."""
@@ -78,9 +79,13 @@ class LandedDigest:
             return  # not a piece of ours, or one already digested: the final digest reads what is there
         self._landed[start] = max(end, self._landed.get(start, end))
         while self._next in self._landed:
-            end = self._landed.pop(self._next)
-            self._digest.update(self.block_ids[self._next:end])
-            self._next = end
+            self._read(self._landed.pop(self._next))
+
+    def _read(self, end: int) -> None:
+        if self._next == 0 and self._before_first is not None:
+            self._before_first()
+        self._digest.update(self.block_ids[self._next:end])
+        self._next = end
 
     @property
     def num_digested(self) -> int:
@@ -88,8 +93,7 @@ class LandedDigest:
 
     def value(self) -> int:
         if self._next < len(self.block_ids):
-            self._digest.update(self.block_ids[self._next:])
-            self._next = len(self.block_ids)
+            self._read(len(self.block_ids))
         return self._digest.value()
 
 

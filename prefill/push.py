@@ -218,6 +218,7 @@ class PushRooms:
         state = self.book.attach(info.room)
         state.info, state.peer, state.info_at = info, self.peers.get(info.peer_name), time.monotonic()
         state.num_sent_blocks = state.num_skipped_blocks  # the decode's own prefix: nothing to send
+        state.digest = None  # --kv-checksum: a room sent again is digested again from its first block
 
     # ---- progress ------------------------------------------------------------------------------
 

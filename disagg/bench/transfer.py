@@ -56,6 +56,7 @@ class Row:
     checksum_share: float = 0.0  # --kv-checksum: both sides' digests (2 x one, median) over the median transfer
     checked_cost: float = 0.0  # --kv-checksum as the product runs it: pieces digested while the next move, end to end
     pieces_cost: float = 0.0  # ... of which the pieces alone (no digest) against one write
+    checked: bool = False  # --checked: the two costs above were measured
 
 
 @dataclass
@@ -263,6 +264,7 @@ def bench_pair(args: argparse.Namespace, backend_name: str, dtype: str, tokens: 
                 if args.checked:
                     piece_bytes = (default_checksum_piece_bytes(backend_name) if args.piece_kib is None
                                    else args.piece_kib << 10)
+                    rows[-1].checked = True
                     rows[-1].pieces_cost, rows[-1].checked_cost = checked_costs(
                         backend, peer, peer_process, block_ids, args.min_time_s, piece_bytes)
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
@@ -304,11 +306,11 @@ def format_row(row: Row) -> str:
     return (f"| {row.backend} | {row.tp} | {row.dtype} | {row.tokens} | {row.size_bytes / 2**20:.1f} | "
             f"{row.transfer_gbps:.2f} | {row.memcpy_gbps:.2f} | {row.ratio:.0%} | {row.best_transfer_gbps:.2f} | "
             f"{row.checksum_share:.1%} |" + (f" {row.pieces_cost:+.1%} | {row.checked_cost:+.1%} |"
-                                            if row.checked_cost or row.pieces_cost else ""))
+                                            if row.checked else ""))
 
 
 def format_report(rows: list[Row], latencies: list[Latency]) -> str:
-    checked = any(r.checked_cost or r.pieces_cost for r in rows)
+    checked = any(r.checked for r in rows)
     lines = [
         "| backend | TP src:dst | dtype | tokens | MiB | transfer GB/s | memcpy GB/s | of memcpy | best transfer GB/s | "
         "--kv-checksum (both digests) / transfer |" + (" in pieces, no digest | --kv-checksum, digests overlapped |"

@@ -21,7 +21,8 @@ def test_checked_rounds_digest_alike_on_both_sides(tmp_path, piece_kib):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["backend"], r["tokens"], r["size_bytes"], r["rounds"]) for r in rows] == [
         ("tcp", 128, 8 * 737280, 3), ("tcp", 1024, 64 * 737280, 3)]
-    assert all(isinstance(r["checked_cost"], float) and isinstance(r["pieces_cost"], float) for r in rows)
+    assert all(r["checked"] is True and isinstance(r["checked_cost"], float) and isinstance(r["pieces_cost"], float)
+               for r in rows)
 
 
 def test_a_round_whose_digests_differ_fails_the_run(monkeypatch):

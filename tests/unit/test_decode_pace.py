@@ -36,18 +36,33 @@ def test_until_enough_steps_and_without_decoding_requests_the_limit_holds():
     assert pace.num_steps == MIN_STEPS - 1 and pace.cap(4) == 4
 
 
-def test_one_batch_size_only_puts_a_step_on_its_requests_then_learns_from_the_smaller_batch():
-    """Steps of 4 requests only (90 ms): no intercept can be told apart, so 22.5 ms a request and a pace
-    of 2; steps of 2 (50 ms) then separate the 10 ms fixed cost and the pace stays 2."""
+def test_while_the_batch_barely_varies_the_pace_explores_one_request_at_a_time():
+    """Steps of 4 requests only (90 ms, over the objective): no fit yet, one fewer (3); steps of 2
+    (50 ms) then separate the 10 ms fixed cost and the fit says 2. A request alone for long (30 ms,
+    within it) allows 2, so that a second one shows what a request costs; one never locks the pace."""
     pace = StepPace(0.060)
     for _ in range(MIN_STEPS):
         pace.add(step(4))
-    assert pace.fit() == (0.0, pytest.approx(0.0225), pytest.approx(0.0))
-    assert pace.cap(4) == 2
+    assert pace.fit() is None and pace.cap(4) == 3
     for _ in range(MIN_STEPS):
         pace.add(step(2))
     fixed, per_seq, _ = pace.fit()
     assert (round(fixed, 6), round(per_seq, 6), pace.cap(4)) == (0.010, 0.020, 2)
+    alone = StepPace(0.060)
+    for _ in range(300):
+        alone.add(step(1))
+    assert alone.fit() is None and alone.cap(4) == 2
+    slow = StepPace(0.001)  # no step keeps it: one request at a time
+    for _ in range(MIN_STEPS):
+        slow.add(step(1))
+    assert slow.cap(4) == 1
+
+
+def test_a_cap_on_the_boundary_is_not_lost_to_rounding():
+    pace = StepPace(0.030)
+    for i in range(40):
+        pace.add(step(1 + i % 4, fixed=0.010, per_seq=0.005))  # (30 - 10) / 5 = 4 exactly
+    assert pace.cap(8) == 4
 
 
 def test_a_host_that_slows_down_lowers_the_pace_within_its_memory():

@@ -132,3 +132,22 @@ def test_piece_size_defaults_by_backend_and_refuses_a_negative_one():
     assert DisaggConfig(transfer_backend="nixl", kv_checksum_piece_bytes=4096).checksum_piece_bytes == 4096
     with pytest.raises(ConfigError, match=r"^kv_checksum_piece_bytes must be >= 0 \(0: whole writes\), got -1$"):
         DisaggConfig(kv_checksum_piece_bytes=-1)
+
+
+def test_a_fault_flips_the_first_block_just_before_it_is_read():
+    """corrupt_transfers: the flip runs once, when block 0 is about to be digested (it has landed then),
+    not when the digest is begun, so a later write of block 0 cannot undo it."""
+    one = np.ascontiguousarray(logical_kv())
+    lay = layout(one, 1)
+    want = kv_digest(lay, [0, 1, 2])
+    flips = []
+    landed = LandedDigest(lay, [0, 1, 2], before_first=lambda: (flips.append(1), flip_byte(lay, 0)))
+    landed.landed(1, 3)  # block 0 not reported yet: nothing read, nothing flipped
+    assert flips == []
+    landed.landed(0, 1)
+    assert flips == [1]
+    assert landed.value() != want and flips == [1]
+    flip_byte(lay, 0)  # back as it was
+    assert kv_digest(lay, [0, 1, 2]) == want
+    late = LandedDigest(lay, [0, 1, 2], before_first=lambda: flips.append(2))
+    assert late.value() == want and flips == [1, 2]  # read at the end: flipped (here: noted) then

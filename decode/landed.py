@@ -9,20 +9,7 @@ from collections.abc import Iterable
 from decode.waiting import PendingKV
 from disagg.wire.control_msgs import TransferStatusMsg
 from kvtransfer.base import Notification
-from kvtransfer.checksum import ChecksumMismatch, LandedDigest, flip_byte, kv_digest
-
-MAX_ROOM_DIGITS = 20  # a room is a 63-bit integer: a longer number in a tag is no room of ours
-
-
-def piece_of(tag: bytes) -> tuple[int, int, int] | None:
-    """(room, start, end) of a piece's tag; None for any other notification (or a malformed one)."""
-    parts = tag.split(b":")
-    if len(parts) != 4 or parts[0] != b"room":
-        return None
-    if not all(p.isdigit() and len(p) <= MAX_ROOM_DIGITS for p in parts[1:]):
-        return None
-    room, start, end = map(int, parts[1:])
-    return room, start, end
+from kvtransfer.checksum import ChecksumMismatch, LandedDigest, flip_byte, kv_digest, piece_of
 
 
 class KVChecks:

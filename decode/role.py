@@ -53,7 +53,7 @@ class DecodeRole(TransferRole):
         self._limits = self._own_limits
         objective_ms = config.decode.itl_objective_ms
         self.pace = StepPace(objective_ms / 1e3) if objective_ms else None  # decode/pace.py
-        self._steps_seen, self._pace_cap = 0, limits.max_num_seqs  # steps the pace saw; the cap last logged
+        self._steps_seen, self._pace_cap = 0, limits.max_num_seqs  # steps the pace saw; its cap after the last
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -301,7 +301,7 @@ class DecodeRole(TransferRole):
         """--itl-objective-ms: as many requests run as the measured steps keep within the objective."""
         if self.pace is None or self._limits != self._own_limits:
             return False
-        return len(self.core.scheduler.running) >= self.pace.cap(self._own_limits[0])
+        return len(self.core.scheduler.running) >= self._pace_cap
 
     def _with_kv_stats(self, msg: OutputMsg) -> OutputMsg:
         """An admitted request's first output carries its KV figures; then the role forgets it."""

@@ -63,6 +63,26 @@ def pieces(start: int, end: int, layout: KVLayout, piece_bytes: int) -> Iterator
         yield first, min(first + step, end)
 
 
+MAX_TAG_DIGITS = 20  # a room is a 63-bit integer: a longer number in a tag is no piece of ours
+
+
+def piece_tag(room: int, start: int, end: int) -> bytes:
+    """The notification tag of a write of `room`'s blocks [start, end) (offsets into the receiver's)."""
+    return b"room:%d:%d:%d" % (room, start, end)
+
+
+def piece_of(tag: bytes) -> tuple[int, int, int] | None:
+    """(room, start, end) of a piece's tag; None for any other notification (or a malformed one: a
+    peer's tag never raises here)."""
+    parts = tag.split(b":")
+    if len(parts) != 4 or parts[0] != b"room":
+        return None
+    if not all(p.isdigit() and len(p) <= MAX_TAG_DIGITS for p in parts[1:]):
+        return None
+    room, start, end = map(int, parts[1:])
+    return room, start, end
+
+
 class LandedDigest:
     """The receiver's digest of blocks that land in pieces, in any order: each piece is digested once
     the pieces before it are (a digest reads blocks in order), so most of the work is done by the time

@@ -25,7 +25,7 @@ from disagg.types import ErrorCode, FinishReason, InvalidRequest, RequestOutput
 from disagg.wire.control_msgs import PeerMsg, TransferInfoMsg, TransferState, TransferStatusMsg
 from disagg.wire.engine_msgs import DecodeKey, GenerateMsg, OutputMsg, RoomMisroutedMsg
 from kvtransfer import KVTransferError
-from kvtransfer.checksum import KVDigest, pieces
+from kvtransfer.checksum import KVDigest, piece_tag, pieces
 from kvtransfer.control.server import ControlServer
 from prefill.rooms import RUNNING, PrefillRoom, RoomBook, RoomState, Settling
 
@@ -284,7 +284,7 @@ class PushRooms:
                 else pieces(state.num_sent_blocks, ready, self.backend.registered_layout, piece_bytes))
         for first, end in runs:
             handle = self.backend.write(state.peer, progress.block_ids[first:end], list(dst[first - skip:end - skip]),
-                                        f"room:{state.room}:{first - skip}:{end - skip}".encode())
+                                        piece_tag(state.room, first - skip, end - skip))
             if self.config.kv_checksum:
                 state.digest = state.digest or KVDigest(self.backend.registered_layout)
                 state.digest.update(progress.block_ids[first:end])

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtransfer.base import KVLayout, KVTransferBackend, TransferState, wait, wait_all
 from disagg.pd_config import default_checksum_piece_bytes
-from kvtransfer.checksum import KVDigest, LandedDigest, kv_digest, pieces
+from kvtransfer.checksum import KVDigest, LandedDigest, kv_digest, piece_of, piece_tag, pieces
 from kvtransfer.factory import available_backends, create_backend
 
 SMOLLM2_KV = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size_tokens": 16}
@@ -133,7 +133,7 @@ def serve_peer(backend_name: str, dtype: str, num_blocks: int, tp: int = 1) -> i
 
 def receive_pieces(backend: KVTransferBackend, count: int, num_blocks: int, checked: bool,
                    deadline_s: float) -> tuple[int, int]:
-    """Wait for `count` pieces of a write of blocks 0..num_blocks-1 (tags `p:start:end`), digesting each
+    """Wait for `count` pieces of a write of blocks 0..num_blocks-1 (`piece_tag`s), digesting each
     as it lands when `checked`, as a decode with --kv-checksum does: (the digest, 0 unchecked; how many
     other notifications arrived meanwhile)."""
     landed = LandedDigest(backend.registered_layout, range(num_blocks)) if checked else None
@@ -143,13 +143,13 @@ def receive_pieces(backend: KVTransferBackend, count: int, num_blocks: int, chec
         if not notes:
             time.sleep(0.0002)  # not a spin: the backend's own threads need the GIL (tcp receives in one)
         for note in notes:
-            if not note.tag.startswith(b"p:"):
+            piece = piece_of(note.tag)
+            if piece is None:
                 others += 1
                 continue
             arrived += 1
             if landed is not None:
-                _, start, end = note.tag.split(b":")
-                landed.landed(int(start), int(end))
+                landed.landed(piece[1], piece[2])
     if arrived < count:
         raise TimeoutError(f"{arrived} of {count} pieces arrived within {deadline_s} s")
     return 0 if landed is None else landed.value(), others
@@ -229,7 +229,7 @@ def piece_round(backend: KVTransferBackend, peer: str, peer_process: PeerProcess
     digest = KVDigest(layout) if checked else None
     handles = []
     for start, end in runs:
-        handles.append(backend.write(peer, block_ids[start:end], block_ids[start:end], b"p:%d:%d" % (start, end)))
+        handles.append(backend.write(peer, block_ids[start:end], block_ids[start:end], piece_tag(0, start, end)))
         if digest is not None:
             digest.update(block_ids[start:end])
     statuses = wait_all(backend, handles, TRANSFER_TIMEOUT_S)

@@ -32,7 +32,7 @@ from disagg.dp.faults import PD_FAULTS, WORKER_FAULTS, ProcessFaults
 from disagg.wire.framing import frame, read_frame
 from disagg.dp.protocol import DispatchStats, ModelCard, UtilityFailed, WorkerState, WorkerUnavailable
 from disagg.dp.role_switch import PdRoles, RoleSwitchError, switch_role
-from disagg.dp.worker_handle import SentRequest, WorkerHandle
+from disagg.dp.worker_handle import SentRequest, WorkerHandle, engine_msg
 from disagg.worker.process import WorkerSpec, run_worker, worker_context
 from disagg.worker.roles import RoleSpec
 from disagg.http_edge import HttpError
@@ -68,8 +68,13 @@ class DPController:
         self.dispatcher = Dispatcher(server.load_balance_method, server.dp_size)
         self.workers: list[WorkerHandle] = []
         self.model: ModelCard | None = None
+        # Keyed by the id a worker knows a request by: the client's id and a number of its own
+        # (`engine_id`), so that what a worker still says about an earlier request of the same id (the
+        # abort of a leg the router gave up on, say) never reaches a later one.
         self._streams: dict[str, asyncio.Queue[OutputMsg]] = {}
         self._sent: dict[str, SentRequest] = {}
+        self._engine_ids: dict[str, str] = {}  # the client's id of a request in flight -> its engine id
+        self._dispatches = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.faults = ProcessFaults()  # --enable-fault-injection (disagg/dp/faults.py)
@@ -171,6 +176,8 @@ class DPController:
                 self._on_message(worker, decode_from_worker(await read_frame(reader)))
         except (asyncio.IncompleteReadError, ConnectionError):
             self._mark_dead(worker, "closed its connection")
+        except asyncio.CancelledError:  # the loop shuts down: the server's tasks end with it
+            return  # (re-raised, Python 3.11's stream callback logs it as "Exception in callback")
 
     def _on_message(self, worker: WorkerHandle, msg) -> None:
         if isinstance(msg, OutputMsg):
@@ -273,26 +280,30 @@ class DPController:
             yield OutputMsg(msg.request_id, finish_reason=FinishReason.ABORT, error_status=status,
                             error=f"injected fault: DP worker {dp_rank} answers {status}")
             return
-        if msg.request_id in self._streams:
+        if msg.request_id in self._engine_ids:
             raise InvalidRequest(f"request id {msg.request_id!r} is already in use", "request_id")
+        external, msg = msg.request_id, engine_msg(msg, next(self._dispatches))
+        engine_id = msg.request_id
         queue: asyncio.Queue[OutputMsg] = asyncio.Queue()
-        self._streams[msg.request_id] = queue
-        sent = self._sent[msg.request_id] = SentRequest(msg, worker)
+        self._engine_ids[external] = engine_id
+        self._streams[engine_id] = queue
+        sent = self._sent[engine_id] = SentRequest(msg, worker)
         finished = False
         try:
             worker.send(msg)
-            worker.outstanding[msg.request_id] = estimate_tokens(msg, self.model.max_model_len if self.model else 0)
+            worker.outstanding[engine_id] = estimate_tokens(msg, self.model.max_model_len if self.model else 0)
             while not finished:
                 out = await queue.get()
                 finished = out.finish_reason is not None or out.error is not None
-                yield out
+                yield msgspec.structs.replace(out, request_id=external)
         finally:
-            self._streams.pop(msg.request_id, None)
-            self._sent.pop(msg.request_id, None)
+            self._engine_ids.pop(external, None)
+            self._streams.pop(engine_id, None)
+            self._sent.pop(engine_id, None)
             worker = sent.worker  # where it runs now (a migration moved it)
             if not finished and worker.available:
-                worker.outstanding.pop(msg.request_id, None)
-                worker.send(AbortMsg(msg.request_id))
+                worker.outstanding.pop(engine_id, None)
+                worker.send(AbortMsg(engine_id))
 
     async def inject_fault(self, kind: FaultKind, dp_rank: int, params: dict) -> None:
         """One fault on the worker of `dp_rank` (checked by faults.check_fault; docs/testing.md)."""
@@ -305,9 +316,11 @@ class DPController:
             self.faults.apply(kind, dp_rank, worker.process.pid, params)
 
     async def abort(self, request_id: str) -> bool:
+        """Abort the request in flight under the client's id `request_id`; False when none is."""
+        engine_id = self._engine_ids.get(request_id)
         for worker in self.workers:
-            if request_id in worker.outstanding and worker.available:
-                worker.send(AbortMsg(request_id))
+            if engine_id is not None and engine_id in worker.outstanding and worker.available:
+                worker.send(AbortMsg(engine_id))
                 return True
         return False
 

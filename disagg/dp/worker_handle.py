@@ -1,5 +1,6 @@
 """The front's handle on one DP worker process (`WorkerHandle`: its connection, readiness, load and
-restarts) and on one request sent through it (`SentRequest`: what a migration resends)."""
+restarts), on one request sent through it (`SentRequest`: what a migration resends) and the id a worker
+knows a request by (`engine_msg`)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,10 @@ class SentRequest:
         sampling = replace(self.msg.sampling, prompt_logprobs=None)
         return msgspec.structs.replace(self.msg, resume_token_ids=list(self.token_ids), return_prompt=False,
                                        sampling=sampling)
+
+
+def engine_msg(msg: GenerateMsg, number: int) -> GenerateMsg:
+    """`msg` under the id its worker knows it by: the client's id and the front's `number` for this
+    dispatch (`<id>-<number>`), unique however often a client or a router's retry reuses the id. A
+    worker's log lines, its KV transfers and a pull ticket's `remote_request_id` carry it."""
+    return msgspec.structs.replace(msg, request_id=f"{msg.request_id}-{number}")

@@ -84,6 +84,35 @@ async def test_closing_the_stream_early_aborts_and_frees_blocks(controller):
     assert (stats.num_free_blocks, stats.num_running) == (64, 0)
 
 
+async def test_an_id_used_again_at_once_gets_its_own_answer_not_the_abort_of_the_first(controller):
+    # A router that gives up on a leg sends the same request (the same X-Request-Id) elsewhere, maybe
+    # to this server again: the worker's answer to the first one's abort must not end the second.
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    first = controller.generate(GenerateMsg("same", long, prompt="x" * 30), 0)
+    assert (await first.__anext__()).new_token_ids
+    await first.aclose()  # the abort is on its way to worker 0; its answer is not back yet
+    outs = await collect(controller, GenerateMsg("same", GREEDY, prompt="hello"), 0)
+    assert [t for o in outs for t in o.new_token_ids] == expected_tokens("hello")
+    assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
+    assert {o.request_id for o in outs} == {"same"}
+
+
+async def test_a_worker_connection_cancelled_at_shutdown_logs_no_error(controller):
+    # asyncio.run cancels what is left at the end of `disagg serve`: a worker connection's task among them.
+    loop, errors = asyncio.get_running_loop(), []
+    loop.set_exception_handler(lambda _, context: errors.append(context["message"]))
+    try:
+        tasks = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_on_connect"]
+        assert len(tasks) == 2  # one a worker
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the stream's done-callback runs after the task
+        assert errors == []
+    finally:
+        loop.set_exception_handler(None)
+
+
 async def test_a_request_of_a_dead_worker_goes_on_on_the_other_one(controller):
     """Migration: the stream goes on from where it was, with the tokens of an undisturbed run."""
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)

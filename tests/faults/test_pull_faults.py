@@ -83,7 +83,7 @@ async def test_a_decode_aborted_during_its_read_cuts_the_read_and_both_sides_get
     cluster = Cluster(prefill, await start_decode(disagg), aiohttp.ClientSession())
     try:
         idle = [[(w, 0) for w in side] for side in await cluster.free_blocks()]
-        params = await ticket_with_id(cluster, "slow-read-1")
+        params = await ticket_with_id(cluster, "slow-read-1", 1)
         leased = [[(idle[0][0][0] - 27, 0), idle[0][1]]]  # LONG's KV: 27 blocks of 4 tokens, on rank 0
         assert (len(params["remote_block_ids"]), await wait_gauges([cluster.prefill], leased)) == (27, leased)
         leg = asyncio.create_task(cluster.post(cluster.decode_url + "/v1/completions",
@@ -98,7 +98,7 @@ async def test_a_decode_aborted_during_its_read_cuts_the_read_and_both_sides_get
         # The decode cuts its read off, then frees its blocks and releases the lease: long before the 5 s.
         assert await wait_gauges([cluster.prefill, cluster.decode], idle, timeout_s=4) == idle
         assert time.monotonic() - aborted < 4
-        params = await ticket_with_id(cluster, "after-the-abort")
+        params = await ticket_with_id(cluster, "after-the-abort", 2)
         status, data, _ = await cluster.post(cluster.decode_url + "/v1/completions",
                                              dict(BODY, kv_transfer_params=params, routed_dp_rank=0), None)
         unified = await start_unified()
@@ -140,9 +140,11 @@ async def gauges_now(cluster) -> list:
     return [await gauges(cluster.prefill), await gauges(cluster.decode)]
 
 
-async def ticket_with_id(cluster, request_id: str) -> dict:
+async def ticket_with_id(cluster, request_id: str, dispatch: int) -> dict:
+    """A ticket for a request of the client's id `request_id`, the prefill's `dispatch`-th: its workers know
+    it as `<id>-<dispatch>` (disagg/dp/worker_handle.py engine_msg)."""
     status, data, _ = await cluster.post(cluster.prefill_url + "/v1/completions", dict(
         BODY, max_tokens=1, kv_transfer_params=PULL, routed_dp_rank=0, request_id=request_id), None)
     assert status == 200, data
-    assert data["kv_transfer_params"]["remote_request_id"] == request_id
+    assert (data["id"], data["kv_transfer_params"]["remote_request_id"]) == (request_id, f"{request_id}-{dispatch}")
     return data["kv_transfer_params"]

@@ -89,11 +89,23 @@ inline dense_vec dense_load(const bf16* w) {
   return __builtin_bit_cast(dense_vec, __builtin_convertvector(h, dense_wide_vec) << 16);
 }
 
+// One column of a pass: its V vectors of weights times each of the R rows' activations (xi: the
+// column's R values), added into acc. Inlined, so that acc stays in registers.
+template <typename W, int R, int V>
+[[gnu::always_inline]] inline void dense_column(dense_vec (&acc)[R][V], const W* wi, const float* xi) {
+  dense_vec wv[V];
+  for (int v = 0; v < V; ++v) wv[v] = dense_load(wi + v * kDenseWidth);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = dense_fma(wv[v], xi[r], acc[r][v]);
+}
+
 // R activation rows (xt: [k, R], the pass's rows transposed) times lanes [lane0, lane0 + P) of one
 // tile: out[r, j] for the tile's columns j in that range below `cols` (<= 32). With `ahead`, the pass
 // also fetches `ahead_lines` (<= k) lines from `ahead` on into L2 (its share of the next tile), evenly
-// over its columns.
-template <typename W, int R>
+// over its columns. A pass without `Fetch` issues no prefetch at all (a later pass over a tile already
+// in cache: a prompt's many rows).
+template <typename W, int R, bool Fetch>
 void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, const float* xt, int64_t k,
                 const W* tile, const char* ahead, int64_t ahead_lines) {
   constexpr int P = dense_lanes_per_pass(R);
@@ -105,24 +117,23 @@ void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, con
   dense_vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = dense_vec{};
-  int64_t due = 0;  // ahead_lines per k columns, as a line drawn between them: one more line each k
-  for (int64_t i = 0; i < k; ++i) {
-    const W* wi = w + i * kDenseTile;
-    for (int line = 0; line < P; line += kLineWeights)
-      __builtin_prefetch(wi + kPrefetchColumns * kDenseTile + line);
-    due += ahead_lines;
-    if (due >= k) {  // to L2: read after this tile
-      due -= k;
-      __builtin_prefetch(ahead, 0, 2);
-      ahead += kDenseLine;
+  if constexpr (Fetch) {
+    int64_t due = 0;  // ahead_lines per k columns, as a line drawn between them: one more line each k
+    for (int64_t i = 0; i < k; ++i) {
+      const W* wi = w + i * kDenseTile;
+      for (int line = 0; line < P; line += kLineWeights)
+        __builtin_prefetch(wi + kPrefetchColumns * kDenseTile + line);
+      due += ahead_lines;
+      if (due >= k) {  // to L2: read after this tile
+        due -= k;
+        __builtin_prefetch(ahead, 0, 2);
+        ahead += kDenseLine;
+      }
+      dense_column<W, R, V>(acc, wi, xt + i * R);
     }
-    dense_vec wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = dense_load(wi + v * kDenseWidth);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {  // unrolled, so that acc stays in registers
-      const float x = xt[i * R + r];
-      for (int v = 0; v < V; ++v) acc[r][v] = dense_fma(wv[v], x, acc[r][v]);
-    }
+  } else {  // four columns an iteration (a fetching pass's loop so unrolled ran 16 rows 4% slower)
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < k; ++i) dense_column<W, R, V>(acc, w + i * kDenseTile, xt + i * R);
   }
   if (n == P) {  // whole vectors: lane by lane, the stores took ~15% of a 576-column pass
     for (int r = 0; r < R; ++r)
@@ -134,11 +145,20 @@ void dense_pass(float* out, int64_t out_stride, int64_t cols, int64_t lane0, con
     for (int64_t j = 0; j < n; ++j) out[r * out_stride + lane0 + j] = acc[r][j / kDenseWidth][j % kDenseWidth];
 }
 
+// The passes over a tile that fetch (its columns ahead, the next tile into L2): the first this many.
+// The rest find the tile in cache and run the bare loop (a prompt's 128-row block: 22 passes a tile
+// on AVX2, 16 on AVX-512). SmolLM2's four layer matmuls x 30 at 256 rows, one thread, as avx2: 603-630
+// -> 560-570 ms, 1.06-1.12x MKL's sgemm in the same runs -> 0.99-1.00x (docs/engine.md).
+constexpr int64_t kDenseFetchPasses = 8;
+
 template <typename W>
 void dense_matmul_block(float* out, const float* x, const W* w, float* xt, int64_t rows, int64_t n, int64_t k) {
   using Pass = void (*)(float*, int64_t, int64_t, int64_t, const float*, int64_t, const W*, const char*, int64_t);
-  static constexpr Pass kPasses[9] = {nullptr, dense_pass<W, 1>, dense_pass<W, 2>, dense_pass<W, 3>, dense_pass<W, 4>,
-                                      dense_pass<W, 5>, dense_pass<W, 6>, dense_pass<W, 7>, dense_pass<W, 8>};
+  static constexpr Pass kPasses[2][9] = {
+      {nullptr, dense_pass<W, 1, false>, dense_pass<W, 2, false>, dense_pass<W, 3, false>, dense_pass<W, 4, false>,
+       dense_pass<W, 5, false>, dense_pass<W, 6, false>, dense_pass<W, 7, false>, dense_pass<W, 8, false>},
+      {nullptr, dense_pass<W, 1, true>, dense_pass<W, 2, true>, dense_pass<W, 3, true>, dense_pass<W, 4, true>,
+       dense_pass<W, 5, true>, dense_pass<W, 6, true>, dense_pass<W, 7, true>, dense_pass<W, 8, true>}};
   static_assert(kDenseRowsPerPass <= 8, "kPasses holds passes of up to 8 rows");
   constexpr int64_t R = kDenseRowsPerPass;
   const int64_t tiles = (n + kDenseTile - 1) / kDenseTile;
@@ -175,13 +195,15 @@ void dense_matmul_block(float* out, const float* x, const W* w, float* xt, int64
       }
       const char* next =
           count > 1 && t + 1 < end ? reinterpret_cast<const char*>(w + (t + 1) * k * kDenseTile) : nullptr;
+      const int64_t fetchers = count < kDenseFetchPasses ? count : kDenseFetchPasses;
       int64_t q = 0;
       for (int64_t p = 0; p < passes; ++p) {
         const int64_t r0 = first_row(p), nr = first_row(p + 1) - r0;
         for (int64_t lane0 = 0; lane0 < cols; lane0 += dense_lanes_per_pass(static_cast<int>(nr)), ++q) {
-          const int64_t from = tile_lines * q / count, to = tile_lines * (q + 1) / count;
-          kPasses[nr](out + r0 * n + t * kDenseTile, n, cols, lane0, xt + r0 * k, k, w + t * k * kDenseTile,
-                      next ? next + from * kDenseLine : nullptr, next ? to - from : 0);
+          const int64_t from = tile_lines * q / fetchers, to = tile_lines * (q + 1) / fetchers;
+          const bool fetch = q < fetchers;
+          kPasses[fetch][nr](out + r0 * n + t * kDenseTile, n, cols, lane0, xt + r0 * k, k, w + t * k * kDenseTile,
+                             next && fetch ? next + from * kDenseLine : nullptr, next && fetch ? to - from : 0);
         }
       }
     }

@@ -449,6 +449,7 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor, fused: bool) -> torch.Tensor:
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (2, 31, 5), (3, 32, 96), (4, 33, 64), (5, 77, 33), (7, 64, 40),
                                       (8, 40, 17), (9, 95, 24), (17, 33, 8), (33, 600, 16),  # the last one threaded
                                       (9, 600, 64), (261, 40, 16),  # and three blocks of up to 128 rows
+                                      (140, 70, 37),  # passes past the 8 that fetch: k not a multiple of 4
                                       (128, 30, 96),  # threaded, one tile: a thread without tiles
                                       (2, 600, 256), (8, 64, 40)])  # AVX2's 2-row passes of a whole tile
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])

@@ -319,7 +319,10 @@ class PushRooms:
               code: ErrorCode | None = None) -> list[OutputMsg]:
         """End a room: no write is posted for it any more, the client hears at once. The decode's
         FAILED status waits until every posted write settled (it is the decode's fence)."""
-        log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
+        if status == 499:  # an abort (the router gave up on the pair, its client left) is routine
+            log.info("prefill request aborted", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
+        else:
+            log.warning("prefill request failed", bootstrap_room=state.room, request_id=state.request_id, reason=reason)
         if status != 499 and reason != state.error:  # SGLang's failure counts: aborts and engine errors are neither
             self.num_failed[0 if state.info is None or state.peer is None else 1] += 1
         # A decode that asks about this room later is answered at once, not after its deadline.

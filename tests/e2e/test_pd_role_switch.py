@@ -5,6 +5,7 @@ server's greedy tokens, the work in flight during a switch finishes, new request
 a router sends elsewhere, and every block is free afterwards."""
 
 import asyncio
+import itertools
 import random
 
 import aiohttp
@@ -185,9 +186,12 @@ async def test_what_a_switch_refuses(servers):
         await plain.close()
 
 
-async def routed(servers, router_url: str, prompt: list[int], max_tokens: int = 24) -> tuple[int, object]:
+async def routed(servers, router_url: str, prompt: list[int], max_tokens: int = 24,
+                 request_id: str | None = None) -> tuple[int, object]:
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, **GREEDY}}
-    status, answer = await post(servers["session"], router_url + "/generate", body)
+    headers = {} if request_id is None else {"X-Request-Id": request_id}  # our router sends it on to both legs
+    async with servers["session"].post(router_url + "/generate", json=body, headers=headers) as r:
+        status, answer = r.status, await r.json(content_type=None)
     return status, answer.get("output_ids") if status == 200 else answer
 
 
@@ -262,11 +266,13 @@ async def test_a_soak_of_30_switches_under_load_through_our_router(servers, unif
     answers: list[tuple[int, tuple, tuple]] = []
     stop = asyncio.Event()
 
-    async def client(seed: int) -> None:
+    async def client(seed: int) -> None:  # each request with an id of its own, as a client that traces sends
         rng = random.Random(seed)
-        while not stop.is_set():
+        for n in itertools.count():
+            if stop.is_set():
+                return
             i = rng.randrange(len(prompts))
-            answers.append((i, await routed(servers, router.url, prompts[i], 16)))
+            answers.append((i, await routed(servers, router.url, prompts[i], 16, request_id=f"soak-{seed}-{n}")))
 
     try:
         clients = [asyncio.create_task(client(seed)) for seed in range(4)]

@@ -51,7 +51,6 @@ MAX_STEP_REPORTS = 2048  # a worker's every 0.5 s: minutes of them for a /metric
 class DPController:
     """Implements disagg.dp.protocol.EngineClient over worker processes."""
 
-
     def __init__(self, server: ServerConfig, engine: EngineConfig, role: RoleSpec = RoleSpec(),
                  kv_events: KVEventsConfig = KVEventsConfig(), pd_roles: PdRoles | None = None):
         self.server = server
@@ -159,6 +158,12 @@ class DPController:
     # ---- worker connections -------------------------------------------------------------------
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:  # the loop shuts down (a worker may be loading): re-raised, Python 3.11 logs an "Exception in callback"
+            await self._serve_worker(reader, writer)
+        except asyncio.CancelledError:
+            return
+
+    async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ready = decode_from_worker(await read_frame(reader))
         assert isinstance(ready, ReadyMsg), f"first message from a worker must be ReadyMsg, got {ready!r}"
         worker = self.workers[ready.dp_rank]
@@ -176,8 +181,6 @@ class DPController:
                 self._on_message(worker, decode_from_worker(await read_frame(reader)))
         except (asyncio.IncompleteReadError, ConnectionError):
             self._mark_dead(worker, "closed its connection")
-        except asyncio.CancelledError:  # the loop shuts down: the server's tasks end with it
-            return  # (re-raised, Python 3.11's stream callback logs it as "Exception in callback")
 
     def _on_message(self, worker: WorkerHandle, msg) -> None:
         if isinstance(msg, OutputMsg):
@@ -239,17 +242,9 @@ class DPController:
                     to_rank=target.rank, num_tokens_done=len(sent.token_ids))
         return True
 
-    def restart_backoff_s(self, worker: WorkerHandle) -> tuple[float, int]:
-        """The wait before restarting `worker`, and the quick-death count it implies: the backoff
-        doubles per death of a worker that was not up for `worker_restart_max_backoff_s`."""
-        server = self.server
-        lived_s = 0.0 if worker.ready_at is None else time.monotonic() - worker.ready_at
-        quick = 0 if lived_s >= server.worker_restart_max_backoff_s else worker.num_quick_deaths + 1
-        return min(server.worker_restart_backoff_s * 2 ** max(quick - 1, 0), server.worker_restart_max_backoff_s), quick
-
     async def _restart(self, dead: WorkerHandle) -> None:
         """Start the next incarnation of a dead rank after its backoff (unless closing)."""
-        delay_s, quick = self.restart_backoff_s(dead)
+        delay_s, quick = dead.restart_backoff_s(self.server)
         log.info("restarting DP worker", dp_rank=dead.rank, backoff_s=delay_s)
         await asyncio.sleep(delay_s)
         if self._closing:
@@ -365,15 +360,7 @@ class DPController:
         await asyncio.gather(*(ask(w) for w in self.workers if w.available))
 
     def worker_states(self) -> list[WorkerState]:
-        return [
-            WorkerState(
-                w.rank, w.alive, w.ready is not None, w.stats.num_running, w.stats.num_waiting,
-                w.stats.num_free_blocks, w.stats.num_total_blocks, len(w.outstanding), w.num_restarts,
-                w.stats.num_quarantined_blocks, w.ready.block_size if w.ready is not None else 0,
-                w.stats.prefix_cache_queries, w.stats.prefix_cache_hits, w.stats.num_waiting_deferred, w.stats.pd,
-            )
-            for w in self.workers
-        ]
+        return [w.state() for w in self.workers]
 
     def healthy(self) -> bool:
         failed = self.pd_roles is not None and self.pd_roles.failure is not None

@@ -1,15 +1,17 @@
-"""The front's handle on one DP worker process (`WorkerHandle`: its connection, readiness, load and
-restarts), on one request sent through it (`SentRequest`: what a migration resends) and the id a worker
-knows a request by (`engine_msg`)."""
+"""The front's handle on one DP worker process (`WorkerHandle`: its connection, readiness, load,
+reported state and restarts with their backoff), on one request sent through it (`SentRequest`: what a
+migration resends) and the id a worker knows a request by (`engine_msg`)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from disagg.dp.protocol import WorkerUnavailable
+from disagg.config import ServerConfig
+from disagg.dp.protocol import WorkerState, WorkerUnavailable
 from disagg.wire.engine_msgs import GenerateMsg, ReadyMsg, StatsMsg, encode
 from disagg.wire.framing import frame
 
@@ -38,6 +40,21 @@ class WorkerHandle:
         if not self.available or self.writer is None:
             raise WorkerUnavailable(self.unavailable_reason())
         self.writer.write(frame(encode(msg)))
+
+    def state(self) -> WorkerState:
+        """What the front reports of this worker (its last stats, its requests in flight)."""
+        stats, ready = self.stats, self.ready
+        return WorkerState(self.rank, self.alive, ready is not None, stats.num_running, stats.num_waiting,
+                           stats.num_free_blocks, stats.num_total_blocks, len(self.outstanding), self.num_restarts,
+                           stats.num_quarantined_blocks, ready.block_size if ready is not None else 0,
+                           stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_waiting_deferred, stats.pd)
+
+    def restart_backoff_s(self, server: ServerConfig) -> tuple[float, int]:
+        """The wait before restarting this (dead) worker, and the quick-death count it implies: the backoff
+        doubles per death of a worker that was not up for `worker_restart_max_backoff_s`."""
+        lived_s = 0.0 if self.ready_at is None else time.monotonic() - self.ready_at
+        quick = 0 if lived_s >= server.worker_restart_max_backoff_s else self.num_quick_deaths + 1
+        return min(server.worker_restart_backoff_s * 2 ** max(quick - 1, 0), server.worker_restart_max_backoff_s), quick
 
     def unavailable_reason(self) -> str:
         if not self.alive:

@@ -88,8 +88,11 @@ _ONEDNN_BATCH_HINT = 16  # the reorder's expected rows; 1, 16 and 256 measured w
 
 TILE_ROWS = 32  # csrc dense_matmul's tile: 32 output rows
 # From this many rows tiled_matmul hands a call to oneDNN: where the unpack and reorder cost less than
-# dense_matmul gives away to oneDNN's GEMM (SmolLM2's shapes: equal at 1024 rows, 10-15% faster at 2048).
-TILED_MAX_ROWS = 1024
+# dense_matmul gives away to oneDNN's GEMM. SmolLM2's four layer matmuls, two threads, dense_matmul's
+# time over the hand-off's (its bare later passes, docs/engine.md): 1024 rows 0.87 (avx2) and 0.95 (avx512),
+# 2048 0.97-0.98, 3072 1.03, 4096 1.05-1.06. The engine's default step budget, 1024 tokens, stays in
+# dense_matmul.
+TILED_MAX_ROWS = 2048
 # (x [M, K] float32, packed weight, N) -> [M, N] float32: csrc's dense_matmul or its twin.
 DenseMatmul = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 

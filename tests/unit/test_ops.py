@@ -539,10 +539,10 @@ def test_a_bfloat16_weight_runs_in_float32_tiles_where_the_cpu_has_no_native_bf1
 
 
 def test_tiled_linear_of_many_rows_without_onednn_is_f_linear(monkeypatch):
-    from disagg.ops.linear import linear, pack_dense
+    from disagg.ops.linear import TILED_MAX_ROWS, linear, pack_dense
 
     gen = torch.Generator().manual_seed(5)
-    w, x = torch.randn(40, 24, generator=gen), torch.randn(1024, 24, generator=gen)
+    w, x = torch.randn(40, 24, generator=gen), torch.randn(TILED_MAX_ROWS, 24, generator=gen)
     packed = pack_dense(w, load_ops("csrc").dense_matmul)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert torch.equal(linear(x, packed), torch.nn.functional.linear(x, w))

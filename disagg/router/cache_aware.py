@@ -159,10 +159,10 @@ class DecodePicker:
 
     def pick_whole(self, loads: Sequence[ServerLoad], text: Prompt) -> tuple[int, int] | None:
         """No prefill serves: (the decode, of those that prefill locally, with the least to do for this
-        request, and this request's uncached tokens there). Its work: those tokens, the uncached tokens of
-        the whole requests it has in flight, and WHOLE_REQUEST_TOKENS a request in flight (ties: the smaller
-        tree, then the first, as unified's DP pick counts the tokens outstanding); None when none is
-        eligible. The prompt goes into its tree."""
+        request, and this request's uncached tokens there); None when none is eligible. Its work: those
+        tokens, the uncached tokens of the whole requests it has in flight (as unified's DP pick counts the
+        tokens outstanding) and WHOLE_REQUEST_TOKENS a request in flight; ties: the smaller tree, then the
+        first. The prompt goes into its tree."""
         self.trees.keep_servers({load.server_id for load in loads})
         candidates = [i for i, load in enumerate(loads) if load.eligible and load.max_local_prefill_tokens > 0]
         if not candidates:

@@ -30,9 +30,8 @@ from disagg.router.policy import PairPick, ServerLoad
 # runs 3.5 to 4.5 characters per token in the Llama-family tokenizers).
 CHARS_PER_TOKEN = 4
 # With no prefill serving, a request in flight at a decode weighs as this many prompt tokens to
-# prefill there, besides the uncached prompt tokens of the whole requests in flight there: a later turn
-# goes back to the decode holding its history unless that decode has more work in flight than the
-# prefix it holds is worth (a shared system prompt alone is worth ~1 request).
+# prefill there: a later turn goes back to the decode holding its history unless that decode has more
+# requests in flight than the prefix it holds is worth (a shared system prompt alone is worth ~1).
 WHOLE_REQUEST_TOKENS = 256
 
 
@@ -157,29 +156,24 @@ class DecodePicker:
         local = p.outcome is CacheOutcome.HIT and uncached <= loads[chosen].max_local_prefill_tokens
         return chosen, local
 
-    def pick_whole(self, loads: Sequence[ServerLoad], text: Prompt) -> tuple[int, int] | None:
-        """No prefill serves: (the decode, of those that prefill locally, with the least to do for this
-        request, and this request's uncached tokens there); None when none is eligible. Its work: those
-        tokens, the uncached tokens of the whole requests it has in flight (as unified's DP pick counts the
-        tokens outstanding) and WHOLE_REQUEST_TOKENS a request in flight; ties: the smaller tree, then the
-        first. The prompt goes into its tree."""
+    def pick_whole(self, loads: Sequence[ServerLoad], text: Prompt) -> int | None:
+        """No prefill serves: the decode (of those that prefill locally) with the least to do for this
+        request, its uncached tokens plus WHOLE_REQUEST_TOKENS a request in flight (ties: the smaller
+        tree, then the first); None when none is eligible. The prompt goes into its tree."""
         self.trees.keep_servers({load.server_id for load in loads})
         candidates = [i for i, load in enumerate(loads) if load.eligible and load.max_local_prefill_tokens > 0]
         if not candidates:
             return None
 
-        def uncached(i: int) -> int:
-            return estimated_tokens(text, len(text) - self.trees.match_length((loads[i].server_id, 0), text))
-
         def cost(i: int) -> tuple[int, int]:
-            work = uncached(i) + loads[i].whole_tokens + WHOLE_REQUEST_TOKENS * loads[i].in_flight
-            return work, self.trees.size((loads[i].server_id, 0))
+            tenant = (loads[i].server_id, 0)
+            uncached = estimated_tokens(text, len(text) - self.trees.match_length(tenant, text))
+            return uncached + WHOLE_REQUEST_TOKENS * loads[i].in_flight, self.trees.size(tenant)
 
         chosen = min(candidates, key=cost)
-        tokens = uncached(chosen)
         if text:
             self.trees.insert((loads[chosen].server_id, 0), text)
-        return chosen, tokens
+        return chosen
 
 
 class CacheAwarePairPicker:
@@ -204,9 +198,9 @@ class CacheAwarePairPicker:
         that moved the last prefill to decode, or a prefill down, leaves every decode prefilling its own."""
         if not any(load.eligible for load in prefill):
             if self.decode.wanted(decode):
-                whole = self.decode.pick_whole(decode, text)
-                if whole is not None:
-                    return PairPick(None, whole[0], whole=True, whole_tokens=whole[1])
+                d = self.decode.pick_whole(decode, text)
+                if d is not None:
+                    return PairPick(None, d, whole=True)
             raise NoHealthyServer("prefill")
         d, local = self._pick_decode(decode, text)
         if local and local_ok and self._prefills_busy(prefill):

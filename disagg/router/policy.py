@@ -38,7 +38,6 @@ class ServerLoad:
     dp_size: int | None = None  # from /server_info; None until read
     prefilling: int = 0  # prefill servers: legs sent that have not answered (its queue, as the router sees it)
     max_local_prefill_tokens: int = 0  # decode servers: the rest it prefills itself, from /server_info (0: none)
-    whole_tokens: int = 0  # decode servers: the uncached prompt tokens of the whole requests in flight there
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,6 @@ class PairPick:
     cache_outcome: CacheOutcome | None = None  # cache_aware only
     match_ratio: float = 0.0  # cache_aware only: the matched share of the prompt (0 when imbalanced)
     whole: bool = False  # no prefill serves: the decode prefills the whole prompt (cache_aware only)
-    whole_tokens: int = 0  # a whole request: its prompt tokens the decode does not hold (as the router estimates)
 
     @property
     def local(self) -> bool:

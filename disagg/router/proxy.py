@@ -63,7 +63,6 @@ class Plan:
     expected_decode_rank: int | None  # external-DP-routing test mode only
     learn: Callable[[bytes], None] | None = None  # records the decode's answer in its tree (local prefill)
     whole: bool = False  # no prefill serves: the decode prefills the whole prompt (disagg_prefill_here)
-    whole_tokens: int = 0  # a whole request: its uncached prompt tokens, counted on its decode while it runs
 
 
 def forwarded_headers(headers: Mapping[str, str], drop_dp_rank: bool) -> dict[str, str]:
@@ -204,14 +203,14 @@ class Proxy:
         self._metrics.picks.labels("decode", self._pool.info(Role.DECODE, d).url).inc()
         learn = local_prefill.learner(self._picker, path, text, d, bodies.is_stream(body))
         if pick.local:
-            self._pool.begin(Role.DECODE, d, pick.whole_tokens)
+            self._pool.begin(Role.DECODE, d)
             decode_url = self._pool.info(Role.DECODE, d).url
             decode_body = {**body, "disagg_prefill_here": True} if pick.whole else body
             decode = Leg(Role.DECODE, d, decode_url, decode_url + path, bodies.encode_body(decode_body),
                          self._epoch(Role.DECODE, d))
             return Plan(prefill=None, decode=decode,
                         room=0, stream=bodies.is_stream(body), merge_logprobs=False, expected_decode_rank=None,
-                        learn=learn, whole=pick.whole, whole_tokens=pick.whole_tokens)
+                        learn=learn, whole=pick.whole)
         p = self._pool.ids(Role.PREFILL)[pick.prefill]
         self._metrics.picks.labels("prefill", self._pool.info(Role.PREFILL, p).url).inc()
         self._pool.begin(Role.PREFILL, p)
@@ -275,7 +274,7 @@ class Proxy:
     def _end(self, plan: Plan) -> None:
         if plan.prefill is not None:
             self._pool.end(Role.PREFILL, plan.prefill.index)
-        self._pool.end(Role.DECODE, plan.decode.index, plan.whole_tokens)
+        self._pool.end(Role.DECODE, plan.decode.index)
 
     async def _pull_ticket(self, plan: Plan, headers: dict[str, str]) -> tuple[Plan, asyncio.Future]:
         """Pull flow: the prefill's answer, and the plan whose decode leg carries its ticket."""

@@ -76,7 +76,6 @@ class _Worker:
     last_error: str | None = None
     admitting: bool = True  # False once drained: no new requests, those in flight finish
     prefilling: int = 0  # of in_flight, those whose prefill leg has not answered yet
-    whole_tokens: int = 0  # of in_flight, the uncached prompt tokens of whole requests (no prefill serving)
     max_local_prefill_tokens: int = 0  # decode servers: from /server_info, read with dp_size
     role_epoch: int | None = None  # from /server_info: a server that may switch roles (None: it cannot)
     compatibility: dict | None = None  # from /server_info: what a peer must share (None: not said)
@@ -138,8 +137,8 @@ class WorkerPool:
     def loads(self, role: Role) -> list[ServerLoad]:
         """What the policy sees, in the order of `ids(role)`: unhealthy, unchecked discovered and
         draining servers are not eligible."""
-        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size, w.prefilling, w.max_local_prefill_tokens,
-                           w.whole_tokens) for i, w in self._workers[role].items()]
+        return [ServerLoad(_eligible(w), w.in_flight, i, w.dp_size, w.prefilling, w.max_local_prefill_tokens)
+                for i, w in self._workers[role].items()]
 
     def info(self, role: Role, worker_id: int) -> WorkerInfo:
         """A snapshot of one server."""
@@ -200,19 +199,16 @@ class WorkerPool:
                 return other_id
         return self.add(new_role, w.url, bootstrap_port, Health.HEALTHY)
 
-    def begin(self, role: Role, worker_id: int, whole_tokens: int = 0) -> None:
-        """A request starts on this server (a whole one with `whole_tokens` of its prompt to prefill there)."""
-        w = self._workers[role][worker_id]
-        w.in_flight += 1
-        w.whole_tokens += whole_tokens
+    def begin(self, role: Role, worker_id: int) -> None:
+        """A request starts on this server."""
+        self._workers[role][worker_id].in_flight += 1
 
-    def end(self, role: Role, worker_id: int, whole_tokens: int = 0) -> None:
-        """A request on this server is over (answered, failed or cancelled; `whole_tokens` as it began);
-        a drained server whose last request ended is forgotten."""
+    def end(self, role: Role, worker_id: int) -> None:
+        """A request on this server is over (answered, failed or cancelled); a drained server
+        whose last request ended is forgotten."""
         w = self._workers[role][worker_id]
         assert w.in_flight > 0, f"{role} server {w.url}: request ended twice"
         w.in_flight -= 1
-        w.whole_tokens -= whole_tokens
         self._forget_if_drained(role, worker_id)
 
     def begin_prefill(self, worker_id: int) -> None:

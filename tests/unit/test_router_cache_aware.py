@@ -2,7 +2,6 @@
 prefill pick (imbalanced, hit, miss) and the decode's power of two choices with a seeded RNG."""
 
 import random
-from dataclasses import replace
 
 import pytest
 
@@ -230,12 +229,10 @@ def test_with_no_prefill_serving_a_decode_that_prefills_locally_takes_the_whole_
                ServerLoad(True, 0, server_id=8, max_local_prefill_tokens=8),
                ServerLoad(True, 0, server_id=9, max_local_prefill_tokens=8)]
     long_prompt = "You are a helpful assistant. " * 20  # 580 characters: far past any limit
-    # whole_tokens: what the chosen decode holds none of, in tokens (4 characters each)
-    assert picker.pick(none_serving, decodes, long_prompt) == PairPick(None, 1, whole=True, whole_tokens=145)
-    assert picker.pick(none_serving, decodes, "Something else entirely") == PairPick(None, 2, whole=True, whole_tokens=6)
-    assert picker.pick(none_serving, decodes, long_prompt + "And now?") == PairPick(None, 1, whole=True, whole_tokens=2)
-    assert picker.pick(none_serving, decodes, long_prompt + "Again", local_ok=False) == PairPick(
-        None, 1, whole=True, whole_tokens=1)  # "A" is held too
+    assert picker.pick(none_serving, decodes, long_prompt) == PairPick(None, 1, whole=True)
+    assert picker.pick(none_serving, decodes, "Something else entirely") == PairPick(None, 2, whole=True)
+    assert picker.pick(none_serving, decodes, long_prompt + "And now?") == PairPick(None, 1, whole=True)
+    assert picker.pick(none_serving, decodes, long_prompt + "Again", local_ok=False) == PairPick(None, 1, whole=True)
     assert [picker.decode.trees.size((n, 0)) for n in (7, 8, 9)] == [0, len(long_prompt) + len("And now?") + len("gain"), 23]  # "Again" shares its A
     # The prefill serving again: a long rest goes with it.
     assert picker.pick(two_servers(), decodes, long_prompt + "And then?").whole is False
@@ -243,26 +240,6 @@ def test_with_no_prefill_serving_a_decode_that_prefills_locally_takes_the_whole_
         picker.pick(none_serving, decodes[:1], long_prompt)
     with pytest.raises(NoHealthyServer, match="prefill"):
         picker.pick(none_serving, [ServerLoad(False, 0, server_id=8, max_local_prefill_tokens=8)], long_prompt)
-
-
-def test_with_no_prefill_a_decode_with_a_long_prompt_in_flight_is_passed_over():
-    """A whole request's work at a decode counts the uncached prompt tokens of the whole requests it has in
-    flight, as unified's DP pick counts the tokens outstanding: a later turn leaves the decode holding its
-    history while that decode has a 1,024-token document to prefill."""
-    picker = CacheAwarePairPicker(CacheAwareConfig(local_prefill_min_prefill_load=0), random.Random(0))
-    none_serving = two_servers(eligible=(False, False))
-    history = "You are a helpful assistant. " * 20  # 145 tokens
-    idle = [ServerLoad(True, 0, server_id=8, max_local_prefill_tokens=8),
-            ServerLoad(True, 0, server_id=9, max_local_prefill_tokens=8)]
-    assert picker.pick(none_serving, idle, history) == PairPick(None, 0, whole=True, whole_tokens=145)
-    turn = history + "And now?"  # 2 tokens uncached at decode 8, 147 at decode 9
-    busy = [ServerLoad(True, 1, server_id=8, max_local_prefill_tokens=8, whole_tokens=1024),  # the document
-            ServerLoad(True, 1, server_id=9, max_local_prefill_tokens=8, whole_tokens=20)]
-    # 8: 2 + 1024 + 256 a request in flight = 1282; 9: 147 + 20 + 256 = 423
-    assert picker.pick(none_serving, busy, turn) == PairPick(None, 1, whole=True, whole_tokens=147)
-    # Without the document: 8 costs 2 + 256 = 258, 9 (which holds the turn now) 0 + 20 + 256 = 276.
-    assert picker.pick(none_serving, [replace(busy[0], whole_tokens=0), busy[1]], turn) == PairPick(
-        None, 0, whole=True, whole_tokens=2)
 
 
 def test_the_flags_are_sglang_routers():

@@ -6,9 +6,9 @@ prompt tokens` (least squares, each step's weight decaying by DECAY a step, so t
 contexts as they grow and the host as its load changes). The pace is the most decoding requests whose
 step the fit puts within the objective, at least 1 and at most the decode's --max-num-seqs (while the
 batch size has not varied enough to fit, it explores: one more request while the steps keep the
-objective, one fewer while they do not). A decode
-admits a request whose KV landed only while fewer run (decode/role.py): the rest keep their KV and
-wait for a slot before their first token, instead of slowing every running request's next one.
+objective, one fewer while they do not). A decode admits a request whose KV landed only while fewer
+run (decode/role.py): the rest keep their KV and wait for a slot before their first token, instead of
+slowing every running request's next one.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ class StepPace:
         self.objective_s = objective_s
         self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, decoding requests, prompt tokens)
         self._xy = np.zeros(3)  # ... and of x * wall time
+        self._plain = np.zeros(3)  # decayed (weight, decoding requests, wall time) of the steps with no prompt tokens
         self.num_steps = 0
 
     def add(self, step: StepMetrics) -> None:
@@ -36,6 +37,8 @@ class StepPace:
         x = np.array([1.0, step.num_decode_seqs, step.num_prefill_tokens])
         self._xx = DECAY * self._xx + np.outer(x, x)
         self._xy = DECAY * self._xy + x * step.wall_s
+        self._plain = DECAY * self._plain + (0.0 if step.num_prefill_tokens else 1.0) * np.array(
+            [1.0, step.num_decode_seqs, step.wall_s])
         self.num_steps += 1
 
     def fit(self) -> tuple[float, float, float] | None:
@@ -53,13 +56,15 @@ class StepPace:
     def cap(self, limit: int) -> int:
         """How many requests may decode together now, in [1, limit]: the fit's most within the
         objective; while the batch size has barely varied, one more than it while its steps keep the
-        objective (so that the pace finds out what a request costs) and it less one while they do not."""
+        objective (so that the pace finds out what a request costs) and it less one while they do not.
+        Steps that also computed prompt tokens are left out of that where others were seen: a document
+        prefilled beside the batch (requests sent whole) says nothing of what the batch costs."""
         if self.num_steps < MIN_STEPS:
             return limit
         fit = self.fit()
         if fit is None:
-            weight = self._xx[0, 0]
-            batch, wall = round(self._xx[0, 1] / weight), self._xy[0] / weight
+            weight, seqs, wall_s = self._plain if self._plain[0] > 0 else (self._xx[0, 0], self._xx[0, 1], self._xy[0])
+            batch, wall = round(seqs / weight), wall_s / weight
             return max(1, min(limit, batch + 1 if wall <= self.objective_s else batch - 1))
         fixed, per_seq, _ = fit
         if not per_seq > 0:

@@ -38,6 +38,8 @@ from kvtransfer.control.endpoint import open_endpoint
 
 log = structlog.get_logger(__name__)
 
+PACE_LOG_INTERVAL_S = 10.0
+
 
 class DecodeRole(TransferRole):
     def __init__(self, core: EngineCore, dp_rank: int, model_name: str, *, config: DisaggConfig):
@@ -50,10 +52,12 @@ class DecodeRole(TransferRole):
         limits = core.scheduler.config
         self._own_limits = (limits.max_num_seqs, limits.max_prefill_tokens_per_step)
         self._whole_limits = (config.decode.whole_max_num_seqs or limits.max_num_seqs, 0)
-        self._limits = self._own_limits
+        self._whole = False  # requests come whole (no prefill serves): the scheduler runs under _whole_limits
         objective_ms = config.decode.itl_objective_ms
         self.pace = StepPace(objective_ms / 1e3) if objective_ms else None  # decode/pace.py
-        self._steps_seen, self._pace_cap = 0, limits.max_num_seqs  # steps the pace saw; its cap after the last
+        # steps the pace saw; its cap after the last (it caps both kinds of requests, so up to the larger limit)
+        self._steps_seen, self._pace_cap = 0, max(self._own_limits[0], self._whole_limits[0])
+        self._pace_logged_at, self._pace_moves = float("-inf"), 0  # its last log line (monotonic); moves since
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -67,7 +71,7 @@ class DecodeRole(TransferRole):
         self.checks = KVChecks(self.backend)  # --kv-checksum
 
     async def close(self) -> None:
-        self._schedule_as(self._own_limits)  # a role switch hands the engine on as it came
+        self._schedule_as(whole=False)  # a role switch hands the engine on as it came
         for request in self.requests:
             for task in () if request.pending is None else (request.pending.task, request.pending.hold):
                 if task is not None:
@@ -83,7 +87,7 @@ class DecodeRole(TransferRole):
         if msg.resume_token_ids is not None:  # migrated from a worker that died, or a beam's step: computed here
             return await super().submit(msg)
         remote = msg.bootstrap_room is not None or carries_ticket(msg)
-        self._schedule_as(self._whole_limits if msg.disagg_prefill_here and not remote else self._own_limits)
+        self._schedule_as(whole=msg.disagg_prefill_here and not remote)
         if msg.disagg_prefill_here and remote:
             return [admission_error(msg.request_id, InvalidRequest(
                 "disagg_prefill_here asks this decode to prefill the prompt itself: send it without bootstrap_room "
@@ -105,14 +109,23 @@ class DecodeRole(TransferRole):
         self.requests.add(DecodeRequest(msg.request_id, DecodeState.QUEUED, pending, prompt_ids))
         return self._reserve_queued()
 
-    def _schedule_as(self, limits: tuple[int, int]) -> None:
+    def _schedule_as(self, whole: bool) -> None:
         """Requests sent whole (no prefill serves) run under a unified server's limits; KV from a prefill
         (or a short rest beside it) under the decode's own, which keep its decoding requests' pace."""
-        if limits != self._limits:
-            self.core.set_scheduler_limits(max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1])
-            self._limits = limits
-            log.info("decode schedules", max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1],
-                     sent_whole=limits == self._whole_limits and limits != self._own_limits)
+        if whole != self._whole:
+            self._whole = whole
+            max_num_seqs, max_prefill_tokens_per_step = self._apply_limits()
+            log.info("decode schedules", max_num_seqs=max_num_seqs,
+                     max_prefill_tokens_per_step=max_prefill_tokens_per_step, sent_whole=whole)
+
+    def _apply_limits(self) -> tuple[int, int]:
+        """The scheduler's limits for the requests now coming. With the pace on, requests sent whole run
+        at most as many at once as it allows: they start in the scheduler, so the limit is its own."""
+        max_num_seqs, max_prefill_tokens_per_step = self._whole_limits if self._whole else self._own_limits
+        if self._whole and self.pace is not None:
+            max_num_seqs = min(max_num_seqs, self._pace_cap)
+        self.core.set_scheduler_limits(max_num_seqs=max_num_seqs, max_prefill_tokens_per_step=max_prefill_tokens_per_step)
+        return max_num_seqs, max_prefill_tokens_per_step
 
     def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
         """A request sent to this decode alone (selective disaggregation): prefilled here when its
@@ -285,21 +298,36 @@ class DecodeRole(TransferRole):
 
     def step(self) -> list[OutputMsg]:
         out = [self._with_kv_stats(msg) for msg in super().step()]
-        steps = self.core.steps
-        if self.pace is not None and steps.num_added != self._steps_seen:
-            self._steps_seen = steps.num_added
-            self.pace.add(steps.last)
-            cap = self.pace.cap(self._own_limits[0])
-            if cap != self._pace_cap:
-                fit = self.pace.fit() or (0.0, 0.0, 0.0)
-                log.info("decode pace", requests=cap, step_ms=round(fit[0] * 1e3, 1), request_ms=round(fit[1] * 1e3, 1),
-                         prompt_token_ms=round(fit[2] * 1e3, 2), objective_ms=self.config.decode.itl_objective_ms)
-                self._pace_cap = cap
+        self._follow_pace()
         return out
 
+    def _follow_pace(self) -> None:
+        """The pace after each step it saw: its cap, at once the scheduler's for requests sent whole; logged
+        when it moved, at most every PACE_LOG_INTERVAL_S with the moves since (exploring moves it by one,
+        up and back, several times a second)."""
+        steps = self.core.steps
+        if self.pace is None or steps.num_added == self._steps_seen:
+            return
+        self._steps_seen = steps.num_added
+        self.pace.add(steps.last)
+        cap = self.pace.cap(max(self._own_limits[0], self._whole_limits[0]))
+        if cap == self._pace_cap:
+            return
+        self._pace_cap, self._pace_moves = cap, self._pace_moves + 1
+        if self._whole:
+            self._apply_limits()
+        now = time.monotonic()
+        if now - self._pace_logged_at >= PACE_LOG_INTERVAL_S:
+            fit = self.pace.fit() or (0.0, 0.0, 0.0)
+            log.info("decode pace", requests=cap, moves=self._pace_moves, step_ms=round(fit[0] * 1e3, 1),
+                     request_ms=round(fit[1] * 1e3, 1), prompt_token_ms=round(fit[2] * 1e3, 2),
+                     objective_ms=self.config.decode.itl_objective_ms, sent_whole=self._whole)
+            self._pace_logged_at, self._pace_moves = now, 0
+
     def _at_pace(self) -> bool:
-        """--itl-objective-ms: as many requests run as the measured steps keep within the objective."""
-        if self.pace is None or self._limits != self._own_limits:
+        """--itl-objective-ms: as many requests run as the measured steps keep within the objective (a
+        request whose KV landed waits here; requests sent whole wait in the scheduler: _apply_limits)."""
+        if self.pace is None or self._whole:
             return False
         return len(self.core.scheduler.running) >= self._pace_cap
 

@@ -52,6 +52,10 @@ def test_while_the_batch_barely_varies_the_pace_explores_one_request_at_a_time()
     for _ in range(300):
         alone.add(step(1))
     assert alone.fit() is None and alone.cap(4) == 2
+    documents = StepPace(0.060)  # 2 requests (50 ms) with a 1,000-token prompt every fourth step (2.55 s)
+    for i in range(MIN_STEPS * 4):
+        documents.add(step(2, tokens=1000 if i % 4 == 0 else 0))
+    assert documents.fit() is None and documents.cap(4) == 3  # the batch alone keeps the objective: one more
     slow = StepPace(0.001)  # no step keeps it: one request at a time
     for _ in range(MIN_STEPS):
         slow.add(step(1))

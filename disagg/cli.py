@@ -26,7 +26,7 @@ from disagg.tool_config import ToolConfig
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
 # `disagg serve`'s flags that default to None and are sized to the machine (disagg/sizing.py)
 SIZED_FLAGS = ("dp_size", "decode_dp_size", "max_waiting_requests", "max_local_prefill_tokens",
-               "decode_max_prefill_tokens_per_step", "decode_max_num_seqs", "whole_max_num_seqs")
+               "decode_max_prefill_tokens_per_step", "decode_max_num_seqs", "whole_max_num_seqs", "itl_objective_ms")
 SIZED_HELP = dict.fromkeys(SIZED_FLAGS, "sized to this machine, on the ready line; docs/router.md")
 
 
@@ -115,7 +115,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     # serve draws a cluster secret of its own when none is given: there is nothing to opt out of; the
     # settings of disagg/sizing.py default to None here: sized to the machine unless given
     add_disagg_args(serve, skip=("bootstrap_port", "bootstrap_host", "insecure_no_cluster_secret"),
-                    defaults={"max_local_prefill_tokens": None, "whole_max_num_seqs": None}, shown=SIZED_HELP)
+                    defaults={"max_local_prefill_tokens": None, "whole_max_num_seqs": None, "itl_objective_ms": None},
+                    shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("both servers (--host binds the router too)"), ServerConfig,
                        only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": None, "max_waiting_requests": None},
                        shown=SIZED_HELP)
@@ -181,7 +182,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts; what the user
     left unset of disagg/sizing.py's settings is sized to the CPUs each role gets."""
     planned = plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
-    sized = size_to_machine(*planned, **{name: getattr(args, name) for name in SIZED_FLAGS})
+    sized = size_to_machine(*planned, itl_slo_ms=args.itl_slo_ms, **{name: getattr(args, name) for name in SIZED_FLAGS})
     for name in SIZED_FLAGS:
         setattr(args, name, getattr(sized, name))
     disagg = disagg_from_args(args, bootstrap_port=0)

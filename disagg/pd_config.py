@@ -98,8 +98,9 @@ class DecodeConfig:
     itl_objective_ms: float = field(
         default=0.0, metadata={"help": "decode: keep each step within this many ms: a request whose KV landed starts "
                                        "(and sends its first token) only while fewer run than the engine's own steps "
-                                       "predict within it (at most --max-num-seqs; 0: off, the default; "
-                                       "docs/protocol.md)"})
+                                       "predict within it (at most --max-num-seqs), and requests sent whole start "
+                                       "likewise (at most --whole-max-num-seqs); 0: off, the default (disagg serve: "
+                                       "its planner's --itl-slo-ms); docs/protocol.md"})
 
     def __post_init__(self) -> None:
         check_positive(self, "waiting_timeout_s", "abort_ack_timeout_s")

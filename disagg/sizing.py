@@ -19,6 +19,7 @@ DECODE_SEQS_PER_WORKER = 4
 LOCAL_PREFILL_TOKENS = 192  # a chat turn's new tokens: the decode prefills it while the prefill is busy
 DECODE_PREFILL_TOKENS_PER_STEP = 24  # the decode's prompt chunk per step, beside every decoding request
 # with no prefill serving each server runs as `disagg unified --max-num-seqs 8`, which served the chat load best
+# (at most: the decode's pace, on by default, holds fewer where this machine's steps would miss the ITL objective)
 WHOLE_SEQS_PER_WORKER = 8
 
 
@@ -33,6 +34,7 @@ class Sized:
     decode_max_prefill_tokens_per_step: int
     decode_max_num_seqs: int
     whole_max_num_seqs: int
+    itl_objective_ms: float
     notes: tuple[str, ...]
 
 
@@ -45,8 +47,10 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
-                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None) -> Sized:
-    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs."""
+                    decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
+                    itl_objective_ms: float | None = None, itl_slo_ms: float = 60.0) -> Sized:
+    """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (the
+    decode's pace: to the planner's ITL objective, `itl_slo_ms`, measured on the machine as it runs)."""
     notes: list[str] = []
     if dp_size is None:
         dp_size, decode_dp_size = role_dp_size(prefill_cpus), decode_dp_size or role_dp_size(decode_cpus)
@@ -72,5 +76,10 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         whole_max_num_seqs = WHOLE_SEQS_PER_WORKER
         notes.append(f"--whole-max-num-seqs {WHOLE_SEQS_PER_WORKER} (while no prefill serves, every server "
                      "prefills its own requests as a unified one)")
+    if itl_objective_ms is None:
+        itl_objective_ms = itl_slo_ms
+        notes.append(f"--itl-objective-ms {itl_objective_ms:g} (the decode's pace: as many requests run at once as "
+                     "its own steps, measured as it runs, keep within the ITL objective)")
     return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
-                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, tuple(notes))
+                 decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, itl_objective_ms,
+                 tuple(notes))

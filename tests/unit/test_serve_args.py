@@ -169,7 +169,11 @@ def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
         "--max-local-prefill-tokens 192 (the decode prefills a short rest itself while the prefill is busy)",
         "--decode-max-prefill-tokens-per-step 24 (that prefill in chunks, beside every decoding request's token)",
         "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)",
-        "--whole-max-num-seqs 8 (while no prefill serves, every server prefills its own requests as a unified one)")
+        "--whole-max-num-seqs 8 (while no prefill serves, every server prefills its own requests as a unified one)",
+        "--itl-objective-ms 60 (the decode's pace: as many requests run at once as its own steps, measured as it "
+        "runs, keep within the ITL objective)")
+    assert seen["disagg"].decode.itl_objective_ms == 60.0
+    assert captured_run(monkeypatch, ["--itl-slo-ms", "45"])["disagg"].decode.itl_objective_ms == 45.0  # the planner's
 
 
 def test_what_is_given_is_kept_and_only_the_rest_is_sized(monkeypatch):
@@ -183,7 +187,8 @@ def test_what_is_given_is_kept_and_only_the_rest_is_sized(monkeypatch):
     assert o.decode.decode_max_num_seqs == 16
     assert [note.split(" (")[0] for note in o.sized] == [
         "prefill dp 4 + decode dp 3", "--max-local-prefill-tokens 192", "--decode-max-prefill-tokens-per-step 24",
-        "--whole-max-num-seqs 8"]
+        "--whole-max-num-seqs 8", "--itl-objective-ms 60"]
+    assert captured_run(monkeypatch, ["--itl-objective-ms", "0"])["disagg"].decode.itl_objective_ms == 0.0  # off
     o = captured_run(monkeypatch, ["--dp-size", "2"])["options"]
     prefill, decode = cluster.server_configs(o)
     assert (prefill.dp_size, decode.dp_size, prefill.max_waiting_requests) == (2, 2, 8)
@@ -199,8 +204,9 @@ def test_a_role_gets_at_most_eight_workers_each_on_its_share_of_the_cpus():
     sized = size_to_machine(frozenset(range(32)), frozenset(range(32, 64)))
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests) == (8, 8, 32)
     sized = size_to_machine(None, None, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
-                            decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64, whole_max_num_seqs=0)
+                            decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64, whole_max_num_seqs=0,
+                            itl_objective_ms=0)
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.notes) == (3, 3, 5, ())
     assert size_to_machine(None, None).decode_max_num_seqs == 4
-    assert size_to_machine(None, None).notes[-2] == (
+    assert size_to_machine(None, None).notes[-3] == (
         "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)")

@@ -7,8 +7,8 @@ contexts as they grow and the host as its load changes). The pace is the most de
 step the fit puts within the objective, at least 1 and at most the decode's --max-num-seqs (while the
 batch size has not varied enough to fit, it explores: one more request while the steps keep the
 objective, one fewer while they do not). A decode admits a request whose KV landed only while fewer
-run (decode/role.py): the rest keep their KV and wait for a slot before their first token, instead of
-slowing every running request's next one.
+run, and starts no more requests sent whole (decode/limits.py): the rest wait for a slot before their
+first token, instead of slowing every running request's next one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from disagg.engine.step_metrics import StepMetrics
 DECAY = 0.99  # a step's weight in the fit after each later step (~100 steps of memory)
 MIN_STEPS = 16  # steps seen before the fit is trusted (until then: --max-num-seqs)
 MIN_SPREAD = 0.25  # the decoding requests' variance (weighted) below which per_seq is not separable
+PLAIN_SHARE = 0.1  # the share of recent steps without prompt tokens from which those alone judge exploring
 
 
 class StepPace:
@@ -57,13 +58,15 @@ class StepPace:
         """How many requests may decode together now, in [1, limit]: the fit's most within the
         objective; while the batch size has barely varied, one more than it while its steps keep the
         objective (so that the pace finds out what a request costs) and it less one while they do not.
-        Steps that also computed prompt tokens are left out of that where others were seen: a document
-        prefilled beside the batch (requests sent whole) says nothing of what the batch costs."""
+        Steps that also computed prompt tokens are left out of that where others are at least
+        PLAIN_SHARE of the recent ones: a document prefilled beside the batch (requests sent whole) says
+        nothing of what the batch costs."""
         if self.num_steps < MIN_STEPS:
             return limit
         fit = self.fit()
         if fit is None:
-            weight, seqs, wall_s = self._plain if self._plain[0] > 0 else (self._xx[0, 0], self._xx[0, 1], self._xy[0])
+            plain = self._plain[0] >= PLAIN_SHARE * self._xx[0, 0]
+            weight, seqs, wall_s = self._plain if plain else (self._xx[0, 0], self._xx[0, 1], self._xy[0])
             batch, wall = round(seqs / weight), wall_s / weight
             return max(1, min(limit, batch + 1 if wall <= self.objective_s else batch - 1))
         fixed, per_seq, _ = fit

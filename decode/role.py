@@ -18,6 +18,7 @@ import msgspec
 import structlog
 
 from decode.landed import KVChecks
+from decode.limits import DecodeLimits
 from decode.pace import StepPace
 from decode.peers import PrefillPeers
 from decode.pull import PullFetch, carries_ticket, ticket_of
@@ -49,15 +50,11 @@ class DecodeRole(TransferRole):
         self.fences = Fences(lambda: self.wake())
         self.num_failed = [0, 0]  # requests failed so far: [bootstrap (prefill not reached or refused), transfer]
         # The scheduler's limits beside KV from a prefill, and as a unified server's while requests come whole.
-        limits = core.scheduler.config
-        self._own_limits = (limits.max_num_seqs, limits.max_prefill_tokens_per_step)
-        self._whole_limits = (config.decode.whole_max_num_seqs or limits.max_num_seqs, 0)
-        self._whole = False  # requests come whole (no prefill serves): the scheduler runs under _whole_limits
-        objective_ms = config.decode.itl_objective_ms
-        self.pace = StepPace(objective_ms / 1e3) if objective_ms else None  # decode/pace.py
-        # steps the pace saw; its cap after the last (it caps both kinds of requests, so up to the larger limit)
-        self._steps_seen, self._pace_cap = 0, max(self._own_limits[0], self._whole_limits[0])
-        self._pace_logged_at, self._pace_moves = float("-inf"), 0  # its last log line (monotonic); moves since
+        limits, objective_ms = core.scheduler.config, config.decode.itl_objective_ms
+        self.limits = DecodeLimits((limits.max_num_seqs, limits.max_prefill_tokens_per_step),
+                                   (config.decode.whole_max_num_seqs or limits.max_num_seqs, 0),
+                                   StepPace(objective_ms / 1e3) if objective_ms else None)  # decode/limits.py
+        self._steps_seen, self._pace_logged_at = 0, float("-inf")  # steps the pace saw; its last log line (monotonic)
 
     async def start(self) -> None:
         secret = self.config.cluster_secret
@@ -112,20 +109,19 @@ class DecodeRole(TransferRole):
     def _schedule_as(self, whole: bool) -> None:
         """Requests sent whole (no prefill serves) run under a unified server's limits; KV from a prefill
         (or a short rest beside it) under the decode's own, which keep its decoding requests' pace."""
-        if whole != self._whole:
-            self._whole = whole
+        if whole != self.limits.sent_whole:
+            self.limits.sent_whole = whole
             max_num_seqs, max_prefill_tokens_per_step = self._apply_limits()
             log.info("decode schedules", max_num_seqs=max_num_seqs,
                      max_prefill_tokens_per_step=max_prefill_tokens_per_step, sent_whole=whole)
 
     def _apply_limits(self) -> tuple[int, int]:
-        """The scheduler's limits for the requests now coming. With the pace on, requests sent whole run
-        at most as many at once as it allows: they start in the scheduler, so the limit is its own."""
-        max_num_seqs, max_prefill_tokens_per_step = self._whole_limits if self._whole else self._own_limits
-        if self._whole and self.pace is not None:
-            max_num_seqs = min(max_num_seqs, self._pace_cap)
-        self.core.set_scheduler_limits(max_num_seqs=max_num_seqs, max_prefill_tokens_per_step=max_prefill_tokens_per_step)
-        return max_num_seqs, max_prefill_tokens_per_step
+        """The scheduler's limits for the requests now coming and those running (decode/limits.py)."""
+        limits = self.limits.scheduler_limits(len(self.core.scheduler.running))
+        config = self.core.scheduler.config
+        if limits != (config.max_num_seqs, config.max_prefill_tokens_per_step):
+            self.core.set_scheduler_limits(max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1])
+        return limits
 
     def _prefill_here(self, msg: GenerateMsg) -> list[OutputMsg]:
         """A request sent to this decode alone (selective disaggregation): prefilled here when its
@@ -302,34 +298,26 @@ class DecodeRole(TransferRole):
         return out
 
     def _follow_pace(self) -> None:
-        """The pace after each step it saw: its cap, at once the scheduler's for requests sent whole; logged
-        when it moved, at most every PACE_LOG_INTERVAL_S with the moves since (exploring moves it by one,
-        up and back, several times a second)."""
-        steps = self.core.steps
-        if self.pace is None or steps.num_added == self._steps_seen:
+        """After each step the pace saw: its cap, and the scheduler's limits that follow it; logged when it
+        moved, at most every PACE_LOG_INTERVAL_S with the moves since (exploring moves it by one, up and
+        back, several times a second)."""
+        steps, limits = self.core.steps, self.limits
+        if limits.pace is None or steps.num_added == self._steps_seen:
             return
         self._steps_seen = steps.num_added
-        self.pace.add(steps.last)
-        cap = self.pace.cap(max(self._own_limits[0], self._whole_limits[0]))
-        if cap == self._pace_cap:
-            return
-        self._pace_cap, self._pace_moves = cap, self._pace_moves + 1
-        if self._whole:
-            self._apply_limits()
+        limits.add_step(steps.last)
+        self._apply_limits()
         now = time.monotonic()
-        if now - self._pace_logged_at >= PACE_LOG_INTERVAL_S:
-            fit = self.pace.fit() or (0.0, 0.0, 0.0)
-            log.info("decode pace", requests=cap, moves=self._pace_moves, step_ms=round(fit[0] * 1e3, 1),
+        if limits.moves and now - self._pace_logged_at >= PACE_LOG_INTERVAL_S:
+            fit = limits.pace.fit() or (0.0, 0.0, 0.0)
+            log.info("decode pace", requests=limits.cap, moves=limits.moves, step_ms=round(fit[0] * 1e3, 1),
                      request_ms=round(fit[1] * 1e3, 1), prompt_token_ms=round(fit[2] * 1e3, 2),
-                     objective_ms=self.config.decode.itl_objective_ms, sent_whole=self._whole)
-            self._pace_logged_at, self._pace_moves = now, 0
+                     objective_ms=self.config.decode.itl_objective_ms, sent_whole=limits.sent_whole)
+            self._pace_logged_at, limits.moves = now, 0
 
     def _at_pace(self) -> bool:
-        """--itl-objective-ms: as many requests run as the measured steps keep within the objective (a
-        request whose KV landed waits here; requests sent whole wait in the scheduler: _apply_limits)."""
-        if self.pace is None or self._whole:
-            return False
-        return len(self.core.scheduler.running) >= self._pace_cap
+        """--itl-objective-ms: a request whose KV landed waits while as many run as the pace allows."""
+        return self.limits.at_pace(len(self.core.scheduler.running))
 
     def _with_kv_stats(self, msg: OutputMsg) -> OutputMsg:
         """An admitted request's first output carries its KV figures; then the role forgets it."""

@@ -43,12 +43,12 @@ def role_dp_size(cpus: frozenset[int] | None) -> int:
     return 1 if cpus is None else max(1, min(len(cpus), MAX_DP_SIZE))
 
 
-def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[int] | None,
+def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[int] | None, *, itl_slo_ms: float,
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
                     decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
-                    itl_objective_ms: float | None = None, itl_slo_ms: float = 60.0) -> Sized:
+                    itl_objective_ms: float | None = None) -> Sized:
     """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (the
     decode's pace: to the planner's ITL objective, `itl_slo_ms`, measured on the machine as it runs)."""
     notes: list[str] = []

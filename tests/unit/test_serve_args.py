@@ -201,12 +201,13 @@ def test_a_role_gets_at_most_eight_workers_each_on_its_share_of_the_cpus():
 
     assert [role_dp_size(cpus) for cpus in (None, frozenset({3}), frozenset(range(8)), frozenset(range(32)))] == [
         1, 1, 8, 8]
-    sized = size_to_machine(frozenset(range(32)), frozenset(range(32, 64)))
+    sized = size_to_machine(frozenset(range(32)), frozenset(range(32, 64)), itl_slo_ms=60.0)
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests) == (8, 8, 32)
-    sized = size_to_machine(None, None, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
+    sized = size_to_machine(None, None, itl_slo_ms=60.0, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
                             decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64, whole_max_num_seqs=0,
                             itl_objective_ms=0)
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.notes) == (3, 3, 5, ())
-    assert size_to_machine(None, None).decode_max_num_seqs == 4
-    assert size_to_machine(None, None).notes[-3] == (
+    sized = size_to_machine(None, None, itl_slo_ms=45.0)
+    assert (sized.decode_max_num_seqs, sized.itl_objective_ms) == (4, 45.0)
+    assert next(note for note in sized.notes if note.startswith("--decode-max-num-seqs")) == (
         "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)")

@@ -6,8 +6,9 @@ prefill serves, under a unified server's (`--whole-max-num-seqs`, no per-step pr
 (`--itl-objective-ms`, decode/pace.py), where set, lowers either to the most requests its fit puts
 within the objective. A request whose KV landed joins the running batch at once when admitted, so the
 role holds it before admission (`at_pace`); a request sent whole starts in the scheduler, so there
-the pace lowers the scheduler's own limit, never below the requests already running (a lower limit
-would stall the newest of them mid-stream; it comes down as they end).
+the pace lowers the scheduler's own limit. The scheduler runs at most its limit of its running
+requests a step, so a limit that falls (the pace's, or the decode's own after requests sent whole)
+never falls below the requests already running: it comes down as they end, and only new starts wait.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class DecodeLimits:
         self.sent_whole = False  # the requests now coming are sent whole
         self.cap = max(own[0], whole[0])  # the pace's, after the last step it saw (up to the larger limit)
         self.moves = 0  # the cap's moves since the role last reported them
+        self.max_num_seqs = own[0]  # the scheduler's, as last given
 
     def allowed(self) -> int:
         """The most requests that may run at once for the kind of work now coming."""
@@ -30,12 +32,13 @@ class DecodeLimits:
         return limit if self.pace is None else min(limit, self.cap)
 
     def scheduler_limits(self, num_running: int) -> tuple[int, int]:
-        """(max_num_seqs, max_prefill_tokens_per_step) for the scheduler, with `num_running` running."""
-        if not self.sent_whole:
-            return self.own
-        if self.pace is None:
-            return self.whole
-        return max(self.allowed(), num_running), self.whole[1]
+        """(max_num_seqs, max_prefill_tokens_per_step) for the scheduler, with `num_running` running: the
+        limit of the work now coming (for requests sent whole, the pace's), or as many as run now while
+        more run than that, but never more than last time (landed KV past the limit does not raise it)."""
+        limits = self.whole if self.sent_whole else self.own
+        floor = self.allowed() if self.sent_whole else limits[0]
+        self.max_num_seqs = max(floor, min(self.max_num_seqs, num_running))
+        return self.max_num_seqs, limits[1]
 
     def at_pace(self, num_running: int) -> bool:
         """A request whose KV landed waits for a slot before its first token (only with the pace on)."""

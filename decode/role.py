@@ -293,6 +293,7 @@ class DecodeRole(TransferRole):
         return progress is None or progress.finished
 
     def step(self) -> list[OutputMsg]:
+        self._apply_limits()  # from the requests running now: some may have ended (or been aborted) since
         out = [self._with_kv_stats(msg) for msg in super().step()]
         self._follow_pace()
         return out
@@ -310,7 +311,7 @@ class DecodeRole(TransferRole):
         now = time.monotonic()
         if limits.moves and now - self._pace_logged_at >= PACE_LOG_INTERVAL_S:
             fit = limits.pace.fit() or (0.0, 0.0, 0.0)
-            log.info("decode pace", requests=limits.cap, moves=limits.moves, step_ms=round(fit[0] * 1e3, 1),
+            log.info("decode pace", requests=limits.allowed(), moves=limits.moves, step_ms=round(fit[0] * 1e3, 1),
                      request_ms=round(fit[1] * 1e3, 1), prompt_token_ms=round(fit[2] * 1e3, 2),
                      objective_ms=self.config.decode.itl_objective_ms, sent_whole=limits.sent_whole)
             self._pace_logged_at, limits.moves = now, 0

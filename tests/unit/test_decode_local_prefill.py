@@ -7,7 +7,7 @@ import asyncio
 from decode.requests import DecodeRequest, DecodeState
 from decode.role import DecodeRole
 from disagg.pd_config import DecodeConfig, DisaggConfig
-from disagg.types import SamplingParams
+from disagg.types import FinishReason, SamplingParams
 from disagg.wire.engine_msgs import GenerateMsg
 
 from test_engine_tiny import engine
@@ -108,8 +108,9 @@ def test_a_request_marked_prefill_here_is_prefilled_whole_whatever_the_limit(tin
 
 def test_requests_sent_whole_run_under_a_unified_servers_limits(tiny_loaded):
     """A decode with 2 seqs and 4 prompt tokens a step beside KV from a prefill: requests sent whole run
-    3 at once (--whole-max-num-seqs) with no per-step prompt cap; a request with a room restores 2 and 4;
-    closing the role (a role switch) hands the engine on with its own limits."""
+    3 at once (--whole-max-num-seqs) with no per-step prompt cap; a short rest sent beside them restores
+    4 prompt tokens a step and 2 requests once the three running end (none stalls meanwhile); closing the
+    role (a role switch) hands the engine on with its own limits."""
     core = engine(tiny_loaded, max_seqs=2)
     core.set_scheduler_limits(max_num_seqs=2, max_prefill_tokens_per_step=4)
     role = DecodeRole(core, 0, "tiny", config=DisaggConfig(transfer_backend="tcp", decode=DecodeConfig(
@@ -122,9 +123,11 @@ def test_requests_sent_whole_run_under_a_unified_servers_limits(tiny_loaded):
     step = core.step()
     assert sorted(out.request_id for out in step) == ["w0", "w1", "w2"]  # 30 prompt tokens in one step, 3 running
     asyncio.run(role.submit(GenerateMsg("short", alone("short", [1]).sampling, prompt_token_ids=list(range(40, 44)))))
-    assert limits() == (2, 4)  # a short rest beside a prefill: the decode's own limits
+    assert limits() == (3, 4)  # the decode's own limits, but not below the three running: none stalls
+    steps = []
     while core.has_unfinished():
-        core.step()
+        steps.append(sorted(out.request_id for out in role.step()))
+    assert steps == [["w0", "w1", "w2"]] * 3 + [["short"]] * 4 and limits() == (2, 4)  # short waited for a slot
     assert core.kv.num_free_blocks == core.num_blocks
     asyncio.run(role.submit(GenerateMsg("again", alone("again", [1]).sampling, prompt_token_ids=[5, 6],
                                         disagg_prefill_here=True)))
@@ -137,7 +140,8 @@ def test_with_the_pace_on_requests_sent_whole_start_only_as_it_allows(tiny_loade
     """--itl-objective-ms 60 on a decode whose steps cost 10 ms plus a second a request (so that the tiny
     engine's own fast steps, added to the fit as they run, cannot raise it): the pace allows one request.
     Three requests sent whole (--whole-max-num-seqs 3) already running keep their tokens every step (a
-    lower limit would stall the newest), a fourth starts only once they ended; the decode's own limits
+    lower limit would stall the newest), one of them aborted frees no slot past the pace, a fourth
+    starts only once the others ended; the decode's own limits
     come back for KV from a prefill, the pace's for the next whole request, and every block is freed."""
     from decode.pace import MIN_STEPS
     from disagg.engine.step_metrics import StepMetrics
@@ -156,11 +160,12 @@ def test_with_the_pace_on_requests_sent_whole_start_only_as_it_allows(tiny_loade
     for i in range(2 * MIN_STEPS):  # 1 request a step, at least, whatever its cost
         role.limits.pace.add(StepMetrics(0.010 + 1.0 * (1 + i % 3), 0, 1 + i % 3, 0, 1 + i % 3, 0))
     assert asyncio.run(role.submit(whole("w3", list(range(80, 90))))) == []
-    steps = []
+    steps = [sorted(out.request_id for out in role.step())]  # the pace learns its cap of 1 here
+    assert [out.finish_reason for out in asyncio.run(role.abort("w2"))] == [FinishReason.ABORT]
     while core.has_unfinished():
         steps.append(sorted(out.request_id for out in role.step()))
         assert role.limits.cap == 1 and limits() == (max(1, len(core.scheduler.running)), 0)
-    assert steps == [["w0", "w1", "w2"]] * 3 + [["w3"]] * 4  # none stalled; w3 after them, alone
+    assert steps == [["w0", "w1", "w2"]] + [["w0", "w1"]] * 2 + [["w3"]] * 4  # none stalled; w3 after, alone
     asyncio.run(role.submit(GenerateMsg("short", alone("short", [1]).sampling, prompt_token_ids=list(range(40, 44)))))
     assert limits() == (2, 4)  # a short rest beside a prefill: the decode's own limits, paced at admission instead
     while core.has_unfinished():

@@ -2,6 +2,8 @@
 families, each series the sum of the prefill's and the decode's (real servers, our router, a request
 through it); the router's own families stay; a server that is gone is left out and counted."""
 
+import asyncio
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,6 +17,21 @@ SUMMED = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:requ
           "vllm:iteration_tokens_total_count", "vllm:num_requests_running", "vllm:num_requests_waiting_by_reason",
           "sglang:num_prefill_inflight_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
           "sglang:kv_transfer_latency_ms_count", "sglang:num_transfer_failed_reqs_total")
+
+
+async def summed_and_servers(cluster, router_url: str) -> tuple[dict, list[dict]]:
+    """The router's samples and each server's, taken while the servers' SUMMED series held still (a
+    worker's step figures reach its front a moment after the answer: a scrape between two could differ)."""
+    urls = (cluster.prefill_url, cluster.decode_url)
+    held = lambda scrape: [{k: v for k, v in s.items() if k[0] in SUMMED} for s in scrape]  # noqa: E731
+    for _ in range(50):
+        before = [await samples(cluster.session, url) for url in urls]
+        summed = await samples(cluster.session, router_url)
+        after = [await samples(cluster.session, url) for url in urls]
+        if held(before) == held(after):
+            return summed, after
+        await asyncio.sleep(0.1)
+    raise AssertionError("the servers' metrics did not hold still for one scrape in 50")
 
 
 async def samples(session, url: str) -> dict[tuple[str, tuple], float]:
@@ -34,8 +51,7 @@ async def test_the_routers_metrics_add_up_its_servers(cluster):
             status, _, _ = await cluster.post(router.url + "/generate",
                                               {"text": text, "sampling_params": {"max_new_tokens": 3}}, None)
             assert status == 200
-        summed = await samples(cluster.session, router.url)
-        servers = [await samples(cluster.session, url) for url in (cluster.prefill_url, cluster.decode_url)]
+        summed, servers = await summed_and_servers(cluster, router.url)
         compared = 0
         for key, value in summed.items():
             if key[0] in SUMMED:

@@ -24,21 +24,20 @@ class DecodeLimits:
         self.sent_whole = False  # the requests now coming are sent whole
         self.cap = max(own[0], whole[0])  # the pace's, after the last step it saw (up to the larger limit)
         self.moves = 0  # the cap's moves since the role last reported them
-        self.max_num_seqs = own[0]  # the scheduler's, as last given
 
     def allowed(self) -> int:
         """The most requests that may run at once for the kind of work now coming."""
         limit = (self.whole if self.sent_whole else self.own)[0]
         return limit if self.pace is None else min(limit, self.cap)
 
-    def scheduler_limits(self, num_running: int) -> tuple[int, int]:
-        """(max_num_seqs, max_prefill_tokens_per_step) for the scheduler, with `num_running` running: the
-        limit of the work now coming (for requests sent whole, the pace's), or as many as run now while
-        more run than that, but never more than last time (landed KV past the limit does not raise it)."""
+    def scheduler_limits(self, num_running: int, max_num_seqs: int) -> tuple[int, int]:
+        """(max_num_seqs, max_prefill_tokens_per_step) for the scheduler, whose limit is `max_num_seqs` now,
+        with `num_running` running: the limit of the work now coming (for requests sent whole, the
+        pace's), or as many as run now while more run than that, but never more than its limit now
+        (landed KV past the limit does not raise it)."""
         limits = self.whole if self.sent_whole else self.own
         floor = self.allowed() if self.sent_whole else limits[0]
-        self.max_num_seqs = max(floor, min(self.max_num_seqs, num_running))
-        return self.max_num_seqs, limits[1]
+        return max(floor, min(max_num_seqs, num_running)), limits[1]
 
     def at_pace(self, num_running: int) -> bool:
         """A request whose KV landed waits for a slot before its first token (only with the pace on)."""

@@ -117,8 +117,8 @@ class DecodeRole(TransferRole):
 
     def _apply_limits(self) -> tuple[int, int]:
         """The scheduler's limits for the requests now coming and those running (decode/limits.py)."""
-        limits = self.limits.scheduler_limits(len(self.core.scheduler.running))
         config = self.core.scheduler.config
+        limits = self.limits.scheduler_limits(len(self.core.scheduler.running), config.max_num_seqs)
         if limits != (config.max_num_seqs, config.max_prefill_tokens_per_step):
             self.core.set_scheduler_limits(max_num_seqs=limits[0], max_prefill_tokens_per_step=limits[1])
         return limits
@@ -299,15 +299,14 @@ class DecodeRole(TransferRole):
         return out
 
     def _follow_pace(self) -> None:
-        """After each step the pace saw: its cap, and the scheduler's limits that follow it; logged when it
-        moved, at most every PACE_LOG_INTERVAL_S with the moves since (exploring moves it by one, up and
-        back, several times a second)."""
+        """After each step the pace saw: its cap (the scheduler follows it before the next step); logged
+        when it moved, at most every PACE_LOG_INTERVAL_S with the moves since (exploring moves it by one,
+        up and back, several times a second)."""
         steps, limits = self.core.steps, self.limits
         if limits.pace is None or steps.num_added == self._steps_seen:
             return
         self._steps_seen = steps.num_added
         limits.add_step(steps.last)
-        self._apply_limits()
         now = time.monotonic()
         if limits.moves and now - self._pace_logged_at >= PACE_LOG_INTERVAL_S:
             fit = limits.pace.fit() or (0.0, 0.0, 0.0)

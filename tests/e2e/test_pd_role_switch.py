@@ -40,8 +40,8 @@ def url(server) -> str:
     return f"http://127.0.0.1:{server.port}"
 
 
-async def post(session, target: str, body: dict) -> tuple[int, dict]:
-    async with session.post(target, json=body) as r:
+async def post(session, target: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    async with session.post(target, json=body, headers=headers) as r:
         return r.status, await r.json(content_type=None)
 
 
@@ -189,9 +189,8 @@ async def test_what_a_switch_refuses(servers):
 async def routed(servers, router_url: str, prompt: list[int], max_tokens: int = 24,
                  request_id: str | None = None) -> tuple[int, object]:
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, **GREEDY}}
-    headers = {} if request_id is None else {"X-Request-Id": request_id}  # our router sends it on to both legs
-    async with servers["session"].post(router_url + "/generate", json=body, headers=headers) as r:
-        status, answer = r.status, await r.json(content_type=None)
+    headers = None if request_id is None else {"X-Request-Id": request_id}  # our router sends it on to both legs
+    status, answer = await post(servers["session"], router_url + "/generate", body, headers)
     return status, answer.get("output_ids") if status == 200 else answer
 
 

@@ -162,10 +162,12 @@ def test_with_the_pace_on_requests_sent_whole_start_only_as_it_allows(tiny_loade
     assert asyncio.run(role.submit(whole("w3", list(range(80, 90))))) == []
     steps = [sorted(out.request_id for out in role.step())]  # the pace learns its cap of 1 here
     assert [out.finish_reason for out in asyncio.run(role.abort("w2"))] == [FinishReason.ABORT]
+    scheduled_under = [limits()[0]]  # each step's limit, set before it from the requests running
     while core.has_unfinished():
         steps.append(sorted(out.request_id for out in role.step()))
-        assert role.limits.cap == 1 and limits() == (max(1, len(core.scheduler.running)), 0)
+        scheduled_under.append(limits()[0])
     assert steps == [["w0", "w1", "w2"]] + [["w0", "w1"]] * 2 + [["w3"]] * 4  # none stalled; w3 after, alone
+    assert role.limits.cap == 1 and scheduled_under == [3, 2, 2, 1, 1, 1, 1]
     asyncio.run(role.submit(GenerateMsg("short", alone("short", [1]).sampling, prompt_token_ids=list(range(40, 44)))))
     assert limits() == (2, 4)  # a short rest beside a prefill: the decode's own limits, paced at admission instead
     while core.has_unfinished():

@@ -151,6 +151,9 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtypes", default="auto",
                         help="comma list of KV cache dtypes to run (auto: the model's; bfloat16); every form's "
                              "engine stays loaded for the whole run (weights and a 256 MiB cache each)")
+    parser.add_argument("--huge-pages", default="on",
+                        help="comma list: on (the weights and KV cache in transparent huge pages, as served), off "
+                             "(4 KB pages: --no-huge-pages); 'on,off' runs both forms in turns")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes (torch profiler)")
     from disagg.bench.peers import peer_spec
 

@@ -82,7 +82,7 @@ class EngineCore:
                 raise ConfigError("tensor parallelism splits dense weights: use --quantization none, int8 or int4")
             weights = shard_weights(weights, self.arch, self.tp.rank, self.tp.size)
         return LlamaModel(self.rank_arch, weights, self.dtype, model.device, model.quantization,
-                          self.loaded.quantized, model.kernels, self.tp)
+                          self.loaded.quantized, model.kernels, self.tp, model.huge_pages)
 
     def _blocks_that_fit(self) -> int:
         per_block = kv_bytes_per_block(self.rank_arch, self.block_size, self.kv_dtype)

@@ -12,6 +12,7 @@ from disagg.engine.models.llama import DecodeGroup, ForwardBatch, LlamaModel, Pr
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.sampler import Sampler, top_logprobs
 from disagg.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from disagg.ops.hugepages import HugePageArena
 from disagg.types import TopLogprobs
 
 
@@ -69,7 +70,9 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         arch = self.model.arch
         shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
-        if self.shared_kv is None:
+        if self.shared_kv is None and self.model.huge_pages:  # a step reads it block by block (ops.hugepages)
+            self.kv_cache = HugePageArena().empty(shape, self.kv_dtype)
+        elif self.shared_kv is None:
             self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
         else:
             self.kv_cache = self.shared_kv.rank_cache(shape, self.kv_dtype)

@@ -13,6 +13,7 @@ from disagg.engine_config import EngineConfig, KVCacheDType, ModelConfig
 from disagg.engine.loader import LoadedModel, resolve_model_path, weights_fingerprint
 from disagg.ops import csrc_status
 from disagg.ops.cpu import cpu_features
+from disagg.ops.hugepages import huge_pages_note
 from disagg.ops.linear import dtype_name
 
 
@@ -97,7 +98,8 @@ def engine_summary(config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dty
     return (f"{cpu_summary()}, dtype {dtype_name(dtype)} ({why}), "
             f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
             f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
-            f"kv cache {dtype_name(kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)})")
+            f"kv cache {dtype_name(kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)}), "
+            f"huge pages {huge_pages_note(config.model.huge_pages, model.device.type == 'cpu')}")
 
 
 def compatibility_record(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,

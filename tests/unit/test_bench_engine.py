@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from disagg.bench.engine import (Result, best_in_rounds, bound_lines, compute_bound_lines, instruction_set, isas_for,
-                                 machine_line, measure_matmul_gflops, run_with_isa, table)
+from disagg.bench.engine import (Result, best_in_rounds, bound_lines, compute_bound_lines, engine_forms, instruction_set,
+                                 isas_for, machine_line, measure_matmul_gflops, run_with_isa, table)
 from disagg.engine.models.llama import LlamaModel
 from disagg.ops import load_ops
 from disagg.ops.cpu import cpu_features
@@ -140,6 +140,18 @@ def test_an_instruction_set_is_switched_for_the_run_and_switched_back():
     assert torch.ops.disagg.isa() == best
     with instruction_set(None):
         assert torch.ops.disagg.isa() == best
+
+
+def test_huge_pages_on_and_off_make_two_forms_the_second_named_for_its_pages(tiny_loaded):
+    args = argparse.Namespace(model="tiny", kernels="auto", quantization="none", kv_cache_dtypes="auto",
+                              huge_pages="on,off", isas=None)
+    sizes = {}
+    forms = engine_forms(args, "float32", {"none": tiny_loaded}, sizes)
+    name = load_ops("auto").name
+    assert [(f[1], f[0].config.model.huge_pages) for f in forms] == [(name, True), (f"{name} 4K pages", False)]
+    assert sizes[("float32", name, "none")] == sizes[("float32", f"{name} 4K pages", "none")]
+    with pytest.raises(ValueError, match="--huge-pages takes on and off, got 'yes'"):
+        engine_forms(argparse.Namespace(**{**vars(args), "huge_pages": "yes"}), "float32", {"none": tiny_loaded}, {})
 
 
 def _raise():

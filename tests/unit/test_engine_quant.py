@@ -16,7 +16,7 @@ from disagg.engine.loader import load_model
 from disagg.ops import loader, quant
 from disagg.types import SamplingParams
 from engine_runs import run_requests
-from kernel_summary import auto_kernels, cpu_summary, dense_kernel
+from kernel_summary import auto_kernels, cpu_summary, dense_kernel, huge_pages
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}
@@ -101,20 +101,20 @@ def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
     assert engine(tiny_loaded).engine_summary == (
         f"{cpu_summary()}, "
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense ({dense_kernel()}), "
-        "kv cache float32 (auto: the model's dtype)")
+        "kv cache float32 (auto: the model's dtype)" + huge_pages())
     assert engine(tiny_loaded, kernels="torch").engine_summary == (
         f"{cpu_summary()}, "
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear), "
-        "kv cache float32 (auto: the model's dtype)")
+        "kv cache float32 (auto: the model's dtype)" + huge_pages())
     expected = "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)"
     if route == "quant_matmul":
         expected = "9 quantized on load as int4 g32 (csrc quant_matmul, int8 activations in blocks of 32)"
     assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
         f"{cpu_summary()}, dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}, "
-        "kv cache bfloat16 (auto: the model's dtype)")
+        "kv cache bfloat16 (auto: the model's dtype)" + huge_pages())
     assert engine(tiny_loaded, "int4", "bfloat16", kernels="torch").engine_summary == (
         f"{cpu_summary()}, dtype bfloat16 (set by --dtype), kernels torch (set by --kernels), quantization int4: "
-        "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)")
+        "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)" + huge_pages())
 
 
 def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded):
@@ -130,7 +130,7 @@ def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded
     assert engine(tiny_loaded, "auto", kernels="torch").engine_summary == (
         f"{cpu_summary()}, "
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none (auto: not a .gguf file): "
-        "9 float32 dense (F.linear), kv cache float32 (auto: the model's dtype)")
+        "9 float32 dense (F.linear), kv cache float32 (auto: the model's dtype)" + huge_pages())
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
         weights = ("120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), "
                    "1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations)")
     assert gguf.engine_summary == (f"{cpu_summary()}, dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}, "
-                                   "kv cache float32 (auto: the model's dtype)")
+                                   "kv cache float32 (auto: the model's dtype)" + huge_pages())
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors(outs, refs, prompts)
@@ -208,7 +208,7 @@ def test_gguf_float_runs_the_blocks_with_the_dense_engines_numbers(smollm2_loade
     assert fast.engine_summary == (
         f"{cpu_summary()}, "
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf_float: 120 Q4_1 as int4 g32 ({kernel}), "
-        f"1 Q8_0 as int8 g32 ({kernel}), kv cache float32 (auto: the model's dtype)")
+        f"1 Q8_0 as int8 g32 ({kernel}), kv cache float32 (auto: the model's dtype)" + huge_pages())
     outs = run_all(fast, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     assert prompt_logprob_errors(outs, refs, prompts).max() <= 1e-4

@@ -8,6 +8,7 @@ from disagg.engine.core import EngineCore
 from disagg.engine.llm import LLM
 from disagg.types import EngineSleeping, FinishReason, InvalidRequest, SamplingParams
 from engine_runs import run_requests
+from kernel_summary import huge_pages
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "0123456789", "Paged attention!"]
@@ -116,8 +117,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_in_the_same_memory(tiny_loaded)
     auto, bf16 = blocks("auto"), blocks("bfloat16")
     assert (auto.num_blocks, bf16.num_blocks) == (512, 1024)
     assert (auto.runner.kv_cache.nbytes, bf16.runner.kv_cache.nbytes) == (2**20, 2**20)
-    assert auto.engine_summary.endswith(", kv cache float32 (auto: the model's dtype)")
-    assert bf16.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)")
+    assert auto.engine_summary.endswith(", kv cache float32 (auto: the model's dtype)" + huge_pages())
+    assert bf16.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)" + huge_pages())
 
 
 def test_the_kv_cache_dtype_resolves_against_the_model_dtype():

@@ -16,11 +16,13 @@ A weight whose input width does not split into int4 groups stays dense.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from disagg.ops.hugepages import HugePageArena
 from disagg.ops.linear import DenseMatmul, OnednnWeight, PackedWeight, QuantMatmul, TiledWeight, Weight, dtype_name, pack_dense, prepare_weight
 from disagg.ops.quant import INT4_GROUP_SIZE, QUANT_BLOCK, QuantizedWeight, concat_rows, dequantize, quantize_int4, quantize_int8
 
@@ -46,6 +48,18 @@ def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, 
         return prepare_weight(quantize_int4(dense), device, quant_matmul)
     dense = dense.to(device=device, dtype=dtype).contiguous()
     return pack_dense(dense, dense_matmul) if packed else dense
+
+
+def placed(w: Weight, arena: HugePageArena | None) -> Weight:
+    """`w` with the tensors a step streams moved into `arena` (huge pages; disagg.ops.hugepages), where
+    there is one. A oneDNN weight stays where oneDNN put it (its tensor is opaque)."""
+    if arena is None or isinstance(w, OnednnWeight):
+        return w
+    if isinstance(w, TiledWeight):
+        return dataclasses.replace(w, packed=arena.place(w.packed))
+    if isinstance(w, PackedWeight):
+        return dataclasses.replace(w, packed=arena.place(w.packed), scales=arena.place(w.scales))
+    return arena.place(w)
 
 
 def _fusable(parts: Sequence[QuantizedWeight]) -> bool:

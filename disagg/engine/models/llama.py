@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from disagg.engine.models.arch import LlamaArch
 from disagg.engine.models.tensor_parallel import Collectives
-from disagg.engine.models.linear_weights import describe_weights, linear_weight
+from disagg.engine.models.linear_weights import describe_weights, linear_weight, placed
 from disagg.ops import load_ops
+from disagg.ops.hugepages import HugePageArena
 from disagg.ops.linear import OnednnWeight, PackedWeight, TiledWeight, Weight, linear
 from disagg.ops.quant import QuantizedWeight
 from disagg.ops.reference import rope_cos_sin
@@ -82,9 +83,10 @@ class LlamaModel:
 
     def __init__(self, arch: LlamaArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: str,
                  quantization: str = "none", quantized: Mapping[str, QuantizedWeight] | None = None,
-                 kernels: str = "auto", tp: Collectives | None = None):
+                 kernels: str = "auto", tp: Collectives | None = None, huge_pages: bool = True):
         """`tp`: this rank's tensor-parallel group; `arch` and `weights` are then the rank's shard
-        (tensor_parallel.py), and the layer outputs and logits are combined across the group."""
+        (tensor_parallel.py), and the layer outputs and logits are combined across the group.
+        `huge_pages`: the matmul weights in transparent huge pages on CPU (disagg.ops.hugepages)."""
         self.arch = arch
         self.tp = tp
         self.dtype = dtype
@@ -103,6 +105,8 @@ class LlamaModel:
         self._csrc_prefill = (self.packed and arch.head_dim in CSRC_PREFILL_HEAD_DIMS
                               and arch.num_heads // arch.num_kv_heads <= CSRC_PREFILL_MAX_GROUP)
         source = {**weights, **(quantized or {})}  # a GGUF's kept blocks replace those dense weights
+        self.huge_pages = huge_pages and self.device.type == "cpu"
+        self._arena = HugePageArena() if self.huge_pages else None  # only while the weights are placed
         self.layers = [self._layer_weights(source, i) for i in range(arch.num_layers)]
         self.embed = self._w(weights["model.embed_tokens.weight"])
         self.norm = self._w(weights["model.norm.weight"])
@@ -114,6 +118,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos_sin = rope_cos_sin(self.inv_freq, min(arch.max_position_embeddings, 4096))
         self.scale = arch.head_dim**-0.5
+        self._arena = None
         linears = [layer[k] for layer in self.layers for k in _LINEARS]
         self.matmul_weights = describe_weights([*linears, self.lm_head])  # for the ready line
 
@@ -126,8 +131,8 @@ class LlamaModel:
         return sum(_nbytes(w) for w in linears)
 
     def _linear(self, parts: list) -> Weight:
-        return linear_weight(parts, self.quantization, self.dtype, self.device, self.packed, self._quant_matmul,
-                             self._dense_matmul)
+        return placed(linear_weight(parts, self.quantization, self.dtype, self.device, self.packed,
+                                    self._quant_matmul, self._dense_matmul), self._arena)
 
     def _layer_weights(self, w: Mapping, i: int) -> dict:
         p = f"model.layers.{i}."

@@ -19,7 +19,21 @@ def dense_kernel() -> str:
     return (TiledWeight if load_ops("csrc").dense_matmul_preferred else OnednnWeight).kernel
 
 
-def huge_pages() -> str:
-    """The summary's last clause on CPU with huge pages asked (the default): its text for this kernel's
-    setting is asserted in tests/unit/test_hugepages.py."""
-    return f", huge pages {huge_pages_note(True, True)}"
+
+def huge_pages(engine) -> str:
+    """The summary's last clause for `engine` (an EngineCore) with huge pages asked (the default): the
+    weights' bytes as its model counted them placed; the text is pinned in tests/unit/test_hugepages.py."""
+    model = engine.runner.model
+    return f", huge pages {huge_pages_note(True, True, model.huge_page_bytes, engine.shared_kv is None)}"
+
+
+# the same clause where no engine is at hand (a server's /server_info): the kv cache, and the weights'
+# MiB where any were placed, on a kernel that gives huge pages; or why none
+HUGE_PAGES_CLAUSE = (r", huge pages (\d+\.\d MiB of weights and )?the kv cache \(transparent_hugepage (always|madvise)\)"
+                     r"|, huge pages none: .*")
+
+
+def split_huge_pages(summary: str) -> tuple[str, str]:
+    """(the summary before its huge pages clause, the clause)."""
+    head, sep, tail = summary.partition(", huge pages ")
+    return head, sep + tail

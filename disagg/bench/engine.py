@@ -181,10 +181,11 @@ def engine_forms(args: argparse.Namespace, dtype_name: str, loads: dict, sizes: 
     as (engine, kernels name, quantization, kv cache dtype, csrc instruction set or None); its weight
     bytes go into `sizes`."""
     forms = []
+    wrong = [pages for pages in comma_list(args.huge_pages) if pages not in ("on", "off")]
+    if wrong:
+        raise ValueError(f"--huge-pages takes on and off, got {wrong[0]!r}")
     for kernels, q, kv, pages in itertools.product(comma_list(args.kernels), comma_list(args.quantization),
                                                    comma_list(args.kv_cache_dtypes), comma_list(args.huge_pages)):
-        if pages not in ("on", "off"):
-            raise ValueError(f"--huge-pages takes on and off, got {pages!r}")
         for isa in isas_for(kernels, args.isas):
             with instruction_set(isa):
                 engine = EngineCore(engine_config(args.model, dtype_name, kernels, q, kv, pages == "on"), loads[q])
@@ -257,18 +258,18 @@ def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple
     on buffers far larger than the caches, with the engine's threads, in 4 KB pages and in huge pages
     (where the kernel gives them; the engine's weights sit there: 17-19 -> 25 GB/s read on the Xeon
     host): the faster of the two."""
-    arena = HugePageArena()
-    buffers = [(torch.ones(size_bytes // 4), torch.empty(size_bytes // 4)),
-               (arena.place(torch.ones(size_bytes // 4)), arena.empty((size_bytes // 4,), torch.float32))]
     copy_best = read_best = 0.0
-    for _ in range(repeat):
-        for src, dst in buffers:
+    for pages in (None, HugePageArena):  # one pair of buffers at a time
+        src = torch.ones(size_bytes // 4) if pages is None else pages().place(torch.ones(size_bytes // 4))
+        dst = torch.empty_like(src) if pages is None else pages().empty(src.shape, src.dtype)
+        for _ in range(repeat):
             start = time.perf_counter()
             dst.copy_(src)
             copy_best = max(copy_best, size_bytes / (time.perf_counter() - start) / 1e9)
             start = time.perf_counter()
             src.sum()
             read_best = max(read_best, size_bytes / (time.perf_counter() - start) / 1e9)
+        del src, dst
     return copy_best, read_best
 
 

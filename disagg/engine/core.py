@@ -58,10 +58,11 @@ class EngineCore:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         model = self._build_model()
-        self.engine_summary = engine_summary(config, self.dtype, self.kv_dtype, model, self.quantization_reason)
+        self.shared_kv = None if kv_file is None or tp is None else SharedKV(kv_file, tp.rank, tp.size)
+        self.engine_summary = engine_summary(config, self.dtype, self.kv_dtype, model, self.quantization_reason,
+                                             kv_in_huge_pages=model.huge_pages and self.shared_kv is None)
         self.compatibility = compatibility_record(config, self.loaded, self.dtype, self.kv_dtype)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        self.shared_kv = None if kv_file is None or tp is None else SharedKV(kv_file, tp.rank, tp.size)
         if self.shared_kv is not None and config.model.device != "cpu":
             raise ConfigError("a TP group moves its KV from one shared host region: prefill and decode servers "
                               f"with tensor_parallel_size > 1 run on the CPU, not on {config.model.device}")

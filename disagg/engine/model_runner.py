@@ -72,6 +72,7 @@ class ModelRunner:
         shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         if self.shared_kv is None and self.model.huge_pages:  # a step reads it block by block (ops.hugepages)
             self.kv_cache = HugePageArena().empty(shape, self.kv_dtype)
+            self.kv_cache.zero_()  # written now, as torch.zeros writes: the memory is taken at start, not mid-serving
         elif self.shared_kv is None:
             self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.model.device)
         else:

@@ -91,15 +91,18 @@ def resolve_quantization(model: ModelConfig, tp_size: int = 1) -> tuple[ModelCon
     return replace(model, quantization="none"), f"auto: {why}"
 
 
-def engine_summary(config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype, model, quantization_reason: str | None) -> str:
-    """For the ready line and /server_info: what runs the model (a built LlamaModel) and why."""
+def engine_summary(config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype, model, quantization_reason: str | None,
+                   kv_in_huge_pages: bool = False) -> str:
+    """For the ready line and /server_info: what runs the model (a built LlamaModel) and why, and what
+    went to huge pages (its weights; the KV cache where `kv_in_huge_pages`)."""
     why = dtype_reason(config.model.dtype, config.model.device)
     quantization_note = "" if quantization_reason is None else f" ({quantization_reason})"
+    pages = huge_pages_note(config.model.huge_pages, model.device.type == "cpu", model.huge_page_bytes, kv_in_huge_pages)
     return (f"{cpu_summary()}, dtype {dtype_name(dtype)} ({why}), "
             f"kernels {model.ops.name} ({kernels_reason(config.model.kernels, model.ops.name)}), "
             f"quantization {config.model.quantization}{quantization_note}: {model.matmul_weights}, "
             f"kv cache {dtype_name(kv_dtype)} ({kv_cache_reason(config.cache.kv_cache_dtype)}), "
-            f"huge pages {huge_pages_note(config.model.huge_pages, model.device.type == 'cpu')}")
+            f"huge pages {pages}")
 
 
 def compatibility_record(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,

@@ -19,19 +19,26 @@ from pathlib import Path
 
 import torch
 
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # x86's: chunks start on this edge
 CHUNK_BYTES = 64 << 20  # a tensor larger than this gets a chunk of its own
 ALIGN = 64  # every placed tensor starts on a cache line
-_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
-def huge_page_mode(path: Path = _THP_ENABLED) -> str:
-    """The kernel's transparent huge page setting: always, madvise, never, or unavailable (no such file)."""
+def huge_page_mode(thp: Path = _THP) -> str:
+    """The kernel's transparent huge page setting: always, madvise, never, or unavailable (no such file),
+    or `large` where its huge pages are larger than a chunk (arm64 with 64 KB pages: 512 MB)."""
     try:
-        text = path.read_text()
+        text = (thp / "enabled").read_text()
     except OSError:
         return "unavailable"
     chosen = [word[1:-1] for word in text.split() if word.startswith("[") and word.endswith("]")]
+    try:
+        size = int((thp / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        size = HUGE_PAGE
+    if size > CHUNK_BYTES:
+        return "large"
     return chosen[0] if chosen else "unavailable"
 
 
@@ -46,17 +53,21 @@ def huge_pages_in_use(pid: str = "self") -> int:
     return 0
 
 
-def huge_pages_note(asked: bool, on_cpu: bool, mode: str | None = None) -> str:
-    """For the ready line: whether the weights and the KV cache go to huge pages, and why (`mode`: the
-    kernel's setting, read where None)."""
+def huge_pages_note(asked: bool, on_cpu: bool, weight_bytes: int, kv_cache: bool, mode: str | None = None) -> str:
+    """For the ready line: what went to huge pages (`weight_bytes` of the matmul weights, the KV cache
+    or not: a TP group's shared one does not), and why (`mode`: the kernel's setting, read where None)."""
     if not on_cpu:
         return "off (not on CPU)"
     if not asked:
         return "off (--no-huge-pages)"
     mode = huge_page_mode() if mode is None else mode
-    if mode in ("always", "madvise"):
-        return f"weights and kv cache (transparent_hugepage {mode})"
-    return f"none: the kernel gives none (transparent_hugepage {mode})"
+    if mode == "large":
+        return f"none: this kernel's huge pages are larger than the arena's {CHUNK_BYTES >> 20} MiB chunks"
+    if mode not in ("always", "madvise"):
+        return f"none: the kernel gives none (transparent_hugepage {mode})"
+    placed = [f"{weight_bytes / 2**20:.1f} MiB of weights"] if weight_bytes else []
+    placed += ["the kv cache"] if kv_cache else []
+    return f"{' and '.join(placed) or 'nothing placed'} (transparent_hugepage {mode})"
 
 
 class HugePageArena:
@@ -68,6 +79,7 @@ class HugePageArena:
         self._chunk: torch.Tensor | None = None  # uint8 view of the chunk being filled, from its 2 MB edge
         self._used = 0
         self.mapped_bytes = 0
+        self.placed_bytes = 0  # of the tensors handed out
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of `t` (contiguous, same dtype and shape) in the arena; `t` itself where it is not on CPU
@@ -87,15 +99,20 @@ class HugePageArena:
             self._chunk, self._used = self._map(max(nbytes, self.chunk_bytes)), 0
         start = self._used
         self._used = -(-(start + nbytes) // ALIGN) * ALIGN
+        self.placed_bytes += nbytes
         return self._chunk[start:start + nbytes].view(dtype).view(shape)
 
     def _map(self, nbytes: int) -> torch.Tensor:
         """A new chunk of at least `nbytes`, starting on a 2 MB edge."""
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        # Never closed nor resized: views of it would dangle. It is unmapped when the last view dies.
         region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
         if advice is not None:
-            region.madvise(advice)
+            try:
+                region.madvise(advice)
+            except OSError:  # a kernel built without transparent huge pages: EINVAL; ordinary pages then
+                pass
         whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while any view lives
         edge = -whole.data_ptr() % HUGE_PAGE
         self.mapped_bytes += size

@@ -9,7 +9,7 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from kernel_summary import huge_pages
+from kernel_summary import HUGE_PAGES_CLAUSE, split_huge_pages
 from pd_cluster import TINY, Cluster, pd_config, start_decode, start_pd, start_unified
 from disagg.config import ServerConfig
 from disagg.launch import start_server
@@ -37,7 +37,9 @@ async def test_bfloat16_blocks_move_and_decode_as_unified_does():
         assert d_data["output_ids"] == want["output_ids"] and p_data["output_ids"] == want["output_ids"][:1]
         assert await cluster.free_blocks() == ([96, 96], [96, 96])
         for server in (cluster.prefill, cluster.decode, unified):
-            assert server.controller.model.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)" + huge_pages())
+            engine, pages = split_huge_pages(server.controller.model.engine_summary)
+            assert engine.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)")
+            assert re.fullmatch(HUGE_PAGES_CLAUSE, pages), pages
     finally:
         await asyncio.gather(cluster.close(), unified.close())
 

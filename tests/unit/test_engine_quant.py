@@ -98,23 +98,30 @@ def test_quantized_engine_stays_near_the_dense_one(tiny_loaded, quantization, me
 
 
 def test_engine_summary_says_dtype_and_kernels(tiny_loaded, route):
-    assert engine(tiny_loaded).engine_summary == (
+    dense = engine(tiny_loaded)
+    assert dense.engine_summary == (
         f"{cpu_summary()}, "
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization none: 9 float32 dense ({dense_kernel()}), "
-        "kv cache float32 (auto: the model's dtype)" + huge_pages())
-    assert engine(tiny_loaded, kernels="torch").engine_summary == (
+        "kv cache float32 (auto: the model's dtype)" + huge_pages(dense))
+    reference = engine(tiny_loaded, kernels="torch")
+    assert reference.engine_summary == (
         f"{cpu_summary()}, "
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none: 9 float32 dense (F.linear), "
-        "kv cache float32 (auto: the model's dtype)" + huge_pages())
+        "kv cache float32 (auto: the model's dtype)" + huge_pages(reference))
+    assert reference.runner.model.huge_page_bytes == 0  # F.linear's weights are the loader's own: never copied
     expected = "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations)"
     if route == "quant_matmul":
         expected = "9 quantized on load as int4 g32 (csrc quant_matmul, int8 activations in blocks of 32)"
-    assert engine(tiny_loaded, "int4", "bfloat16").engine_summary == (
+    int4 = engine(tiny_loaded, "int4", "bfloat16")
+    assert int4.engine_summary == (
         f"{cpu_summary()}, dtype bfloat16 (set by --dtype), {auto_kernels()}, quantization int4: {expected}, "
-        "kv cache bfloat16 (auto: the model's dtype)" + huge_pages())
-    assert engine(tiny_loaded, "int4", "bfloat16", kernels="torch").engine_summary == (
+        "kv cache bfloat16 (auto: the model's dtype)" + huge_pages(int4))
+    assert (int4.runner.model.huge_page_bytes > 0) == (route == "quant_matmul")  # csrc's blocks are placed
+    int4_torch = engine(tiny_loaded, "int4", "bfloat16", kernels="torch")
+    assert int4_torch.engine_summary == (
         f"{cpu_summary()}, dtype bfloat16 (set by --dtype), kernels torch (set by --kernels), quantization int4: "
-        "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)" + huge_pages())
+        "9 quantized on load as int4 g32 (torch int4pack, bfloat16 activations), kv cache bfloat16 (auto: the model's dtype)"
+        + huge_pages(int4_torch))
 
 
 def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded):
@@ -127,10 +134,11 @@ def test_quantization_auto_takes_a_gguf_files_own_blocks_on_cpu_only(tiny_loaded
     split, why = resolve_quantization(ModelConfig(quantization="auto"), tp_size=3)
     assert (split.quantization, why) == ("none", "auto: tensor parallelism splits dense weights")
     assert resolve_quantization(ModelConfig(quantization="int8")) == (ModelConfig(quantization="int8"), None)
-    assert engine(tiny_loaded, "auto", kernels="torch").engine_summary == (
+    reference = engine(tiny_loaded, "auto", kernels="torch")
+    assert reference.engine_summary == (
         f"{cpu_summary()}, "
         "dtype float32 (set by --dtype), kernels torch (set by --kernels), quantization none (auto: not a .gguf file): "
-        "9 float32 dense (F.linear), kv cache float32 (auto: the model's dtype)" + huge_pages())
+        "9 float32 dense (F.linear), kv cache float32 (auto: the model's dtype)" + huge_pages(reference))
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +185,7 @@ def test_gguf_engine_stays_near_the_dense_engine_on_the_same_file(smollm2_loaded
         weights = ("120 Q4_1 as int4 g32 (torch int4pack, bfloat16 activations), "
                    "1 Q8_0 requantized as int8 per channel (torch int8pack, bfloat16 activations)")
     assert gguf.engine_summary == (f"{cpu_summary()}, dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf: {weights}, "
-                                   "kv cache float32 (auto: the model's dtype)" + huge_pages())
+                                   "kv cache float32 (auto: the model's dtype)" + huge_pages(gguf))
     outs = run_all(gguf, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     errors = prompt_logprob_errors(outs, refs, prompts)
@@ -208,7 +216,7 @@ def test_gguf_float_runs_the_blocks_with_the_dense_engines_numbers(smollm2_loade
     assert fast.engine_summary == (
         f"{cpu_summary()}, "
         f"dtype float32 (set by --dtype), {auto_kernels()}, quantization gguf_float: 120 Q4_1 as int4 g32 ({kernel}), "
-        f"1 Q8_0 as int8 g32 ({kernel}), kv cache float32 (auto: the model's dtype)" + huge_pages())
+        f"1 Q8_0 as int8 g32 ({kernel}), kv cache float32 (auto: the model's dtype)" + huge_pages(fast))
     outs = run_all(fast, prompts)
     refs = run_all(engine(smollm2_loaded, model="smollm2-135m"), prompts)
     assert prompt_logprob_errors(outs, refs, prompts).max() <= 1e-4

@@ -117,8 +117,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_in_the_same_memory(tiny_loaded)
     auto, bf16 = blocks("auto"), blocks("bfloat16")
     assert (auto.num_blocks, bf16.num_blocks) == (512, 1024)
     assert (auto.runner.kv_cache.nbytes, bf16.runner.kv_cache.nbytes) == (2**20, 2**20)
-    assert auto.engine_summary.endswith(", kv cache float32 (auto: the model's dtype)" + huge_pages())
-    assert bf16.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)" + huge_pages())
+    assert auto.engine_summary.endswith(", kv cache float32 (auto: the model's dtype)" + huge_pages(auto))
+    assert bf16.engine_summary.endswith(", kv cache bfloat16 (set by --kv-cache-dtype)" + huge_pages(bf16))
 
 
 def test_the_kv_cache_dtype_resolves_against_the_model_dtype():

@@ -12,31 +12,51 @@ from disagg.engine.core import EngineCore
 from disagg.engine.models.linear_weights import placed
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
 from disagg.ops.hugepages import (HUGE_PAGE, HugePageArena, huge_page_mode, huge_pages_in_use, huge_pages_note)
+from disagg.ops import load_ops
 from disagg.ops.linear import TiledWeight, pack_tiles
 from disagg.types import SamplingParams
-from kernel_summary import huge_pages
 
 MIB = 2**20
 
 
-def test_the_kernels_setting_is_the_bracketed_word(tmp_path):
-    setting = tmp_path / "enabled"
-    setting.write_text("always [madvise] never\n")
-    assert huge_page_mode(setting) == "madvise"
-    setting.write_text("[always] madvise never\n")
-    assert huge_page_mode(setting) == "always"
-    setting.write_text("always madvise [never]\n")
-    assert huge_page_mode(setting) == "never"
+def test_the_kernels_setting_is_the_bracketed_word_and_pages_past_a_chunk_count_as_large(tmp_path):
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    assert huge_page_mode(tmp_path) == "madvise"  # no hpage_pmd_size: 2 MB
+    (tmp_path / "hpage_pmd_size").write_text("2097152\n")
+    (tmp_path / "enabled").write_text("[always] madvise never\n")
+    assert huge_page_mode(tmp_path) == "always"
+    (tmp_path / "enabled").write_text("always madvise [never]\n")
+    assert huge_page_mode(tmp_path) == "never"
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    (tmp_path / "hpage_pmd_size").write_text(f"{512 * MIB}\n")  # arm64 with 64 KB pages
+    assert huge_page_mode(tmp_path) == "large"
     assert huge_page_mode(tmp_path / "missing") == "unavailable"
 
 
-def test_the_note_says_what_was_asked_and_what_the_kernel_gives():
-    assert huge_pages_note(True, True, "madvise") == "weights and kv cache (transparent_hugepage madvise)"
-    assert huge_pages_note(True, True, "always") == "weights and kv cache (transparent_hugepage always)"
-    assert huge_pages_note(True, True, "never") == "none: the kernel gives none (transparent_hugepage never)"
-    assert huge_pages_note(True, True, "unavailable") == "none: the kernel gives none (transparent_hugepage unavailable)"
-    assert huge_pages_note(False, True, "madvise") == "off (--no-huge-pages)"
-    assert huge_pages_note(True, False, "madvise") == "off (not on CPU)"
+def test_the_note_says_what_went_to_huge_pages_and_why():
+    assert huge_pages_note(True, True, 3 * MIB // 2, True, "madvise") == (
+        "1.5 MiB of weights and the kv cache (transparent_hugepage madvise)")
+    assert huge_pages_note(True, True, 513 * MIB, True, "always") == (
+        "513.0 MiB of weights and the kv cache (transparent_hugepage always)")
+    assert huge_pages_note(True, True, 0, True, "madvise") == "the kv cache (transparent_hugepage madvise)"
+    assert huge_pages_note(True, True, MIB, False, "madvise") == "1.0 MiB of weights (transparent_hugepage madvise)"
+    assert huge_pages_note(True, True, 0, False, "madvise") == "nothing placed (transparent_hugepage madvise)"
+    assert huge_pages_note(True, True, MIB, True, "never") == "none: the kernel gives none (transparent_hugepage never)"
+    assert huge_pages_note(True, True, MIB, True, "unavailable") == (
+        "none: the kernel gives none (transparent_hugepage unavailable)")
+    assert huge_pages_note(True, True, MIB, True, "large") == (
+        "none: this kernel's huge pages are larger than the arena's 64 MiB chunks")
+    assert huge_pages_note(False, True, MIB, True, "madvise") == "off (--no-huge-pages)"
+    assert huge_pages_note(True, False, MIB, True, "madvise") == "off (not on CPU)"
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise advice for huge pages here")
+def test_a_kernel_that_refuses_the_advice_gives_ordinary_pages(monkeypatch):
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 9999)  # advice no kernel knows: EINVAL, as from one without THP
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).madvise(mmap.MADV_HUGEPAGE)
+    t = HugePageArena().place(torch.arange(5, dtype=torch.int16))
+    assert t.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_placed_tensors_keep_their_values_and_sit_on_cache_lines_one_after_another():
@@ -86,6 +106,7 @@ def test_a_tiled_weight_moves_with_its_kernel_and_numbers():
     assert moved.packed.data_ptr() != tiled.packed.data_ptr()
     assert torch.equal(moved.packed, tiled.packed) and (moved.out_features, moved.in_features) == (40, 16)
     assert placed(tiled, None) is tiled
+    assert placed(w, HugePageArena()) is w  # a dense weight may be the loader's own: a copy would hold it twice
 
 
 @pytest.mark.timeout(120)
@@ -102,6 +123,21 @@ def test_the_engine_answers_the_same_with_and_without_huge_pages(tiny_loaded):
     (on, on_tokens), (off, off_tokens) = run(True), run(False)
     assert on_tokens == off_tokens and len(on_tokens) == 12
     assert on.runner.kv_cache.nbytes == off.runner.kv_cache.nbytes == MIB
-    assert on.engine_summary.endswith(huge_pages())
-    assert off.engine_summary.endswith(", huge pages off (--no-huge-pages)")
     assert on.runner.kv_cache.data_ptr() % HUGE_PAGE == 0  # in an arena's chunk
+    assert off.engine_summary.endswith(", huge pages off (--no-huge-pages)")
+    assert off.runner.model.huge_page_bytes == 0
+    # where csrc's dense_matmul runs float32 weights: every layer's tiles and the head's, rows padded to 32
+    arch, tiled = tiny_loaded.arch, load_ops("auto").dense_matmul_preferred
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes = [(q + 2 * kv, arch.hidden_size), (arch.hidden_size, q), (2 * arch.intermediate_size, arch.hidden_size),
+              (arch.hidden_size, arch.intermediate_size)]
+    weight_bytes = arch.num_layers * sum(-(-n // 32) * 32 * k * 4 for n, k in shapes)
+    weight_bytes += -(-arch.vocab_size // 32) * 32 * arch.hidden_size * 4
+    model = on.runner.model
+    assert model.huge_page_bytes == (weight_bytes if tiled else 0)
+    if tiled:
+        assert model.layers[0]["qkv"].packed.data_ptr() % HUGE_PAGE == 0  # the first weight placed
+    mode = huge_page_mode()
+    assert on.engine_summary.endswith(", huge pages " + huge_pages_note(True, True, weight_bytes if tiled else 0, True))
+    if mode in ("always", "madvise"):
+        assert on.engine_summary.endswith(f"the kv cache (transparent_hugepage {mode})")

@@ -51,15 +51,17 @@ def linear_weight(parts: Sequence[Part], quantization: str, dtype: torch.dtype, 
 
 
 def placed(w: Weight, arena: HugePageArena | None) -> Weight:
-    """`w` with the tensors a step streams moved into `arena` (huge pages; disagg.ops.hugepages), where
-    there is one. A oneDNN weight stays where oneDNN put it (its tensor is opaque)."""
-    if arena is None or isinstance(w, OnednnWeight):
+    """`w` with the tensors csrc's kernels stream moved into `arena` (huge pages; disagg.ops.hugepages),
+    where there is one: a TiledWeight's tiles, a csrc PackedWeight's blocks and scales, packed afresh for
+    this engine. Every other form stays (a oneDNN weight's tensor is opaque; a dense or torch-packed one
+    may be the loader's own tensor, which a copy would hold twice)."""
+    if arena is None:
         return w
     if isinstance(w, TiledWeight):
         return dataclasses.replace(w, packed=arena.place(w.packed))
-    if isinstance(w, PackedWeight):
+    if isinstance(w, PackedWeight) and w.quant_matmul is not None:
         return dataclasses.replace(w, packed=arena.place(w.packed), scales=arena.place(w.scales))
-    return arena.place(w)
+    return w
 
 
 def _fusable(parts: Sequence[QuantizedWeight]) -> bool:

@@ -118,6 +118,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos_sin = rope_cos_sin(self.inv_freq, min(arch.max_position_embeddings, 4096))
         self.scale = arch.head_dim**-0.5
+        self.huge_page_bytes = 0 if self._arena is None else self._arena.placed_bytes  # weights placed there
         self._arena = None
         linears = [layer[k] for layer in self.layers for k in _LINEARS]
         self.matmul_weights = describe_weights([*linears, self.lm_head])  # for the ready line

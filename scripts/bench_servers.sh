@@ -39,6 +39,7 @@ peer() {  # $1: label, $2: port, rest: the server's command
 echo "| server | 1 stream: TTFT p50 (ms) | 1 stream: TPOT p50 (ms) | 16 streams: output tok/s | failed |"
 echo "|---|---|---|---|---|"
 ours "disagg-dp1-default" --dp-size 1
+ours "disagg-dp1-default-4K-pages" --dp-size 1 --no-huge-pages
 ours "disagg-dp1-gguf" --dp-size 1 --quantization gguf
 ours "disagg-dp2-gguf" --dp-size 2 --quantization gguf
 ours "disagg-dp1-fp32" --dp-size 1 --dtype float32

@@ -45,9 +45,9 @@ class ModelConfig:
     seed: int = field(default=0, metadata={"help": "seed for the tiny model's weights and unseeded sampling"})
     huge_pages: bool = field(
         default=True,
-        metadata={"help": "the matmul weights and the KV cache in transparent huge pages on CPU, where the kernel "
-                          "gives them (its transparent_hugepage setting always or madvise): a decode step streams "
-                          "both; --no-huge-pages: ordinary 4 KB pages"},
+        metadata={"help": "the weights csrc's kernels stream and the KV cache in transparent huge pages on CPU, where "
+                          "the kernel gives them (its transparent_hugepage setting always or madvise): a decode step "
+                          "reads both; --no-huge-pages: ordinary 4 KB pages"},
     )
     served_model_name: str | None = field(default=None, metadata={"help": "name shown in /v1/models"})
     chat_template: str | None = field(

@@ -86,7 +86,7 @@ class LlamaModel:
                  kernels: str = "auto", tp: Collectives | None = None, huge_pages: bool = True):
         """`tp`: this rank's tensor-parallel group; `arch` and `weights` are then the rank's shard
         (tensor_parallel.py), and the layer outputs and logits are combined across the group.
-        `huge_pages`: the matmul weights in transparent huge pages on CPU (disagg.ops.hugepages)."""
+        `huge_pages`: csrc's packed weights in transparent huge pages on CPU (disagg.ops.hugepages)."""
         self.arch = arch
         self.tp = tp
         self.dtype = dtype

@@ -7,7 +7,8 @@ float32 matmuls, both threads, the same kernel and bytes: 1 row 30.0 -> 21.1 ms 
 
 Linux gives huge pages to anonymous memory advised for them (MADV_HUGEPAGE) where
 /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise` (most distributions' default); with
-`never`, or off Linux, the same memory is ordinary pages and nothing else changes. An arena maps chunks
+`never`, a kernel built without them (it refuses the advice) or off Linux, the same memory is ordinary
+pages and nothing else changes. An arena maps chunks
 of private anonymous memory aligned to 2 MB, advises them, and hands out tensors placed in them: a
 tensor's memory lives as long as any tensor placed in its chunk.
 """

@@ -259,9 +259,11 @@ def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple
     (where the kernel gives them; the engine's weights sit there: 17-19 -> 25 GB/s read on the Xeon
     host): the faster of the two."""
     copy_best = read_best = 0.0
-    for pages in (None, HugePageArena):  # one pair of buffers at a time
-        src = torch.ones(size_bytes // 4) if pages is None else pages().place(torch.ones(size_bytes // 4))
-        dst = torch.empty_like(src) if pages is None else pages().empty(src.shape, src.dtype)
+    for huge in (False, True):  # one pair of buffers at a time
+        shape = (size_bytes // 4,)
+        src, dst = ((HugePageArena().empty(shape, torch.float32) for _ in range(2)) if huge
+                    else (torch.empty(shape), torch.empty(shape)))
+        src.fill_(1.0)
         for _ in range(repeat):
             start = time.perf_counter()
             dst.copy_(src)
@@ -269,7 +271,7 @@ def measure_memory_gbps(size_bytes: int = 256 * 2**20, repeat: int = 5) -> tuple
             start = time.perf_counter()
             src.sum()
             read_best = max(read_best, size_bytes / (time.perf_counter() - start) / 1e9)
-        del src, dst
+        del src, dst  # freed before the next pair
     return copy_best, read_best
 
 

@@ -43,17 +43,6 @@ def huge_page_mode(thp: Path = _THP) -> str:
     return chosen[0] if chosen else "unavailable"
 
 
-def huge_pages_in_use(pid: str = "self") -> int:
-    """Bytes of anonymous memory in huge pages in a process (its smaps_rollup's AnonHugePages), 0 where unknown."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def huge_pages_note(asked: bool, on_cpu: bool, weight_bytes: int, kv_cache: bool, mode: str | None = None) -> str:
     """For the ready line: what went to huge pages (`weight_bytes` of the matmul weights, the KV cache
     or not: a TP group's shared one does not), and why (`mode`: the kernel's setting, read where None)."""

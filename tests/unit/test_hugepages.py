@@ -4,6 +4,7 @@ setting read, and the engine's weights and KV cache there unless --no-huge-pages
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +12,20 @@ import torch
 from disagg.engine.core import EngineCore
 from disagg.engine.models.linear_weights import placed
 from disagg.engine_config import CacheConfig, EngineConfig, ModelConfig
-from disagg.ops.hugepages import (HUGE_PAGE, HugePageArena, huge_page_mode, huge_pages_in_use, huge_pages_note)
+from disagg.ops.hugepages import HUGE_PAGE, HugePageArena, huge_page_mode, huge_pages_note
 from disagg.ops import load_ops
 from disagg.ops.linear import TiledWeight, pack_tiles
 from disagg.types import SamplingParams
 
 MIB = 2**20
+
+
+def huge_pages_in_use() -> int:
+    """Bytes of this process's anonymous memory in huge pages (smaps_rollup's AnonHugePages)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no AnonHugePages line in /proc/self/smaps_rollup")
 
 
 def test_the_kernels_setting_is_the_bracketed_word_and_pages_past_a_chunk_count_as_large(tmp_path):

@@ -26,7 +26,8 @@ from disagg.tool_config import ToolConfig
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
 # `disagg serve`'s flags that default to None and are sized to the machine (disagg/sizing.py)
 SIZED_FLAGS = ("dp_size", "decode_dp_size", "max_waiting_requests", "max_local_prefill_tokens",
-               "decode_max_prefill_tokens_per_step", "decode_max_num_seqs", "whole_max_num_seqs", "itl_objective_ms")
+               "decode_max_prefill_tokens_per_step", "decode_max_num_seqs", "whole_max_num_seqs", "itl_objective_ms",
+               "ttft_objective_ms")
 SIZED_HELP = dict.fromkeys(SIZED_FLAGS, "sized to this machine, on the ready line; docs/router.md")
 
 
@@ -118,7 +119,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                     defaults={"max_local_prefill_tokens": None, "whole_max_num_seqs": None, "itl_objective_ms": None},
                     shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("both servers (--host binds the router too)"), ServerConfig,
-                       only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": None, "max_waiting_requests": None},
+                       only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": None, "max_waiting_requests": None, "ttft_objective_ms": None},
                        shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
     add_dataclass_args(serve.add_argument_group("the router and the CPU split"), cluster.ClusterOptions,
@@ -185,7 +186,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     """`disagg serve`: a bad CPU list, timeout or limit fails before anything starts; what the user
     left unset of disagg/sizing.py's settings is sized to the CPUs each role gets."""
     planned = plan_cluster_cpus(usable_cpus(), args.prefill_cpus, args.decode_cpus)
-    sized = size_to_machine(*planned, itl_slo_ms=args.itl_slo_ms, **{name: getattr(args, name) for name in SIZED_FLAGS})
+    sized = size_to_machine(*planned, itl_slo_ms=args.itl_slo_ms, ttft_slo_ms=args.ttft_slo_ms,
+                            **{name: getattr(args, name) for name in SIZED_FLAGS})
     for name in SIZED_FLAGS:
         setattr(args, name, getattr(sized, name))
     disagg = disagg_from_args(args, bootstrap_port=0)

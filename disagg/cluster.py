@@ -56,7 +56,7 @@ def router_config(prefill: RunningServer, decode: RunningServer, cache_aware: Ca
 
 # ServerConfig's fields that `disagg serve` sets alike on both of its servers (`host` binds the router too)
 SHARED_SERVER_FIELDS = ("host", "dp_size", "log_format", "api_key", "admin_key", "max_waiting_requests",
-                        "max_kv_usage", "shutdown_timeout_s", "otlp_traces_endpoint")
+                        "max_kv_usage", "ttft_objective_ms", "shutdown_timeout_s", "otlp_traces_endpoint")
 
 
 @dataclass(frozen=True)

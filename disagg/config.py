@@ -244,6 +244,11 @@ class ServerConfig:
     max_kv_usage: float = field(
         default=1.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while the KV "
                                        "cache of every live DP worker is more than this fraction used; 1.0: off"})
+    ttft_objective_ms: float = field(
+        default=0.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while a request "
+                                       "waits for its first token and those answered in the last 3 s (at least 3) "
+                                       "waited a median of more than this many ms: a new one would queue behind them "
+                                       "and miss it too; 0: off (disagg serve: its planner's --ttft-slo-ms)"})
     enable_pd_role_switch: bool = field(default=False, metadata={"negatable": False, "help": (
         "prefill and decode servers: POST /pd_role_switch {\"new_role\": \"prefill\"|\"decode\"} (admin) switches "
         "the whole server, every DP worker, at run time, without restarting a worker or reloading weights "
@@ -293,6 +298,8 @@ class ServerConfig:
             raise ConfigError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_waiting_requests < 0:
             raise ConfigError(f"max_waiting_requests must be >= 0 (0: no limit), got {self.max_waiting_requests}")
+        if self.ttft_objective_ms < 0:
+            raise ConfigError(f"ttft_objective_ms must be >= 0 (0: off), got {self.ttft_objective_ms}")
         if not 0.0 < self.max_kv_usage <= 1.0:
             raise ConfigError(f"max_kv_usage must be in (0, 1] (1: off), got {self.max_kv_usage}")
         check_shutdown_timeout(self.shutdown_timeout_s)

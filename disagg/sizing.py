@@ -35,6 +35,7 @@ class Sized:
     decode_max_num_seqs: int
     whole_max_num_seqs: int
     itl_objective_ms: float
+    ttft_objective_ms: float
     notes: tuple[str, ...]
 
 
@@ -44,13 +45,15 @@ def role_dp_size(cpus: frozenset[int] | None) -> int:
 
 
 def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[int] | None, *, itl_slo_ms: float,
+                    ttft_slo_ms: float,
                     dp_size: int | None = None, decode_dp_size: int | None = None,
                     max_waiting_requests: int | None = None, max_local_prefill_tokens: int | None = None,
                     decode_max_prefill_tokens_per_step: int | None = None,
                     decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
-                    itl_objective_ms: float | None = None) -> Sized:
+                    itl_objective_ms: float | None = None, ttft_objective_ms: float | None = None) -> Sized:
     """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (the
-    decode's pace: to the planner's ITL objective, `itl_slo_ms`, measured on the machine as it runs)."""
+    decode's pace: to the planner's ITL objective, `itl_slo_ms`, measured on the machine as it runs; the
+    servers' admission by their first tokens' waits: to its TTFT objective, `ttft_slo_ms`)."""
     notes: list[str] = []
     if dp_size is None:
         dp_size, decode_dp_size = role_dp_size(prefill_cpus), decode_dp_size or role_dp_size(decode_cpus)
@@ -80,6 +83,10 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         itl_objective_ms = itl_slo_ms
         notes.append(f"--itl-objective-ms {itl_objective_ms:g} (the decode's pace: as many requests run at once as "
                      "its own steps, measured as it runs, keep within the ITL objective)")
+    if ttft_objective_ms is None:
+        ttft_objective_ms = ttft_slo_ms
+        notes.append(f"--ttft-objective-ms {ttft_objective_ms:g} (429 at once while the requests answered lately "
+                     "waited past the TTFT objective for their first token and others still wait)")
     return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
                  decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, itl_objective_ms,
-                 tuple(notes))
+                 ttft_objective_ms, tuple(notes))

@@ -1,7 +1,8 @@
 #!/bin/bash
 # docs/benchmarks.md "Defaults that pay": the multi-turn chat load at each rate against `disagg serve`
 # with its defaults (sized to this machine) and `disagg unified --dp-size 2`, with its defaults and with
-# the flags of serve's limits (`--max-waiting-requests 4 --max-num-seqs 8`), one server at a time, then the table
+# the flags of serve's limits (`--max-waiting-requests 4 --max-num-seqs 8 --ttft-objective-ms 1500`), one server
+# at a time, then the table
 # (scripts/chat_table.py) with KV moved per later turn. Run on a quiet machine from the repository root:
 #
 #     RATES="0.5 1 1.5 2" OUT=bench-out/defaults scripts/bench_chat_defaults.sh
@@ -18,6 +19,7 @@ SERVE_FLAGS=${SERVE_FLAGS:-}
 SERVE_LABEL=${SERVE_LABEL:-serve}
 CONVS_PER_RATE=${CONVS_PER_RATE:-16}
 WAITING=${WAITING:-4}  # unified-limits' --max-waiting-requests: serve's sized default on 2 cores
+TTFT_OBJECTIVE_MS=${TTFT_OBJECTIVE_MS:-1500}  # and its --ttft-objective-ms: serve's (the planner's --ttft-slo-ms)
 mkdir -p "$OUT"
 
 stop() {  # the process group of $1
@@ -46,7 +48,7 @@ for rate in $RATES; do
     case $server in
       unified) run unified "$rate" "$OUT/unified-$rate.log" .venv/bin/disagg unified --port 0 --dp-size 2 ;;
       unified-limits) run unified-limits "$rate" "$OUT/unified-limits-$rate.log" .venv/bin/disagg unified --port 0 \
-        --dp-size 2 --max-waiting-requests "$WAITING" --max-num-seqs 8 ;;
+        --dp-size 2 --max-waiting-requests "$WAITING" --max-num-seqs 8 --ttft-objective-ms "$TTFT_OBJECTIVE_MS" ;;
       # shellcheck disable=SC2086  # SERVE_FLAGS are words
       serve) run "$SERVE_LABEL" "$rate" "$OUT/$SERVE_LABEL-$rate.log" .venv/bin/disagg serve --port 0 --log-format json \
         $SERVE_FLAGS ;;

@@ -1,7 +1,9 @@
 """Admission under load: whether a server refuses a new generate request at once (429) because too
-many requests wait, or because every live DP worker's KV cache is fuller than its limit.
+many requests wait, because every live DP worker's KV cache is fuller than its limit, or because the
+requests it answered lately waited past the TTFT objective for their first token while others still wait.
 
-Pure: it reads the controller's `WorkerState`s and answers now; nothing here waits or queues.
+Pure: it reads the controller's `WorkerState`s and the waits the front measured (`FirstTokenWaits`,
+the clock passed in) and answers now; nothing here waits or queues.
 A request counts as waiting from the moment the front dispatched it until its worker reports it
 running: per worker, the requests the front has outstanding there less those the worker's last
 load report (StatsMsg, every 0.5 s) counted as running. On a decode that includes requests whose
@@ -10,6 +12,8 @@ KV is still on its way.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from disagg.dp.protocol import WorkerState
@@ -17,6 +21,11 @@ from disagg.dp.protocol import WorkerState
 RETRY_AFTER_S = 1  # the 429's Retry-After: a worker reports its load every 0.5 s
 TOO_MANY_WAITING_CODE = "too_many_waiting_requests"
 KV_CACHE_FULL_CODE = "kv_cache_over_limit"
+TTFT_OVER_OBJECTIVE_CODE = "ttft_over_objective"
+# The first tokens that say what a new request would wait: those of the last WAIT_WINDOW_S, if at least
+# MIN_WAITS came (fewer: too light a load to tell a queue from a long prompt's own compute).
+WAIT_WINDOW_S = 3.0
+MIN_WAITS = 3
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,55 @@ class Overload:
 
     message: str
     code: str
+
+
+class FirstTokenWaits:
+    """How long this server's requests waited for their first output (dispatch to the first token, the
+    server's own TTFT: on a decode the KV's way included). Times are monotonic seconds, passed in."""
+
+    def __init__(self, window_s: float = WAIT_WINDOW_S):
+        self.window_s = window_s
+        self._waiting: dict[str, float] = {}  # request id -> when it was dispatched, until its first output
+        self._answered: deque[tuple[float, float]] = deque()  # (when its first output came, its wait)
+
+    def dispatched(self, request_id: str, now: float) -> None:
+        self._waiting[request_id] = now
+
+    def answered(self, request_id: str, now: float) -> None:
+        """`request_id`'s first output came (once per request: later calls are no-ops)."""
+        since = self._waiting.pop(request_id, None)
+        if since is not None:
+            self._answered.append((now, now - since))
+
+    def dropped(self, request_id: str) -> None:
+        """`request_id` ended, answered or not."""
+        self._waiting.pop(request_id, None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def recent_waits(self, now: float) -> list[float]:
+        """The waits of the first outputs of the last `window_s`, oldest first."""
+        while self._answered and self._answered[0][0] < now - self.window_s:
+            self._answered.popleft()
+        return [wait for _, wait in self._answered]
+
+
+def ttft_overload(waits: FirstTokenWaits, ttft_objective_ms: float, now: float) -> Overload | None:
+    """Refuse while a request waits for its first output and the median wait of the first outputs of
+    the last `waits.window_s` (at least MIN_WAITS of them) is past the objective: a queue stands that
+    a new request would wait behind, so it would miss it too, and its work would slow those that can still
+    meet it. Once no request waits, or the window holds too few, requests are taken again."""
+    if not ttft_objective_ms or not waits.num_waiting:
+        return None
+    recent = waits.recent_waits(now)
+    if len(recent) < MIN_WAITS or (median_s := statistics.median(recent)) * 1e3 <= ttft_objective_ms:
+        return None
+    return Overload(f"the server's requests waited {median_s * 1e3:.0f} ms for their first token lately (the "
+                    f"median of the last {len(recent)} answered in {waits.window_s:g} s; {waits.num_waiting} waiting "
+                    f"now), past its objective (--ttft-objective-ms {ttft_objective_ms:g}): retry later",
+                    TTFT_OVER_OBJECTIVE_CODE)
 
 
 def num_waiting_requests(states: list[WorkerState]) -> int:

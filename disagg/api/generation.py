@@ -137,6 +137,8 @@ class Generation:
         if self._can_hand_back:
             self._state.handbacks[rid] = self.hand_back
         stream = self._state.engine.generate(self._msg, dp_rank)
+        waits = self._state.waits
+        waits.dispatched(rid, time.monotonic())
         done = False
         try:
             async for out in stream:
@@ -148,6 +150,7 @@ class Generation:
                         self._state.metrics.transfer_failed("checksum")
                     raise engine_error(out.error, out.error_status, out.error_param, out.error_code)
                 self.totals.add(out)
+                waits.answered(rid, time.monotonic())
                 self._state.handbacks.pop(rid, None)  # from its first output on the client may have bytes
                 yield out
                 if out.finish_reason is not None:
@@ -160,6 +163,7 @@ class Generation:
         finally:
             self._state.inflight.pop(rid, None)
             self._state.handbacks.pop(rid, None)
+            waits.dropped(rid)
             await self._close(stream, done)
             self._report(done)
 

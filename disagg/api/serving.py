@@ -8,6 +8,7 @@ same on every generate endpoint.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from contextlib import aclosing, contextmanager
 from typing import Protocol
@@ -16,7 +17,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from disagg.api.admission import overload
+from disagg.api.admission import overload, ttft_overload
 from disagg.api.errors import draining_error, overloaded_error, shutdown_error, to_api_error
 from disagg.api.generation import Generation, Totals
 from disagg.api.logging import bind_request
@@ -83,8 +84,8 @@ def kv_headers(totals) -> dict[str, str]:
 
 def admit(state: ApiState, headers: Mapping[str, str]) -> None:
     """Refuse a new generate request at once: 503 while the server drains, switches its role (or was
-    routed for a role epoch it left: `X-PD-Role-Epoch`), 429 (Retry-After) while it is overloaded
-    (api/admission.py)."""
+    routed for a role epoch it left: `X-PD-Role-Epoch`), 429 (Retry-After) while it is overloaded: too
+    many waiting, the KV caches full, or its first tokens late (api/admission.py)."""
     if state.drain.draining:
         raise draining_error(state.drain)
     if state.engine.pd_roles is not None:
@@ -93,9 +94,9 @@ def admit(state: ApiState, headers: Mapping[str, str]) -> None:
         if (stale := state.engine.pd_roles.stale_epoch_error(headers.get(ROLE_EPOCH_HEADER))) is not None:
             raise stale
     config = state.config
-    if not config.max_waiting_requests and config.max_kv_usage >= 1.0:
-        return  # no limit set: nothing to read
-    refusal = overload(state.engine.worker_states(), config.max_waiting_requests, config.max_kv_usage)
+    refusal = ttft_overload(state.waits, config.ttft_objective_ms, time.monotonic())
+    if refusal is None and (config.max_waiting_requests or config.max_kv_usage < 1.0):
+        refusal = overload(state.engine.worker_states(), config.max_waiting_requests, config.max_kv_usage)
     if refusal is not None:
         raise overloaded_error(refusal)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
+from disagg.api.admission import FirstTokenWaits
 from disagg.api.metrics import ApiMetrics
 from disagg.config import ServerConfig
 from disagg.dp.protocol import EngineClient
@@ -24,7 +25,8 @@ class ApiState:
     """Per-app state. `inflight` maps a running request id to its DP rank (for `abort_all`); `drain`
     refuses new generate requests and turns health red once the server shuts down; `handbacks` holds, for
     each running request that has sent its client nothing yet, how to end it with an error instead (a role
-    switch hands such requests back to our router: api/generation.py)."""
+    switch hands such requests back to our router: api/generation.py); `waits`, how long requests waited for
+their first output (--ttft-objective-ms: api/admission.py)."""
 
     config: ServerConfig
     engine: EngineClient
@@ -32,6 +34,7 @@ class ApiState:
     inflight: dict[str, int] = field(default_factory=dict)
     handbacks: dict[str, Callable[[HttpError], bool]] = field(default_factory=dict)
     drain: Drain = field(default_factory=Drain)
+    waits: FirstTokenWaits = field(default_factory=FirstTokenWaits)
     tracing: Tracing | None = None  # --otlp-traces-endpoint (disagg/tracing.py)
     started_at: int = field(default_factory=lambda: int(time.time()))
     _noted: set[str] = field(default_factory=set)

@@ -1,9 +1,13 @@
 """Admission under load over real HTTP, with the in-process engine twin: an overloaded server answers
-429 with Retry-After at once on every generate route and in every role (nothing reaches a worker);
+429 with Retry-After at once on every generate route and in every role (nothing reaches a worker), and
+while its first tokens come past --ttft-objective-ms;
 `priority` reaches the worker on every route."""
 
+import asyncio
+import re
+
 import pytest
-from fake_engine import FakeEngine, api_client
+from fake_engine import FakeEngine, api_client, wait_for
 
 from disagg.config import ConfigError, ServerConfig
 from disagg.dp.protocol import WorkerState
@@ -100,3 +104,36 @@ async def test_limits_out_of_range_are_config_errors(field, value, message):
     with pytest.raises(ConfigError) as err:
         ServerConfig(**{field: value})
     assert str(err.value) == message
+
+
+TTFT_REFUSAL = re.compile(r"the server's requests waited (\d+) ms for their first token lately \(the median of the "
+                          r"last 3 answered in 3 s; 1 waiting now\), past its objective \(--ttft-objective-ms 200\): "
+                          r"retry later")
+
+
+@pytest.mark.parametrize("mode", ["null", "decode"])
+async def test_first_tokens_late_with_one_waiting_is_a_429(mode):
+    """Three requests waited 400 ms each for their first token, past a 200 ms objective: while a fourth
+    waits for its own, a fifth is refused at once; once none waits, requests are taken again."""
+    engine = FakeEngine(token_delay_s=0.4)
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}, **({} if mode == "null" else ROOM)}
+    async with api_client(engine, ttft_objective_ms=200, disaggregation_mode=mode) as client:
+        for _ in range(3):
+            assert (await client.post("/generate", json=body)).status == 200
+        waiting = asyncio.create_task(client.post("/generate", json=body))
+        await wait_for(lambda: len(engine.requests) == 4)
+        status, retry_after, refused = await answer(client, "/generate", body)
+        assert (await waiting).status == 200
+        status_after = (await client.post("/generate", json=body)).status
+    error = refused["error"]
+    waited_ms = int(TTFT_REFUSAL.fullmatch(error["message"]).group(1))
+    assert (status, retry_after, error["type"], error["code"], status_after) == (
+        429, "1", "RateLimitError", "ttft_over_objective", 200)
+    assert 400 <= waited_ms < 1000
+    assert len(engine.requests) == 5  # the refused one reached no worker
+
+
+async def test_a_negative_ttft_objective_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        ServerConfig(ttft_objective_ms=-1)
+    assert str(err.value) == "ttft_objective_ms must be >= 0 (0: off), got -1"

@@ -171,19 +171,25 @@ def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
         "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)",
         "--whole-max-num-seqs 8 (while no prefill serves, every server prefills its own requests as a unified one)",
         "--itl-objective-ms 60 (the decode's pace: as many requests run at once as its own steps, measured as it "
-        "runs, keep within the ITL objective)")
+        "runs, keep within the ITL objective)",
+        "--ttft-objective-ms 1500 (429 at once while the requests answered lately waited past the TTFT objective "
+        "for their first token and others still wait)")
     assert seen["disagg"].decode.itl_objective_ms == 60.0
-    assert captured_run(monkeypatch, ["--itl-slo-ms", "45"])["disagg"].decode.itl_objective_ms == 45.0  # the planner's
+    assert (prefill.ttft_objective_ms, decode.ttft_objective_ms) == (1500.0, 1500.0)
+    seen = captured_run(monkeypatch, ["--itl-slo-ms", "45", "--ttft-slo-ms", "900"])  # the planner's objectives
+    assert seen["disagg"].decode.itl_objective_ms == 45.0
+    assert [server.ttft_objective_ms for server in cluster.server_configs(seen["options"])] == [900.0, 900.0]
 
 
 def test_what_is_given_is_kept_and_only_the_rest_is_sized(monkeypatch):
     for module in (cluster, cli):
         monkeypatch.setattr(module, "usable_cpus", lambda: frozenset(range(7)))
     o = captured_run(monkeypatch, ["--max-waiting-requests", "0", "--decode-max-num-seqs", "16",
-                                   "--planner", "advisory"])["options"]
+                                   "--planner", "advisory", "--ttft-objective-ms", "0"])["options"]
     prefill, decode = cluster.server_configs(o)
     assert (prefill.dp_size, prefill.cpus, decode.dp_size, decode.cpus) == (4, "0-3", 3, "4-6")
     assert (prefill.max_waiting_requests, prefill.enable_pd_role_switch, decode.enable_pd_role_switch) == (0, False, False)
+    assert (prefill.ttft_objective_ms, decode.ttft_objective_ms) == (0.0, 0.0)  # off
     assert o.decode.decode_max_num_seqs == 16
     assert [note.split(" (")[0] for note in o.sized] == [
         "prefill dp 4 + decode dp 3", "--max-local-prefill-tokens 192", "--decode-max-prefill-tokens-per-step 24",
@@ -201,13 +207,14 @@ def test_a_role_gets_at_most_eight_workers_each_on_its_share_of_the_cpus():
 
     assert [role_dp_size(cpus) for cpus in (None, frozenset({3}), frozenset(range(8)), frozenset(range(32)))] == [
         1, 1, 8, 8]
-    sized = size_to_machine(frozenset(range(32)), frozenset(range(32, 64)), itl_slo_ms=60.0)
+    sized = size_to_machine(frozenset(range(32)), frozenset(range(32, 64)), itl_slo_ms=60.0, ttft_slo_ms=1500.0)
     assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests) == (8, 8, 32)
-    sized = size_to_machine(None, None, itl_slo_ms=60.0, dp_size=3, max_waiting_requests=5, max_local_prefill_tokens=0,
-                            decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64, whole_max_num_seqs=0,
-                            itl_objective_ms=0)
-    assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.notes) == (3, 3, 5, ())
-    sized = size_to_machine(None, None, itl_slo_ms=45.0)
-    assert (sized.decode_max_num_seqs, sized.itl_objective_ms) == (4, 45.0)
+    sized = size_to_machine(None, None, itl_slo_ms=60.0, ttft_slo_ms=1500.0, dp_size=3, max_waiting_requests=5,
+                            max_local_prefill_tokens=0, decode_max_prefill_tokens_per_step=0, decode_max_num_seqs=64,
+                            whole_max_num_seqs=0, itl_objective_ms=0, ttft_objective_ms=0)
+    assert (sized.dp_size, sized.decode_dp_size, sized.max_waiting_requests, sized.ttft_objective_ms,
+            sized.notes) == (3, 3, 5, 0, ())
+    sized = size_to_machine(None, None, itl_slo_ms=45.0, ttft_slo_ms=800.0)
+    assert (sized.decode_max_num_seqs, sized.itl_objective_ms, sized.ttft_objective_ms) == (4, 45.0, 800.0)
     assert next(note for note in sized.notes if note.startswith("--decode-max-num-seqs")) == (
         "--decode-max-num-seqs 4 (the rest wait for a slot; these keep their pace within the ITL objective)")

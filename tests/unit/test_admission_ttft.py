@@ -1,0 +1,50 @@
+"""--ttft-objective-ms: a server refuses new requests while the first tokens it gave lately came past the
+objective and others still wait (api/admission.py's FirstTokenWaits and ttft_overload), clock passed in."""
+
+from disagg.api.admission import MIN_WAITS, WAIT_WINDOW_S, FirstTokenWaits, Overload, ttft_overload
+
+
+def waits_of(*spans, waiting=()):
+    """A FirstTokenWaits where each (dispatched, answered) span got its first output, and each id in
+    `waiting` was dispatched at time 0 and waits still."""
+    waits = FirstTokenWaits()
+    for i, (dispatched, answered) in enumerate(spans):
+        waits.dispatched(f"a{i}", dispatched)
+        waits.answered(f"a{i}", answered)
+    for rid in waiting:
+        waits.dispatched(rid, 0.0)
+    return waits
+
+
+def test_the_window_and_the_least_count_are_what_the_help_says():
+    assert (WAIT_WINDOW_S, MIN_WAITS) == (3.0, 3)
+
+
+def test_a_median_past_the_objective_with_one_waiting_is_refused():
+    waits = waits_of((0.0, 1.0), (0.5, 2.5), (1.0, 4.0), waiting=("w",))  # waited 1.0, 2.0 and 3.0 s
+    assert ttft_overload(waits, 1500.0, now=4.0) == Overload(
+        "the server's requests waited 2000 ms for their first token lately (the median of the last 3 answered in "
+        "3 s; 1 waiting now), past its objective (--ttft-objective-ms 1500): retry later", "ttft_over_objective")
+    assert ttft_overload(waits, 2000.0, now=4.0) is None  # at the objective is within it
+    assert ttft_overload(waits, 0.0, now=4.0) is None  # off
+
+
+def test_nothing_waiting_or_too_few_answered_lately_is_taken():
+    assert ttft_overload(waits_of((0.0, 1.0), (0.5, 2.5), (1.0, 4.0)), 1500.0, now=4.0) is None  # no queue now
+    assert ttft_overload(waits_of((0.5, 2.5), (1.0, 4.0), waiting=("w",)), 1500.0, now=4.0) is None  # 2 of 3
+    waits = waits_of((0.0, 1.0), (0.5, 2.5), (1.0, 4.0), waiting=("w",))
+    assert waits.recent_waits(now=4.0) == [1.0, 2.0, 3.0]
+    assert waits.recent_waits(now=4.01) == [2.0, 3.0]  # the first answer is now more than 3 s old
+    assert ttft_overload(waits, 1500.0, now=4.01) is None
+
+
+def test_a_request_counts_once_and_leaves_the_queue_when_it_ends():
+    waits = waits_of((0.0, 2.0), (0.0, 2.0), waiting=("w", "x"))
+    waits.answered("a0", 3.0)  # a later output of the same request: not a second first token
+    waits.answered("w", 2.5)
+    waits.answered("w", 2.9)
+    assert (waits.recent_waits(now=3.0), waits.num_waiting) == ([2.0, 2.0, 2.5], 1)
+    assert ttft_overload(waits, 1500.0, now=3.0).code == "ttft_over_objective"
+    waits.dropped("x")  # ended (finished, failed or aborted) without an output
+    waits.dropped("x")
+    assert (waits.num_waiting, ttft_overload(waits, 1500.0, now=3.0)) == (0, None)

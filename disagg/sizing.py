@@ -21,6 +21,10 @@ DECODE_PREFILL_TOKENS_PER_STEP = 24  # the decode's prompt chunk per step, besid
 # with no prefill serving each server runs as `disagg unified --max-num-seqs 8`, which served the chat load best
 # (at most: the decode's pace, on by default, holds fewer where this machine's steps would miss the ITL objective)
 WHOLE_SEQS_PER_WORKER = 8
+# the decode's pace aims each step this far within the ITL objective: a request's TPOT averages every step it
+# is in, and with steps at the objective about half the requests went over it (the chat load at 1/s: TPOT p50
+# 61-63 ms with the pace at 60, 54 ms at 50; docs/benchmarks.md, "Admission by the first tokens' waits")
+PACE_OF_ITL_SLO = 5 / 6
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
                     decode_max_num_seqs: int | None = None, whole_max_num_seqs: int | None = None,
                     itl_objective_ms: float | None = None, ttft_objective_ms: float | None = None) -> Sized:
     """The settings `disagg serve` runs: each given one as given, each None sized to the CPUs (the
-    decode's pace: to the planner's ITL objective, `itl_slo_ms`, measured on the machine as it runs; the
+    decode's pace: to 5/6 of the planner's ITL objective, `itl_slo_ms`, measured on the machine as it runs; the
     servers' admission by their first tokens' waits: to its TTFT objective, `ttft_slo_ms`)."""
     notes: list[str] = []
     if dp_size is None:
@@ -80,9 +84,10 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
         notes.append(f"--whole-max-num-seqs {WHOLE_SEQS_PER_WORKER} (while no prefill serves, every server "
                      "prefills its own requests as a unified one)")
     if itl_objective_ms is None:
-        itl_objective_ms = itl_slo_ms
+        itl_objective_ms = round(itl_slo_ms * PACE_OF_ITL_SLO, 1)
         notes.append(f"--itl-objective-ms {itl_objective_ms:g} (the decode's pace: as many requests run at once as "
-                     "its own steps, measured as it runs, keep within the ITL objective)")
+                     "its own steps, measured as it runs, keep within 5/6 of the ITL objective, so their mean "
+                     "stays within it)")
     if ttft_objective_ms is None:
         ttft_objective_ms = ttft_slo_ms
         notes.append(f"--ttft-objective-ms {ttft_objective_ms:g} (429 at once while the requests answered lately "

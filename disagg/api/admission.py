@@ -22,9 +22,11 @@ RETRY_AFTER_S = 1  # the 429's Retry-After: a worker reports its load every 0.5 
 TOO_MANY_WAITING_CODE = "too_many_waiting_requests"
 KV_CACHE_FULL_CODE = "kv_cache_over_limit"
 TTFT_OVER_OBJECTIVE_CODE = "ttft_over_objective"
-# The first tokens that say what a new request would wait: those of the last WAIT_WINDOW_S, if at least
-# MIN_WAITS came (fewer: too light a load to tell a queue from a long prompt's own compute).
-WAIT_WINDOW_S = 3.0
+# The first tokens that say what a new request would wait: the last MAX_WAITS given within WAIT_WINDOW_S, if
+# at least MIN_WAITS (fewer: too light a load to tell a queue from a long prompt's own compute). The latest
+# few, not all of a window: a server past capacity answers slowly, and a queue must show in a few answers.
+WAIT_WINDOW_S = 10.0
+MAX_WAITS = 5
 MIN_WAITS = 3
 
 
@@ -40,10 +42,10 @@ class FirstTokenWaits:
     """How long this server's requests waited for their first output (dispatch to the first token, the
     server's own TTFT: on a decode the KV's way included). Times are monotonic seconds, passed in."""
 
-    def __init__(self, window_s: float = WAIT_WINDOW_S):
+    def __init__(self, window_s: float = WAIT_WINDOW_S, max_waits: int = MAX_WAITS):
         self.window_s = window_s
         self._waiting: dict[str, float] = {}  # request id -> when it was dispatched, until its first output
-        self._answered: deque[tuple[float, float]] = deque()  # (when its first output came, its wait)
+        self._answered: deque[tuple[float, float]] = deque(maxlen=max_waits)  # (when its first output came, its wait)
 
     def dispatched(self, request_id: str, now: float) -> None:
         self._waiting[request_id] = now
@@ -63,17 +65,17 @@ class FirstTokenWaits:
         return len(self._waiting)
 
     def recent_waits(self, now: float) -> list[float]:
-        """The waits of the first outputs of the last `window_s`, oldest first."""
+        """The waits of the latest first outputs (at most `max_waits`) of the last `window_s`, oldest first."""
         while self._answered and self._answered[0][0] < now - self.window_s:
             self._answered.popleft()
         return [wait for _, wait in self._answered]
 
 
 def ttft_overload(waits: FirstTokenWaits, ttft_objective_ms: float, now: float) -> Overload | None:
-    """Refuse while a request waits for its first output and the median wait of the first outputs of
-    the last `waits.window_s` (at least MIN_WAITS of them) is past the objective: a queue stands that
+    """Refuse while a request waits for its first output and the median wait of the latest first outputs
+    (`recent_waits`, at least MIN_WAITS of them) is past the objective: a queue stands that
     a new request would wait behind, so it would miss it too, and its work would slow those that can still
-    meet it. Once no request waits, or the window holds too few, requests are taken again."""
+    meet it. Once no request waits, or too few were answered lately, requests are taken again."""
     if not ttft_objective_ms or not waits.num_waiting:
         return None
     recent = waits.recent_waits(now)

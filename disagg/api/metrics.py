@@ -112,6 +112,9 @@ class ApiMetrics:
         self.kv_failed = Counter("disagg_kv_transfer_failed", "decode: requests whose KV transfer failed, by reason "
                                  "(checksum: what landed is not what the prefill wrote, --kv-checksum)", ["reason"],
                                  registry=reg)
+        self.refused = Counter("disagg_requests_refused", "new generate requests answered 429 at once (admission), by "
+                               "its error code: too_many_waiting_requests, kv_cache_over_limit, ttft_over_objective",
+                               ["reason"], registry=reg)
         self.faults = Counter("disagg_faults_injected", "faults injected on purpose (--enable-fault-injection)",
                               ["fault", "dp_rank"], registry=reg)
         reg.register(_WorkerCollector(worker_states))

@@ -98,6 +98,7 @@ def admit(state: ApiState, headers: Mapping[str, str]) -> None:
     if refusal is None and (config.max_waiting_requests or config.max_kv_usage < 1.0):
         refusal = overload(state.engine.worker_states(), config.max_waiting_requests, config.max_kv_usage)
     if refusal is not None:
+        state.metrics.refused.labels(refusal.code).inc()
         raise overloaded_error(refusal)
 
 

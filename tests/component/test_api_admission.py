@@ -51,6 +51,8 @@ async def test_too_many_waiting_requests_is_a_429_at_once_on_every_route(path, m
     body = NEW_REQUESTS[path] if mode == "null" else {**NEW_REQUESTS[path], **ROOM}
     async with api_client(engine, max_waiting_requests=8, disaggregation_mode=mode) as client:
         assert await answer(client, path, body) == (429, "1", TOO_MANY_WAITING)
+        metrics = (await (await client.get("/metrics")).text()).splitlines()
+        assert 'disagg_requests_refused_total{reason="too_many_waiting_requests"} 1.0' in metrics
         engine.states = [worker(0, outstanding=7, running=3), worker(1, outstanding=4, running=1)]  # 7 waiting
         status, retry_after, _ = await answer(client, path, body)
     assert (status, retry_after, len(engine.requests)) == (200, None, 1)
@@ -107,7 +109,7 @@ async def test_limits_out_of_range_are_config_errors(field, value, message):
 
 
 TTFT_REFUSAL = re.compile(r"the server's requests waited (\d+) ms for their first token lately \(the median of the "
-                          r"last 3 answered in 3 s; 1 waiting now\), past its objective \(--ttft-objective-ms 200\): "
+                          r"last 3 answered in 10 s; 1 waiting now\), past its objective \(--ttft-objective-ms 200\): "
                           r"retry later")
 
 
@@ -125,12 +127,14 @@ async def test_first_tokens_late_with_one_waiting_is_a_429(mode):
         status, retry_after, refused = await answer(client, "/generate", body)
         assert (await waiting).status == 200
         status_after = (await client.post("/generate", json=body)).status
+        metrics = await (await client.get("/metrics")).text()
     error = refused["error"]
     waited_ms = int(TTFT_REFUSAL.fullmatch(error["message"]).group(1))
     assert (status, retry_after, error["type"], error["code"], status_after) == (
         429, "1", "RateLimitError", "ttft_over_objective", 200)
     assert 400 <= waited_ms < 1000
     assert len(engine.requests) == 5  # the refused one reached no worker
+    assert 'disagg_requests_refused_total{reason="ttft_over_objective"} 1.0' in metrics.splitlines()
 
 
 async def test_a_negative_ttft_objective_is_a_config_error():

@@ -1,7 +1,7 @@
 """--ttft-objective-ms: a server refuses new requests while the first tokens it gave lately came past the
 objective and others still wait (api/admission.py's FirstTokenWaits and ttft_overload), clock passed in."""
 
-from disagg.api.admission import MIN_WAITS, WAIT_WINDOW_S, FirstTokenWaits, Overload, ttft_overload
+from disagg.api.admission import MAX_WAITS, MIN_WAITS, WAIT_WINDOW_S, FirstTokenWaits, Overload, ttft_overload
 
 
 def waits_of(*spans, waiting=()):
@@ -17,14 +17,14 @@ def waits_of(*spans, waiting=()):
 
 
 def test_the_window_and_the_least_count_are_what_the_help_says():
-    assert (WAIT_WINDOW_S, MIN_WAITS) == (3.0, 3)
+    assert (WAIT_WINDOW_S, MAX_WAITS, MIN_WAITS) == (10.0, 5, 3)
 
 
 def test_a_median_past_the_objective_with_one_waiting_is_refused():
     waits = waits_of((0.0, 1.0), (0.5, 2.5), (1.0, 4.0), waiting=("w",))  # waited 1.0, 2.0 and 3.0 s
     assert ttft_overload(waits, 1500.0, now=4.0) == Overload(
         "the server's requests waited 2000 ms for their first token lately (the median of the last 3 answered in "
-        "3 s; 1 waiting now), past its objective (--ttft-objective-ms 1500): retry later", "ttft_over_objective")
+        "10 s; 1 waiting now), past its objective (--ttft-objective-ms 1500): retry later", "ttft_over_objective")
     assert ttft_overload(waits, 2000.0, now=4.0) is None  # at the objective is within it
     assert ttft_overload(waits, 0.0, now=4.0) is None  # off
 
@@ -34,8 +34,18 @@ def test_nothing_waiting_or_too_few_answered_lately_is_taken():
     assert ttft_overload(waits_of((0.5, 2.5), (1.0, 4.0), waiting=("w",)), 1500.0, now=4.0) is None  # 2 of 3
     waits = waits_of((0.0, 1.0), (0.5, 2.5), (1.0, 4.0), waiting=("w",))
     assert waits.recent_waits(now=4.0) == [1.0, 2.0, 3.0]
-    assert waits.recent_waits(now=4.01) == [2.0, 3.0]  # the first answer is now more than 3 s old
-    assert ttft_overload(waits, 1500.0, now=4.01) is None
+    assert waits.recent_waits(now=11.01) == [2.0, 3.0]  # the first answer is now more than 10 s old
+    assert ttft_overload(waits, 1500.0, now=11.01) is None
+
+
+def test_only_the_latest_five_answers_count():
+    """Five quick answers after three slow ones: the slow ones no longer count, though within 10 s."""
+    waits = waits_of((0.0, 3.0), (0.0, 3.0), (0.0, 3.0), *[(3.0, 3.5)] * 4, waiting=("w",))
+    assert waits.recent_waits(now=4.0) == [3.0, 0.5, 0.5, 0.5, 0.5]
+    assert ttft_overload(waits, 1500.0, now=4.0) is None
+    waits = waits_of((0.0, 3.0), (0.0, 3.0), (0.0, 3.0), (3.0, 3.5), (3.0, 3.5), waiting=("w",))
+    assert ttft_overload(waits, 1500.0, now=4.0).message.startswith(
+        "the server's requests waited 3000 ms for their first token lately (the median of the last 5 answered in 10 s;")
 
 
 def test_a_request_counts_once_and_leaves_the_queue_when_it_ends():

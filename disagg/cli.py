@@ -119,7 +119,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                     defaults={"max_local_prefill_tokens": None, "whole_max_num_seqs": None, "itl_objective_ms": None},
                     shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("both servers (--host binds the router too)"), ServerConfig,
-                       only=cluster.SHARED_SERVER_FIELDS, defaults={"dp_size": None, "max_waiting_requests": None, "ttft_objective_ms": None},
+                       only=cluster.SHARED_SERVER_FIELDS,
+                       defaults={"dp_size": None, "max_waiting_requests": None, "ttft_objective_ms": None},
                        shown=SIZED_HELP)
     add_dataclass_args(serve.add_argument_group("ToolConfig (tool calling, on both servers)"), ToolConfig)
     add_dataclass_args(serve.add_argument_group("the router and the CPU split"), cluster.ClusterOptions,

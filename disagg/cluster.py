@@ -9,7 +9,7 @@ Every part gets the same cluster secret (a random one when none is given), so th
 the KV listeners and the registry writes are authenticated; `api_key` guards the router and both
 servers, `admin_key` the servers' admin routes; `tls` puts HTTPS on the router's port (the servers
 behind it speak plain HTTP to it). Both servers get the same admission limits (`--max-waiting-requests`,
-`--max-kv-usage`), so an overloaded cluster answers 429 at once through the router.
+`--max-kv-usage`, `--ttft-objective-ms`), so an overloaded cluster answers 429 at once through the router.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ TTFT_OVER_OBJECTIVE_CODE = "ttft_over_objective"
 # The first tokens that say what a new request would wait: the last MAX_WAITS given within WAIT_WINDOW_S, if
 # at least MIN_WAITS (fewer: too light a load to tell a queue from a long prompt's own compute). The latest
 # few, not all of a window: a server past capacity answers slowly, and a queue must show in a few answers.
+# Only while a request has waited half the objective already: a queue stands now.
 WAIT_WINDOW_S = 10.0
 MAX_WAITS = 5
 MIN_WAITS = 3
@@ -64,7 +65,11 @@ class FirstTokenWaits:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def recent_waits(self, now: float) -> list[float]:
+    def longest_wait_s(self, now: float) -> float:
+        """How long the request waiting longest has waited so far (0.0: none waits)."""
+        return now - next(iter(self._waiting.values()), now)  # dispatch order: the first is the oldest
+
+    def recent_waits_s(self, now: float) -> list[float]:
         """The waits of the latest first outputs (at most `max_waits`) of the last `window_s`, oldest first."""
         while self._answered and self._answered[0][0] < now - self.window_s:
             self._answered.popleft()
@@ -72,19 +77,20 @@ class FirstTokenWaits:
 
 
 def ttft_overload(waits: FirstTokenWaits, ttft_objective_ms: float, now: float) -> Overload | None:
-    """Refuse while a request waits for its first output and the median wait of the latest first outputs
-    (`recent_waits`, at least MIN_WAITS of them) is past the objective: a queue stands that
-    a new request would wait behind, so it would miss it too, and its work would slow those that can still
-    meet it. Once no request waits, or too few were answered lately, requests are taken again."""
-    if not ttft_objective_ms or not waits.num_waiting:
+    """Refuse while the median wait of the latest first outputs (`recent_waits_s`, at least MIN_WAITS of
+    them) is past the objective and a request has waited half of it already: a queue stands that a new
+    request would wait behind, so it would miss it too, and its work would slow those that can still meet
+    it. Once none has waited so long (the queue cleared: a request just taken does not hold the door shut
+    on the next), or too few were answered lately, requests are taken again."""
+    if not ttft_objective_ms or (longest_s := waits.longest_wait_s(now)) * 1e3 < ttft_objective_ms / 2:
         return None
-    recent = waits.recent_waits(now)
+    recent = waits.recent_waits_s(now)
     if len(recent) < MIN_WAITS or (median_s := statistics.median(recent)) * 1e3 <= ttft_objective_ms:
         return None
     return Overload(f"the server's requests waited {median_s * 1e3:.0f} ms for their first token lately (the "
                     f"median of the last {len(recent)} answered in {waits.window_s:g} s; {waits.num_waiting} waiting "
-                    f"now), past its objective (--ttft-objective-ms {ttft_objective_ms:g}): retry later",
-                    TTFT_OVER_OBJECTIVE_CODE)
+                    f"now, the longest for {longest_s * 1e3:.0f} ms), past its objective (--ttft-objective-ms "
+                    f"{ttft_objective_ms:g}): retry later", TTFT_OVER_OBJECTIVE_CODE)
 
 
 def num_waiting_requests(states: list[WorkerState]) -> int:

@@ -107,10 +107,13 @@ class Totals:
 class Generation:
     """Runs `msg` on DP worker `dp_rank`; iterate `outputs()` (inside `aclosing`) or await `collect()`."""
 
-    def __init__(self, state: ApiState, msg: GenerateMsg, dp_rank: int, can_hand_back: bool = False):
+    def __init__(self, state: ApiState, msg: GenerateMsg, dp_rank: int, can_hand_back: bool = False,
+                 times_first_token: bool = True):
         """`can_hand_back`: this request is its HTTP answer's only one and answers nothing before its first
         output, so a role switch may end it with its 503 until then (one of n, of a batch, or a background run
-        may not: its answer is under way, or already given)."""
+        may not: its answer is under way, or already given). `times_first_token`: its wait for its first
+        token tells admission how long a new request waits (api/admission.py); not a beam search's steps
+        nor the later choices of n, which follow one admitted request."""
         if msg.request_id in state.inflight:
             raise BadRequest(f"request id {msg.request_id!r} is already in use", "request_id")
         self._state = state
@@ -119,6 +122,7 @@ class Generation:
         self.totals = Totals(msg.request_id, dp_rank, int(time.time()))
         self._handed_back: HttpError | None = None
         self._can_hand_back = can_hand_back
+        self._times_first_token = times_first_token
 
     def hand_back(self, error: HttpError) -> bool:
         """End the request with `error` rather than its answer (the caller aborts it on its worker); only
@@ -138,7 +142,8 @@ class Generation:
             self._state.handbacks[rid] = self.hand_back
         stream = self._state.engine.generate(self._msg, dp_rank)
         waits = self._state.waits
-        waits.dispatched(rid, time.monotonic())
+        if self._times_first_token:
+            waits.dispatched(rid, time.monotonic())
         done = False
         try:
             async for out in stream:
@@ -150,7 +155,8 @@ class Generation:
                         self._state.metrics.transfer_failed("checksum")
                     raise engine_error(out.error, out.error_status, out.error_param, out.error_code)
                 self.totals.add(out)
-                waits.answered(rid, time.monotonic())
+                if out.new_token_ids:  # its first token (an abort's last output carries none)
+                    waits.answered(rid, time.monotonic())
                 self._state.handbacks.pop(rid, None)  # from its first output on the client may have bytes
                 yield out
                 if out.finish_reason is not None:

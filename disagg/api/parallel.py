@@ -84,7 +84,8 @@ async def serve_choices(request: web.Request, msg: GenerateMsg, routed_dp_rank: 
                  else [state.engine.pick_rank(routed_dp_rank, None, msg)] * n)
         dp_rank = ranks[0]
         state.metrics.vllm.observe_n(dp_rank, n)
-        generations = [Generation(state, child, rank) for child, rank in zip(children, ranks)]
+        generations = [Generation(state, child, rank, times_first_token=i == 0)
+                       for i, (child, rank) in enumerate(zip(children, ranks))]
         renderers = [new_renderer() for _ in range(n)]
         headers = {DP_RANK_HEADER: str(dp_rank), REQUEST_ID_HEADER: msg.request_id}
         if stream:

@@ -26,7 +26,7 @@ class ApiState:
     refuses new generate requests and turns health red once the server shuts down; `handbacks` holds, for
     each running request that has sent its client nothing yet, how to end it with an error instead (a role
     switch hands such requests back to our router: api/generation.py); `waits`, how long requests waited for
-their first output (--ttft-objective-ms: api/admission.py)."""
+    their first output (--ttft-objective-ms: api/admission.py)."""
 
     config: ServerConfig
     engine: EngineClient

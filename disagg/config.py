@@ -247,7 +247,7 @@ class ServerConfig:
     ttft_objective_ms: float = field(
         default=0.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while a request "
                                        "waits for its first token and the last 5 answered in 10 s (at least 3) "
-                                       "waited a median of more than this many ms: a new one would queue behind them "
+                                       "all waited more than this many ms: a new one would queue behind them "
                                        "and miss it too; 0: off (disagg serve: its planner's --ttft-slo-ms)"})
     enable_pd_role_switch: bool = field(default=False, metadata={"negatable": False, "help": (
         "prefill and decode servers: POST /pd_role_switch {\"new_role\": \"prefill\"|\"decode\"} (admin) switches "

@@ -91,7 +91,7 @@ def size_to_machine(prefill_cpus: frozenset[int] | None, decode_cpus: frozenset[
     if ttft_objective_ms is None:
         ttft_objective_ms = ttft_slo_ms
         notes.append(f"--ttft-objective-ms {ttft_objective_ms:g} (429 at once while the requests answered lately "
-                     "waited past the TTFT objective for their first token and others still wait)")
+                     "all waited past the TTFT objective for their first token and a queue stands)")
     return Sized(dp_size, decode_dp_size, max_waiting_requests, max_local_prefill_tokens,
                  decode_max_prefill_tokens_per_step, decode_max_num_seqs, whole_max_num_seqs, itl_objective_ms,
                  ttft_objective_ms, tuple(notes))

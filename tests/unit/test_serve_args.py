@@ -172,8 +172,8 @@ def test_unset_settings_are_sized_to_the_cpus_each_role_gets(monkeypatch):
         "--whole-max-num-seqs 8 (while no prefill serves, every server prefills its own requests as a unified one)",
         "--itl-objective-ms 50 (the decode's pace: as many requests run at once as its own steps, measured as it "
         "runs, keep within 5/6 of the ITL objective, so their mean stays within it)",
-        "--ttft-objective-ms 1500 (429 at once while the requests answered lately waited past the TTFT objective "
-        "for their first token and others still wait)")
+        "--ttft-objective-ms 1500 (429 at once while the requests answered lately all waited past the TTFT objective "
+        "for their first token and a queue stands)")
     assert seen["disagg"].decode.itl_objective_ms == 50.0
     assert (prefill.ttft_objective_ms, decode.ttft_objective_ms) == (1500.0, 1500.0)
     seen = captured_run(monkeypatch, ["--itl-slo-ms", "45", "--ttft-slo-ms", "900"])  # the planner's objectives

@@ -245,10 +245,11 @@ class ServerConfig:
         default=1.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while the KV "
                                        "cache of every live DP worker is more than this fraction used; 1.0: off"})
     ttft_objective_ms: float = field(
-        default=0.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while a request "
-                                       "waits for its first token and the last 5 answered in 10 s (at least 3) "
-                                       "all waited more than this many ms: a new one would queue behind them "
-                                       "and miss it too; 0: off (disagg serve: its planner's --ttft-slo-ms)"})
+        default=0.0, metadata={"help": "refuse a new generate request at once with 429 (Retry-After: 1) while the last "
+                                       "5 answered in 10 s (at least 3) all waited more than this many ms for their "
+                                       "first token and one has waited half as long for its own: a new one would "
+                                       "queue behind it and miss it too; 0: off (disagg serve: its planner's "
+                                       "--ttft-slo-ms)"})
     enable_pd_role_switch: bool = field(default=False, metadata={"negatable": False, "help": (
         "prefill and decode servers: POST /pd_role_switch {\"new_role\": \"prefill\"|\"decode\"} (admin) switches "
         "the whole server, every DP worker, at run time, without restarting a worker or reloading weights "

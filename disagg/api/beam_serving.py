@@ -118,8 +118,8 @@ class _Search:
         return [self._answer(first, beam, text) for beam, text in zip(beams, texts)]
 
     async def _run(self, msgs: list[GenerateMsg]) -> list[Totals]:
-        totals = await all_or_first_error([asyncio.create_task(Generation(self.state, m, self.dp_rank, times_first_token=False).collect())
-                                           for m in msgs])
+        steps = [Generation(self.state, m, self.dp_rank, times_first_token=False) for m in msgs]
+        totals = await all_or_first_error([asyncio.create_task(step.collect()) for step in steps])
         for t in totals:
             self.token_texts.update(t.token_texts)
         return totals

@@ -13,7 +13,11 @@ The texts are read here, not with prometheus_client's parser: it reads every fam
 character by character, 19-21 ms for two servers' 54 KB on a 2-core host, all of it inside the router's
 event loop, where every stream it relays waits meanwhile (AIPerf reads /metrics three times a second).
 This reader reads only the families kept, a line at a time, with the parser's rules for family names,
-escapes and untyped samples (tests/unit/test_federation_sum.py holds the two to the same sums).
+escapes and untyped samples: on the text format (0.0.4) it gives the same sums
+(tests/unit/test_federation_sum.py holds the two to that). It is laxer on what that format forbids: a
+sample it cannot read (a value that is no number, say) is left out instead of failing the scrape, and
+OpenMetrics' exemplars and quoted names are not read. Types go out as the text format names them
+(`untyped`, not `unknown`, which Prometheus's parser refuses).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -45,6 +50,14 @@ def _help(doc: str) -> str:
     return doc.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+# The text format's names for the types prometheus_client reads (as its own exposition writes them).
+_TEXT_TYPES = {"unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
+
+
+def _text_type(kind: str) -> str:
+    return _TEXT_TYPES.get(kind, kind)
+
+
 def _labels(labels: Iterable[tuple[str, str]]) -> str:
     pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
     return "{" + pairs + "}" if pairs else ""
@@ -53,9 +66,11 @@ def _labels(labels: Iterable[tuple[str, str]]) -> str:
 # The sample names of a family of each type, as prometheus_client's parser has them (the family's name
 # alone for the others); a sample named otherwise is a family of its own, of unknown type.
 _SUFFIXES = {"summary": ("_count", "_sum", ""), "histogram": ("_count", "_sum", "_bucket")}
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)")  # name, labels, value (a timestamp after)
-_LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
+# name, labels (blanks around them allowed), value; a timestamp may follow
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:[ \t]*\{(.*)\}[ \t]*|[ \t]+)(\S+)")
+_LABEL = re.compile(r'[ \t]*([a-zA-Z_:][a-zA-Z0-9_:]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
+Samples = list[tuple[str, tuple[tuple[str, str], ...], float]]  # (sample name, sorted labels, value)
 
 
 def _unescape(value: str, quotes: bool) -> str:
@@ -66,59 +81,74 @@ def _unescape(value: str, quotes: bool) -> str:
     return _ESCAPE.sub(one, value) if "\\" in value else value
 
 
-Samples = list[tuple[str, tuple[tuple[str, str], ...], float]]  # (sample name, sorted labels, value)
+def _sample(m: re.Match) -> tuple[str, tuple[tuple[str, str], ...], float] | None:
+    """A matched sample line's (name, sorted labels, value); None where its value is no number."""
+    name, labels, value = m.groups()
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return name, tuple(sorted((k, _unescape(v, quotes=True)) for k, v in _LABEL.findall(labels or ""))), number
 
 
-def _built(name: str, kind: str, doc: str, samples: Samples) -> tuple[str, str, str, Samples]:
-    """A family as prometheus_client's parser builds it: a counter's name without `_total`, its samples with it."""
-    if kind == "counter":
-        if name.endswith("_total"):
-            name = name[:-6]
-        else:
-            samples = [(sample + "_total", labels, value) for sample, labels, value in samples]
-    return name, kind, doc, samples
+@dataclass
+class _Family:
+    """The family being read: its name as its HELP or TYPE line gives it, and the sample names it owns."""
+
+    name: str = ""
+    kind: str = "unknown"
+    doc: str = ""
+    allowed: tuple[str, ...] = ()
+    samples: Samples = field(default_factory=list)
+
+    def read(self) -> tuple[str, str, str, Samples]:
+        """As prometheus_client's parser builds it: a counter's name without `_total`, its samples with it."""
+        if self.kind != "counter":
+            return self.name, self.kind, self.doc, self.samples
+        if self.name.endswith("_total"):
+            return self.name[:-6], self.kind, self.doc, self.samples
+        return self.name, self.kind, self.doc, [(s + "_total", labels, v) for s, labels, v in self.samples]
 
 
 def read_kept(text: str) -> Iterator[tuple[str, str, str, Samples]]:
-    """(family, type, help, samples) of each family in the text format, in order, as prometheus_client's
-    parser reads them, except that a family not kept (`PREFIXES`) comes with no samples: they are skipped unread."""
-    name, kind, doc, allowed, samples = "", "unknown", "", (), []
-    for line in text.splitlines():
+    """(family, type, help, samples) of the families in the text format, in order, as prometheus_client's
+    parser reads them, except that a family not kept (`PREFIXES`) comes with no samples (they are skipped
+    unread) and a stray sample not kept is not yielded at all."""
+    family = _Family()
+    for line in text.split("\n"):  # not splitlines(): a label value may hold a \r or a form feed
         line = line.strip()
         if line.startswith("#"):
             parts = line.split(None, 3)
-            if len(parts) < 3 or parts[1] not in ("HELP", "TYPE"):
+            if len(parts) < 2 or parts[1] not in ("HELP", "TYPE"):
                 continue
-            if parts[2] != name:  # a new family
-                if name:
-                    yield _built(name, kind, doc, samples)
-                name, kind, doc, allowed, samples = parts[2], "unknown", "", (parts[2],), []
+            name = parts[2] if len(parts) > 2 else ""
+            if name != family.name:  # a new family (a bare `# HELP` ends the one before, as the parser has it)
+                if family.name:
+                    yield family.read()
+                family = _Family(name, allowed=(name,))
             if parts[1] == "HELP":
-                doc = _unescape(parts[3], quotes=False) if len(parts) == 4 else ""
+                family.doc = _unescape(parts[3], quotes=False) if len(parts) == 4 else ""
             else:
-                kind = parts[3] if len(parts) == 4 else "unknown"
-                allowed = tuple(name + suffix for suffix in _SUFFIXES.get(kind, ("",)))
-            continue
-        if not line:
+                family.kind = parts[3] if len(parts) == 4 else "unknown"
+                family.allowed = tuple(name + suffix for suffix in _SUFFIXES.get(family.kind, ("",)))
             continue
         kept_line = line.startswith(PREFIXES)
-        if not kept_line and not name.startswith(PREFIXES):
-            continue  # a sample of a family not kept: nothing to read, nothing it can end
+        if not line or (not kept_line and not family.name.startswith(PREFIXES)):
+            continue  # blank, or a sample of a family not kept: nothing to read, nothing it can end
         m = _SAMPLE.match(line)
-        if m is None:
+        sample = None if m is None else _sample(m)
+        if sample is None:
             continue
-        sample, labels, value = m.groups()
-        pairs = tuple(sorted((k, _unescape(v, quotes=True)) for k, v in _LABEL.findall(labels or "")))
-        if sample in allowed:
-            samples.append((sample, pairs, float(value)))
+        if sample[0] in family.allowed:
+            family.samples.append(sample)
             continue
-        if name:  # a sample of no family: the family before it ends, and it is one of its own
-            yield _built(name, kind, doc, samples)
-        name, kind, doc, allowed, samples = "", "unknown", "", (), []
+        if family.name:  # a sample of no family: the family before it ends, and it is one of its own
+            yield family.read()
+        family = _Family()
         if kept_line:
-            yield sample, "unknown", "", [(sample, pairs, float(value))]
-    if name:
-        yield _built(name, kind, doc, samples)
+            yield sample[0], "unknown", "", [sample]
+    if family.name:
+        yield family.read()
 
 
 def sum_expositions(texts: Iterable[str]) -> str:
@@ -140,7 +170,8 @@ def sum_expositions(texts: Iterable[str]) -> str:
     lines = []
     for name, (kind, doc) in heads.items():
         shown = name + "_total" if kind == "counter" else name  # as prometheus_client writes a counter
-        lines += [f"# HELP {shown} {_help(doc)} (summed over the router's servers)", f"# TYPE {shown} {kind}"]
+        lines += [f"# HELP {shown} {_help(doc)} (summed over the router's servers)",
+                  f"# TYPE {shown} {_text_type(kind)}"]
         for (sample_name, labels), (total, count) in sums[name].items():
             value = total / count if name in MEAN_FAMILIES else total
             lines.append(f"{sample_name}{_labels(labels)} {_format_value(value)}")

@@ -79,7 +79,7 @@ def test_nothing_to_add():
 def parser_sum(texts: list[str]) -> str:
     """sum_expositions as it was with prometheus_client's parser: the reference the router's own reader
     must equal, family for family and line for line."""
-    from disagg.router.federation import MEAN_FAMILIES, _format_value, _help, _kept, _labels
+    from disagg.router.federation import MEAN_FAMILIES, _format_value, _help, _kept, _labels, _text_type
     heads, sums = {}, {}
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -96,17 +96,27 @@ def parser_sum(texts: list[str]) -> str:
     lines = []
     for name, (kind, doc) in heads.items():
         shown = name + "_total" if kind == "counter" else name
-        lines += [f"# HELP {shown} {_help(doc)} (summed over the router's servers)", f"# TYPE {shown} {kind}"]
+        lines += [f"# HELP {shown} {_help(doc)} (summed over the router's servers)",
+                  f"# TYPE {shown} {_text_type(kind)}"]
         lines += [f"{s}{_labels(labels)} {_format_value(total / n if name in MEAN_FAMILIES else total)}"
                   for (s, labels), (total, n) in sums[name].items()]
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+class Untyped:
+    """A collector of a family of unknown type (generate_latest writes `# TYPE ... untyped`)."""
+
+    def collect(self):
+        from prometheus_client.core import UnknownMetricFamily
+        yield UnknownMetricFamily("vllm:untyped_family", "unknown", value=3.0)
 
 
 def registry_text() -> str:
     """A server's exposition as prometheus_client writes it, with label values and help that need escapes."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
     registry = CollectorRegistry()
-    tokens = Counter("vllm:prompt_tokens", 'prompt "tokens" \\ of\nrequests', ["model_name", "engine"], registry=registry)
+    tokens = Counter("vllm:prompt_tokens", 'prompt "tokens" \\ of\nrequests', ["model_name", "engine"],
+                     registry=registry)
     tokens.labels('m "1"', "0").inc(5)
     tokens.labels("back\\slash, {brace}", "1").inc(2)
     tokens.labels("new\nline", "0").inc(1)
@@ -116,6 +126,8 @@ def registry_text() -> str:
         latency.labels("0").observe(value)
     Summary("sglang:queue_time_seconds", "queue", registry=registry).observe(0.25)
     Histogram("vllm:kv_wait_seconds", "none yet", ["engine"], registry=registry)  # a family with no samples
+    Gauge("vllm:odd_chars", "a\x0cform feed", ["model_name"], registry=registry).labels("a\rb\u2028c").set(1)
+    registry.register(Untyped())
     Gauge("disagg_num_free_blocks", "free", registry=registry).set(7)
     return generate_latest(registry).decode()
 
@@ -140,6 +152,15 @@ vllm:e{engine="0",} 6.0
 # TYPE disagg_x gauge
 disagg_x 1.0
 sglang:untyped 7.0
+# TYPE vllm:spaced gauge
+vllm:spaced {engine="0"} 1.0
+vllm:spaced{engine="1"}2.0
+# TYPE vllm:ended counter
+vllm:ended 1.0
+# HELP
+vllm:ended 2.0
+# TYPE vllm:colon gauge
+vllm:colon{a:b="c"} 1.0
 '''
 
 
@@ -151,6 +172,8 @@ def test_the_router_reads_as_prometheus_client_parses():
     assert ("# HELP vllm:prompt_tokens_total prompt \"tokens\" \\\\ of\\nrequests (summed over the router's servers)"
             in text.splitlines())  # escaped again: a newline in it would end the line
     assert "# TYPE vllm:kv_wait_seconds histogram" in text.splitlines()
+    assert "# TYPE vllm:untyped_family untyped" in text.split("\n")
+    assert 'vllm:odd_chars{model_name="a\rb\u2028c"} 2.0' in text.split("\n")
     summed = samples(text)
     assert summed[("vllm:prompt_tokens_total", (("engine", "1"), ("model_name", "back\\slash, {brace}")))] == 4.0
     assert summed[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "new\nline")))] == 2.0
@@ -160,4 +183,13 @@ def test_the_router_reads_as_prometheus_client_parses():
     assert odd == {("vllm:a_total", (("engine", "0"),)): 2.0, ("vllm:b_total", (("engine", "0"),)): 3.0,
                    ("vllm:c", (("engine", "0"),)): 1.0, ("vllm:stray", (("engine", "0"),)): 4.0,
                    ("vllm:c", (("engine", "1"),)): 5.0, ("vllm:d", ()): 4.0, ("vllm:e", (("engine", "0"),)): 6.0,
-                   ("sglang:untyped", ()): 7.0}
+                   ("sglang:untyped", ()): 7.0, ("vllm:spaced", (("engine", "0"),)): 1.0,
+                   ("vllm:spaced", (("engine", "1"),)): 2.0, ("vllm:ended_total", ()): 1.0, ("vllm:ended", ()): 2.0,
+                   ("vllm:colon", (("a:b", "c"),)): 1.0}
+    assert "# TYPE sglang:untyped untyped" in sum_expositions([ODD]).splitlines()  # "unknown" Prometheus refuses
+
+
+def test_a_sample_that_is_no_number_is_left_out_not_a_failed_scrape():
+    text = "# TYPE vllm:x gauge\nvllm:x{engine=\"0\"} abc\nvllm:x{engine=\"1\"} 2.0\n"
+    assert sum_expositions([text]) == ("# HELP vllm:x  (summed over the router's servers)\n# TYPE vllm:x gauge\n"
+                                       'vllm:x{engine="1"} 2.0\n')

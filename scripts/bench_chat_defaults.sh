@@ -21,25 +21,18 @@ CONVS_PER_RATE=${CONVS_PER_RATE:-16}
 WAITING=${WAITING:-4}  # unified-limits' --max-waiting-requests: serve's sized default on 2 cores
 TTFT_OBJECTIVE_MS=${TTFT_OBJECTIVE_MS:-1500}  # and its --ttft-objective-ms: serve's (the planner's --ttft-slo-ms)
 mkdir -p "$OUT"
+. "$(dirname "$0")/serve_up.sh"
 
-stop() {  # the process group of $1
-  kill -TERM -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null; sleep 3
-}
 run() {  # $1: label, $2: rate, $3: log file, rest: the server's command
-  local label=$1 rate=$2 log=$3 url=""; shift 3
-  setsid "$@" > "$log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 240); do
-    sleep 1; url=$(grep -o "^ready: http://[0-9.:]*" "$log" | head -1 | cut -d' ' -f2); [ -n "$url" ] && break
-  done
-  if [ -z "$url" ]; then echo "$label at $rate: did not start" >&2; stop $pid; return; fi
+  local label=$1 rate=$2 log=$3; shift 3
+  start_server "$log" "$@" || { echo "$label at $rate: did not start" >&2; return; }
   local n
   n=$(.venv/bin/python -c "print(max(12, round($CONVS_PER_RATE * $rate)))")
   .venv/bin/disagg bench serve --base-url "$url" --workload chat --num-conversations "$n" --turns-per-conversation 4 \
     --system-prompt-tokens 256 --user-tokens 32 128 --output-tokens 64 --think-time-s 1 --long-doc-prob 0.1 \
     --long-doc-tokens 1024 --request-rate "$rate" --seed 0 --goodput ttft:1500 tpot:60 \
     --label "$label" --out "$OUT/$label-$rate.json" > "$OUT/$label-$rate.txt" 2>&1
-  stop $pid
+  stop_server "$pid"
 }
 
 .venv/bin/python -c "from disagg.bench.engine import machine_line; print(machine_line())" | tee "$OUT/machine.txt"

@@ -27,10 +27,8 @@ SERVERS=${SERVERS:-"serve unified unified-limits"}
 SERVE_FLAGS=${SERVE_FLAGS:-}
 SERVE_LABEL=${SERVE_LABEL:-serve}
 mkdir -p "$OUT"
+. "$(dirname "$0")/serve_up.sh"
 
-stop() {  # the process group of $1
-  kill -TERM -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null; sleep 3
-}
 aiperf() {  # $1: url, $2: concurrency, $3: output folder
   "$PEERS/aiperf/bin/aiperf" profile --model smollm2-135m --url "$1" --endpoint-type chat --streaming \
     --tokenizer "$TOKENIZER" --concurrency "$2" --request-count "$REQUESTS" --isl "$ISL" --osl "$OSL" \
@@ -45,20 +43,15 @@ vllm() {  # $1: url, $2: concurrency, $3: output folder
     --metric-percentiles 50,99 --save-result --result-dir "$3" --result-filename result.json --disable-tqdm
 }
 run() {  # $1: label, rest: the server's command
-  local label=$1 url=""; shift
-  setsid "$@" > "$OUT/$label.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 240); do
-    sleep 1; url=$(grep -o "^ready: http://[0-9.:]*" "$OUT/$label.log" | head -1 | cut -d' ' -f2); [ -n "$url" ] && break
-  done
-  if [ -z "$url" ]; then echo "$label: did not start" >&2; stop $pid; return; fi
+  local label=$1; shift
+  start_server "$OUT/$label.log" "$@" || { echo "$label: did not start" >&2; return; }
   for client in $CLIENTS; do
     for c in $CONCURRENCIES; do
       "$client" "$url" "$c" "$OUT/$client/$label-c$c" > "$OUT/$client-$label-c$c.txt" 2>&1 ||
         echo "$client against $label at concurrency $c failed ($OUT/$client-$label-c$c.txt)" >&2
     done
   done
-  stop $pid
+  stop_server "$pid"
 }
 
 for client in $CLIENTS; do

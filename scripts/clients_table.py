@@ -46,7 +46,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for client, (name, read) in READERS.items():
         folder = Path(args.dir) / client
-        runs = [p for p in folder.iterdir() if p.is_dir() and re.fullmatch(r".+-c\d+", p.name)] if folder.is_dir() else []
+        found = folder.iterdir() if folder.is_dir() else []
+        runs = [p for p in found if p.is_dir() and re.fullmatch(r".+-c\d+", p.name)]
         for run in sorted(runs, key=lambda p: (p.name.rsplit("-c", 1)[0], int(p.name.rsplit("-c", 1)[1]))):
             label, concurrency = run.name.rsplit("-c", 1)
             if not (run / name).exists():

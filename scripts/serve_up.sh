@@ -18,5 +18,6 @@ stop_server() {
 }
 start_serve() {
   local log=$1; shift
-  start_server "$log" .venv/bin/disagg serve --port 0 --log-format json "$@" || { echo "serve did not start" >&2; return 1; }
+  start_server "$log" .venv/bin/disagg serve --port 0 --log-format json "$@" ||
+    { echo "serve did not start" >&2; return 1; }
 }

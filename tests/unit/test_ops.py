@@ -393,7 +393,7 @@ def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtyp
     avx512, every pass on avx2 and base), under 32 rows in passes of 1-16 (a remainder of each size on VNNI's passes of 16 and others'
     of 8; 4 chains a row under 4), from 32 rows over
     pairs of tiles dequantized once (passes of 12 rows over the pair's 32 columns or 6 over each half of
-    them, and single rows; a lone last tile; a last pair of 25 columns; threaded), partial last tiles and
+    them, and one pass of the rows left; a lone last tile; a last pair of 25 columns; threaded), partial last tiles and
     half tiles: the twin's float32 matmul within float32 summation order, in
     x's dtype."""
     from disagg.ops.quant import pack_blocks
@@ -405,6 +405,22 @@ def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtyp
     got = csrc.dequant_matmul(x, packed, scales, n, bits)
     assert (got.shape, got.dtype) == ((rows, n), dtype)
     torch.testing.assert_close(got, REF.dequant_matmul(x, packed, scales, n, bits), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+@pytest.mark.parametrize("rows,n,k", [(32, 45, 64), (34, 77, 96), (37, 32, 64), (43, 16, 32), (47, 264, 96)])
+def test_from_32_rows_dequant_matmul_is_one_chain_per_output_of_the_dequantized_weight(csrc, kind, rows, n, k):
+    """From 32 rows every output is one chain of multiply-adds over the dequantized weight's columns in
+    order, as dense_matmul's (fused on avx2 and avx512): the rows left past the last whole pass (2, 10, 1,
+    7 and 11 of VNNI's passes of 12; 2, 4, 1, 1 and 5 of the others' 6) run as one pass of their own."""
+    from disagg.ops.quant import dequantize, pack_blocks
+
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = _packed_weight(kind, n, k, gen)
+    packed, scales = pack_blocks(w)
+    x = torch.randn(rows, k, generator=gen)
+    got = csrc.dequant_matmul(x, packed, scales, n, 4 if kind == "int4" else 8)
+    assert torch.equal(got, _fma_chain(x, dequantize(w), fused=torch.ops.disagg.isa() != "base"))
 
 
 @pytest.mark.parametrize("op", ["quant_matmul", "dequant_matmul"])

@@ -9,7 +9,7 @@
 // multiply-adds, columns in order (in 4 interleaved chains under 4 rows). So a GGUF's blocks give the
 // numbers of the dense weight they encode (`--quantization none`), summed in another order, while the
 // weights a decode step reads from memory stay 4 or 8 bits. A decode step's passes (1 or 2 rows on avx512,
-// every pass under 32 rows on AVX2 and base) take each block's scales out of its sum instead
+// every pass under kManyRows rows on AVX2 and base) take each block's scales out of its sum instead
 // (dequant_tile_few: d * sum(q x) + m * sum(x), the same sum grouped by block, one fused multiply-add a
 // column). (quant_matmul rounds the activations to int8 as
 // llama.cpp does: faster on a prompt, further from the dense numbers.)
@@ -237,7 +237,11 @@ constexpr int kPairRows = 12, kPairVecs = 2;  // 12 rows x 2 zmm (the pair's 32 
 constexpr int kPairRows = 6, kPairVecs = 2;   // 6 rows x 2 ymm (half the pair's columns): 12 accumulators
 #endif
 constexpr int kPairCols = kPairVecs * kLanesPerPass;
-constexpr int64_t kManyRows = 32;  // from this many rows a pair's dequantizing pays for its buffer
+// From this many rows a pair's dequantizing pays for its buffer. SmolLM2's four layer matmuls x 30, two
+// threads, a Zen 4, three rounds alternating: equal at 18-20 rows; at 22, 24 and 28 the buffer took avx512
+// 31.0 -> 29.9, 33.3 -> 31.9, 38.0 -> 35.7 ms and avx2 35.4 -> 33.7, 37.7 -> 35.0, 44.4 -> 39.5 (it began at
+// 32 rows before).
+constexpr int64_t kManyRows = 22;
 
 // The rows past the last whole pass run as one pass of their own (kTail), where they ran one at a time:
 // SmolLM2's four layer matmuls x 30, the two builds alternating in separate processes (medians of 4-6):

@@ -61,7 +61,7 @@ struct KernelTable {
   void (*quant_matmul)(void* out, const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
                        const float* ws, int64_t rows, int64_t n, int64_t k, int bits, DType dtype);
   // out[rows, n] = x [rows, k] float32 times the weight quant_matmul takes, dequantized in registers
-  // (from 32 rows, a pair of tiles at a time into a buffer; dequant_matmul.h), all float32.
+  // (from 22 rows, a pair of tiles at a time into a buffer; dequant_matmul.h), all float32.
   void (*dequant_matmul)(float* out, const float* x, const uint8_t* w, const float* ws, int64_t rows, int64_t n,
                          int64_t k, int bits);
   // out[rows, n] = x [rows, k] times a float32 or bfloat16 (w_dtype) weight [n, k] packed in tiles of

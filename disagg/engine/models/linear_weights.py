@@ -9,7 +9,7 @@
   CPU kernels.
 - gguf: the GGUF's own Q4_0/Q4_1 blocks as int4 (the same q and scales), Q8_0 as int8 (for
   torch's int8 kernel requantized per channel: it has one scale per row); other types dense.
-- gguf_float: the same blocks on csrc's dequant_matmul (dequantized in registers, or from 32 rows
+- gguf_float: the same blocks on csrc's dequant_matmul (dequantized in registers, or from 22 rows
   into a buffer; float32 activations: the dense weight's numbers) where csrc runs its avx512 or avx2 code; dense elsewhere.
 A weight whose input width does not split into int4 groups stays dense.
 """

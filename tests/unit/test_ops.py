@@ -387,11 +387,12 @@ def test_dequant_matmul_dequantizes_as_dequantize_does_to_the_bit(csrc, kind, n,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["int4", "q8_0"])
 @pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (2, 45, 96), (5, 129, 64), (7, 31, 96), (9, 9, 160),
-                                      (17, 77, 576), (31, 40, 64), (37, 264, 288), (64, 16, 96), (45, 57, 96)])
+                                      (17, 77, 576), (15, 33, 64), (21, 40, 64), (31, 40, 64), (37, 264, 288),
+                                      (64, 16, 96), (45, 57, 96)])
 def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtype, kind, rows, n, k):
     """Float32 activations times the dequantized weight: each block's scales applied to its sum (1 or 2 rows on
-    avx512, every pass on avx2 and base), under 22 rows in passes of 1-16 (a remainder of each size on VNNI's passes of 16 and others'
-    of 8; 4 chains a row under 4), from 22 rows over
+    avx512, every pass on avx2 and base), under 22 rows in passes of 1-16 (15 and 21 rows: VNNI's last
+    pass of 15 and 5, the others' of 7 and 5; 4 chains a row under 4), from 22 rows over
     pairs of tiles dequantized once (passes of 12 rows over the pair's 32 columns or 6 over each half of
     them, and one pass of the rows left; a lone last tile; a last pair of 25 columns; threaded), partial last tiles and
     half tiles: the twin's float32 matmul within float32 summation order, in
@@ -408,11 +409,12 @@ def test_dequant_matmul_is_the_dense_matmul_of_the_dequantized_weight(csrc, dtyp
 
 
 @pytest.mark.parametrize("kind", ["int4", "q8_0"])
-@pytest.mark.parametrize("rows,n,k", [(22, 45, 64), (34, 77, 96), (37, 32, 64), (29, 16, 32), (47, 264, 96)])
+@pytest.mark.parametrize("rows,n,k", [(22, 45, 64), (34, 77, 96), (37, 57, 64), (29, 16, 32), (47, 264, 96)])
 def test_from_22_rows_dequant_matmul_is_one_chain_per_output_of_the_dequantized_weight(csrc, kind, rows, n, k):
     """From 22 rows every output is one chain of multiply-adds over the dequantized weight's columns in
     order, as dense_matmul's (fused on avx2 and avx512): the rows left past the last whole pass (10, 10, 1,
-    5 and 11 of VNNI's passes of 12; 4, 4, 1, 5 and 5 of the others' 6) run as one pass of their own."""
+    5 and 11 of VNNI's passes of 12; 4, 4, 1, 5 and 5 of the others' 6) run as one pass of their own, over
+    last pairs of 13, 13, 25, 16 and 8 columns."""
     from disagg.ops.quant import dequantize, pack_blocks
 
     gen = torch.Generator().manual_seed(rows * n + k)

@@ -36,6 +36,14 @@ peer() {  # $1: label, $2: port, rest: the server's command
 }
 
 .venv/bin/python -c "from disagg.bench.engine import machine_line; print(machine_line())"
+# The peers' own builds: llama.cpp's instruction sets are fixed when it is built (docs/benchmarks.md's recipe)
+if [ -x "$PEERS/llama/bin/python" ]; then
+  INFO="import llama_cpp as l; print('llama.cpp', l.__version__, l.llama_print_system_info().decode())"
+  "$PEERS/llama/bin/python" -c "$INFO" 2>/dev/null
+fi
+if [ -x "$PEERS/vllm/bin/python" ]; then
+  "$PEERS/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__)" 2>/dev/null | tail -1
+fi
 echo "| server | 1 stream: TTFT p50 (ms) | 1 stream: TPOT p50 (ms) | 16 streams: output tok/s | failed |"
 echo "|---|---|---|---|---|"
 ours "disagg-dp1-default" --dp-size 1
